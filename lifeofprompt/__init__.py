@@ -1,0 +1,12 @@
+"""lifeofprompt: a vLLM-style inference engine built from scratch, one notebook at a time.
+
+The data flow one way: tokenizer → model (``model.py``) → cache (``attention.py``,
+``paged_attention.py``) → scheduler → engine. Each stage's finished code lives here once;
+the notebooks in ``notebooks/`` explain it and import it.
+"""
+
+from .config import ModelConfig
+from .loader import load_model
+
+__version__ = "0.1.0"
+__all__ = ["ModelConfig", "load_model", "__version__"]

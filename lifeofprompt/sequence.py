@@ -1,0 +1,57 @@
+"""``Sequence``: one request's tokens and where the engine is with it.
+
+The scheduler moves it WAITING → RUNNING → FINISHED (and RUNNING → WAITING when preempted);
+the block manager fills its ``block_table``; the model runner reads ``token_ids``,
+``num_computed_tokens`` and ``block_table`` to build a step.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+from .sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_counter = itertools.count()
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 prompt: str | None = None, arrival_time: float | None = None):
+        self.request_id = request_id
+        self.seq_id = next(_counter)
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.sampling_params = sampling_params
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0        # tokens whose K/V are in the cache
+        self.block_table: list[int] = []    # physical block ids, in order
+        self.arrival_time = arrival_time
+        self.finish_reason: str | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, {self.status.value}, {len(self)} tokens, "
+                f"{self.num_computed_tokens} computed, blocks {self.block_table})")

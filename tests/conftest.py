@@ -1,0 +1,31 @@
+"""Shared fixtures: the embedded model and its transformers reference, loaded once per session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+STORY_PROMPTS = ["hi my name is", "today is a beautiful summer day", "hello there"]
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """``(model, tokenizer)`` for the embedded SmolLM2-135M-Instruct, fp32 on the CPU."""
+    from lifeofprompt import load_model
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    return load_model("smollm2-135m", dtype=torch.float32, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference():
+    """transformers' LlamaForCausalLM on the same weights."""
+    from lifeofprompt.reference import load_reference
+
+    return load_reference("smollm2-135m", dtype=torch.float32, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def story_ids(smollm2):
+    _, tokenizer = smollm2
+    return [tokenizer.encode(p) for p in STORY_PROMPTS]

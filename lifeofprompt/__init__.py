@@ -6,7 +6,9 @@ the notebooks in ``notebooks/`` explain it and import it.
 """
 
 from .config import ModelConfig
+from .env import env_info, env_report
+from .generate import generate_cached, generate_naive
 from .loader import load_model
 
 __version__ = "0.1.0"
-__all__ = ["ModelConfig", "load_model", "__version__"]
+__all__ = ["ModelConfig", "load_model", "generate_naive", "generate_cached", "env_info", "env_report", "__version__"]

@@ -1,0 +1,81 @@
+"""Random paged-attention batches for the kernel tests (CPU and GPU) and the benchmark.
+
+A case is a batch of sequences, each with a cached prefix (``context_len`` tokens already in
+the pool) and ``query_len`` new tokens this step: ``query_len == 1`` is a decode row, more is
+a prefill or chunked-prefill row, ``context_len == 0`` a fresh prompt. Blocks are handed out
+from a shuffled pool, so block tables are neither contiguous nor ordered, and unused table
+entries are -1 as in the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .tiles import cdiv
+
+
+@dataclass
+class PagedCase:
+    query: torch.Tensor          # [T, heads, head_dim]
+    key: torch.Tensor            # [T, kv_heads, head_dim]: this step's new rows
+    value: torch.Tensor
+    k_pool: torch.Tensor         # [num_blocks, block_size, kv_heads, head_dim], prefixes already stored
+    v_pool: torch.Tensor
+    block_tables: torch.Tensor   # [B, max_blocks] int32, -1 past each sequence's blocks
+    seq_lens: torch.Tensor       # [B] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    slot_mapping: torch.Tensor   # [T] int64, -1 for padding rows
+    max_query_len: int
+    max_seq_len: int
+    scale: float
+
+    def attention_args(self) -> tuple:
+        return (self.query, self.k_pool, self.v_pool, self.block_tables, self.seq_lens, self.query_start_loc,
+                self.max_query_len, self.max_seq_len, self.scale)
+
+
+def make_case(query_lens: list[int], context_lens: list[int], block_size: int, num_heads: int, num_kv_heads: int,
+              head_dim: int, dtype=torch.float32, device="cpu", seed: int = 0, spare_blocks: int = 3,
+              padding_rows: tuple[int, ...] = (), fill_prefix: bool = True) -> PagedCase:
+    """A batch whose prefixes are written in the pool and whose new rows are not (``store_kv`` does that).
+
+    ``padding_rows`` lists flat rows whose slot is -1: they are not stored, and they stand for
+    tokens that never reach the cache, so their sequence's later keys are not used either; the
+    tests only put them in sequences whose own attention does not depend on them.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    blocks_per_seq = [cdiv(n, block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(1, max(blocks_per_seq))
+    tables, slots = [], []
+    for b, (n, q) in enumerate(zip(seq_lens, query_lens)):
+        table, order = order[:blocks_per_seq[b]], order[blocks_per_seq[b]:]
+        tables.append(table + [-1] * (width - len(table)))
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(n - q, n))
+    for r in padding_rows:
+        slots[r] = -1
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype).to(device)
+
+    total = sum(query_lens)
+    k_pool = randn(num_blocks, block_size, num_kv_heads, head_dim)
+    v_pool = randn(num_blocks, block_size, num_kv_heads, head_dim)
+    if not fill_prefix:
+        k_pool.zero_(), v_pool.zero_()
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    return PagedCase(
+        query=randn(total, num_heads, head_dim), key=randn(total, num_kv_heads, head_dim),
+        value=randn(total, num_kv_heads, head_dim), k_pool=k_pool, v_pool=v_pool,
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens), scale=head_dim ** -0.5,
+    )

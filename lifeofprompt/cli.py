@@ -45,13 +45,44 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="seed for sampling when temperature > 0")
     _model_arg(gen)
 
-    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (loopback by default)")
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (loopback by default)",
+                           description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
+                                       "/metrics (Prometheus) on one engine thread. Ctrl-C stops it.")
     _model_arg(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
+    serve.add_argument("--served-model-name", default=None, help="the name clients pass as 'model' (default: --model)")
+    serve.add_argument("--max-num-seqs", type=int, default=None, help="requests decoded side by side at most")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (the shared budget)")
+    serve.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: sized from memory)")
+    serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    serve.add_argument("--max-waiting", type=int, default=None,
+                       help="waiting-queue bound: requests beyond it get HTTP 503 (default: the engine's)")
 
-    load = sub.add_parser("loadtest", help="load-test any OpenAI-compatible endpoint with random arrivals")
-    load.add_argument("--url", default="http://127.0.0.1:8000/v1")
+    load = sub.add_parser("loadtest", help="load-test any OpenAI-compatible endpoint with random arrivals",
+                          description="Send streaming requests at Poisson times (--rate), from a closed loop of "
+                                      "clients (--clients) or all at once (neither), and report time to first "
+                                      "token, time per output token and end-to-end latency (p50/p90/p99).",
+                          epilog="example: python -m lifeofprompt loadtest --rate 2 --num-requests 40 --json out.json")
+    load.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the OpenAI base URL (default: %(default)s)")
+    load.add_argument("--model", default=None, help="model name to request (default: the first one /v1/models lists)")
+    load.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    how = load.add_mutually_exclusive_group()
+    how.add_argument("--rate", type=float, default=None, help="Poisson arrivals at this many requests per second")
+    how.add_argument("--clients", type=int, default=None, help="a closed loop of this many clients")
+    load.add_argument("--num-requests", type=int, default=50, help="requests to send (default: 50)")
+    load.add_argument("--prompt-len", default="32", help="prompt tokens: N, or LOW:HIGH sampled uniformly (default: 32)")
+    load.add_argument("--output-len", default="16", help="output tokens (max_tokens): N or LOW:HIGH (default: 16)")
+    load.add_argument("--prompt-kind", choices=("ids", "text"), default=None,
+                      help="random token ids (exact lengths; default for completions) or random words (default for chat)")
+    load.add_argument("--temperature", type=float, default=0.0)
+    load.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (servers that reject it)")
+    load.add_argument("--seed", type=int, default=0, help="seeds arrivals, lengths and prompts (default: 0)")
+    load.add_argument("--max-duration", type=float, default=120.0,
+                      help="seconds after which nothing new is sent and requests in flight are cancelled (default: 120)")
+    load.add_argument("--request-timeout", type=float, default=120.0, help="seconds per request (default: 120)")
+    load.add_argument("--json", default=None, metavar="PATH", help="write every request and the summary as JSON ('-': stdout)")
+    load.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY if set)")
     return parser
 
 

@@ -59,11 +59,49 @@ def generate(args) -> int:
     return 0
 
 
+def _engine_for_serving(args):
+    """An ``LLMEngine`` from the serve flags (unset flags keep the engine's defaults)."""
+    from .engine import LLMEngine
+
+    options = {name: getattr(args, name) for name in
+               ("dtype", "device", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_waiting")
+               if getattr(args, name) is not None}
+    return LLMEngine(args.model, block_size=args.block_size, **options)
+
+
 def serve(args) -> int:
-    from .errors import MissingDependencyError
-    raise MissingDependencyError("the server arrives with notebook 09 (lifeofprompt.server)")
+    """Load the model, build the engine, serve it over HTTP until Ctrl-C."""
+    from .server import serve as run_server
+
+    engine = _engine_for_serving(args)
+    name = args.served_model_name or args.model
+    print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (Ctrl-C stops)")
+    run_server(engine, host=args.host, port=args.port, model_name=name)
+    return 0
 
 
 def loadtest(args) -> int:
-    from .errors import MissingDependencyError
-    raise MissingDependencyError("the load tester arrives with notebook 09 (lifeofprompt.loadtest)")
+    """Run a load test against an OpenAI-compatible endpoint; print the summary, optionally write JSON."""
+    import os
+
+    from .loadtest import LoadTestConfig, parse_length, run_loadtest
+
+    arrival = "poisson" if args.rate is not None else "closed_loop" if args.clients is not None else "all_at_once"
+    config = LoadTestConfig(
+        url=args.url, model=args.model, endpoint=args.endpoint, arrival=arrival, num_requests=args.num_requests,
+        rate=args.rate, num_clients=args.clients, prompt_len=parse_length(args.prompt_len),
+        output_len=parse_length(args.output_len),
+        prompt_kind=args.prompt_kind or ("text" if args.endpoint == "chat" else "ids"),
+        temperature=args.temperature, ignore_eos=not args.no_ignore_eos, seed=args.seed,
+        max_duration=args.max_duration, request_timeout=args.request_timeout,
+        api_key=args.api_key or os.environ.get("OPENAI_API_KEY"))
+    result = run_loadtest(config)
+    if args.json == "-":
+        print(result.to_json())
+        return 0
+    print(result.format())
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(result.to_json())
+        print(f"wrote {args.json}")
+    return 0 if result.summary["completed"] else 1

@@ -1,0 +1,710 @@
+"""An OpenAI-compatible HTTP server around ``LLMEngine``.
+
+Two threads share the work, so that a step on the CPU never blocks the network:
+
+* the **engine thread** (``EngineLoop``) does nothing but call ``engine.step()`` while there is
+  work, and hands each ``RequestOutput`` to the asyncio queue of the HTTP request that owns it
+  through ``loop.call_soon_threadsafe``;
+* the **event loop** (FastAPI on uvicorn) parses requests, calls the engine's thread-safe
+  ``add_request`` / ``abort``, and awaits its queue, turning outputs into JSON or into
+  server-sent events in OpenAI's chunk format.
+
+A client that goes away mid-stream aborts its request, so its KV blocks return at once. Every
+error the project raises on purpose (``lifeofprompt.errors``) carries its HTTP status and
+OpenAI error type; the server answers it in OpenAI's shape,
+``{"error": {"message", "type", "param", "code"}}``, and keeps serving everyone else.
+
+    python -m lifeofprompt serve --model smollm2-135m --port 8000
+
+    from lifeofprompt.server import ServerThread
+    with ServerThread(engine) as server:          # 127.0.0.1, a free port
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import threading
+import time
+import traceback
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from . import metrics as request_metrics
+from .errors import InvalidRequestError, LifeOfPromptError, ModelNotFoundError, RequestNotFoundError
+from .sampling_params import SamplingParams
+
+logger = logging.getLogger("lifeofprompt.server")
+
+
+# ----------------------------------------------------------------------------- the engine thread
+
+
+class EngineLoop:
+    """Drives ``engine.step()`` in its own thread and routes each output to its waiting request.
+
+    ``routes`` maps a request id to the asyncio loop and queue of the HTTP request that owns it.
+    The route is registered *before* ``add_request``, so no output can arrive unclaimed; it is
+    dropped when the request finishes or is aborted, so late outputs of an aborted request fall
+    on the floor.
+    """
+
+    def __init__(self, engine, stats: "ServerStats | None" = None, idle_wait: float = 0.05):
+        self.engine = engine
+        self.stats = stats or ServerStats()
+        self.idle_wait = idle_wait
+        self.routes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.lock = threading.Lock()
+        self.wake = threading.Event()        # set when work arrives, so an idle loop starts at once
+        self.stopping = threading.Event()
+        self.resumed = threading.Event()     # cleared by pause(): tests hold the engine still
+        self.resumed.set()
+        self.thread: threading.Thread | None = None
+        self.num_steps = 0
+        self.last_error: str | None = None
+
+    # -- lifecycle
+    def start(self) -> None:
+        if self.thread is None or not self.thread.is_alive():
+            self.stopping.clear()
+            self.thread = threading.Thread(target=self._run, name="lifeofprompt-engine", daemon=True)
+            self.thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.stopping.set()
+        self.resumed.set()
+        self.wake.set()
+        if self.thread is not None:
+            self.thread.join(timeout)
+        self.thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def pause(self) -> None:
+        """Stop stepping after the current step (requests still queue up): for tests of a full queue."""
+        self.resumed.clear()
+
+    def resume(self) -> None:
+        self.resumed.set()
+        self.wake.set()
+
+    # -- called from the event loop
+    def add(self, request_id: str, prompt, params: SamplingParams, queue: asyncio.Queue,
+            loop: asyncio.AbstractEventLoop, arrival_time: float | None = None) -> None:
+        """Register the route, then hand the request to the engine (its typed errors propagate)."""
+        with self.lock:
+            self.routes[request_id] = (loop, queue)
+        try:
+            self.engine.add_request(request_id, prompt, params, arrival_time=arrival_time)
+        except BaseException:
+            with self.lock:
+                self.routes.pop(request_id, None)
+            raise
+        self.wake.set()
+
+    def abort(self, request_id: str) -> None:
+        """Forget the route and free the request's blocks; a request that already finished is fine."""
+        with self.lock:
+            known = self.routes.pop(request_id, None) is not None
+        if known:
+            try:
+                self.engine.abort(request_id)
+            except RequestNotFoundError:
+                pass
+            self.wake.set()
+
+    # -- the thread
+    def _run(self) -> None:
+        while not self.stopping.is_set():
+            self.resumed.wait()
+            if self.stopping.is_set():
+                break
+            self.wake.clear()
+            if not self.engine.has_unfinished_requests():
+                self.wake.wait(self.idle_wait)
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:   # a bug in a step must not kill the server: fail the requests in flight
+                self.last_error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+                logger.error("engine step failed:\n%s", traceback.format_exc())
+                self._fail_all(exc)
+                continue
+            self.num_steps += 1
+            for output in outputs:
+                self._deliver(output)
+
+    def _deliver(self, output) -> None:
+        with self.lock:
+            route = self.routes.get(output.request_id)
+            if route is not None and output.finished:
+                del self.routes[output.request_id]
+        if output.finished:
+            self.stats.observe_finished(output)
+        if route is None:
+            return
+        loop, queue = route
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, output)
+        except RuntimeError:           # the event loop is closed: the server is going down
+            pass
+
+    def _fail_all(self, exc: Exception) -> None:
+        with self.lock:
+            routes, self.routes = self.routes, {}
+        for request_id, (loop, queue) in routes.items():
+            try:
+                self.engine.abort(request_id)
+            except Exception:
+                pass
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, exc)
+            except RuntimeError:
+                pass
+
+
+# ----------------------------------------------------------------------------- Prometheus metrics
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+class Histogram:
+    """A Prometheus histogram: cumulative bucket counts, a sum and a count."""
+
+    def __init__(self, name: str, help: str, buckets):
+        self.name, self.help, self.buckets = name, help, tuple(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)     # the last one is +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        index = next((i for i, upper in enumerate(self.buckets) if value <= upper), len(self.buckets))
+        self.counts[index] += 1
+        self.sum += value
+        self.count += 1
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        cumulative = 0
+        for upper, n in zip(list(self.buckets) + [float("inf")], self.counts):
+            cumulative += n
+            le = "+Inf" if upper == float("inf") else repr(float(upper))
+            lines.append(f'{self.name}_bucket{{le="{le}"}} {cumulative}')
+        lines += [f"{self.name}_sum {self.sum!r}", f"{self.name}_count {self.count}"]
+        return lines
+
+
+class ServerStats:
+    """What ``/metrics`` reports beyond the engine's live state: latencies and counts of finished requests.
+
+    Filled by the engine thread when a request finishes, read by the event loop: one lock.
+    """
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.ttft = Histogram("lifeofprompt_time_to_first_token_seconds",
+                              "Time from arrival to the first output token (queueing + prefill).", TTFT_BUCKETS)
+        self.tpot = Histogram("lifeofprompt_time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request.", TPOT_BUCKETS)
+        self.e2e = Histogram("lifeofprompt_e2e_request_latency_seconds",
+                             "Time from arrival to the last output token.", E2E_BUCKETS)
+        self.finished: dict[str, int] = {}
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+
+    def observe_finished(self, output) -> None:
+        completion = output.outputs[0]
+        reason = completion.finish_reason or "unknown"
+        times = output.metrics
+        with self.lock:
+            self.finished[reason] = self.finished.get(reason, 0) + 1
+            self.prompt_tokens += len(output.prompt_token_ids or [])
+            self.generation_tokens += len(completion.token_ids)
+            if times is None or reason == "abort":
+                return
+            record = request_metrics.RequestTiming(
+                arrival_time=times.arrival_time, first_token_time=times.first_token_time,
+                finished_time=times.finished_time, num_output_tokens=len(completion.token_ids))
+            for histogram, value in ((self.ttft, request_metrics.ttft(record)), (self.tpot, request_metrics.tpot(record)),
+                                     (self.e2e, request_metrics.e2e_latency(record))):
+                if value is not None:
+                    histogram.observe(value)
+
+
+def _gauge(name: str, help: str, value, kind: str = "gauge") -> list[str]:
+    return [f"# HELP {name} {help}", f"# TYPE {name} {kind}", f"{name} {value!r}"]
+
+
+def engine_state(engine) -> dict:
+    """The live numbers ``/metrics`` reports, from the engine's parts (read without stopping it)."""
+    blocks = engine.block_manager
+    return {
+        "running": len(engine.scheduler.running),
+        "waiting": len(engine.scheduler.waiting),
+        "kv_blocks_total": blocks.num_blocks,
+        "kv_blocks_used": blocks.num_used_blocks,
+        "prefix_cache_queries": blocks.hits + blocks.misses,   # full prompt blocks looked up at admission
+        "prefix_cache_hits": blocks.hits,
+        "preemptions": engine.scheduler.num_preemptions,
+    }
+
+
+def render_metrics(engine, stats: ServerStats, model_name: str) -> str:
+    """The Prometheus text exposition format (version 0.0.4)."""
+    state = engine_state(engine)
+    hit_rate = state["prefix_cache_hits"] / state["prefix_cache_queries"] if state["prefix_cache_queries"] else 0.0
+    lines = [
+        "# HELP lifeofprompt_model_info The model this server runs.",
+        "# TYPE lifeofprompt_model_info gauge",
+        f'lifeofprompt_model_info{{model_name="{model_name}"}} 1',
+    ]
+    lines += _gauge("lifeofprompt_num_requests_running", "Requests in the running batch.", state["running"])
+    lines += _gauge("lifeofprompt_num_requests_waiting", "Requests in the waiting queue (arrived, not yet running, or preempted).", state["waiting"])
+    lines += _gauge("lifeofprompt_kv_cache_blocks_total", "KV cache blocks in the pool.", state["kv_blocks_total"])
+    lines += _gauge("lifeofprompt_kv_cache_blocks_used", "KV cache blocks held by requests.", state["kv_blocks_used"])
+    lines += _gauge("lifeofprompt_kv_cache_usage_ratio", "Fraction of the KV pool in use (0 to 1).",
+                    state["kv_blocks_used"] / state["kv_blocks_total"] if state["kv_blocks_total"] else 0.0)
+    lines += _gauge("lifeofprompt_prefix_cache_queries_total", "Full prompt blocks looked up in the prefix cache.",
+                    state["prefix_cache_queries"], "counter")
+    lines += _gauge("lifeofprompt_prefix_cache_hits_total", "Full prompt blocks found in the prefix cache.",
+                    state["prefix_cache_hits"], "counter")
+    lines += _gauge("lifeofprompt_prefix_cache_hit_rate", "Prefix-cache hits over queries, since start (0 to 1).", hit_rate)
+    lines += _gauge("lifeofprompt_num_preemptions_total", "Running requests evicted to free blocks (recomputed later).",
+                    state["preemptions"], "counter")
+    with stats.lock:
+        lines += _gauge("lifeofprompt_prompt_tokens_total", "Prompt tokens of finished requests.", stats.prompt_tokens, "counter")
+        lines += _gauge("lifeofprompt_generation_tokens_total", "Tokens generated by finished requests.", stats.generation_tokens, "counter")
+        lines += ["# HELP lifeofprompt_request_success_total Finished requests, by finish reason.",
+                  "# TYPE lifeofprompt_request_success_total counter"]
+        lines += [f'lifeofprompt_request_success_total{{finished_reason="{reason}"}} {n}'
+                  for reason, n in sorted(stats.finished.items())]
+        for histogram in (stats.ttft, stats.tpot, stats.e2e):
+            lines += histogram.render()
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- request bodies
+
+
+class _Body(BaseModel):
+    """Unknown fields are ignored, as OpenAI-compatible servers do (clients send many)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None                 # vLLM's extension
+    min_p: float | None = None               # vLLM's extension
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict | None = None
+    n: int = 1
+    ignore_eos: bool = False                 # vLLM's extension, for benchmarks
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logprobs: Any = None
+    user: str | None = None
+
+
+class CompletionRequest(_Body):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict] | None = None
+
+
+class ChatCompletionRequest(_Body):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+
+
+def sampling_params_from(body: _Body, default_max_tokens: int | None) -> SamplingParams:
+    """OpenAI's fields → ``SamplingParams`` (its validation raises typed errors naming the field)."""
+    if body.n != 1:
+        raise InvalidRequestError("only n=1 is supported", param="n")
+    if body.logprobs not in (None, False):
+        raise InvalidRequestError("logprobs are not supported", param="logprobs")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name) not in (None, 0, 0.0):
+            raise InvalidRequestError(f"{name} is not supported", param=name)
+    max_tokens = body.max_tokens
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        max_tokens = body.max_completion_tokens
+    kwargs = dict(max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+                  stop=body.stop, seed=body.seed, ignore_eos=body.ignore_eos)
+    for name in ("temperature", "top_p", "top_k", "min_p"):
+        if getattr(body, name) is not None:
+            kwargs[name] = getattr(body, name)
+    return SamplingParams(**kwargs)
+
+
+def completion_prompts(prompt) -> list:
+    """``prompt`` as OpenAI allows it (text, token ids, or a list of either) → a list of prompts."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise InvalidRequestError("prompt must not be empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    return list(prompt)
+
+
+def chat_prompt_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
+    """The model's own chat template, ending with the assistant's turn, as token ids."""
+    plain = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):       # [{"type": "text", "text": ...}, ...]
+            if any(part.get("type") != "text" for part in content):
+                raise InvalidRequestError("only text content parts are supported", param=f"messages.{i}.content")
+            content = "".join(str(part.get("text", "")) for part in content)
+        plain.append({"role": message.role, "content": content or ""})
+    text = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+def error_body(message: str, error_type: str, param: str | None = None, code: int | str | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def error_response(exc: Exception):
+    """A typed error → its HTTP status and OpenAI's error shape (anything else is a 500)."""
+    if isinstance(exc, LifeOfPromptError):
+        status, error_type = exc.http_status, exc.error_type
+    else:
+        status, error_type = 500, "internal_error"
+    return JSONResponse(error_body(str(exc), error_type, getattr(exc, "param", None), status), status_code=status)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _finish_reason(completion) -> str | None:
+    reason = completion.finish_reason
+    return None if reason is None else ("stop" if reason == "abort" else reason)
+
+
+def _sse(payload) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+# ----------------------------------------------------------------------------- the app
+
+
+class _Submission:
+    """One HTTP request's engine requests (one per prompt) and the queue their outputs land in."""
+
+    def __init__(self, loop_: EngineLoop, kind: str):
+        self.engine_loop = loop_
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.id = f"{kind}-{uuid.uuid4().hex[:24]}"
+        self.request_ids: list[str] = []
+        self.finished: set[str] = set()
+
+    def add(self, prompts: list, params: SamplingParams) -> None:
+        """Add every prompt, or none: a prompt the engine refuses aborts the ones already added."""
+        loop = asyncio.get_running_loop()
+        arrival = time.monotonic()
+        try:
+            for index, prompt in enumerate(prompts):
+                request_id = f"{self.id}-{index}"
+                self.engine_loop.add(request_id, prompt, params, self.queue, loop, arrival_time=arrival)
+                self.request_ids.append(request_id)
+        except BaseException:
+            self.abort()
+            raise
+
+    async def outputs(self):
+        """Yield ``(index, RequestOutput)`` as the engine thread delivers them, until all finish."""
+        index_of = {rid: i for i, rid in enumerate(self.request_ids)}
+        while len(self.finished) < len(self.request_ids):
+            output = await self.queue.get()
+            if isinstance(output, BaseException):
+                raise output
+            if output.finished:
+                self.finished.add(output.request_id)
+            yield index_of[output.request_id], output
+
+    def abort(self) -> None:
+        for request_id in self.request_ids:
+            if request_id not in self.finished:
+                self.engine_loop.abort(request_id)
+
+
+def build_app(engine, model_name: str | None = None, engine_loop: EngineLoop | None = None):
+    """The FastAPI app over an ``LLMEngine``; the engine thread starts and stops with the app."""
+    model_name = model_name or getattr(engine, "model_name", None) or "lifeofprompt"
+    engine_loop = engine_loop or EngineLoop(engine)
+    tokenizer = engine.tokenizer
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app):
+        engine_loop.start()
+        try:
+            yield
+        finally:
+            engine_loop.stop()
+
+    app = FastAPI(title="lifeofprompt", description="An OpenAI-compatible server over a vLLM-style engine built from scratch.",
+                  version="1", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.engine_loop = engine_loop
+    app.state.model_name = model_name
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_body(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        message = first.get("msg", "invalid request")
+        if loc:
+            message = f"{'.'.join(loc)}: {message}"
+        return JSONResponse(error_body(message, "invalid_request_error", ".".join(loc) or None, 400), status_code=400)
+
+    @app.exception_handler(LifeOfPromptError)
+    async def _typed_error(request: Request, exc: LifeOfPromptError):
+        return error_response(exc)
+
+    def check_model(requested: str | None) -> None:
+        if requested is not None and requested != model_name:
+            raise ModelNotFoundError(f"the model {requested!r} does not exist; this server runs {model_name!r}")
+
+    async def wait_or_disconnect(request: Request, submission: _Submission) -> dict[int, Any]:
+        """Collect every final output; abort if the client goes away first."""
+        finals: dict[int, Any] = {}
+        outputs = submission.outputs()
+        try:
+            while True:
+                next_output = asyncio.ensure_future(outputs.__anext__())
+                while True:
+                    done, _ = await asyncio.wait({next_output}, timeout=0.5)
+                    if done:
+                        break
+                    if await request.is_disconnected():
+                        next_output.cancel()
+                        submission.abort()
+                        return {}
+                try:
+                    index, output = next_output.result()
+                except StopAsyncIteration:
+                    return finals
+                finals[index] = output
+        except asyncio.CancelledError:
+            submission.abort()
+            raise
+
+    @app.get("/health")
+    async def health():
+        if not engine_loop.alive:
+            return JSONResponse({"status": "engine thread stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(render_metrics(engine, engine_loop.stats, model_name),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": created, "owned_by": "lifeofprompt",
+            "max_model_len": getattr(engine, "max_model_len", None)}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        if body.echo or body.suffix or (body.best_of or 1) > 1:
+            raise InvalidRequestError("echo, suffix and best_of are not supported", param="echo")
+        params = sampling_params_from(body, default_max_tokens=16)
+        submission = _Submission(engine_loop, "cmpl")
+        submission.add(completion_prompts(body.prompt), params)
+        if body.stream:
+            return StreamingResponse(stream_completion(submission, body), media_type="text/event-stream")
+        finals = await wait_or_disconnect(request, submission)
+        choices = [{"index": i, "text": out.outputs[0].text, "logprobs": None,
+                    "finish_reason": _finish_reason(out.outputs[0])} for i, out in sorted(finals.items())]
+        return {"id": submission.id, "object": "text_completion", "created": int(time.time()), "model": model_name,
+                "choices": choices, "usage": _usage(sum(len(o.prompt_token_ids) for o in finals.values()),
+                                                    sum(len(o.outputs[0].token_ids) for o in finals.values()))}
+
+    async def stream_completion(submission: _Submission, body: CompletionRequest):
+        def chunk(choices, usage=None):
+            payload = {"id": submission.id, "object": "text_completion", "created": int(time.time()),
+                       "model": model_name, "choices": choices}
+            if include_usage:
+                payload["usage"] = usage
+            return _sse(payload)
+
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        async for kind, *piece in _stream_deltas(submission):
+            if kind == "text":
+                index, delta, finish_reason = piece
+                yield chunk([{"index": index, "text": delta, "logprobs": None, "finish_reason": finish_reason}])
+            elif kind == "usage" and include_usage:
+                yield chunk([], piece[0])
+            elif kind == "error":
+                yield _sse(piece[0])
+        yield "data: [DONE]\n\n"
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        params = sampling_params_from(body, default_max_tokens=None)
+        prompt_ids = chat_prompt_ids(tokenizer, body.messages)
+        submission = _Submission(engine_loop, "chatcmpl")
+        submission.add([prompt_ids], params)
+        if body.stream:
+            return StreamingResponse(stream_chat(submission, body), media_type="text/event-stream")
+        finals = await wait_or_disconnect(request, submission)
+        if not finals:
+            return JSONResponse(error_body("client disconnected", "aborted", None, 499), status_code=499)
+        out = finals[0]
+        return {"id": submission.id, "object": "chat.completion", "created": int(time.time()), "model": model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": out.outputs[0].text},
+                             "logprobs": None, "finish_reason": _finish_reason(out.outputs[0])}],
+                "usage": _usage(len(out.prompt_token_ids), len(out.outputs[0].token_ids))}
+
+    async def stream_chat(submission: _Submission, body: ChatCompletionRequest):
+        def chunk(choices, usage=None):
+            payload = {"id": submission.id, "object": "chat.completion.chunk", "created": int(time.time()),
+                       "model": model_name, "choices": choices}
+            if include_usage:
+                payload["usage"] = usage
+            return _sse(payload)
+
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+        async for kind, *piece in _stream_deltas(submission):
+            if kind == "text":
+                index, delta, finish_reason = piece
+                yield chunk([{"index": index, "delta": {"content": delta} if delta else {},
+                              "logprobs": None, "finish_reason": finish_reason}])
+            elif kind == "usage" and include_usage:
+                yield chunk([], piece[0])
+            elif kind == "error":
+                yield _sse(piece[0])
+        yield "data: [DONE]\n\n"
+
+    return app
+
+
+async def _stream_deltas(submission: _Submission):
+    """``("text", index, new text, finish_reason)`` per output that adds text or finishes, then
+    ``("usage", totals)``; or ``("error", body)`` if the engine failed the request mid-stream.
+
+    Text is sent as the difference from what this client already has, so an engine that holds
+    back a partial character (or a possible stop string) is streamed correctly. If the client
+    disconnects, the generator is closed here and the requests still running are aborted.
+    """
+    sent = {}
+    prompt_tokens = completion_tokens = 0
+    try:
+        try:
+            async for index, output in submission.outputs():
+                completion = output.outputs[0]
+                delta = completion.text[sent.get(index, 0):]
+                sent[index] = len(completion.text)
+                finish_reason = _finish_reason(completion) if output.finished else None
+                if output.finished:
+                    prompt_tokens += len(output.prompt_token_ids)
+                    completion_tokens += len(completion.token_ids)
+                if delta or finish_reason:
+                    yield "text", index, delta, finish_reason
+        except Exception as exc:    # the engine failed mid-stream: say so in the stream, then [DONE]
+            status, kind = getattr(exc, "http_status", 500), getattr(exc, "error_type", "internal_error")
+            yield "error", error_body(str(exc), kind, getattr(exc, "param", None), status)
+            return
+        yield "usage", _usage(prompt_tokens, completion_tokens)
+    finally:
+        submission.abort()
+
+
+# ----------------------------------------------------------------------------- running it
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class ServerThread:
+    """uvicorn in a background thread, for tests and notebooks: ``with ServerThread(engine) as s: s.url``.
+
+    Binds 127.0.0.1 on a free port by default; leaving the block stops uvicorn and the engine thread.
+    """
+
+    def __init__(self, engine, host: str = "127.0.0.1", port: int | None = None, model_name: str | None = None,
+                 log_level: str = "warning"):
+        import uvicorn
+
+        self.engine = engine
+        self.host, self.port = host, port or free_port(host)
+        self.app = build_app(engine, model_name=model_name)
+        config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level=log_level,
+                                lifespan="on", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="lifeofprompt-uvicorn", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def engine_loop(self) -> EngineLoop:
+        return self.app.state.engine_loop
+
+    def start(self, timeout: float = 30.0) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start on {self.url}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        self.engine_loop.stop()
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def serve(engine, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None) -> None:
+    """Run the server in the foreground until Ctrl-C."""
+    import uvicorn
+
+    uvicorn.run(build_app(engine, model_name=model_name), host=host, port=port, log_level="info")

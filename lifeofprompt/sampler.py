@@ -1,0 +1,124 @@
+"""The sampler: from one row of logits per sequence to one next token per sequence, on the device.
+
+Everything is batched: the per-request knobs (temperature, top_k, top_p, min_p) become
+tensors of length B and one set of tensor operations filters every row at once. Nothing here
+copies to the host; the model runner reads the chosen ids back once per step.
+
+Order of operations (as in vLLM):
+
+1. greedy rows (temperature 0) take the argmax of the raw logits;
+2. the other rows divide by their temperature, then drop tokens outside the top_k, outside the
+   smallest set whose probability reaches top_p, and below min_p × the top probability;
+3. a draw from what is left. Each seeded request owns a ``torch.Generator``, so its draws depend
+   only on its seed and how many tokens it has drawn — not on what else shares the batch — and
+   the same prompt, parameters and seed give the same tokens run after run.
+
+The draw uses the "exponential race": ``argmax(p / E)`` with ``E ~ Exp(1)`` picks token ``i``
+with probability ``p_i`` and needs one noise vector per row, which a per-row generator can fill.
+
+Log-probabilities (when asked) are those of the raw model distribution, before temperature and
+filtering (vLLM's default "raw_logprobs"): the chosen token's, and the top N.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+@dataclass
+class SamplerOutput:
+    """Device tensors for one step; ``None`` fields were not asked for."""
+
+    token_ids: torch.Tensor                       # [B] long
+    logprobs: torch.Tensor | None = None          # [B] float: log p(chosen token)
+    top_ids: torch.Tensor | None = None           # [B, N] long
+    top_logprobs: torch.Tensor | None = None      # [B, N] float
+
+
+def apply_filters(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                  min_p: torch.Tensor | None) -> torch.Tensor:
+    """Logits ``[B, V]`` with every token outside a row's top_k / top_p / min_p set at ``-inf``.
+
+    ``top_k`` is ``[B]`` long (a value >= V, or -1, keeps all), ``top_p`` and ``min_p`` ``[B]``
+    float (1.0 and 0.0 keep all). Any of them may be None to skip that filter. The most likely
+    token of a row always survives, so a row never ends up empty.
+    """
+    if min_p is not None:
+        probs = torch.softmax(logits, dim=-1)
+        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    if top_k is None and top_p is None:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        k = torch.where(top_k < 1, logits.shape[-1], top_k)
+        drop |= rank >= k[:, None]
+    if top_p is not None:
+        sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs     # mass of the tokens ranked above
+        drop |= before >= top_p[:, None]                        # already reached top_p without me
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator | None], device) -> torch.Tensor:
+    """``Exp(1)`` noise ``[B, V]``: row ``b`` from ``generators[b]`` when it has one, else the global stream."""
+    noise = torch.empty(shape, device=device).exponential_()
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            noise[row].exponential_(generator=generator)
+    return noise
+
+
+class Sampler:
+    """Batched sampling for a list of requests' ``SamplingParams`` (one logits row each)."""
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None] | None = None) -> SamplerOutput:
+        logits = logits.float()
+        batch, vocab = logits.shape
+        device = logits.device
+        generators = generators or [None] * batch
+        greedy_ids = logits.argmax(dim=-1)
+        num_logprobs = max((p.logprobs or 0) for p in params)
+        wants_logprobs = any(p.logprobs is not None for p in params)
+
+        if all(p.temperature == 0 for p in params):
+            token_ids = greedy_ids
+        else:
+            temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+                                       dtype=torch.float32, device=device)
+            top_k = top_p = min_p = None
+            if any(0 < p.top_k < vocab for p in params):
+                top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
+            if any(p.top_p < 1.0 for p in params):
+                top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+            if any(p.min_p > 0.0 for p in params):
+                min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+            filtered = apply_filters(logits / temperature[:, None], top_k, top_p, min_p)
+            probs = torch.softmax(filtered, dim=-1)
+            sampled = (probs / exponential_noise((batch, vocab), generators, device)).argmax(dim=-1)
+            is_greedy = torch.tensor([p.temperature == 0 for p in params], device=device)
+            token_ids = torch.where(is_greedy, greedy_ids, sampled)
+
+        out = SamplerOutput(token_ids=token_ids)
+        if wants_logprobs:
+            logprobs = torch.log_softmax(logits, dim=-1)
+            out.logprobs = logprobs.gather(-1, token_ids[:, None])[:, 0]
+            if num_logprobs > 0:
+                out.top_logprobs, out.top_ids = logprobs.topk(num_logprobs, dim=-1)
+        return out
+
+
+def make_generator(seed: int | None, device) -> torch.Generator | None:
+    """A request's own random stream (None when it has no seed)."""
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(seed)

@@ -12,3 +12,10 @@ from .loader import load_model
 
 __version__ = "0.1.0"
 __all__ = ["ModelConfig", "load_model", "generate_naive", "generate_cached", "env_info", "env_report", "__version__"]
+
+from .engine import LLMEngine  # noqa: E402  (notebook 07: the scheduler and the engine's public API)
+from .llm import LLM  # noqa: E402
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: E402
+from .sampling_params import SamplingParams  # noqa: E402
+
+__all__ += ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics"]

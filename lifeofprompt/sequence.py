@@ -36,6 +36,9 @@ class Sequence:
         self.block_table: list[int] = []    # physical block ids, in order
         self.arrival_time = arrival_time
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.num_cached_tokens = 0          # prompt tokens found in the prefix cache at first admission
+        self.num_preemptions = 0            # times evicted (blocks freed) and recomputed
 
     @property
     def token_ids(self) -> list[int]:

@@ -38,14 +38,16 @@ class PagedCase:
 
 def make_case(query_lens: list[int], context_lens: list[int], block_size: int, num_heads: int, num_kv_heads: int,
               head_dim: int, dtype=torch.float32, device="cpu", seed: int = 0, spare_blocks: int = 3,
-              padding_rows: tuple[int, ...] = (), fill_prefix: bool = True) -> PagedCase:
-    """A batch whose prefixes are written in the pool and whose new rows are not (``store_kv`` does that).
+              padding_seqs: int = 0) -> PagedCase:
+    """A batch whose prefixes are already in the pool and whose new rows are not (``store_kv`` does that).
 
-    ``padding_rows`` lists flat rows whose slot is -1: they are not stored, and they stand for
-    tokens that never reach the cache, so their sequence's later keys are not used either; the
-    tests only put them in sequences whose own attention does not depend on them.
+    ``padding_seqs`` appends that many padding entries, as a CUDA-graph batch padded to a fixed
+    size has: one query row each, slot -1 (not stored), length 0, an all -1 block table. Their
+    attention output is 0 (the reference's convention for rows that see no key).
     """
     gen = torch.Generator().manual_seed(seed)
+    query_lens = list(query_lens) + [1] * padding_seqs
+    context_lens = list(context_lens) + [-1] * padding_seqs
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
     blocks_per_seq = [cdiv(n, block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + spare_blocks
@@ -55,9 +57,7 @@ def make_case(query_lens: list[int], context_lens: list[int], block_size: int, n
     for b, (n, q) in enumerate(zip(seq_lens, query_lens)):
         table, order = order[:blocks_per_seq[b]], order[blocks_per_seq[b]:]
         tables.append(table + [-1] * (width - len(table)))
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(n - q, n))
-    for r in padding_rows:
-        slots[r] = -1
+        slots.extend(table[p // block_size] * block_size + p % block_size if p >= 0 else -1 for p in range(n - q, n))
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen).to(dtype).to(device)
@@ -65,8 +65,6 @@ def make_case(query_lens: list[int], context_lens: list[int], block_size: int, n
     total = sum(query_lens)
     k_pool = randn(num_blocks, block_size, num_kv_heads, head_dim)
     v_pool = randn(num_blocks, block_size, num_kv_heads, head_dim)
-    if not fill_prefix:
-        k_pool.zero_(), v_pool.zero_()
     starts = [0]
     for q in query_lens:
         starts.append(starts[-1] + q)
@@ -79,3 +77,22 @@ def make_case(query_lens: list[int], context_lens: list[int], block_size: int, n
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         max_query_len=max(query_lens), max_seq_len=max(seq_lens), scale=head_dim ** -0.5,
     )
+
+
+def used_slots(case: PagedCase) -> torch.Tensor:
+    """Flat slots that hold a token of some sequence (its prefix or this step's rows)."""
+    block_size = case.k_pool.shape[1]
+    slots = [int(case.block_tables[b, p // block_size]) * block_size + p % block_size
+             for b, n in enumerate(case.seq_lens.tolist()) for p in range(n)]
+    return torch.tensor(slots, dtype=torch.long, device=case.k_pool.device)
+
+
+def poisoned_pools(case: PagedCase) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of the pools with NaN in every slot no sequence owns: a kernel that reads one fails."""
+    pools = []
+    for pool in (case.k_pool, case.v_pool):
+        flat = torch.full_like(pool, float("nan")).view(-1, *pool.shape[2:])
+        keep = used_slots(case)
+        flat[keep] = pool.view(-1, *pool.shape[2:])[keep]
+        pools.append(flat.view(pool.shape))
+    return pools[0], pools[1]

@@ -1,0 +1,199 @@
+"""Triton kernels against the torch reference, on the CPU under Triton's interpreter.
+
+Every case is a random flat batch (seeded): decode rows and prefill rows after cached
+prefixes of any length (zero included), shuffled block tables, padding rows, block sizes
+1/8/16/32, GQA groups 1/3/8, head_dim 64/128, fp32 and fp16 (the interpreter's ``tl.dot``
+is wrong for bf16, which ``tests/gpu`` checks on a GPU). Whatever the wrapper allocates is
+filled with NaN and the pool's unused slots hold NaN, so an element the kernel forgets to
+write, or a key it reads that it should not, fails the comparison.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from lifeofprompt import paged_attention as reference
+
+kernels = pytest.importorskip("lifeofprompt.kernels", reason="Triton is not installed")
+from lifeofprompt.kernels.cases import make_case, poisoned_pools, used_slots  # noqa: E402
+from lifeofprompt.kernels.tiles import (TileConfig, choose_num_kv_splits, choose_tiles, kernel_tiles,  # noqa: E402
+                                        tiles_figure)
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available() and not kernels.INTERPRETED,
+                                reason="CPU interpreter tests; on a GPU machine run tests/gpu")
+
+TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+
+
+@pytest.fixture
+def poison_allocations(monkeypatch):
+    """Every tensor the wrappers get from ``torch.empty``/``empty_like`` starts as NaN."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def nan_filled(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: nan_filled(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: nan_filled(empty_like(*a, **k)))
+
+
+def random_batch(rng: random.Random, block_size: int, max_len: int = 70):
+    """Query and prefix lengths of 3-4 sequences: at least one decode row and one prefill row."""
+    decode = [(1, rng.randrange(0, max_len)) for _ in range(rng.randint(1, 2))]
+    prefill = [(rng.randint(2, 24), rng.choice([0, rng.randrange(1, max_len)])) for _ in range(rng.randint(1, 2))]
+    seqs = decode + prefill
+    rng.shuffle(seqs)
+    # Lengths that end exactly on, and just past, a block boundary.
+    q, c = seqs[0]
+    seqs[0] = (q, max(0, block_size * rng.randint(1, 3) - q + rng.choice([0, 1])))
+    return [q for q, _ in seqs], [c for _, c in seqs]
+
+
+def _cases():
+    """A covering set of randomized configurations, each parameter value used several times."""
+    rng = random.Random(6)
+    cases = []
+    for i in range(16):
+        block_size = [1, 8, 16, 32][i % 4]
+        group = [1, 3, 8][i % 3]
+        head_dim = [64, 128][(i // 2) % 2]
+        dtype = [torch.float32, torch.float16][(i // 4) % 2]
+        num_kv_heads = 1 if group == 8 or head_dim == 128 else 2
+        splits = [1, None, 3, 2][(i + i // 4) % 4]
+        tile_n = [16, 32, None][i % 3]
+        query_lens, context_lens = random_batch(rng, block_size)
+        cases.append(pytest.param(block_size, group * num_kv_heads, num_kv_heads, head_dim, dtype, splits, tile_n,
+                                  query_lens, context_lens, i % 2, 100 + i,
+                                  id=f"bs{block_size}-g{group}-d{head_dim}-{str(dtype)[6:]}-split{splits}-{i}"))
+    return cases
+
+
+def run_step(case, num_kv_splits=None, tile_n=None):
+    """Triton store + attention on poisoned pools; torch store + attention on clean ones."""
+    k_pool, v_pool = poisoned_pools(case)
+    kernels.store_kv(case.key, case.value, k_pool, v_pool, case.slot_mapping)
+    out = kernels.paged_attention(case.query, k_pool, v_pool, case.block_tables, case.seq_lens, case.query_start_loc,
+                                  case.max_query_len, case.max_seq_len, case.scale,
+                                  num_kv_splits=num_kv_splits, tile_n=tile_n)
+    reference.store_kv(case.key, case.value, case.k_pool, case.v_pool, case.slot_mapping)
+    expected = reference.paged_attention(*case.attention_args())
+    return out, expected, (k_pool, v_pool)
+
+
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads,head_dim,dtype,num_kv_splits,tile_n,"
+                         "query_lens,context_lens,padding_seqs,seed", _cases())
+def test_paged_attention_matches_reference(poison_allocations, block_size, num_heads, num_kv_heads, head_dim, dtype,
+                                           num_kv_splits, tile_n, query_lens, context_lens, padding_seqs, seed):
+    case = make_case(query_lens, context_lens, block_size, num_heads, num_kv_heads, head_dim, dtype=dtype, seed=seed,
+                     padding_seqs=padding_seqs)
+    out, expected, (k_pool, v_pool) = run_step(case, num_kv_splits, tile_n)
+    assert out.dtype == dtype and out.shape == case.query.shape
+    assert not out.isnan().any(), "the kernel left output elements unwritten"
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+    used = used_slots(case)
+    assert torch.equal(k_pool.view(-1, num_kv_heads, head_dim)[used], case.k_pool.view(-1, num_kv_heads, head_dim)[used])
+    if padding_seqs:
+        assert torch.equal(out[-padding_seqs:], torch.zeros_like(out[-padding_seqs:]))
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 16, 32])
+def test_store_kv_writes_slots_and_skips_padding(block_size):
+    case = make_case([3, 1, 5], [4, 9, 0], block_size, 4, 2, 64, seed=block_size)
+    case.slot_mapping[[1, 7]] = -1                     # two padding rows
+    k_pool, v_pool = case.k_pool.clone(), case.v_pool.clone()
+    kernels.store_kv(case.key, case.value, k_pool, v_pool, case.slot_mapping)
+    flat_k, flat_v = k_pool.view(-1, 2, 64), v_pool.view(-1, 2, 64)
+    keep = case.slot_mapping >= 0
+    assert torch.equal(flat_k[case.slot_mapping[keep]], case.key[keep])
+    assert torch.equal(flat_v[case.slot_mapping[keep]], case.value[keep])
+    changed = (flat_k != case.k_pool.view(-1, 2, 64)).any(-1).any(-1).nonzero().flatten()
+    assert sorted(changed.tolist()) == sorted(case.slot_mapping[keep].tolist())   # nothing else written
+    reference.store_kv(case.key, case.value, case.k_pool, case.v_pool, case.slot_mapping)
+    assert torch.equal(k_pool, case.k_pool) and torch.equal(v_pool, case.v_pool)
+
+
+def test_store_kv_casts_to_the_pool_dtype():
+    case = make_case([4], [0], 8, 2, 2, 64, seed=1)
+    k_pool = torch.zeros_like(case.k_pool, dtype=torch.float16)
+    v_pool = torch.zeros_like(k_pool)
+    kernels.store_kv(case.key, case.value, k_pool, v_pool, case.slot_mapping)
+    assert torch.equal(k_pool.view(-1, 2, 64)[case.slot_mapping], case.key.half())
+
+
+def test_split_and_unsplit_agree_on_a_long_decode(poison_allocations):
+    """Flash-decoding changes only the order of the sum: 1, 2, 5 and 16 splits agree in fp32."""
+    case = make_case([1, 1, 6], [250, 90, 40], 16, 8, 2, 64, seed=3)
+    outs = [run_step(case, num_kv_splits=n, tile_n=16)[0] for n in (1, 2, 5, 16)]
+    expected = run_step(case, num_kv_splits=1)[1]
+    for out in outs:
+        torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(outs[0], outs[3], atol=2e-6, rtol=1e-6)
+
+
+def test_sequences_much_longer_than_each_other_share_one_launch(poison_allocations):
+    """A 1-token prompt, a 40-token prompt and a 120-token decode in one batch, block size 1."""
+    case = make_case([1, 40, 1], [0, 0, 119], 1, 6, 2, 64, seed=4, padding_seqs=2)
+    out, expected, _ = run_step(case, num_kv_splits=1)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+
+
+def test_tile_config_asserts_dot_shapes():
+    config = choose_tiles(num_heads=9, num_kv_heads=3, head_dim=64, max_query_len=1)
+    assert (config.group, config.block_m, config.block_q) == (3, 16, 5)
+    prefill = choose_tiles(num_heads=32, num_kv_heads=4, head_dim=64, max_query_len=100)
+    assert (prefill.block_m, prefill.block_q) == (64, 8)
+    assert choose_tiles(32, 1, 80, 1).block_m == 32 and choose_tiles(32, 1, 80, 1).head_dim_padded == 128
+    with pytest.raises(ValueError, match="at least 16"):
+        choose_tiles(8, 8, 64, 1, tile_n=8)
+    with pytest.raises(ValueError, match="powers of 2"):
+        choose_tiles(8, 8, 64, 1, tile_n=48)
+    with pytest.raises(ValueError, match="evenly"):
+        choose_tiles(9, 2, 64, 1)
+    with pytest.raises(ValueError, match="fit"):
+        TileConfig(group=8, block_m=16, block_q=4, tile_n=16, head_dim=64, head_dim_padded=64).check()
+
+
+def test_split_heuristic():
+    assert choose_num_kv_splits(num_programs=4, max_seq_len=32768, num_sms=132) == 64       # 1 seq, 32k
+    assert choose_num_kv_splits(num_programs=4, max_seq_len=2048, num_sms=132) == 4         # short: few splits
+    assert choose_num_kv_splits(num_programs=512, max_seq_len=4096, num_sms=132) == 1       # grid already full
+    assert choose_num_kv_splits(num_programs=4, max_seq_len=300, num_sms=132) == 1          # too short to split
+    assert choose_num_kv_splits(num_programs=4, max_seq_len=32768, num_sms=None) == 1       # interpreter
+
+
+@pytest.mark.parametrize("block_size,seq_len,query_len,splits", [(1, 37, 1, 2), (4, 32, 12, 1), (16, 100, 30, 3)])
+def test_kernel_tiles_cover_exactly_the_visible_keys(block_size, seq_len, query_len, splits):
+    table = random.Random(block_size).sample(range(200), -(-seq_len // block_size))
+    config = choose_tiles(9, 3, 64, query_len, tile_n=16, block_m=16)
+    tiles = kernel_tiles(table, block_size, seq_len, query_len, config, splits)
+    context_len = seq_len - query_len
+    for program in range(-(-query_len // config.block_q)):
+        mine = [t for t in tiles if t.program == program]
+        keys = [k for t in mine for k in t.keys]
+        last_row = min(query_len, (program + 1) * config.block_q) - 1
+        assert keys == list(range(context_len + last_row + 1))          # each visible key once, in order
+        for t in mine:
+            assert list(t.blocks) == list(dict.fromkeys(table[k // block_size] for k in t.keys))
+    assert {t.split for t in tiles} == set(range(splits))
+
+
+def test_tiles_figure_draws_one_rectangle_per_tile():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    fig = tiles_figure()
+    top, bottom = fig.axes
+    decode = choose_tiles(9, 3, 64, 1, tile_n=16)
+    prefill = choose_tiles(9, 3, 64, 12, tile_n=16, block_m=16)
+    assert len(top.patches) == len(kernel_tiles([7, 2, 11, 4, 9, 0, 5, 13, 1, 8], 4, 37, 1, decode, 2)) == 3
+    assert len(bottom.patches) == len(kernel_tiles(list(range(8)), 4, 32, 12, prefill, 1))
+    assert "decode" in top.get_title() and "prefill" in bottom.get_title()
+
+
+def test_interpreter_is_on_without_cuda():
+    if not torch.cuda.is_available():
+        assert os.environ.get("TRITON_INTERPRET") == "1" and kernels.INTERPRETED

@@ -1,0 +1,62 @@
+"""The whole model with the Triton backend (interpreter on the CPU) gives the torch backend's logits.
+
+Two ``ModelRunner``s over the embedded SmolLM2 (fp32), one per backend, run the same two
+steps: first the prompts "hi my name is" and "hello there" whole plus the first half of
+"today is a beautiful summer day" (a chunk), then a decode row for each finished prompt and
+the chunk's second half after its cached prefix. Block size 4 and shuffled block tables make
+every sequence cross blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lifeofprompt.model_runner import ModelRunner
+from lifeofprompt.sampling_params import SamplingParams
+from lifeofprompt.sequence import Sequence
+
+kernels = pytest.importorskip("lifeofprompt.kernels", reason="Triton is not installed")
+
+BLOCK_TABLES = [[9, 2], [14, 5], [11]]
+
+
+def make_seqs(story_ids):
+    seqs = [Sequence(str(i), ids, SamplingParams(temperature=0)) for i, ids in enumerate(story_ids)]
+    for seq, table in zip(seqs, BLOCK_TABLES):
+        seq.block_table = list(table)
+    return seqs
+
+
+def step_logits(runner, seqs, num_tokens):
+    """Logits of every row of one step (not only the sampled ones), then mark the tokens computed."""
+    input_ids, positions, meta = runner.prepare(seqs, num_tokens)
+    meta.logits_indices = None
+    with torch.no_grad():
+        logits = runner.model(input_ids, positions, meta)
+    for seq, n in zip(seqs, num_tokens):
+        seq.num_computed_tokens += n
+    return logits
+
+
+def test_triton_backend_logits_match_torch(smollm2, story_ids):
+    model, _ = smollm2
+    assert [len(ids) for ids in story_ids] == [4, 6, 2]
+    runners = {name: ModelRunner(model, num_blocks=16, block_size=4, backend=name) for name in ("torch", "triton")}
+    seqs = {name: make_seqs(story_ids) for name in runners}
+
+    first = {name: step_logits(runners[name], seqs[name], [4, 3, 2]) for name in runners}
+    assert first["triton"].shape == (9, model.config.vocab_size)
+    torch.testing.assert_close(first["triton"], first["torch"], atol=1e-4, rtol=0)
+
+    # Greedy next tokens for the two finished prompts, then decode rows + the chunk's rest.
+    for name in runners:
+        for seq, row in ((seqs[name][0], 3), (seqs[name][2], 8)):
+            seq.output_token_ids.append(int(first["torch"][row].argmax()))
+    second = {name: step_logits(runners[name], seqs[name], [1, 3, 1]) for name in runners}
+    assert second["triton"].shape == (5, model.config.vocab_size)
+    torch.testing.assert_close(second["triton"], second["torch"], atol=1e-4, rtol=0)
+    assert second["triton"].argmax(-1).tolist() == second["torch"].argmax(-1).tolist()
+
+    # Both caches hold the same keys and values in the same (shuffled) blocks.
+    torch.testing.assert_close(runners["triton"].kv_cache.kv, runners["torch"].kv_cache.kv, atol=1e-4, rtol=0)

@@ -30,6 +30,7 @@ import torch
 
 from .attention import PagedCacheMetadata, PagedKVCache
 from .errors import ConfigError, OutOfMemoryError
+from .memory import kv_bytes_per_block, plan_memory
 from .sampler import Sampler, SamplerOutput, make_generator
 from .sequence import Sequence
 
@@ -114,12 +115,7 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of one block of K and V across all layers (notebook 05's arithmetic)."""
-        try:
-            from .memory import kv_bytes_per_block
-            return int(kv_bytes_per_block(self.config, self.block_size, self.model.dtype))
-        except (ImportError, TypeError):   # memory module not there yet, or another signature
-            c = self.config
-            return 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.block_size * self.model.dtype.itemsize
+        return kv_bytes_per_block(self.config, self.model.dtype, self.block_size)
 
     def dummy_prefill(self, cache: PagedKVCache, num_tokens: int, num_seqs: int) -> torch.Tensor:
         """One forward of ``num_tokens`` prompt tokens split over ``num_seqs`` sequences (profiling, warm-up)."""
@@ -158,18 +154,12 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         non_torch = max(0, (total - free) - torch.cuda.memory_reserved())
-        num_blocks, plan = plan_kv_blocks(self.config, total, self.gpu_memory_utilization, weights,
-                                          activations + non_torch, self.block_size, self.model.dtype,
-                                          self.kv_bytes_per_block())
-        self.memory_report = dict(total_bytes=total, weights_bytes=weights, activation_bytes=activations,
-                                  non_torch_bytes=non_torch, num_blocks=num_blocks, plan=plan,
-                                  gpu_memory_utilization=self.gpu_memory_utilization)
-        if num_blocks < 1:
-            raise OutOfMemoryError(
-                f"no KV blocks fit: {total / 2**30:.1f} GiB × {self.gpu_memory_utilization} minus weights "
-                f"{weights / 2**30:.2f} GiB and workspace {(activations + non_torch) / 2**30:.2f} GiB leaves nothing; "
-                "raise gpu_memory_utilization or lower max_num_batched_tokens")
-        return num_blocks
+        plan = plan_memory(self.config, self.model.dtype, total, self.gpu_memory_utilization, self.block_size,
+                           weights=weights, activations=activations + non_torch, activations_measured=True)
+        self.memory_plan = plan
+        self.memory_report = dict(plan.as_dict(), activation_bytes_torch=activations, non_torch_bytes=non_torch,
+                                  profiled_tokens=tokens, profiled_seqs=self.max_num_seqs)
+        return plan.num_gpu_blocks
 
     # ------------------------------------------------------------------ one step
 
@@ -328,28 +318,6 @@ class ModelRunner:
             self.graphs[size] = (graph, logits)
         torch.cuda.synchronize()
         self.graph_capture_seconds = time.perf_counter() - start
-
-
-def plan_kv_blocks(config, total_bytes: int, utilization: float, weights_bytes: int, workspace_bytes: int,
-                   block_size: int, dtype, bytes_per_block: int) -> tuple[int, object]:
-    """Number of KV blocks, via ``lifeofprompt.memory.plan_memory`` (notebook 05's one function).
-
-    Until that module exists (or if its signature differs), the same subtraction is done here so
-    the engine still starts; the plan then says so.
-    """
-    try:
-        from .memory import plan_memory
-        plan = plan_memory(config, total_bytes=total_bytes, utilization=utilization, weights_bytes=weights_bytes,
-                           activation_bytes=workspace_bytes, block_size=block_size, dtype=dtype)
-        blocks = getattr(plan, "num_blocks", None)
-        if blocks is None and isinstance(plan, dict):
-            blocks = plan.get("num_blocks")
-        if blocks is not None:
-            return int(blocks), plan
-    except (ImportError, TypeError, AttributeError):
-        pass
-    kv_bytes = int(total_bytes * utilization) - weights_bytes - workspace_bytes
-    return max(0, kv_bytes // bytes_per_block), {"kv_bytes": kv_bytes, "note": "memory.plan_memory unavailable; same subtraction inline"}
 
 
 def run_greedy_loop(runner: ModelRunner, prompts: list[list[int]], max_tokens: int | list[int],

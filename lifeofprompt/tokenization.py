@@ -250,7 +250,7 @@ def format_token_table(rows: list[TokenRow]) -> str:
 
 def token_table_html(rows: list[TokenRow], story_counts: dict[str, int] | None = None) -> str:
     """An HTML table: prompt, count, each token as a chip with its id underneath."""
-    head = "<tr><th>prompt</th><th>tokens</th><th>count</th>"
+    head = "<tr><th style='text-align:left'>prompt</th><th style='text-align:left'>tokens</th><th>count</th>"
     head += "<th>story's TinyLlama count</th></tr>" if story_counts else "</tr>"
     body = []
     for r in rows:
@@ -258,7 +258,8 @@ def token_table_html(rows: list[TokenRow], story_counts: dict[str, int] | None =
             f"<span style='display:inline-block;margin:1px 3px;padding:1px 5px;border:1px solid #8ab;"
             f"border-radius:4px;text-align:center;font-family:monospace'>{html.escape(t)}<br>"
             f"<small class='token-id'>{i}</small></span>" for t, i in zip(r.tokens, r.ids))
-        cells = f"<td><code>{html.escape(repr(r.text))}</code></td><td>{chips}</td><td>{r.count}</td>"
+        cells = (f"<td style='text-align:left'><code>{html.escape(repr(r.text))}</code></td>"
+                 f"<td style='text-align:left'>{chips}</td><td>{r.count}</td>")
         if story_counts:
             cells += f"<td>{story_counts.get(r.text, '')}</td>"
         body.append(f"<tr>{cells}</tr>")

@@ -9,6 +9,7 @@ entries are -1 as in the engine.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -59,8 +60,10 @@ def make_case(query_lens: list[int], context_lens: list[int], block_size: int, n
         tables.append(table + [-1] * (width - len(table)))
         slots.extend(table[p // block_size] * block_size + p % block_size if p >= 0 else -1 for p in range(n - q, n))
 
+    device_gen = gen if torch.device(device).type == "cpu" else torch.Generator(device=device).manual_seed(seed)
+
     def randn(*shape):
-        return torch.randn(*shape, generator=gen).to(dtype).to(device)
+        return torch.randn(*shape, generator=device_gen, device=device).to(dtype)
 
     total = sum(query_lens)
     k_pool = randn(num_blocks, block_size, num_kv_heads, head_dim)
@@ -81,10 +84,11 @@ def make_case(query_lens: list[int], context_lens: list[int], block_size: int, n
 
 def used_slots(case: PagedCase) -> torch.Tensor:
     """Flat slots that hold a token of some sequence (its prefix or this step's rows)."""
-    block_size = case.k_pool.shape[1]
-    slots = [int(case.block_tables[b, p // block_size]) * block_size + p % block_size
-             for b, n in enumerate(case.seq_lens.tolist()) for p in range(n)]
-    return torch.tensor(slots, dtype=torch.long, device=case.k_pool.device)
+    from lifeofprompt.paged_attention import gather_slots
+
+    slots = gather_slots(case.block_tables, max(1, case.max_seq_len), case.k_pool.shape[1])
+    positions = torch.arange(slots.shape[1], device=slots.device)
+    return slots[positions[None, :] < case.seq_lens.long()[:, None]]
 
 
 def poisoned_pools(case: PagedCase) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,3 +100,42 @@ def poisoned_pools(case: PagedCase) -> tuple[torch.Tensor, torch.Tensor]:
         flat[keep] = pool.view(-1, *pool.shape[2:])[keep]
         pools.append(flat.view(pool.shape))
     return pools[0], pools[1]
+
+
+def random_batch(rng: random.Random, block_size: int, max_len: int = 70) -> tuple[list[int], list[int]]:
+    """Query and prefix lengths of 2-4 sequences: at least one decode row and one prefill row.
+
+    Prefill rows get a zero prefix half the time; the first sequence ends exactly on, or one
+    token past, a block boundary.
+    """
+    decode = [(1, rng.randrange(0, max_len)) for _ in range(rng.randint(1, 2))]
+    prefill = [(rng.randint(2, 24), rng.choice([0, rng.randrange(1, max_len)])) for _ in range(rng.randint(1, 2))]
+    seqs = decode + prefill
+    rng.shuffle(seqs)
+    q, _ = seqs[0]
+    seqs[0] = (q, max(0, block_size * rng.randint(1, 3) - q + rng.choice([0, 1])))
+    return [q for q, _ in seqs], [c for _, c in seqs]
+
+
+def covering_cases(count: int, dtypes: list, seed: int = 6, max_len: int = 70) -> list[dict]:
+    """``count`` configurations that use every block size (1, 8, 16, 32), GQA group (1, 3, 8),
+    head_dim (64, 128), dtype, split choice (1, heuristic, 2, 3), KV tile (16, 32, default)
+    and padding several times each, with random lengths: ``make_case`` keyword arguments plus
+    ``num_kv_splits``/``tile_n``/``id``."""
+    rng = random.Random(seed)
+    cases = []
+    for i in range(count):
+        block_size = [1, 8, 16, 32][i % 4]
+        group = [1, 3, 8][i % 3]
+        head_dim = [64, 128][(i // 2) % 2]
+        dtype = dtypes[(i // 4) % len(dtypes)]
+        num_kv_heads = 1 if group == 8 or head_dim == 128 else 2
+        splits = [1, None, 3, 2][(i + i // 4) % 4]
+        tile_n = [16, 32, None][i % 3]
+        query_lens, context_lens = random_batch(rng, block_size, max_len)
+        cases.append(dict(
+            query_lens=query_lens, context_lens=context_lens, block_size=block_size, num_heads=group * num_kv_heads,
+            num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, seed=100 + i, padding_seqs=i % 2,
+            num_kv_splits=splits, tile_n=tile_n,
+            id=f"bs{block_size}-g{group}-d{head_dim}-{str(dtype)[6:]}-split{splits}-{i}"))
+    return cases

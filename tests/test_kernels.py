@@ -19,7 +19,7 @@ import torch
 from lifeofprompt import paged_attention as reference
 
 kernels = pytest.importorskip("lifeofprompt.kernels", reason="Triton is not installed")
-from lifeofprompt.kernels.cases import make_case, poisoned_pools, used_slots  # noqa: E402
+from lifeofprompt.kernels.cases import covering_cases, make_case, poisoned_pools, used_slots  # noqa: E402
 from lifeofprompt.kernels.tiles import (TileConfig, choose_num_kv_splits, choose_tiles, kernel_tiles,  # noqa: E402
                                         tiles_figure)
 
@@ -41,35 +41,7 @@ def poison_allocations(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: nan_filled(empty_like(*a, **k)))
 
 
-def random_batch(rng: random.Random, block_size: int, max_len: int = 70):
-    """Query and prefix lengths of 3-4 sequences: at least one decode row and one prefill row."""
-    decode = [(1, rng.randrange(0, max_len)) for _ in range(rng.randint(1, 2))]
-    prefill = [(rng.randint(2, 24), rng.choice([0, rng.randrange(1, max_len)])) for _ in range(rng.randint(1, 2))]
-    seqs = decode + prefill
-    rng.shuffle(seqs)
-    # Lengths that end exactly on, and just past, a block boundary.
-    q, c = seqs[0]
-    seqs[0] = (q, max(0, block_size * rng.randint(1, 3) - q + rng.choice([0, 1])))
-    return [q for q, _ in seqs], [c for _, c in seqs]
-
-
-def _cases():
-    """A covering set of randomized configurations, each parameter value used several times."""
-    rng = random.Random(6)
-    cases = []
-    for i in range(16):
-        block_size = [1, 8, 16, 32][i % 4]
-        group = [1, 3, 8][i % 3]
-        head_dim = [64, 128][(i // 2) % 2]
-        dtype = [torch.float32, torch.float16][(i // 4) % 2]
-        num_kv_heads = 1 if group == 8 or head_dim == 128 else 2
-        splits = [1, None, 3, 2][(i + i // 4) % 4]
-        tile_n = [16, 32, None][i % 3]
-        query_lens, context_lens = random_batch(rng, block_size)
-        cases.append(pytest.param(block_size, group * num_kv_heads, num_kv_heads, head_dim, dtype, splits, tile_n,
-                                  query_lens, context_lens, i % 2, 100 + i,
-                                  id=f"bs{block_size}-g{group}-d{head_dim}-{str(dtype)[6:]}-split{splits}-{i}"))
-    return cases
+CASES = covering_cases(16, [torch.float32, torch.float16])
 
 
 def run_step(case, num_kv_splits=None, tile_n=None):
@@ -84,12 +56,12 @@ def run_step(case, num_kv_splits=None, tile_n=None):
     return out, expected, (k_pool, v_pool)
 
 
-@pytest.mark.parametrize("block_size,num_heads,num_kv_heads,head_dim,dtype,num_kv_splits,tile_n,"
-                         "query_lens,context_lens,padding_seqs,seed", _cases())
-def test_paged_attention_matches_reference(poison_allocations, block_size, num_heads, num_kv_heads, head_dim, dtype,
-                                           num_kv_splits, tile_n, query_lens, context_lens, padding_seqs, seed):
-    case = make_case(query_lens, context_lens, block_size, num_heads, num_kv_heads, head_dim, dtype=dtype, seed=seed,
-                     padding_seqs=padding_seqs)
+@pytest.mark.parametrize("params", CASES, ids=[c["id"] for c in CASES])
+def test_paged_attention_matches_reference(poison_allocations, params):
+    params = dict(params)
+    num_kv_splits, tile_n, _ = params.pop("num_kv_splits"), params.pop("tile_n"), params.pop("id")
+    case = make_case(**params)
+    dtype, num_kv_heads, head_dim, padding_seqs = (params[k] for k in ("dtype", "num_kv_heads", "head_dim", "padding_seqs"))
     out, expected, (k_pool, v_pool) = run_step(case, num_kv_splits, tile_n)
     assert out.dtype == dtype and out.shape == case.query.shape
     assert not out.isnan().any(), "the kernel left output elements unwritten"

@@ -68,6 +68,7 @@ class EngineLoop:
         self.stopping = threading.Event()
         self.resumed = threading.Event()     # cleared by pause(): tests hold the engine still
         self.resumed.set()
+        self.held = threading.Event()        # set while the thread sits paused
         self.thread: threading.Thread | None = None
         self.num_steps = 0
         self.last_error: str | None = None
@@ -91,9 +92,13 @@ class EngineLoop:
     def alive(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
 
-    def pause(self) -> None:
-        """Stop stepping after the current step (requests still queue up): for tests of a full queue."""
+    def pause(self, timeout: float = 30.0) -> None:
+        """Stop stepping after the current step and wait until the thread is held (requests still
+        queue up in the engine's inbox): for tests of a full queue."""
         self.resumed.clear()
+        self.wake.set()
+        if self.alive and not self.held.wait(timeout):
+            raise RuntimeError("the engine thread did not pause")
 
     def resume(self) -> None:
         self.resumed.set()
@@ -127,7 +132,10 @@ class EngineLoop:
     # -- the thread
     def _run(self) -> None:
         while not self.stopping.is_set():
-            self.resumed.wait()
+            if not self.resumed.is_set():
+                self.held.set()
+                self.resumed.wait()
+                self.held.clear()
             if self.stopping.is_set():
                 break
             self.wake.clear()
@@ -316,6 +324,7 @@ class _Body(BaseModel):
     stream_options: dict | None = None
     n: int = 1
     ignore_eos: bool = False                 # vLLM's extension, for benchmarks
+    return_token_ids: bool = False           # vLLM's extension: choices carry the generated token ids
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logprobs: Any = None
@@ -549,8 +558,13 @@ def build_app(engine, model_name: str | None = None, engine_loop: EngineLoop | N
         if body.stream:
             return StreamingResponse(stream_completion(submission, body), media_type="text/event-stream")
         finals = await wait_or_disconnect(request, submission)
+        if not finals:
+            return JSONResponse(error_body("client disconnected", "aborted", None, 499), status_code=499)
         choices = [{"index": i, "text": out.outputs[0].text, "logprobs": None,
                     "finish_reason": _finish_reason(out.outputs[0])} for i, out in sorted(finals.items())]
+        if body.return_token_ids:
+            for choice in choices:
+                choice["token_ids"] = list(finals[choice["index"]].outputs[0].token_ids)
         return {"id": submission.id, "object": "text_completion", "created": int(time.time()), "model": model_name,
                 "choices": choices, "usage": _usage(sum(len(o.prompt_token_ids) for o in finals.values()),
                                                     sum(len(o.outputs[0].token_ids) for o in finals.values()))}
@@ -566,8 +580,11 @@ def build_app(engine, model_name: str | None = None, engine_loop: EngineLoop | N
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         async for kind, *piece in _stream_deltas(submission):
             if kind == "text":
-                index, delta, finish_reason = piece
-                yield chunk([{"index": index, "text": delta, "logprobs": None, "finish_reason": finish_reason}])
+                index, delta, new_ids, finish_reason = piece
+                choice = {"index": index, "text": delta, "logprobs": None, "finish_reason": finish_reason}
+                if body.return_token_ids:
+                    choice["token_ids"] = new_ids
+                yield chunk([choice])
             elif kind == "usage" and include_usage:
                 yield chunk([], piece[0])
             elif kind == "error":
@@ -587,9 +604,12 @@ def build_app(engine, model_name: str | None = None, engine_loop: EngineLoop | N
         if not finals:
             return JSONResponse(error_body("client disconnected", "aborted", None, 499), status_code=499)
         out = finals[0]
+        choice = {"index": 0, "message": {"role": "assistant", "content": out.outputs[0].text},
+                  "logprobs": None, "finish_reason": _finish_reason(out.outputs[0])}
+        if body.return_token_ids:
+            choice["token_ids"] = list(out.outputs[0].token_ids)
         return {"id": submission.id, "object": "chat.completion", "created": int(time.time()), "model": model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": out.outputs[0].text},
-                             "logprobs": None, "finish_reason": _finish_reason(out.outputs[0])}],
+                "choices": [choice],
                 "usage": _usage(len(out.prompt_token_ids), len(out.outputs[0].token_ids))}
 
     async def stream_chat(submission: _Submission, body: ChatCompletionRequest):
@@ -604,9 +624,12 @@ def build_app(engine, model_name: str | None = None, engine_loop: EngineLoop | N
         yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
         async for kind, *piece in _stream_deltas(submission):
             if kind == "text":
-                index, delta, finish_reason = piece
-                yield chunk([{"index": index, "delta": {"content": delta} if delta else {},
-                              "logprobs": None, "finish_reason": finish_reason}])
+                index, delta, new_ids, finish_reason = piece
+                choice = {"index": index, "delta": {"content": delta} if delta else {},
+                          "logprobs": None, "finish_reason": finish_reason}
+                if body.return_token_ids:
+                    choice["token_ids"] = new_ids
+                yield chunk([choice])
             elif kind == "usage" and include_usage:
                 yield chunk([], piece[0])
             elif kind == "error":
@@ -617,14 +640,14 @@ def build_app(engine, model_name: str | None = None, engine_loop: EngineLoop | N
 
 
 async def _stream_deltas(submission: _Submission):
-    """``("text", index, new text, finish_reason)`` per output that adds text or finishes, then
+    """``("text", index, new text, new token ids, finish_reason)`` per output that adds text or finishes, then
     ``("usage", totals)``; or ``("error", body)`` if the engine failed the request mid-stream.
 
     Text is sent as the difference from what this client already has, so an engine that holds
     back a partial character (or a possible stop string) is streamed correctly. If the client
     disconnects, the generator is closed here and the requests still running are aborted.
     """
-    sent = {}
+    sent, sent_ids = {}, {}
     prompt_tokens = completion_tokens = 0
     try:
         try:
@@ -632,12 +655,16 @@ async def _stream_deltas(submission: _Submission):
                 completion = output.outputs[0]
                 delta = completion.text[sent.get(index, 0):]
                 sent[index] = len(completion.text)
+                new_ids = list(completion.token_ids[sent_ids.get(index, 0):])
+                sent_ids[index] = len(completion.token_ids)
                 finish_reason = _finish_reason(completion) if output.finished else None
                 if output.finished:
                     prompt_tokens += len(output.prompt_token_ids)
                     completion_tokens += len(completion.token_ids)
                 if delta or finish_reason:
-                    yield "text", index, delta, finish_reason
+                    yield "text", index, delta, new_ids, finish_reason
+                else:                    # text held back (a partial character): the ids wait for it
+                    sent_ids[index] -= len(new_ids)
         except Exception as exc:    # the engine failed mid-stream: say so in the stream, then [DONE]
             status, kind = getattr(exc, "http_status", 500), getattr(exc, "error_type", "internal_error")
             yield "error", error_body(str(exc), kind, getattr(exc, "param", None), status)

@@ -1,0 +1,303 @@
+"""The OpenAI-compatible server, driven by the official ``openai`` client on loopback.
+
+One server for the module, on the embedded SmolLM2 (CPU), with a small KV pool. Expected
+tokens come from ``LLM.generate`` on the same weights; every test leaves the engine idle, with
+every block back in the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from lifeofprompt.engine import LLMEngine  # noqa: E402
+from lifeofprompt.llm import LLM  # noqa: E402
+from lifeofprompt.sampling_params import SamplingParams  # noqa: E402
+from lifeofprompt.server import ServerThread  # noqa: E402
+
+MODEL = "smollm2-135m"
+NUM_BLOCKS = 64                      # 64 × 16 = 1,024 tokens: the engine's limit per request
+HI_IDS = [6004, 957, 1462, 314]      # "hi my name is"
+SUMMER = "today is a beautiful summer day"
+HELLO = [{"role": "user", "content": "hello there"}]
+
+
+@pytest.fixture(scope="module")
+def expected(smollm2):
+    """Greedy tokens from ``LLM.generate`` (its own engine and pool, the same weights)."""
+    model, tokenizer = smollm2
+    llm = LLM(model, tokenizer=tokenizer, num_kv_blocks=NUM_BLOCKS, log_stats=False)
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    hi, summer = llm.generate([HI_IDS, SUMMER], greedy, use_tqdm=False)
+    chat = llm.chat(HELLO, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    return {"hi": hi.outputs[0], "summer": summer.outputs[0], "chat": chat.outputs[0],
+            "summer_prompt_len": len(summer.prompt_token_ids), "chat_prompt_len": len(chat.prompt_token_ids)}
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    model, tokenizer = smollm2
+    engine = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=NUM_BLOCKS, max_num_seqs=8, log_stats=False)
+    with ServerThread(engine, model_name=MODEL) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def wait_idle(server, timeout: float = 60.0) -> None:
+    """Until the engine has nothing left (aborts are applied at the next step)."""
+    deadline = time.monotonic() + timeout
+    while server.engine.has_unfinished_requests() or server.engine_loop.routes:
+        assert time.monotonic() < deadline, "the engine never went idle"
+        time.sleep(0.02)
+
+
+def assert_no_leaks(server) -> None:
+    wait_idle(server)
+    engine = server.engine
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.requests and not engine.scheduler.running and not engine.scheduler.waiting
+    engine.block_manager.check_invariants([])
+
+
+# ----------------------------------------------------------------------------- the happy paths
+
+
+def test_completion_matches_llm_generate(client, server, expected):
+    response = client.completions.create(model=MODEL, prompt=HI_IDS, max_tokens=6, temperature=0,
+                                         extra_body={"return_token_ids": True})
+    choice = response.choices[0]
+    assert choice.text == expected["hi"].text
+    assert choice.model_extra["token_ids"] == expected["hi"].token_ids
+    assert choice.finish_reason == "length"
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens, response.usage.total_tokens) == (4, 6, 10)
+    assert response.object == "text_completion" and response.model == MODEL
+    assert_no_leaks(server)
+
+
+def test_completion_stream_matches_llm_generate(client, expected):
+    stream = client.completions.create(model=MODEL, prompt=SUMMER, max_tokens=6, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"return_token_ids": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    ids = [t for c in chunks if c.choices for t in c.choices[0].model_extra["token_ids"]]
+    assert text == expected["summer"].text
+    assert ids == expected["summer"].token_ids
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert len([c for c in chunks if c.choices]) >= 2, "a stream sends more than one chunk"
+    usage = chunks[-1].usage                       # the last chunk: no choices, the totals
+    assert chunks[-1].choices == []
+    assert (usage.prompt_tokens, usage.completion_tokens) == (expected["summer_prompt_len"], 6)
+
+
+def test_chat_uses_the_chat_template(client, expected):
+    response = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8, temperature=0)
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].message.content == expected["chat"].text
+    assert response.usage.prompt_tokens == expected["chat_prompt_len"]
+    assert response.usage.completion_tokens == len(expected["chat"].token_ids)
+
+
+def test_chat_stream(client, expected):
+    chunks = list(client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected["chat"].text
+    assert chunks[-1].choices[0].finish_reason == expected["chat"].finish_reason
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+
+
+def test_raw_stream_is_server_sent_events(server):
+    body = {"model": MODEL, "prompt": HI_IDS, "max_tokens": 3, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+
+
+def test_models_and_health(client, server):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].model_extra["max_model_len"] == NUM_BLOCKS * 16
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_metrics_parse_as_prometheus(client, server):
+    parser = pytest.importorskip("prometheus_client.parser")
+    client.completions.create(model=MODEL, prompt=HI_IDS, max_tokens=3, temperature=0)
+    wait_idle(server)
+    response = httpx.get(server.url + "/metrics")
+    assert response.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in parser.text_string_to_metric_families(response.text)}
+    value = lambda name: families[name].samples[0].value  # noqa: E731
+    assert value("lifeofprompt_num_requests_running") == 0
+    assert value("lifeofprompt_num_requests_waiting") == 0
+    assert value("lifeofprompt_kv_cache_blocks_total") == NUM_BLOCKS
+    assert value("lifeofprompt_kv_cache_blocks_used") == 0
+    assert 0 <= value("lifeofprompt_prefix_cache_hit_rate") <= 1
+    for name in ("lifeofprompt_time_to_first_token_seconds", "lifeofprompt_time_per_output_token_seconds"):
+        assert families[name].type == "histogram"
+        samples = {s.name: s for s in families[name].samples if s.name.endswith("_count")}
+        assert samples[name + "_count"].value >= 1
+        buckets = [s.value for s in families[name].samples if s.name.endswith("_bucket")]
+        assert buckets == sorted(buckets) and buckets[-1] == samples[name + "_count"].value
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"prompt": HI_IDS, "temperature": -1}, 400, "temperature"),
+    ({"prompt": HI_IDS, "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": HI_IDS, "max_tokens": 5000}, 413, "max_tokens"),        # prompt + max_tokens > the 1,024-token pool
+    ({"prompt": [7] * 1100}, 413, "max_tokens"),                         # the prompt alone is too long
+    ({"prompt": [10**9]}, 400, "prompt"),                                # outside the vocabulary
+    ({"prompt": ""}, 400, "prompt"),
+    ({"max_tokens": 3}, 400, "prompt"),                                  # missing field
+    ({"prompt": HI_IDS, "max_tokens": "many"}, 400, "max_tokens"),       # wrong type
+    ({"prompt": {"not": "a prompt"}}, 400, None),
+    ({"prompt": HI_IDS, "model": "gpt-4"}, 404, None),
+])
+def test_malformed_requests_get_openai_errors(server, body, status, param):
+    body = {"model": MODEL, **body}
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_openai_client_raises_typed_errors(client):
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=MODEL, prompt="hi", temperature=-0.5)
+    assert bad.value.body["type"] == "invalid_request_error" and bad.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "hi"}])
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="hi")
+
+
+def test_invalid_json_body(server):
+    response = httpx.post(server.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_full_queue_answers_503(server, client, expected):
+    """The engine thread held still: two requests wait, the third finds the queue full."""
+    engine = server.engine
+    engine.max_waiting = 2
+    server.engine_loop.pause()
+    results = {}
+
+    def ask(name):
+        try:
+            results[name] = client.completions.create(model=MODEL, prompt=HI_IDS, max_tokens=6, temperature=0).choices[0].text
+        except openai.APIStatusError as exc:
+            results[name] = exc.status_code
+
+    try:
+        waiting = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+        for t in waiting:
+            t.start()
+        deadline = time.monotonic() + 30
+        while len(server.engine_loop.routes) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(openai.InternalServerError) as full:
+            client.completions.create(model=MODEL, prompt=HI_IDS, max_tokens=6)
+        assert full.value.status_code == 503
+        assert full.value.body["type"] == "server_overloaded"
+    finally:
+        engine.max_waiting = None
+        server.engine_loop.resume()
+    for t in waiting:
+        t.join(60)
+    assert results == {0: expected["hi"].text, 1: expected["hi"].text}
+    assert_no_leaks(server)
+
+
+# ----------------------------------------------------------------------------- many clients at once
+
+
+def test_concurrent_clients_cancelled_and_malformed(server, expected):
+    """Valid, cancelled mid-stream and malformed requests all at once: every valid one completes
+    with ``LLM.generate``'s tokens, the malformed get 4xx, and no block leaks."""
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+        async def complete(prompt):
+            r = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                                extra_body={"return_token_ids": True})
+            return r.choices[0].model_extra["token_ids"]
+
+        async def stream(prompt):
+            ids = []
+            async for chunk in await client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                                               stream=True, extra_body={"return_token_ids": True}):
+                ids += chunk.choices[0].model_extra["token_ids"]
+            return ids
+
+        async def chat():
+            r = await client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8, temperature=0)
+            return r.choices[0].message.content
+
+        async def cancel_after_first_chunk():
+            response = await client.completions.create(model=MODEL, prompt="once upon a time", max_tokens=200,
+                                                       temperature=0, stream=True)
+            async for _ in response:
+                break
+            await response.close()              # the client hangs up mid-stream
+            return "cancelled"
+
+        async def malformed(body):
+            try:
+                await client.completions.create(model=MODEL, **body)
+            except openai.APIStatusError as exc:
+                return exc.status_code
+            return "accepted"
+
+        jobs = ([complete(HI_IDS), stream(HI_IDS), complete(SUMMER), stream(SUMMER), chat(), chat()]
+                + [cancel_after_first_chunk() for _ in range(3)]
+                + [malformed({"prompt": "x", "temperature": -2}), malformed({"prompt": [1] * 2000}),
+                   malformed({"prompt": "x", "top_p": 7})])
+        try:
+            return await asyncio.gather(*jobs)
+        finally:
+            await client.close()
+
+    results = asyncio.run(run())
+    hi, summer, chat = expected["hi"].token_ids, expected["summer"].token_ids, expected["chat"].text
+    assert results[:6] == [hi, hi, summer, summer, chat, chat]
+    assert results[6:9] == ["cancelled"] * 3
+    assert results[9:] == [400, 413, 400]
+    assert_no_leaks(server)
+    aborted = [line for line in httpx.get(server.url + "/metrics").text.splitlines()
+               if line.startswith('lifeofprompt_request_success_total{finished_reason="abort"}')]
+    assert aborted and float(aborted[0].split()[-1]) >= 3
+
+
+def test_disconnect_frees_blocks_while_others_run(server, expected):
+    """A long stream dropped after one chunk gives its blocks back; a request beside it is unaffected."""
+    body = {"model": MODEL, "prompt": "tell me a long story", "max_tokens": 300, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                break
+        assert server.engine.block_manager.num_used_blocks > 0
+    other = httpx.post(server.url + "/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": HI_IDS, "max_tokens": 6, "temperature": 0}).json()
+    assert other["choices"][0]["text"] == expected["hi"].text
+    assert_no_leaks(server)

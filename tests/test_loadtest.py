@@ -1,0 +1,164 @@
+"""The load tester against the in-process server: small, bounded runs on the embedded model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from lifeofprompt import arrivals, metrics  # noqa: E402
+from lifeofprompt.cli import main  # noqa: E402
+from lifeofprompt.engine import LLMEngine  # noqa: E402
+from lifeofprompt.errors import InvalidRequestError  # noqa: E402
+from lifeofprompt.loadtest import LoadTestConfig, make_prompts, parse_length, run_loadtest, waiting_over_time  # noqa: E402
+from lifeofprompt.server import ServerThread  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    model, tokenizer = smollm2
+    engine = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=64, max_num_seqs=4, log_stats=False)
+    with ServerThread(engine, model_name="smollm2-135m") as running:
+        yield running
+
+
+def assert_idle_and_clean(server):
+    engine = server.engine
+    assert not engine.requests
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+# ----------------------------------------------------------------------------- the workload
+
+
+def test_prompts_and_lengths_are_seeded():
+    config = LoadTestConfig(arrival="all_at_once", num_requests=5, prompt_len=(3, 9), output_len=(2, 4), seed=7)
+    prompts, output_lens = make_prompts(config)
+    again, again_lens = make_prompts(config)
+    assert prompts == again and output_lens == again_lens
+    assert [len(p) for p in prompts] == arrivals.sample_lengths(5, (3, 9), seed=8)
+    assert output_lens == arrivals.sample_lengths(5, (2, 4), seed=9)
+    assert all(1000 <= t < 30000 for p in prompts for t in p)
+    other, _ = make_prompts(LoadTestConfig(arrival="all_at_once", num_requests=5, prompt_len=(3, 9), seed=8))
+    assert other != prompts
+    words, _ = make_prompts(LoadTestConfig(arrival="all_at_once", num_requests=2, prompt_len=6, prompt_kind="text"))
+    assert all(isinstance(w, str) and len(w.split()) == 6 for w in words)
+
+
+def test_lengths_and_config_are_validated():
+    assert parse_length("32") == 32 and parse_length("16:64") == (16, 64)
+    with pytest.raises(InvalidRequestError):
+        parse_length("lots")
+    with pytest.raises(InvalidRequestError):
+        LoadTestConfig(arrival="poisson", rate=None)
+    with pytest.raises(InvalidRequestError):
+        LoadTestConfig(arrival="closed_loop", num_clients=0)
+    with pytest.raises(InvalidRequestError):
+        LoadTestConfig(endpoint="chat", prompt_kind="ids", arrival="all_at_once")
+
+
+# ----------------------------------------------------------------------------- against the server
+
+
+def test_closed_loop_keeps_at_most_n_in_flight(server):
+    result = run_loadtest(url=server.url + "/v1", arrival="closed_loop", num_clients=2, num_requests=5,
+                          prompt_len=(4, 8), output_len=(2, 4), seed=1)
+    _, output_lens = make_prompts(result.config)
+    prompts, _ = make_prompts(result.config)
+    assert [r.index for r in result.records] == [0, 1, 2, 3, 4]
+    assert all(r.error is None and r.status == 200 for r in result.records)
+    assert [r.num_output_tokens for r in result.records] == output_lens       # ignore_eos: every request runs to its length
+    assert [r.num_prompt_tokens for r in result.records] == [len(p) for p in prompts]
+    for r in result.records:
+        assert r.arrival_time < r.first_token_time <= r.finished_time
+        assert 1 <= len(r.token_times) <= r.num_output_tokens
+    for r in result.records:                     # a client sends its next request only after its last one finished
+        overlapping = sum(o.arrival_time <= r.arrival_time < o.finished_time for o in result.records)
+        assert overlapping <= 2
+    assert result.summary["completed"] == 5 and result.summary["failed"] == 0
+    assert result.summary["output_tokens"] == sum(output_lens)
+    assert result.num_not_sent == 0
+    assert_idle_and_clean(server)
+
+
+def test_poisson_follows_the_seeded_schedule_and_metrics_summarize(server):
+    config = LoadTestConfig(url=server.url + "/v1", arrival="poisson", rate=8.0, num_requests=6,
+                            prompt_len=4, output_len=3, seed=3)
+    result = run_loadtest(config)
+    schedule = arrivals.poisson(6, 8.0, seed=3).send_times()
+    sent = [r.arrival_time - result.start_time for r in result.records]
+    assert all(s >= t - 1e-3 for s, t in zip(sent, schedule)), "never sent before its Poisson time"
+    assert sorted(sent) == sent
+    ok = result.records
+    assert all(r.error is None for r in ok)
+    # the summary is lifeofprompt.metrics' own, over these records
+    recomputed = metrics.summarize(ok, duration=result.duration)
+    assert json.dumps(result.summary, sort_keys=True) == json.dumps(recomputed, sort_keys=True)   # NaN-aware
+    assert result.summary["ttft_s"] == metrics.percentiles(metrics.ttft(r) for r in ok)
+    assert result.summary["tpot_s"]["p99"] == metrics.percentiles(metrics.tpot(r) for r in ok)["p99"]
+    assert result.summary["achieved_arrival_rate"] == metrics.achieved_arrival_rate(ok)
+    times, waiting = waiting_over_time(result)
+    assert len(times) == len(waiting) and waiting.max() >= 1 and waiting[-1] == 0
+    assert_idle_and_clean(server)
+
+
+def test_json_output_schema(server, tmp_path):
+    path = tmp_path / "run.json"
+    code = main(["loadtest", "--url", server.url + "/v1", "--clients", "2", "--num-requests", "3",
+                 "--prompt-len", "4", "--output-len", "2:3", "--json", str(path)])
+    assert code == 0
+    doc = json.loads(path.read_text())
+    assert doc["schema"] == "lifeofprompt.loadtest/1"
+    assert set(doc) == {"schema", "config", "client", "pattern", "num_not_sent", "summary", "requests"}
+    assert doc["config"]["arrival"] == "closed_loop" and doc["config"]["num_clients"] == 2
+    assert doc["config"]["output_len"] == [2, 3] and "api_key" not in doc["config"]
+    assert doc["pattern"] == "3 requests from a closed loop of 2 clients"
+    assert {"machine", "torch", "device"} <= set(doc["client"])
+    summary = doc["summary"]
+    for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        assert set(summary[key]) == {"mean", "p50", "p90", "p99"}
+        assert summary[key]["p50"] <= summary[key]["p90"] <= summary[key]["p99"]
+    assert summary["completed"] == 3 and summary["queue_s"]["p50"] is None    # the client cannot see the queue: null, not NaN
+    assert len(doc["requests"]) == 3
+    request = doc["requests"][0]
+    assert set(request) == {"index", "status", "error", "arrival_time", "first_token_time", "finished_time", "token_times",
+                            "num_prompt_tokens", "num_output_tokens", "ttft_s", "tpot_s", "e2e_s"}
+    assert request["ttft_s"] == pytest.approx(request["first_token_time"] - request["arrival_time"])
+    assert request["num_prompt_tokens"] == 4 and request["num_output_tokens"] in (2, 3)
+
+
+def test_chat_endpoint_with_text_prompts(server):
+    result = run_loadtest(url=server.url + "/v1", endpoint="chat", prompt_kind="text", arrival="all_at_once",
+                          num_requests=2, prompt_len=3, output_len=3)
+    assert [r.error for r in result.records] == [None, None]
+    assert [r.num_output_tokens for r in result.records] == [3, 3]
+    assert all(r.num_prompt_tokens > 3 for r in result.records)    # the chat template adds its own tokens
+
+
+def test_errors_are_counted_not_raised(server):
+    result = run_loadtest(url=server.url + "/v1", model="no-such-model", arrival="all_at_once", num_requests=2,
+                          prompt_len=4, output_len=2)
+    assert [r.status for r in result.records] == [404, 404]
+    assert all(r.error.startswith("HTTP 404") for r in result.records)
+    assert result.summary["completed"] == 0 and result.summary["failed"] == 2
+    json.loads(result.to_json())                   # NaN summaries still make valid JSON
+
+
+def test_stops_by_itself_at_the_time_limit(server):
+    """A Poisson run far longer than its limit: later requests are never sent, those in flight are cancelled."""
+    result = run_loadtest(url=server.url + "/v1", arrival="poisson", rate=4.0, num_requests=40,
+                          prompt_len=4, output_len=400, max_duration=0.8, seed=0)
+    schedule = arrivals.poisson(40, 4.0, seed=0).send_times()
+    assert result.num_not_sent == 40 - sum(t < 0.8 for t in schedule) == 35
+    assert len(result.records) + result.num_not_sent == 40
+    assert all(r.error == "cancelled: the time limit came first" for r in result.records)
+    server_loop = server.engine_loop
+    import time
+    deadline = time.monotonic() + 60
+    while server.engine.has_unfinished_requests() or server_loop.routes:     # the cancelled streams were aborted
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert_idle_and_clean(server)

@@ -1,0 +1,96 @@
+"""The public API with vLLM's conventions: ``LLM.generate`` / ``stream`` / ``chat`` and their validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from lifeofprompt import LLM, RequestOutput, SamplingParams
+from lifeofprompt.errors import InvalidRequestError, RequestTooLargeError
+
+STORY = ["hi my name is", "today is a beautiful summer day", "hello there"]
+GREEDY3 = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2):
+    model, tokenizer = smollm2
+    return LLM(model, tokenizer=tokenizer, num_kv_blocks=16, log_stats=False, check_invariants=True)
+
+
+def test_defaults_follow_vllm():
+    p = SamplingParams()
+    assert (p.temperature, p.max_tokens, p.ignore_eos, p.stop, p.seed, p.top_p, p.top_k) == (1.0, 16, False, [], None, 1.0, -1)
+
+
+def test_generate_text_and_token_prompts_in_order(llm, story_ids):
+    outs = llm.generate([STORY[2], story_ids[0], STORY[1]], GREEDY3)
+    assert all(isinstance(o, RequestOutput) and o.finished for o in outs)
+    assert [o.prompt for o in outs] == [STORY[2], None, STORY[1]]
+    assert [o.prompt_token_ids for o in outs] == [story_ids[2], story_ids[0], story_ids[1]]
+    assert [o.outputs[0].token_ids for o in outs] == [[506, 787, 737], [2026, 365, 10905], [281, 260, 216]]
+    assert [o.outputs[0].text for o in outs] == ["'s no need", "... (pa", " in the "]
+    assert {o.outputs[0].finish_reason for o in outs} == {"length"}
+    m = outs[0].metrics
+    assert m.num_prompt_tokens == 2 and len(m.token_times) == 3 and m.finished_time >= m.first_token_time
+    single = llm.generate(STORY[2], GREEDY3)            # one string -> a list of one
+    assert len(single) == 1 and single[0].outputs[0].token_ids == [506, 787, 737]
+    assert single[0].num_cached_tokens == 0             # 2 tokens: less than a block, nothing to reuse
+
+
+def test_one_sampling_params_per_prompt(llm):
+    outs = llm.generate(STORY[:2], [SamplingParams(temperature=0, max_tokens=1), GREEDY3])
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 3]
+
+
+@pytest.mark.parametrize("prompts, params, error, index", [
+    (["ok", ""], None, InvalidRequestError, 1),
+    (["ok", 7], None, InvalidRequestError, 1),
+    ([[1, 2], [1, 49152]], None, InvalidRequestError, 1),
+    (["ok", "ok", "ok"], [GREEDY3, GREEDY3, "greedy"], InvalidRequestError, 2),
+    (["ok", list(range(300))], None, RequestTooLargeError, 1),
+])
+def test_every_request_is_checked_before_any_work(llm, prompts, params, error, index):
+    steps = llm.engine.scheduler.num_steps
+    with pytest.raises(error) as info:
+        llm.generate(prompts, params)
+    assert info.value.index == index and f"request {index}" in str(info.value)
+    assert not llm.engine.has_unfinished_requests() and llm.engine.scheduler.num_steps == steps
+
+
+def test_invalid_sampling_values_and_mismatched_lists(llm):
+    bad = SamplingParams(temperature=0)
+    bad.max_tokens = 0                                   # made valid, then broken: generate re-checks
+    with pytest.raises(InvalidRequestError, match="request 0: max_tokens"):
+        llm.generate("ok", bad)
+    with pytest.raises(InvalidRequestError, match="2 sampling_params for 3 prompts"):
+        llm.generate(STORY, [GREEDY3, GREEDY3])
+
+
+def test_stream_yields_deltas_that_add_up(llm):
+    pieces: dict[str, list[str]] = {}
+    finals = {}
+    for out in llm.stream(STORY[1:], GREEDY3):
+        pieces.setdefault(out.request_id, []).append(out.outputs[0].new_text)
+        if out.finished:
+            finals[out.request_id] = out.outputs[0].text
+    assert sorted(finals.values()) == sorted([" in the ", "'s no need"])
+    assert all("".join(pieces[rid]) == text for rid, text in finals.items())
+
+
+def test_stream_closed_early_aborts_the_rest(llm):
+    stream = llm.stream(STORY[0], SamplingParams(temperature=0, max_tokens=50))
+    first = next(stream)
+    assert first.outputs[0].new_token_ids == [2026]
+    stream.close()
+    assert not llm.engine.has_unfinished_requests() and llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_chat_applies_the_template(llm):
+    conversation = [{"role": "user", "content": "What is 2+2?"}]
+    prompt = llm.apply_chat_template(conversation)
+    assert prompt["prompt"].endswith("<|im_start|>assistant\n")
+    (out,) = llm.chat(conversation, SamplingParams(temperature=0, max_tokens=4))
+    assert out.prompt_token_ids == prompt["prompt_token_ids"]
+    assert out.outputs[0].text == "The answer to this"
+    with pytest.raises(InvalidRequestError):
+        llm.chat([{"content": "no role"}])

@@ -148,10 +148,11 @@ def _num_sms(device_index: int) -> int:
 
 
 def launch_plan(query: torch.Tensor, num_kv_heads: int, num_seqs: int, max_query_len: int, max_seq_len: int,
-                num_kv_splits: int | None = None, tile_n: int | None = None) -> tuple[TileConfig, tuple, int]:
+                num_kv_splits: int | None = None, tile_n: int | None = None,
+                block_m: int | None = None) -> tuple[TileConfig, tuple, int]:
     """Tiles, grid and number of KV splits, from shapes and Python ints only (no host sync)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
-    config = choose_tiles(num_heads, num_kv_heads, head_dim, max_query_len, tile_n=tile_n)
+    config = choose_tiles(num_heads, num_kv_heads, head_dim, max_query_len, tile_n=tile_n, block_m=block_m)
     q_tiles = cdiv(max(1, max_query_len), config.block_q)
     if num_kv_splits is None:
         num_sms = _num_sms(query.device.index or 0) if query.is_cuda else None
@@ -164,7 +165,8 @@ def launch_plan(query: torch.Tensor, num_kv_heads: int, num_seqs: int, max_query
 def paged_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     max_query_len: int, max_seq_len: int, scale: float,
-                    num_kv_splits: int | None = None, tile_n: int | None = None) -> torch.Tensor:
+                    num_kv_splits: int | None = None, tile_n: int | None = None, block_m: int | None = None,
+                    num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """Causal GQA attention of query rows ``[T, heads, head_dim]`` over the paged pool -> ``[T, heads, head_dim]``.
 
     Same contract as ``lifeofprompt.paged_attention.paged_attention``. ``num_kv_splits``
@@ -172,6 +174,8 @@ def paged_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     decide from the grid size and ``max_seq_len``. Grid sizes come from tensor shapes and the
     Python ints ``max_query_len``/``max_seq_len`` only, never from tensor values, so decode
     steps can be captured in CUDA graphs (with ``num_kv_splits`` fixed per graph).
+    ``tile_n``, ``block_m``, ``num_warps`` and ``num_stages`` override the tuned defaults
+    (benchmarks and tests).
     """
     num_rows, num_heads, head_dim = query.shape
     num_kv_heads = k_pool.shape[2]
@@ -184,7 +188,9 @@ def paged_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     out = torch.empty(num_rows, num_heads, head_dim, dtype=query.dtype, device=query.device)
     if num_rows == 0 or num_seqs == 0:
         return out
-    config, grid, splits = launch_plan(query, num_kv_heads, num_seqs, max_query_len, max_seq_len, num_kv_splits, tile_n)
+    config, grid, splits = launch_plan(query, num_kv_heads, num_seqs, max_query_len, max_seq_len, num_kv_splits,
+                                       tile_n, block_m)
+    launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
     if splits > 1:
         partial_acc = torch.empty(num_rows, num_heads, splits, config.head_dim_padded, dtype=torch.float32,
                                   device=query.device)
@@ -202,7 +208,7 @@ def paged_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
         block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=config.group, HEAD_DIM=head_dim, HEAD_DIM_PADDED=config.head_dim_padded,
         BLOCK_SIZE=k_pool.shape[1], BLOCK_M=config.block_m, BLOCK_Q=config.block_q, TILE_N=config.tile_n,
-        NUM_SPLITS=splits,
+        NUM_SPLITS=splits, **launch,
     )
     if splits > 1:
         reduce_splits_kernel[(num_rows, num_heads)](

@@ -171,7 +171,8 @@ class Scheduler:
             break                                   # seq preempted itself: it was the last one
 
         # 2. waiting requests, in order, while there is room (not in a step that had to preempt)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not record.preempted:
+        admitting = self.admission_open()
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not record.preempted and admitting:
             seq = self.waiting[0]
             counters = (bm.hits, bm.misses, bm.saved_tokens)
             cached = bm.claim_cached_prefix(seq)
@@ -195,6 +196,10 @@ class Scheduler:
         record.num_running = len(self.running)
         record.num_free_blocks = bm.num_free_blocks
         return record
+
+    def admission_open(self) -> bool:
+        """Whether this step may admit waiting requests (continuous batching: always)."""
+        return True
 
     def _add_to_step(self, record: StepRecord, seq: Sequence, n: int, cached: int) -> None:
         start = seq.num_computed_tokens

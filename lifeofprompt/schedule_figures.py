@@ -1,0 +1,218 @@
+"""Pictures of a schedule: Gantt timelines (static vs continuous), and the interactive panel of notebook 07.
+
+Every picture is drawn from the same two things the engine and the simulator both leave
+behind: the ``StepRecord`` of each step (who ran, what kind of work, when) and each request's
+arrival and finish times. One row per request; time runs left to right:
+
+* light grey — waiting in the queue (hatched: waiting again after being preempted);
+* orange — prompt tokens computed (a whole prompt, or a chunk of one); red — recomputed after preemption;
+* blue — decode steps, one token each;
+* white with grey hatching — static batching only: finished, but its seat stays empty until the
+  longest request of its batch is done.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from .metrics import summarize
+
+COLORS = {"prefill": "tab:orange", "prefill chunk": "#f7b267", "recompute": "tab:red", "decode": "tab:blue",
+          "waiting": "#d9d9d9", "preempted": "#d9d9d9", "idle seat": "white"}
+
+
+@dataclass
+class RequestSpans:
+    request_id: str
+    arrival: float
+    finish: float | None
+    spans: list[tuple[float, float, str]] = field(default_factory=list)   # (start, end, kind), merged
+
+
+def build_spans(steps, arrivals: dict[str, float], finishes: dict[str, float], static: bool = False,
+                t0: float | None = None) -> list[RequestSpans]:
+    """Per request, its coloured spans from the step records; times shifted so ``t0`` is 0."""
+    t0 = min(arrivals.values()) if t0 is None else t0
+    rows = {rid: RequestSpans(rid, a - t0, (finishes.get(rid) - t0) if finishes.get(rid) is not None else None)
+            for rid, a in arrivals.items()}
+    runs: dict[str, list] = {rid: [] for rid in rows}
+    preempted_at: dict[str, list[float]] = {rid: [] for rid in rows}
+    batches: list[list[str]] = []
+    for rec in steps:
+        start, end = rec.start_time - t0, rec.end_time - t0
+        for r in rec.scheduled:
+            if r.request_id in runs:
+                runs[r.request_id].append((start, end, r.kind))
+        for rid in rec.preempted:
+            if rid in preempted_at:
+                preempted_at[rid].append(start)
+        if static and rec.admitted:
+            batches.append(list(rec.admitted))
+    for rid, row in rows.items():
+        merged: list[list] = []
+        for start, end, kind in runs[rid]:
+            if merged and merged[-1][2] == kind and abs(merged[-1][1] - start) < 1e-9:
+                merged[-1][1] = end
+            else:
+                merged.append([start, end, kind])
+        first = merged[0][0] if merged else row.finish
+        if first is not None and first > row.arrival:
+            row.spans.append((row.arrival, first, "waiting"))
+        for p in preempted_at[rid]:
+            back = next((s for s, _, _ in merged if s >= p), None)
+            if back is not None and back > p:
+                row.spans.append((p, back, "preempted"))
+        row.spans.extend(tuple(m) for m in merged)
+    for batch in batches:
+        ends = [rows[rid].finish for rid in batch if rid in rows and rows[rid].finish is not None]
+        if not ends:
+            continue
+        batch_end = max(ends)
+        for rid in batch:
+            row = rows.get(rid)
+            if row is not None and row.finish is not None and row.finish < batch_end:
+                row.spans.append((row.finish, batch_end, "idle seat"))
+    return sorted(rows.values(), key=lambda r: (r.arrival, int(r.request_id[1:]) if r.request_id[1:].isdigit() else 0))
+
+
+def spans_from_engine(engine, outputs, static: bool = False) -> list[RequestSpans]:
+    """Spans of finished ``RequestOutput``s from an engine's step records (times from the first arrival)."""
+    arrivals = {o.request_id: o.metrics.arrival_time for o in outputs}
+    finishes = {o.request_id: o.metrics.finished_time for o in outputs}
+    return build_spans(list(engine.step_records), arrivals, finishes, static)
+
+
+def spans_from_sim(result, static: bool | None = None) -> list[RequestSpans]:
+    arrivals = {f"r{i}": t.arrival_time for i, t in enumerate(result.timings)}
+    finishes = {f"r{i}": t.finished_time for i, t in enumerate(result.timings)}
+    return build_spans(result.steps, arrivals, finishes, result.policy == "static" if static is None else static, t0=0.0)
+
+
+# ----------------------------------------------------------------------------- drawing
+
+
+def plot_gantt(rows: list[RequestSpans], ax=None, title: str = "", max_rows: int = 40, legend: bool = True):
+    """One bar row per request (the first ``max_rows`` by arrival); returns the axes."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 0.3 * min(len(rows), max_rows) + 1.5))
+    shown = rows[:max_rows]
+    for y, row in enumerate(shown):
+        for start, end, kind in row.spans:
+            hatch = "///" if kind in ("idle seat", "preempted") else None
+            ax.broken_barh([(start, max(end - start, 1e-9))], (y - 0.4, 0.8), facecolors=COLORS[kind],
+                           edgecolor="grey" if hatch else "none", hatch=hatch, linewidth=0.3)
+        ax.plot([row.arrival], [y], marker="|", color="black", markersize=7)
+    ax.set_yticks(range(len(shown)))
+    ax.set_yticklabels([r.request_id for r in shown], fontsize=7)
+    ax.set_ylim(len(shown) - 0.5, -0.5)
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("request")
+    ax.set_title(title + (f" (first {max_rows} of {len(rows)} requests)" if len(rows) > max_rows else ""))
+    ax.grid(True, axis="x", alpha=0.3)
+    if legend:
+        kinds = sorted({k for r in shown for _, _, k in r.spans}, key=list(COLORS).index)
+        ax.legend([Patch(facecolor=COLORS[k], edgecolor="grey", hatch="///" if k in ("idle seat", "preempted") else None)
+                   for k in kinds], kinds, fontsize=7, loc="upper left", bbox_to_anchor=(1.005, 1.0), framealpha=0.9)
+    return ax
+
+
+def summary_line(timings) -> str:
+    s = summarize(timings)
+    return (f"{s['output_throughput']:.1f} output tok/s, TTFT p50 {s['ttft_s']['p50']:.2f} s, "
+            f"p99 {s['ttft_s']['p99']:.2f} s, finished after {s['duration_s']:.2f} s")
+
+
+def plot_static_vs_continuous(static_rows, continuous_rows, static_timings, continuous_timings, max_rows: int = 40,
+                              suptitle: str = "Static against continuous batching, same requests"):
+    """Two Gantt charts on one time axis, each titled with its throughput and TTFT."""
+    import matplotlib.pyplot as plt
+
+    n = min(max(len(static_rows), 1), max_rows)
+    fig, axes = plt.subplots(2, 1, figsize=(10, 0.5 * n + 3), sharex=True)
+    plot_gantt(static_rows, axes[0], "static: " + summary_line(static_timings), max_rows)
+    plot_gantt(continuous_rows, axes[1], "continuous: " + summary_line(continuous_timings), max_rows, legend=False)
+    for ax in axes:
+        ax.title.set_fontsize(9)
+    fig.suptitle(suptitle)
+    fig.tight_layout()
+    return fig
+
+
+# ----------------------------------------------------------------------------- the interactive panel
+
+
+class SchedulePanel:
+    """Sliders → simulator → timeline + throughput / TTFT p50 / p99. ``update`` is the whole callback."""
+
+    def __init__(self, machine=None, num_requests: int = 120, prompt_lens=(16, 128), output_lens=(8, 64),
+                 seed: int = 0, max_rows: int = 30):
+        from .simulator import random_workload
+
+        self.machine = machine
+        self.workload = random_workload(num_requests, prompt_lens, output_lens, seed)
+        self.seed = seed
+        self.max_rows = max_rows
+        self._run = lru_cache(maxsize=64)(self._simulate)
+
+    def _simulate(self, max_num_seqs: int, rate: float, num_blocks: int, budget: int):
+        from .arrivals import poisson
+        from .simulator import Simulator
+
+        sim = Simulator(machine=self.machine, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=budget)
+        return sim.run(self.workload, poisson(len(self.workload), rate, self.seed), seed=self.seed)
+
+    def simulate(self, max_num_seqs: int = 16, rate: float = 1.0, num_blocks: int = 256, budget: int = 512):
+        return self._run(int(max_num_seqs), float(rate), int(num_blocks), int(budget))
+
+    def summary(self, max_num_seqs: int = 16, rate: float = 1.0, num_blocks: int = 256, budget: int = 512) -> str:
+        r = self.simulate(max_num_seqs, rate, num_blocks, budget)
+        s = r.summary
+        return (f"max_num_seqs={int(max_num_seqs)}, {float(rate):g} req/s, {int(num_blocks)} blocks, budget {int(budget)}: "
+                f"throughput {s['output_throughput']:.1f} tok/s, TTFT p50 {s['ttft_s']['p50']:.2f} s, "
+                f"p99 {s['ttft_s']['p99']:.2f} s, {r.num_preemptions} preemptions, {s['failed']} rejected")
+
+    def figure(self, max_num_seqs: int = 16, rate: float = 1.0, num_blocks: int = 256, budget: int = 512):
+        import matplotlib.pyplot as plt
+
+        r = self.simulate(max_num_seqs, rate, num_blocks, budget)
+        rows = spans_from_sim(r)
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 0.22 * self.max_rows + 2.2), gridspec_kw={"width_ratios": [3, 1]})
+        plot_gantt(rows, ax, f"simulated schedule, max_num_seqs={int(max_num_seqs)}, {float(rate):g} req/s", self.max_rows)
+        ax.title.set_fontsize(9)
+        running = [(rec.start_time, len(rec.scheduled)) for rec in r.steps]
+        ax2.step([t for t, _ in running], [n for _, n in running], where="post", color="tab:blue", linewidth=0.8)
+        ax2.axhline(int(max_num_seqs), color="grey", linestyle=":", label="max_num_seqs")
+        ax2.set_xlabel("time (s)")
+        ax2.set_ylabel("sequences in the step")
+        ax2.set_title("batch size over time", fontsize=9)
+        ax2.legend(fontsize=7)
+        fig.suptitle(self.summary(max_num_seqs, rate, num_blocks, budget), fontsize=9)
+        fig.tight_layout()
+        return fig
+
+    def update(self, max_num_seqs: int = 16, rate: float = 1.0, num_blocks: int = 256, budget: int = 512):
+        """The callback: draw the figure and print the summary (what the widget shows)."""
+        import matplotlib.pyplot as plt
+
+        fig = self.figure(max_num_seqs, rate, num_blocks, budget)
+        plt.show()
+        text = self.summary(max_num_seqs, rate, num_blocks, budget)
+        print(text)
+        return text
+
+    def widget(self):
+        import ipywidgets as w
+
+        sliders = dict(
+            max_num_seqs=w.IntSlider(16, min=1, max=64, description="max seqs", continuous_update=False),
+            rate=w.FloatSlider(1.0, min=0.1, max=4.0, step=0.1, description="req/s", continuous_update=False),
+            num_blocks=w.IntSlider(256, min=16, max=1024, step=16, description="KV blocks", continuous_update=False),
+            budget=w.IntSlider(512, min=32, max=2048, step=32, description="token budget", continuous_update=False),
+        )
+        out = w.interactive_output(self.update, sliders)
+        return w.VBox([w.HBox(list(sliders.values())[:2]), w.HBox(list(sliders.values())[2:]), out])

@@ -101,6 +101,9 @@ class ModelRunner:
         if enforce_eager is None:
             enforce_eager = self.device.type != "cuda" or self.backend != "triton"
         self.enforce_eager = enforce_eager
+        # Run decode steps through the graphs' padded static buffers even without graphs: the same
+        # computation a graph replays, eagerly (to compare graph against eager, and test on the CPU).
+        self.pad_decode_eagerly = False
         self.graph_sizes = graph_batch_sizes(max_num_seqs)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if not enforce_eager:
@@ -196,7 +199,10 @@ class ModelRunner:
     def forward(self, seqs: list[Sequence], num_scheduled_tokens: list[int]) -> torch.Tensor:
         """Logits ``[sequences that sample, vocab]`` of one step: graph replay for decode, else eager."""
         if self.is_decode(seqs, num_scheduled_tokens):
-            size = padded_batch_size(len(seqs), self.graph_sizes) if self.graphs else None
+            padded = self.graphs or self.pad_decode_eagerly
+            size = padded_batch_size(len(seqs), self.graph_sizes) if padded else None
+            if size is not None and not self.graphs:
+                return self.run_static_decode(seqs, size)
             if size is not None:
                 self.fill_static_decode(seqs, size)
                 graph, logits = self.graphs[size]

@@ -1,0 +1,517 @@
+"""The GPU issue's checks and measurements, one step per call (``benchmarks/gpu_run.sh`` runs them all).
+
+    python3 benchmarks/gpu_check.py STEP --work DIR [--cpu-dry-run]
+
+Steps: ``env``, ``machine``, ``kernel``, ``decode``, ``ours``, ``peer``, ``story``, ``summary``.
+Each writes ``DIR/STEP.json``; ``summary`` merges them into ``$OUT/gpu_results.json``, draws the
+plots and prints the table. Each step runs in its own process under ``timeout`` so one crash
+or hang (a CUDA error poisons its process) costs only that step.
+
+Model: TinyLlama-1.1B shapes in bf16 with RANDOM weights (``tinyllama-1.1b-random``) — fine for
+speed and kernel correctness, meaningless as text; every result says so. ``--cpu-dry-run``
+runs the same code on the CPU with a tiny random Llama and tiny sizes, to flush out bugs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import bench_engine as bench  # noqa: E402
+
+RANDOM_LABEL = "tinyllama-1.1b-random: TinyLlama-1.1B shapes, bf16, RANDOM WEIGHTS (speed only; text meaningless)"
+STORY = ["hi my name is", "today is a beautiful summer day", "hello there"]
+
+
+# ----------------------------------------------------------------------------- set-up
+
+
+def dry(args) -> bool:
+    return args.cpu_dry_run
+
+
+def device_of(args) -> str:
+    return "cpu" if dry(args) else "cuda"
+
+
+def build_model(args):
+    """(model, tokenizer, label): the random TinyLlama on the GPU, a tiny random Llama in a dry run."""
+    from lifeofprompt.loader import ByteTokenizer, random_tinyllama
+
+    if not dry(args):
+        model = random_tinyllama("cuda", torch.bfloat16)
+        return model, ByteTokenizer(model.config.vocab_size), RANDOM_LABEL
+    from dataclasses import replace
+
+    from lifeofprompt.config import TINYLLAMA_1_1B
+    from lifeofprompt.model import LlamaForCausalLM
+
+    config = replace(TINYLLAMA_1_1B, name="tiny-random (dry run)", vocab_size=10240, hidden_size=128,
+                     intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                     max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0, 0.02) if not name.endswith("norm.weight") else p.fill_(1.0)
+    model.is_random = True
+    model.source = "tiny random Llama (CPU dry run)"
+    return model.eval(), ByteTokenizer(config.vocab_size), "tiny random Llama, fp32, CPU DRY RUN"
+
+
+def median_time(fn, device: str, reps: int = 20) -> float:
+    """Median seconds of ``fn``: triton's do_bench on a GPU, wall clock on the CPU."""
+    if device == "cuda":
+        from triton.testing import do_bench
+        try:
+            return do_bench(fn, warmup=10, rep=100, return_mode="median") / 1e3
+        except TypeError:
+            return do_bench(fn, warmup=10, rep=100, quantiles=[0.5])[0] / 1e3
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def load_part(args, name: str) -> dict:
+    path = Path(args.work) / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def machine_from_parts(args):
+    from lifeofprompt.roofline import Machine
+
+    m = load_part(args, "machine")
+    if "copy_bandwidth" not in m:
+        return None
+    return Machine(name=m.get("device", "?"), bandwidth=m["copy_bandwidth"], flops=m["matmul_flops"])
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+def step_env(args) -> dict:
+    from lifeofprompt import env_info
+
+    out = {"env": env_info(), "dry_run": dry(args)}
+    if not dry(args):
+        props = torch.cuda.get_device_properties(0)
+        out["gpu"] = dict(name=props.name, total_memory=props.total_memory, sms=props.multi_processor_count,
+                          capability=f"{props.major}.{props.minor}")
+        try:
+            out["nvidia_smi"] = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=20).stdout
+        except Exception as exc:       # noqa: BLE001
+            out["nvidia_smi"] = repr(exc)
+        print(out["nvidia_smi"])
+    print(json.dumps(out["env"], indent=1))
+    return out
+
+
+def step_machine(args) -> dict:
+    """Device copy bandwidth (bytes read + written) and bf16 matmul rate, by median."""
+    device = device_of(args)
+    nbytes = (64 << 20) if dry(args) else (1 << 30)
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    copy_s = median_time(lambda: dst.copy_(src), device)
+    n = 512 if dry(args) else 8192
+    a = torch.randn(n, n, device=device).to(torch.bfloat16)
+    b = torch.randn(n, n, device=device).to(torch.bfloat16)
+    mm_s = median_time(lambda: a @ b, device, reps=3)
+    out = dict(device=torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+               copy_bytes=2 * nbytes, copy_s=copy_s, copy_bandwidth=2 * nbytes / copy_s,
+               matmul_n=n, matmul_s=mm_s, matmul_flops=2 * n**3 / mm_s)
+    print(f"copy bandwidth {out['copy_bandwidth'] / 1e9:.0f} GB/s; bf16 matmul {out['matmul_flops'] / 1e12:.1f} TFLOP/s")
+    return out
+
+
+def paged_case(batch: int, context: int, device, dtype, num_heads=32, num_kv_heads=4, head_dim=64, block_size=16):
+    """A decode batch over a shuffled paged pool, and the same keys as a contiguous cache."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    blocks_per_seq = math.ceil(context / block_size)
+    num_blocks = batch * blocks_per_seq
+    k_pool = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(device, dtype)
+    v_pool = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(device, dtype)
+    order = torch.randperm(num_blocks, generator=g)
+    block_tables = order.view(batch, blocks_per_seq).to(torch.int32).to(device)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    query = torch.randn(batch, num_heads, head_dim, generator=g).to(device, dtype)
+    return dict(query=query, k_pool=k_pool, v_pool=v_pool, block_tables=block_tables, seq_lens=seq_lens,
+                query_start_loc=query_start_loc, max_query_len=1, max_seq_len=context, scale=head_dim ** -0.5)
+
+
+def step_kernel(args) -> dict:
+    """Paged attention at batch 64 × 4,096 (dry: 2 × 64) vs copy bandwidth and vs SDPA; 1 × 32k with/without split."""
+    from lifeofprompt.kernels import paged_attention
+    from lifeofprompt.paged_attention import paged_attention as torch_paged
+
+    device = device_of(args)
+    dtype = torch.float32 if dry(args) else torch.bfloat16
+    machine = load_part(args, "machine")
+    out = {}
+    for label, batch, context in (("b64x4096", 2, 64) if dry(args) else ("b64x4096", 64, 4096),):
+        case = paged_case(batch, context, device, dtype)
+        kv_bytes = 2 * batch * context * case["k_pool"].shape[2] * case["k_pool"].shape[3] * case["k_pool"].element_size()
+        ours = paged_attention(**case)
+        ref = torch_paged(**case)
+        err = (ours.float() - ref.float()).abs().max().item()
+        t = median_time(lambda: paged_attention(**case), device, reps=3)
+        # SDPA over a contiguous cache of the same lengths: [B, kv_heads, L, D], GQA by repeat.
+        k = case["k_pool"][case["block_tables"].long()].flatten(1, 2).transpose(1, 2).contiguous()
+        v = case["v_pool"][case["block_tables"].long()].flatten(1, 2).transpose(1, 2).contiguous()
+        q = case["query"][:, :, None, :]
+        group = q.shape[1] // k.shape[1]
+        try:
+            sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+            sdpa()
+            sdpa_note = "enable_gqa=True"
+        except TypeError:
+            k_rep, v_rep = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+            sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, k_rep, v_rep)  # noqa: E731
+            sdpa_note = "K/V repeated per query head"
+        t_sdpa = median_time(sdpa, device, reps=3)
+        row = dict(batch=batch, context=context, kv_bytes=kv_bytes, seconds=t, bandwidth=kv_bytes / t,
+                   max_abs_err_vs_torch=err, sdpa_seconds=t_sdpa, sdpa_note=sdpa_note, speed_vs_sdpa=t_sdpa / t)
+        if machine.get("copy_bandwidth"):
+            row["fraction_of_copy_bandwidth"] = row["bandwidth"] / machine["copy_bandwidth"]
+        out[label] = row
+        print(label, {k_: v_ for k_, v_ in row.items() if isinstance(v_, float)})
+    batch, context = (1, 256) if dry(args) else (1, 32768)
+    case = paged_case(batch, context, device, dtype)
+    kv_bytes = 2 * context * case["k_pool"].shape[2] * case["k_pool"].shape[3] * case["k_pool"].element_size()
+    row = dict(batch=batch, context=context, kv_bytes=kv_bytes)
+    for name, splits in (("no_split", 1), ("auto_split", None)):
+        try:
+            t = median_time(lambda: paged_attention(**case, num_kv_splits=splits), device, reps=3)
+            row[name] = dict(seconds=t, bandwidth=kv_bytes / t)
+        except TypeError as exc:
+            row[name] = dict(error=repr(exc))
+    try:
+        from lifeofprompt.kernels.paged_attention import launch_plan
+        row["auto_num_kv_splits"] = launch_plan(case["query"], case["k_pool"].shape[2], batch, 1, context)[2]
+    except Exception as exc:         # noqa: BLE001
+        row["auto_num_kv_splits"] = repr(exc)
+    out["b1x32k"] = row
+    print("b1x32k", row)
+    return out
+
+
+def step_decode(args) -> dict:
+    """Batch-1 decode step at context ≤ 512 against the floor, with a breakdown; then the batching curve."""
+    from lifeofprompt.model_runner import ModelRunner, step as run_step
+    from lifeofprompt.roofline import decode_floor, decode_weight_bytes
+    from lifeofprompt.sampler import Sampler
+    from lifeofprompt.sampling_params import SamplingParams
+    from lifeofprompt.sequence import Sequence
+
+    device = device_of(args)
+    model, _, label = build_model(args)
+    config, dtype = model.config, model.dtype
+    ladder_max = 8 if dry(args) else 128
+    context = 64 if dry(args) else 500
+    start = time.perf_counter()
+    runner = ModelRunner(model, 2048 if dry(args) else 8192, 16, "auto", max_num_seqs=ladder_max,
+                         max_model_len=min(1024, config.max_position_embeddings),
+                         enforce_eager=True if dry(args) else None)
+    out = dict(model=label, backend=runner.backend, graphs=sorted(runner.graphs), context=context,
+               runner_start_s=time.perf_counter() - start, graph_capture_s=getattr(runner, "graph_capture_seconds", None))
+    seq = Sequence("b1", [(7 * i) % 9000 + 3 for i in range(context)], SamplingParams(temperature=0))
+    seq.block_table = list(range(math.ceil((context + 200) / 16)))
+    run_step(runner, [seq], [context])
+
+    def one_step():
+        run_step(runner, [seq], [1])
+
+    for _ in range(3):
+        one_step()
+    steps = []
+    for _ in range(10 if dry(args) else 50):
+        bench.sync(device)
+        t0 = time.perf_counter()
+        one_step()
+        steps.append(time.perf_counter() - t0)
+    out["engine_step_s"] = statistics.median(steps)
+    # Breakdown: host prep, the forward (graph replay / eager), sampling.
+    t0 = time.perf_counter()
+    for _ in range(20):
+        runner.fill_static_decode([seq], 1)
+    out["host_fill_static_s"] = (time.perf_counter() - t0) / 20
+    t0 = time.perf_counter()
+    for _ in range(20):
+        runner.prepare([seq], [1])
+    out["host_prepare_eager_s"] = (time.perf_counter() - t0) / 20
+    if runner.graphs:
+        graph, _ = runner.graphs[1]
+        runner.fill_static_decode([seq], 1)
+        out["graph_replay_s"] = median_time(graph.replay, device)
+    ids, positions, meta = runner.prepare([seq], [1])
+    meta.slot_mapping = torch.full_like(meta.slot_mapping, -1)          # time the forward without storing
+    with torch.no_grad():
+        out["eager_forward_s"] = median_time(lambda: model(ids, positions, meta), device)
+        logits = model(ids, positions, meta)
+    sampler = Sampler()
+    greedy, hot = [SamplingParams(temperature=0)], [SamplingParams(temperature=0.8, top_p=0.9, top_k=50)]
+    out["sample_greedy_s"] = median_time(lambda: sampler(logits, greedy).token_ids, device)
+    out["sample_topk_topp_s"] = median_time(lambda: sampler(logits, hot).token_ids, device)
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        with torch.no_grad(), profile(activities=acts) as prof:
+            model(ids, positions, meta)
+            bench.sync(device)
+        kinds: dict[str, float] = {}
+        launches = 0
+        for ev in prof.key_averages():
+            dev_us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0) or 0
+            if device == "cuda" and dev_us and not ev.key.startswith(("aten::", "cuda", "Memcpy", "Memset")):
+                name = ev.key.lower()
+                kind = ("attention" if "paged_attention" in name or "reduce_splits" in name else
+                        "store_kv" if "store_kv" in name else
+                        "matmul" if any(s in name for s in ("gemm", "gemv", "cutlass", "sm90", "cublas", "nvjet")) else "other")
+                kinds[kind] = kinds.get(kind, 0.0) + dev_us * 1e-6
+                launches += ev.count
+        out["eager_kernel_time_by_kind_s"] = kinds
+        out["eager_kernel_launches"] = launches
+        out["eager_kernel_time_total_s"] = sum(kinds.values())
+        out["profile_table"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+    except Exception as exc:           # noqa: BLE001
+        out["profile_error"] = repr(exc)
+    machine = machine_from_parts(args)
+    if machine is not None:
+        out["weight_bytes_read"] = decode_weight_bytes(config, dtype)
+        out["floor_s"] = decode_floor(config, dtype, machine)
+        out["engine_step_over_floor"] = out["engine_step_s"] / out["floor_s"]
+        if "graph_replay_s" in out:
+            out["graph_replay_over_floor"] = out["graph_replay_s"] / out["floor_s"]
+    print({k: v for k, v in out.items() if k != "profile_table"})
+    # The batching curve (step time vs batch size) against the roofline.
+    sizes = [1, 2, 4, 8] if dry(args) else [1, 2, 4, 8, 16, 32, 64, 128]
+    rows = bench.decode_step_curve(runner, sizes, context=32 if dry(args) else 512, steps=3 if dry(args) else 10)
+    if machine is not None:
+        rows = bench.roofline_curve(machine, config, dtype, rows)
+    out["batching_curve"] = rows
+    for r in rows:
+        print(r)
+    return out
+
+
+def engine_kwargs(args) -> dict:
+    if dry(args):
+        return dict(max_num_seqs=8, max_num_batched_tokens=512, num_kv_blocks=512, log_stats=True)
+    return dict(max_num_seqs=256, max_num_batched_tokens=8192, log_stats=True)
+
+
+def workload(args):
+    if dry(args):
+        return bench.random_workload(args.requests or 4, 0, (16, 64), (8, 16))
+    return bench.nano_vllm_workload(args.requests or 128, seed=0)
+
+
+def step_ours(args) -> dict:
+    """Our engine on the nano-vllm-shaped workload (after a small warm-up run)."""
+    from lifeofprompt.llm import LLM
+
+    model, tokenizer, label = build_model(args)
+    start = time.perf_counter()
+    llm = LLM(model, tokenizer=tokenizer, **engine_kwargs(args))
+    out = dict(model=label, engine_start_s=time.perf_counter() - start, startup_log=llm.engine.startup_log,
+               memory_report={k: v for k, v in llm.engine.runner.memory_report.items() if not isinstance(v, dict)})
+    prompts, outs = workload(args)
+    warm = bench.run_engine(llm, prompts[:4], [8] * min(4, len(prompts)))
+    out["warmup_s"] = warm["seconds"]
+    result = bench.run_engine(llm, prompts, outs)
+    out.update(result)
+    out["stats"] = llm.engine.stats
+    print({k: v for k, v in out.items() if k != "startup_log"})
+    return out
+
+
+def step_peer(args) -> dict:
+    """transformers continuous batching on the same weights and workload (capped in time)."""
+    from lifeofprompt.reference import hf_from_ours
+
+    model, _, label = build_model(args)
+    ref = hf_from_ours(model)
+    del model
+    if not dry(args):
+        torch.cuda.empty_cache()
+    prompts, outs = workload(args)
+    import transformers
+    out = dict(model=label, transformers=transformers.__version__)
+    try:
+        if dry(args):
+            raise RuntimeError("warm-up skipped in the dry run")
+        print("warm-up: 2 requests x 4 tokens", flush=True)
+        warm = bench.hf_continuous(ref, prompts[:2], [4, 4], timeout_s=20)
+        out["warmup"] = {k: v for k, v in warm.items() if k in ("seconds", "note", "available")}
+    except Exception as exc:           # noqa: BLE001
+        out["warmup_error"] = repr(exc)
+    try:
+        print(f"timed run: {len(prompts)} requests, {sum(outs)} output tokens, cap {args.peer_timeout:.0f} s", flush=True)
+        out.update(bench.hf_continuous(ref, prompts, outs, timeout_s=args.peer_timeout))
+    except Exception as exc:           # noqa: BLE001
+        out["error"] = repr(exc)
+        traceback.print_exc()
+    print(out)
+    return out
+
+
+def step_story(args) -> dict:
+    """TTFT and tokens/s for the three story prompts (byte tokenizer of the random twin), alone and together."""
+    from lifeofprompt.llm import LLM
+    from lifeofprompt.sampling_params import SamplingParams
+
+    model, tokenizer, label = build_model(args)
+    llm = LLM(model, tokenizer=tokenizer, **dict(engine_kwargs(args), max_num_seqs=8))
+    params = SamplingParams(temperature=0, max_tokens=16 if dry(args) else 128, ignore_eos=True)
+    llm.generate(STORY, params, use_tqdm=False)                     # warm-up
+    out = dict(model=label, tokenizer="ByteTokenizer (one id per UTF-8 byte, stand-in for the random twin)",
+               max_tokens=params.max_tokens, alone=[], together=[])
+
+    def describe(o):
+        m = o.metrics
+        decode_s = m.finished_time - m.first_token_time
+        n = len(o.outputs[0].token_ids)
+        return dict(prompt=o.prompt, prompt_tokens=len(o.prompt_token_ids), output_tokens=n,
+                    ttft_s=m.first_token_time - m.arrival_time,
+                    decode_tokens_per_s=(n - 1) / decode_s if decode_s > 0 else None,
+                    total_s=m.finished_time - m.arrival_time)
+
+    for prompt in STORY:
+        out["alone"].append(describe(llm.generate([prompt], params, use_tqdm=False)[0]))
+    out["together"] = [describe(o) for o in llm.generate(STORY, params, use_tqdm=False)]
+    for row in out["alone"] + out["together"]:
+        print(row)
+    return out
+
+
+# ----------------------------------------------------------------------------- summary
+
+
+def fmt(x, unit="", scale=1.0, digits=1):
+    return "-" if x is None else f"{x * scale:.{digits}f}{unit}"
+
+
+def summary_rows(r: dict) -> list[tuple[str, str, str]]:
+    """(figure, value, aim / peer) rows for the printed table."""
+    rows = []
+    m = r.get("machine", {})
+    rows.append(("copy bandwidth", fmt(m.get("copy_bandwidth"), " GB/s", 1e-9, 0), "measured (read+write)"))
+    rows.append(("bf16 matmul", fmt(m.get("matmul_flops"), " TFLOP/s", 1e-12), f"{m.get('matmul_n', '?')}³"))
+    t = r.get("pytest", {})
+    rows.append(("pytest tests/gpu", t.get("summary", "-"), "all pass"))
+    k = r.get("kernel", {}).get("b64x4096", {})
+    rows.append(("paged attn b64×4096", fmt(k.get("bandwidth"), " GB/s", 1e-9, 0),
+                 f"{fmt(k.get('fraction_of_copy_bandwidth'), '%', 100, 0)} of copy (aim ≥70%)"))
+    rows.append(("  vs SDPA contiguous", fmt(k.get("seconds"), " ms", 1e3, 3), f"SDPA {fmt(k.get('sdpa_seconds'), ' ms', 1e3, 3)}"))
+    s = r.get("kernel", {}).get("b1x32k", {})
+    rows.append(("paged attn b1×32k", f"split {fmt(s.get('auto_split', {}).get('seconds'), ' ms', 1e3, 3)}",
+                 f"no split {fmt(s.get('no_split', {}).get('seconds'), ' ms', 1e3, 3)}"))
+    d = r.get("decode", {})
+    rows.append(("decode step b1 (engine)", fmt(d.get("engine_step_s"), " ms", 1e3, 2),
+                 f"floor {fmt(d.get('floor_s'), ' ms', 1e3, 2)}; ratio {fmt(d.get('engine_step_over_floor'), 'x', 1, 2)} (aim ≤1.5)"))
+    rows.append(("  graph replay / eager fwd", fmt(d.get("graph_replay_s"), " ms", 1e3, 2), f"eager {fmt(d.get('eager_forward_s'), ' ms', 1e3, 2)}"))
+    o, p = r.get("ours", {}), r.get("peer", {})
+    ratio = (o.get("tokens_per_s") / p["tokens_per_s"]) if o.get("tokens_per_s") and p.get("tokens_per_s") else None
+    rows.append((f"throughput, {o.get('requests', '?')} req (nano-vllm shape)", fmt(o.get("tokens_per_s"), " tok/s", 1, 0),
+                 f"HF CB {fmt(p.get('tokens_per_s'), ' tok/s', 1, 0)}; {fmt(ratio, 'x', 1, 2)} (aim ≥3)"))
+    for row in r.get("story", {}).get("alone", []):
+        rows.append((f"story '{row['prompt']}'", f"TTFT {fmt(row['ttft_s'], ' ms', 1e3, 1)}",
+                     f"{fmt(row['decode_tokens_per_s'], ' tok/s', 1, 0)}"))
+    return rows
+
+
+def step_summary(args) -> dict:
+    work = Path(args.work)
+    out_dir = Path(args.out)
+    results = {"label": RANDOM_LABEL if not dry(args) else "CPU DRY RUN (tiny random model) - not a measurement",
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    for name in STEPS:
+        if name != "summary":
+            part = work / f"{name}.json"
+            results[name] = json.loads(part.read_text()) if part.exists() else {"missing": "step failed or timed out (see gpu_log.txt)"}
+    pytest_txt = work / "pytest.txt"
+    if pytest_txt.exists():
+        import re
+        lines = [line for line in pytest_txt.read_text().splitlines() if line.strip()]
+        counts = [line.strip("= ") for line in lines if re.search(r"\d+ (passed|failed|skipped|error)", line)]
+        results["pytest"] = {"summary": counts[-1] if counts else "no pytest summary (timeout?)", "tail": lines[-40:]}
+    bench_txt = work / "kernels_bench.txt"
+    if bench_txt.exists():
+        results["kernels_bench"] = bench_txt.read_text()[-6000:]
+    rows = summary_rows(results)
+    results["summary_table"] = rows
+    (out_dir / "gpu_results.json").write_text(json.dumps(results, indent=1, default=str))
+    device = results.get("machine", {}).get("device", "?")
+    try:
+        curve = results.get("decode", {}).get("batching_curve", [])
+        if curve:
+            bench.plot_batching_curve(curve, out_dir / "batching_curve.png",
+                                      f"decode step vs batch, context 512 — {device}, {results['date']}\n{results['label']}",
+                                      results.get("decode", {}).get("floor_s"))
+        o, p = results.get("ours", {}), results.get("peer", {})
+        bars = [dict(peer="lifeofprompt", tokens_per_s=o["tokens_per_s"])] if o.get("tokens_per_s") else []
+        if p.get("tokens_per_s"):
+            bars.append(dict(peer="transformers CB", tokens_per_s=p["tokens_per_s"]))
+        if bars:
+            bench.plot_throughput({f"{o.get('requests', '?')} requests, nano-vllm shape": bars}, out_dir / "throughput.png",
+                                  f"{device}, {results['date']} — {results['label']}")
+    except Exception:                  # noqa: BLE001
+        traceback.print_exc()
+    width = max(len(r[0]) for r in rows)
+    print("\n" + "=" * 100)
+    print(results["label"], "|", device, "|", results["date"])
+    for name, value, aim in rows:
+        print(f"{name:<{width}}  {value:>22}  {aim}")
+    print("=" * 100)
+    return {}
+
+
+STEPS = {"env": step_env, "machine": step_machine, "kernel": step_kernel, "decode": step_decode,
+         "ours": step_ours, "peer": step_peer, "story": step_story, "summary": step_summary}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="one step of the GPU checks")
+    parser.add_argument("step", choices=list(STEPS))
+    parser.add_argument("--work", default=os.environ.get("WORK", "/tmp/lifeofprompt_gpu_work"))
+    parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/lifeofprompt_gpu_out"))
+    parser.add_argument("--cpu-dry-run", action="store_true")
+    parser.add_argument("--requests", type=int, default=None)
+    parser.add_argument("--peer-timeout", type=float, default=100)
+    args = parser.parse_args(argv)
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    if not dry(args) and not torch.cuda.is_available():
+        print("no CUDA device: use --cpu-dry-run", file=sys.stderr)
+        return 2
+    if dry(args):
+        torch.set_num_threads(1)
+    start = time.perf_counter()
+    result = STEPS[args.step](args)
+    if args.step != "summary":
+        result["step_seconds"] = time.perf_counter() - start
+        (Path(args.work) / f"{args.step}.json").write_text(json.dumps(result, indent=1, default=str))
+    print(f"[{args.step}] done in {time.perf_counter() - start:.1f} s", flush=True)
+    sys.stderr.flush()
+    os._exit(0)      # no waiting on leftover threads (a timed-out peer) or slow teardown
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -68,24 +68,26 @@ def choose_tiles(num_heads: int, num_kv_heads: int, head_dim: int, max_query_len
     if block_m is None:
         block_m = max(16, next_power_of_2(group), min(64, next_power_of_2(max(1, max_query_len) * group)))
     head_dim_padded = max(16, next_power_of_2(head_dim))
-    if tile_n is None:
-        tile_n = 64 if head_dim_padded <= 128 else 32
+    if tile_n is None:   # measured on an H200 in bf16 decode: 128 keys for head_dim 64, 64 for 128
+        tile_n = max(16, min(128, 8192 // head_dim_padded))
     config = TileConfig(group, block_m, max(1, block_m // group), tile_n, head_dim, head_dim_padded)
     config.check()
     return config
 
 
 def choose_num_kv_splits(num_programs: int, max_seq_len: int, num_sms: int | None,
-                         min_keys_per_split: int = 512, max_splits: int = 64) -> int:
-    """Flash-decoding heuristic: split the keys only when the unsplit grid leaves the GPU idle.
+                         min_keys_per_split: int = 256, max_splits: int = 64) -> int:
+    """Flash-decoding heuristic: split the keys only when the unsplit grid leaves SMs idle.
 
-    ``num_programs`` is the unsplit grid (query tiles × KV heads). With fewer programs than
-    twice the SMs and long sequences, each sequence's keys are cut into pieces of at least
-    ``min_keys_per_split``. Without a GPU (``num_sms`` None, the interpreter) never split.
+    ``num_programs`` is the unsplit grid (query tiles × sequences × KV heads). With fewer
+    programs than SMs, each sequence's keys are cut into enough pieces for about four
+    programs per SM, each piece at least ``min_keys_per_split`` keys. Without a GPU
+    (``num_sms`` None, the interpreter) never split. On an H200 (132 SMs), bf16, TinyLlama's
+    heads: 8 × 4096 tokens ran 4.6× faster with 16 splits, 1 × 32k 22× faster with 64.
     """
-    if num_sms is None or num_programs >= 2 * num_sms:
+    if num_sms is None or num_programs >= num_sms:
         return 1
-    splits = min(cdiv(2 * num_sms, max(1, num_programs)), max_seq_len // min_keys_per_split, max_splits)
+    splits = min(cdiv(4 * num_sms, max(1, num_programs)), max_seq_len // min_keys_per_split, max_splits)
     return max(1, splits)
 
 

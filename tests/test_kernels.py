@@ -117,7 +117,8 @@ def test_tile_config_asserts_dot_shapes():
     config = choose_tiles(num_heads=9, num_kv_heads=3, head_dim=64, max_query_len=1)
     assert (config.group, config.block_m, config.block_q) == (3, 16, 5)
     prefill = choose_tiles(num_heads=32, num_kv_heads=4, head_dim=64, max_query_len=100)
-    assert (prefill.block_m, prefill.block_q) == (64, 8)
+    assert (prefill.block_m, prefill.block_q, prefill.tile_n) == (64, 8, 128)
+    assert choose_tiles(32, 8, 128, 1).tile_n == 64
     assert choose_tiles(32, 1, 80, 1).block_m == 32 and choose_tiles(32, 1, 80, 1).head_dim_padded == 128
     with pytest.raises(ValueError, match="at least 16"):
         choose_tiles(8, 8, 64, 1, tile_n=8)
@@ -130,9 +131,10 @@ def test_tile_config_asserts_dot_shapes():
 
 
 def test_split_heuristic():
-    assert choose_num_kv_splits(num_programs=4, max_seq_len=32768, num_sms=132) == 64       # 1 seq, 32k
-    assert choose_num_kv_splits(num_programs=4, max_seq_len=2048, num_sms=132) == 4         # short: few splits
-    assert choose_num_kv_splits(num_programs=512, max_seq_len=4096, num_sms=132) == 1       # grid already full
+    assert choose_num_kv_splits(num_programs=4, max_seq_len=32768, num_sms=132) == 64       # 1 seq, 32k: the cap
+    assert choose_num_kv_splits(num_programs=32, max_seq_len=4096, num_sms=132) == 16       # 8 seqs: 256-key pieces
+    assert choose_num_kv_splits(num_programs=4, max_seq_len=2048, num_sms=132) == 8         # short: few splits
+    assert choose_num_kv_splits(num_programs=256, max_seq_len=4096, num_sms=132) == 1       # grid fills the GPU
     assert choose_num_kv_splits(num_programs=4, max_seq_len=300, num_sms=132) == 1          # too short to split
     assert choose_num_kv_splits(num_programs=4, max_seq_len=32768, num_sms=None) == 1       # interpreter
 

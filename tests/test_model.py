@@ -1,0 +1,86 @@
+"""Our Llama forward against transformers, and the flat forward against the convenience form."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lifeofprompt.attention import NoCacheMetadata
+from lifeofprompt.config import ModelConfig
+from lifeofprompt.model import LlamaForCausalLM
+
+STORY_IDS = [[6004, 957, 1462, 314], [28195, 314, 253, 3953, 4018, 1194], [28120, 665]]
+
+
+@torch.no_grad()
+def test_embedded_model_matches_transformers(smollm2, smollm2_reference):
+    model, _ = smollm2
+    for ids in STORY_IDS:
+        x = torch.tensor([ids])
+        ours, theirs = model(x), smollm2_reference(x).logits
+        assert ours.shape == theirs.shape == (1, len(ids), 49152)
+        assert (ours - theirs).abs().max().item() <= 1e-3
+        assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def tiny_config(tie: bool) -> ModelConfig:
+    """Small enough to build in milliseconds, with grouped-query attention (4 query heads over 2 KV heads)."""
+    return ModelConfig(name="tiny-gqa", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=3,
+                       num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=500.0, rms_norm_eps=1e-6,
+                       max_position_embeddings=64, tie_word_embeddings=tie)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@torch.no_grad()
+def test_random_gqa_config_matches_transformers(tie):
+    from transformers import LlamaForCausalLM as HFLlama
+
+    config = tiny_config(tie)
+    torch.manual_seed(0)
+    reference = HFLlama(config.to_hf()).eval()
+    with torch.no_grad():                       # norms at 1 would hide a norm-weight mix-up
+        for name, p in reference.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    ours = LlamaForCausalLM(config)
+    ours.load_hf_state_dict(dict(reference.state_dict()))
+    ours.eval()
+    assert ModelConfig.from_hf(reference.config).rope_theta == 500.0
+    ids = torch.randint(0, config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
+    diff = (ours(ids) - reference(ids).logits).abs().max().item()
+    assert diff <= 1e-4, diff
+    # and the forward really depends on the weights we loaded (a wrong mapping cannot pass)
+    ours.layers[1].self_attn.qkv_proj.weight.mul_(1.5)
+    assert (ours(ids) - reference(ids).logits).abs().max().item() > 1e-3
+
+
+@torch.no_grad()
+def test_flat_batch_equals_each_sequence_alone(smollm2):
+    model, _ = smollm2
+    flat = torch.tensor([t for s in STORY_IDS for t in s])
+    positions = torch.tensor([i for s in STORY_IDS for i in range(len(s))])
+    meta = NoCacheMetadata.for_lengths([len(s) for s in STORY_IDS])
+    logits = model(flat, positions, meta)
+    assert logits.shape == (12, 49152)
+    start = 0
+    for ids in STORY_IDS:
+        alone = model(torch.tensor([ids]))[0]
+        assert (logits[start:start + len(ids)] - alone).abs().max().item() <= 1e-4
+        start += len(ids)
+
+
+@torch.no_grad()
+def test_logits_indices_pick_rows(smollm2):
+    model, _ = smollm2
+    flat = torch.tensor([t for s in STORY_IDS for t in s])
+    positions = torch.tensor([i for s in STORY_IDS for i in range(len(s))])
+    full = model(flat, positions, NoCacheMetadata.for_lengths([4, 6, 2]))
+    last = NoCacheMetadata.for_lengths([4, 6, 2], last_rows_only=True)
+    assert last.logits_indices.tolist() == [3, 9, 11]
+    picked = model(flat, positions, last)
+    assert picked.shape == (3, 49152)
+    assert (picked - full[[3, 9, 11]]).abs().max().item() <= 1e-4   # same rows; BLAS may block 3 rows differently
+    assert picked.argmax(-1).tolist() == [2026, 281, 506]     # '...', ' in', "'s": the greedy next tokens
+    chosen = NoCacheMetadata.for_lengths([4, 6, 2])
+    chosen.logits_indices = torch.tensor([0, 5])
+    assert (model(flat, positions, chosen) - full[[0, 5]]).abs().max().item() <= 1e-4

@@ -45,25 +45,9 @@ def demo(args) -> int:
     print(f"\n3. the scheduler, step by step (greedy, up to {args.max_tokens} new tokens each); steps where nothing but "
           "one decode token per request happens are folded")
     started = time.perf_counter()
-    finished, previous_tables, folded = {}, {}, []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-        record = engine.step_records[-1]
-        tables = {r.request_id: r.block_table for r in record.scheduled}
-        quiet = (not record.admitted and not record.finished and not record.preempted
-                 and all(r.kind == "decode" and previous_tables.get(r.request_id) == r.block_table for r in record.scheduled))
-        previous_tables = tables
-        if quiet:
-            folded.append(record.step)
-            continue
-        if folded:
-            span = f"step {folded[0]}" if len(folded) == 1 else f"steps {folded[0]}..{folded[-1]}"
-            print(f"   {span}: one decode token per running request, no new block")
-            folded = []
-        print("   " + record.format().replace("\n", "\n   "))
+    finished = {out.request_id: out for out in engine.run_until_done()}
     elapsed = time.perf_counter() - started
+    print("   " + engine.format_trace(fold_quiet=True).replace("\n", "\n   "))
     print("\n4. completions")
     for i, text in enumerate(STORY_PROMPTS):
         out = finished[f"prompt-{i}"].outputs[0]

@@ -32,7 +32,7 @@ from .block_manager import BlockManager
 from .errors import ConfigError, InvalidRequestError, QueueFullError
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, StepRecord
+from .scheduler import Scheduler, StepRecord, format_steps
 from .sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger("lifeofprompt.engine")
@@ -396,9 +396,9 @@ class LLMEngine:
                     kv_cache_usage=bm.num_used_blocks / bm.num_blocks, prefix_cache_hit_rate=bm.stats["hit_rate"],
                     num_preemptions=self.scheduler.num_preemptions, num_steps=self.scheduler.num_steps)
 
-    def format_trace(self, records=None) -> str:
-        """The step-by-step schedule: who ran, how many tokens, which blocks."""
-        return "\n".join(r.format() for r in (self.step_records if records is None else records))
+    def format_trace(self, records=None, fold_quiet: bool = False) -> str:
+        """The step-by-step schedule: who ran, how many tokens, which blocks (``scheduler.format_steps``)."""
+        return format_steps(self.step_records if records is None else records, fold_quiet)
 
     @torch.no_grad()
     def run_until_done(self) -> list[RequestOutput]:

@@ -89,6 +89,31 @@ class StepRecord:
         return "\n".join(lines)
 
 
+def format_steps(records, fold_quiet: bool = False) -> str:
+    """The schedule as text, step by step. ``fold_quiet`` folds runs of steps in which every
+    request only decoded one token into its existing blocks (nothing admitted, grown, freed)."""
+    lines, folded, previous = [], [], {}
+
+    def flush():
+        if folded:
+            span = f"step {folded[0]}" if len(folded) == 1 else f"steps {folded[0]}..{folded[-1]}"
+            lines.append(f"{span}: one decode token per running request, no new block")
+            folded.clear()
+
+    for record in records:
+        tables = {r.request_id: r.block_table for r in record.scheduled}
+        quiet = (fold_quiet and not record.admitted and not record.finished and not record.preempted
+                 and all(r.kind == "decode" and previous.get(r.request_id) == r.block_table for r in record.scheduled))
+        previous = tables
+        if quiet:
+            folded.append(record.step)
+            continue
+        flush()
+        lines.append(record.format())
+    flush()
+    return "\n".join(lines)
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None):

@@ -128,3 +128,22 @@ def test_every_workload_finishes_with_the_same_tokens(requests, num_blocks, budg
         last = s.prompt_token_ids[-1]
         assert s.output_token_ids == [(last + k) % 100 for k in range(1, s.sampling_params.max_tokens + 1)]
     assert sched.block_manager.num_used_blocks == 0
+
+
+def test_the_printed_schedule_folds_quiet_steps():
+    from lifeofprompt.scheduler import format_steps
+
+    sched = Scheduler(BlockManager(8, block_size=4), max_num_seqs=8, max_num_batched_tokens=100)
+    sched.add(seq("a", 3, 4))
+    records = [run_step(sched) for _ in range(4)]
+    assert format_steps(records, fold_quiet=True).splitlines() == [
+        "step   0:    3 tokens, 1 running, 0 waiting, 7 blocks free",
+        "             a prefill       tokens   0..2   (3)  blocks [0]",
+        "step 1: one decode token per running request, no new block",
+        "step   2:    1 tokens, 1 running, 0 waiting, 6 blocks free",
+        "             a decode        tokens   4..4   (1)  blocks [0, 1]",
+        "step   3:    1 tokens, 1 running, 0 waiting, 6 blocks free",
+        "             a decode        tokens   5..5   (1)  blocks [0, 1]",
+        "             a finished: blocks freed",
+    ]
+    assert len(format_steps(records).splitlines()) == 9

@@ -139,3 +139,24 @@ def covering_cases(count: int, dtypes: list, seed: int = 6, max_len: int = 70) -
             num_kv_splits=splits, tile_n=tile_n,
             id=f"bs{block_size}-g{group}-d{head_dim}-{str(dtype)[6:]}-split{splits}-{i}"))
     return cases
+
+
+def compare_with_reference(case: PagedCase, num_kv_splits: int | None = None, **tuning) -> dict:
+    """Run one step through the Triton kernels and the torch reference, each on its own copy of the pools.
+
+    For the notebook and quick checks: the largest output difference, whether the two pools
+    hold the same rows afterwards, and the rows and heads compared.
+    """
+    from lifeofprompt import paged_attention as reference
+
+    from . import paged_attention, store_kv
+
+    pools = {name: (case.k_pool.clone(), case.v_pool.clone()) for name in ("triton", "torch")}
+    store_kv(case.key, case.value, *pools["triton"], case.slot_mapping)
+    reference.store_kv(case.key, case.value, *pools["torch"], case.slot_mapping)
+    rest = (case.block_tables, case.seq_lens, case.query_start_loc, case.max_query_len, case.max_seq_len, case.scale)
+    out = paged_attention(case.query, *pools["triton"], *rest, num_kv_splits=num_kv_splits, **tuning)
+    expected = reference.paged_attention(case.query, *pools["torch"], *rest)
+    return dict(max_abs_diff=float((out.float() - expected.float()).abs().max()),
+                pools_equal=all(torch.equal(a, b) for a, b in zip(pools["triton"], pools["torch"])),
+                rows=out.shape[0], heads=out.shape[1])

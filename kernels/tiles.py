@@ -145,10 +145,12 @@ def plot_kernel_tiles(ax, block_table: list[int], block_size: int, seq_len: int,
                                        edgecolor=colours[tile.program % len(colours)], linewidth=2,
                                        hatch=hatches[tile.split % len(hatches)]))
     for b in range(cdiv(seq_len, block_size)):
+        start, end = b * block_size, min(seq_len, (b + 1) * block_size)
         if b:
-            ax.axvline(b * block_size, color="black", linewidth=0.6, linestyle=":")
-        ax.text((b + 0.5) * block_size, query_len + 0.15, f"block {block_table[b]}", ha="center", va="top",
-                fontsize=8, rotation=90 if block_size < 4 else 0)
+            ax.axvline(start, color="black", linewidth=0.6, linestyle=":")
+        label = f"block {block_table[b]}" if end - start >= 3 else str(block_table[b])
+        ax.text((start + end) / 2, query_len + 0.15, label, ha="center", va="top",
+                fontsize=8, rotation=90 if block_size < 3 else 0)
     ax.set_xlim(0, seq_len)
     ax.set_ylim(query_len + (1.6 if block_size < 4 else 0.9), 0)
     ax.set_xlabel("key position in the sequence (physical block below)")
@@ -159,8 +161,13 @@ def plot_kernel_tiles(ax, block_table: list[int], block_size: int, seq_len: int,
     return ax
 
 
+# Two sequences' block tables in one shuffled pool (as the block manager hands blocks out after some churn).
+DECODE_TABLE = [7, 2, 11, 4, 9, 0, 5, 13, 1, 8, 19, 22, 18, 25, 20, 23, 27, 26, 28, 29]
+PREFILL_TABLE = [3, 12, 6, 10, 21, 15, 24, 17, 14, 16, 30, 31]
+
+
 def tiles_figure(block_size: int = 4, tile_n: int = 16, num_heads: int = 9, num_kv_heads: int = 3,
-                 decode_len: int = 37, prefill_prefix: int = 20, prefill_len: int = 12, num_kv_splits: int = 2):
+                 decode_len: int = 61, prefill_prefix: int = 20, prefill_len: int = 12, num_kv_splits: int = 2):
     """Two panels: a decode row with flash-decoding splits, and a chunked-prefill row after a cached prefix.
 
     The defaults are SmolLM2's heads (9 query heads over 3 KV heads, so 3 share each KV tile)
@@ -168,8 +175,8 @@ def tiles_figure(block_size: int = 4, tile_n: int = 16, num_heads: int = 9, num_
     """
     import matplotlib.pyplot as plt
 
-    decode_table = [7, 2, 11, 4, 9, 0, 5, 13, 1, 8]
-    prefill_table = [3, 12, 6, 10, 14, 15, 16, 17]
+    decode_table = DECODE_TABLE[:cdiv(decode_len, block_size)]
+    prefill_table = PREFILL_TABLE[:cdiv(prefill_prefix + prefill_len, block_size)]
     decode = choose_tiles(num_heads, num_kv_heads, 64, 1, tile_n=tile_n)
     prefill = choose_tiles(num_heads, num_kv_heads, 64, prefill_len, tile_n=tile_n, block_m=16)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 6.5), gridspec_kw={"height_ratios": [1, 3]})
@@ -182,3 +189,4 @@ def tiles_figure(block_size: int = 4, tile_n: int = 16, num_heads: int = 9, num_
     fig.suptitle(f"One paged-attention launch: KV tiles of {tile_n} keys over blocks of {block_size}")
     fig.tight_layout()
     return fig
+

@@ -19,9 +19,10 @@ import torch
 from lifeofprompt import paged_attention as reference
 
 kernels = pytest.importorskip("lifeofprompt.kernels", reason="Triton is not installed")
-from lifeofprompt.kernels.cases import covering_cases, make_case, poisoned_pools, used_slots  # noqa: E402
-from lifeofprompt.kernels.tiles import (TileConfig, choose_num_kv_splits, choose_tiles, kernel_tiles,  # noqa: E402
-                                        tiles_figure)
+from lifeofprompt.kernels.cases import (compare_with_reference, covering_cases, make_case, poisoned_pools,  # noqa: E402
+                                        used_slots)
+from lifeofprompt.kernels.tiles import (DECODE_TABLE, PREFILL_TABLE, TileConfig, choose_num_kv_splits,  # noqa: E402
+                                        choose_tiles, kernel_tiles, tiles_figure)
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available() and not kernels.INTERPRETED,
                                 reason="CPU interpreter tests; on a GPU machine run tests/gpu")
@@ -163,11 +164,21 @@ def test_tiles_figure_draws_one_rectangle_per_tile():
     top, bottom = fig.axes
     decode = choose_tiles(9, 3, 64, 1, tile_n=16)
     prefill = choose_tiles(9, 3, 64, 12, tile_n=16, block_m=16)
-    assert len(top.patches) == len(kernel_tiles([7, 2, 11, 4, 9, 0, 5, 13, 1, 8], 4, 37, 1, decode, 2)) == 3
-    assert len(bottom.patches) == len(kernel_tiles(list(range(8)), 4, 32, 12, prefill, 1))
+    assert len(top.patches) == len(kernel_tiles(DECODE_TABLE, 4, 61, 1, decode, 2)) == 4       # 61 keys / 16
+    assert len(bottom.patches) == len(kernel_tiles(PREFILL_TABLE, 4, 32, 12, prefill, 1)) == 2 + 2 + 2
+    texts = [t.get_text() for t in top.texts]
+    assert texts[:3] == ["block 7", "block 2", "block 11"] and len(texts) == 16
     assert "decode" in top.get_title() and "prefill" in bottom.get_title()
 
 
 def test_interpreter_is_on_without_cuda():
     if not torch.cuda.is_available():
         assert os.environ.get("TRITON_INTERPRET") == "1" and kernels.INTERPRETED
+
+
+def test_compare_with_reference_reports_the_difference():
+    """The notebook's one-call check: a decode row and a chunked prefill, SmolLM2's heads, block size 4."""
+    case = make_case([1, 12], [60, 20], 4, 9, 3, 64, seed=8)
+    report = compare_with_reference(case, num_kv_splits=2, tile_n=16)
+    assert report["pools_equal"] and (report["rows"], report["heads"]) == (13, 9)
+    assert report["max_abs_diff"] < 2e-5

@@ -46,6 +46,7 @@ run_step() {  # run_step NAME SECONDS COMMAND...  (the budget shrinks to what is
   local left=$(( TOTAL_BUDGET - ($(date +%s) - START) ))
   if [ "$name" != summary ] && [ $left -lt $budget ]; then budget=$left; fi
   if [ $budget -lt 10 ]; then say "== $name SKIPPED (out of time)"; return; fi
+  case ",${SKIP_STEPS:-}," in *",$name,"*) say "== $name SKIPPED (SKIP_STEPS)"; return;; esac
   say "== $name (budget ${budget}s)"
   timeout -k 10 "$budget" "$@" >> "$LOG" 2>&1
   local rc=$?
@@ -64,15 +65,15 @@ run_step machine 30  $CHECK machine $DRY
 if [ -n "$DRY" ]; then
   run_step pytest 120 $PY -m pytest tests/gpu -q -p no:cacheprovider --timeout=60 -rs
 else
-  run_step pytest 115 $PY -m pytest tests/gpu -q -p no:cacheprovider --timeout=100 --maxfail=5 -rfEs
+  run_step pytest 115 $PY -m pytest ${GPU_TESTS:-tests/gpu} -q -p no:cacheprovider --timeout=100 --maxfail=5 -rfEs
 fi
 # keep the pytest section on its own too
 awk '/== pytest \(budget/{on=1} on{print} /== pytest (ok|FAILED)/{on=0}' "$LOG" > "$WORK/pytest.txt"
 cp "$WORK/pytest.txt" "$OUT/pytest_gpu.txt"
 run_step kernel  45  $CHECK kernel $DRY
-if [ -f kernels/bench.py ] && [ -z "$DRY" ]; then
-  say "== kernels/bench.py (budget 25s)"
-  timeout -k 5 25 $PY kernels/bench.py > "$WORK/kernels_bench.txt" 2>&1; say "kernels/bench.py rc=$?"
+if [ -f kernels/bench.py ] && [ -z "$DRY" ] && [[ ",${SKIP_STEPS:-}," != *",kbench,"* ]]; then
+  say "== python -m lifeofprompt.kernels.bench (budget 25s)"
+  timeout -k 5 25 $PY -m lifeofprompt.kernels.bench > "$WORK/kernels_bench.txt" 2>&1; say "kernels/bench.py rc=$?"
   tail -n 30 "$WORK/kernels_bench.txt" >> "$LOG"
 fi
 run_step decode  60  $CHECK decode $DRY

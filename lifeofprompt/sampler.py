@@ -84,6 +84,8 @@ class Sampler:
                  generators: list[torch.Generator | None] | None = None) -> SamplerOutput:
         logits = logits.float()
         batch, vocab = logits.shape
+        if batch == 0:                                   # a step of prompt chunks only: nothing to sample
+            return SamplerOutput(token_ids=torch.empty(0, dtype=torch.long, device=logits.device))
         device = logits.device
         generators = generators or [None] * batch
         greedy_ids = logits.argmax(dim=-1)

@@ -1,0 +1,125 @@
+"""ModelRunner on the CPU: the flat batch, the padded decode the CUDA graphs replay, the graph ladder, sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lifeofprompt.errors import ConfigError
+from lifeofprompt.model_runner import (ModelRunner, graph_batch_sizes, padded_batch_size, resolve_backend,
+                                       run_greedy_loop, step)
+from lifeofprompt.sampling_params import SamplingParams
+from lifeofprompt.sequence import Sequence
+
+# generate_cached_batch's greedy tokens for the three story prompts (pinned here too)
+STORY_8 = [[2026, 365, 10905, 6176, 28, 4836, 260, 3589],
+           [281, 260, 216, 34, 33, 302, 2070, 30],
+           [506, 787, 737, 288, 536, 357, 30, 198]]
+
+
+def test_graph_ladder_and_padding():
+    assert graph_batch_sizes(256) == [1, 2, 4, 8] + list(range(16, 257, 16))
+    assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert graph_batch_sizes(1) == [1]
+    sizes = graph_batch_sizes(40)
+    assert [padded_batch_size(b, sizes) for b in (1, 3, 5, 9, 17, 33, 40, 41)] == [1, 4, 8, 16, 32, 40, 40, None]
+    with pytest.raises(ConfigError):
+        graph_batch_sizes(0)
+
+
+def test_backend_choice():
+    assert resolve_backend("auto", torch.device("cpu")) == "torch"
+    assert resolve_backend("auto", torch.device("cuda")) == "triton"
+    assert resolve_backend("triton", torch.device("cpu")) == "triton"
+    with pytest.raises(ConfigError):
+        resolve_backend("cuda", torch.device("cpu"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Small forwards: one thread is faster than two fighting over a shared 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def runner(smollm2):
+    model, _ = smollm2
+    return ModelRunner(model, 64, 16, max_num_seqs=4, max_model_len=256)
+
+
+def test_cpu_runner_defaults(runner):
+    assert (runner.backend, runner.enforce_eager, runner.graphs) == ("torch", True, {})
+    assert runner.graph_sizes == [1, 2, 4] and runner.max_blocks_per_seq == 16
+    assert runner.kv_cache.kv.dtype == torch.float32 and runner.num_blocks == 64
+
+
+def test_greedy_matches_the_cached_generator(runner, story_ids):
+    assert run_greedy_loop(runner, story_ids, 8) == STORY_8
+
+
+def test_padded_static_decode_gives_the_same_tokens(runner, story_ids):
+    """The computation a CUDA graph replays (3 sequences padded to 4, slot -1) run eagerly."""
+    runner.pad_decode_eagerly = True
+    try:
+        assert run_greedy_loop(runner, story_ids, 8) == STORY_8
+    finally:
+        runner.pad_decode_eagerly = False
+
+
+def test_fill_static_decode_pads_rows(runner):
+    seqs = []
+    for i, (n, table) in enumerate([(5, [7]), (20, [3, 9])]):
+        seq = Sequence(f"s{i}", list(range(10, 10 + n)), SamplingParams(temperature=0))
+        seq.block_table, seq.num_computed_tokens = table, n - 1
+        seqs.append(seq)
+    runner.fill_static_decode(seqs, 4)
+    assert runner.static_input_ids[:4].tolist() == [14, 29, 0, 0]
+    assert runner.static_positions[:4].tolist() == [4, 19, 0, 0]
+    assert runner.static_slot_mapping[:4].tolist() == [7 * 16 + 4, 9 * 16 + 3, -1, -1]
+    assert runner.static_seq_lens[:4].tolist() == [5, 20, 1, 1]
+    assert runner.static_block_tables[:4, :3].tolist() == [[7, 0, 0], [3, 9, 0], [0, 0, 0], [0, 0, 0]]
+    meta = runner.static_decode_metadata(4)
+    assert meta.max_seq_len == 256 and meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert meta.block_tables.shape == (4, 16)
+
+
+def test_mid_prompt_chunk_samples_nothing_and_logprobs_come_back(runner, story_ids):
+    params = SamplingParams(temperature=0, logprobs=3)
+    seq = Sequence("c", story_ids[1], params)
+    seq.block_table = [5]
+    first = step_and_return(runner, seq, 4)
+    assert first == [None] and runner.last_logprobs == [None]
+    second = step_and_return(runner, seq, len(seq) - 4)
+    assert second == [STORY_8[1][0]]
+    chosen, top = runner.last_logprobs[0]
+    assert list(top)[0] == STORY_8[1][0] and len(top) == 3 and chosen == max(top.values()) < 0
+
+
+def step_and_return(runner, seq, n):
+    sampled = runner.execute([seq], [n])
+    seq.num_computed_tokens += n
+    if sampled[0] is not None:
+        seq.output_token_ids.append(sampled[0])
+    return sampled
+
+
+def test_seeded_sampling_repeats_through_the_runner(runner, story_ids):
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
+    a = run_greedy_loop(runner, story_ids[:1], 6, params=params)
+    b = run_greedy_loop(runner, story_ids[:1], 6, params=params)
+    assert a == b and a != [STORY_8[0][:6]]
+
+
+def test_cpu_pool_sizing(smollm2):
+    model, _ = smollm2
+    small = ModelRunner(model, None, 16, max_num_seqs=2, max_model_len=64, cpu_kv_bytes=1 << 30)
+    assert small.num_blocks == 2 * 4 + 1            # capped at what 2 full sequences could use
+    per_block = small.kv_bytes_per_block()
+    assert per_block == 2 * 30 * 3 * 64 * 16 * 4    # layers × kv heads × head_dim × tokens × fp32, K and V
+    tight = ModelRunner(model, None, 16, max_num_seqs=256, cpu_kv_bytes=10 * per_block)
+    assert tight.num_blocks == 10
+    with pytest.raises(ConfigError):
+        ModelRunner(model, 4, 0)

@@ -1,0 +1,42 @@
+"""``python -m lifeofprompt`` as a newcomer runs it, in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(*args, timeout=600):
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    return subprocess.run([sys.executable, "-m", "lifeofprompt", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, env=env)
+
+
+def test_help_lists_the_commands():
+    out = run("--help")
+    assert out.returncode == 0
+    for word in ("demo", "generate", "serve", "loadtest"):
+        assert word in out.stdout
+
+
+def test_demo_prints_the_story_token_ids_and_completions():
+    out = run("demo", "--max-tokens", "4")
+    assert out.returncode == 0, out.stderr[-2000:]
+    for ids in ("[6004, 957, 1462, 314]", "[28195, 314, 253, 3953, 4018, 1194]", "[28120, 665]"):
+        assert ids in out.stdout
+    assert "4 tokens" in out.stdout and "6 tokens" in out.stdout and "2 tokens" in out.stdout
+    assert "new ids [2026, 365, 10905, 6176]" in out.stdout       # greedy, fp32 on the CPU
+    assert "RANDOM" not in out.stdout and "random weights" not in out.stdout
+
+
+def test_generate_rejects_a_bad_max_tokens():
+    out = run("generate", "hi my name is", "--max-tokens", "0")
+    assert out.returncode == 2
+    assert "--max-tokens must be at least 1" in out.stderr
+    out = run("generate", "hi my name is", "--max-tokens", "lots")
+    assert out.returncode == 2
+    assert "invalid int value: 'lots'" in out.stderr

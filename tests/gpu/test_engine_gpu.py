@@ -41,6 +41,7 @@ def make_seqs(lengths, vocab, seed=0):
     return seqs
 
 
+@torch.no_grad()
 def teacher_forced_logits(runner, seqs, split=0.6):
     """All-row logits of two steps: the first ``split`` of each prompt, then the rest after that cached prefix."""
     first = [max(1, int(len(s) * split)) for s in seqs]

@@ -28,12 +28,26 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
 
+from lifeofprompt.errors import ConfigError
+
 from .tiles import TileConfig, cdiv, choose_num_kv_splits, choose_tiles, next_power_of_2
+
+# Fixed when this module's kernels are decorated (see kernels/__init__.py).
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check_device(tensor: torch.Tensor) -> None:
+    """Compiled kernels need CUDA tensors; say so instead of failing deep inside Triton."""
+    if not INTERPRETED and not tensor.is_cuda:
+        raise ConfigError(f"the Triton kernels are compiled for the GPU but got a tensor on {tensor.device}: "
+                          "move the model and cache to CUDA, use backend='torch', or set TRITON_INTERPRET=1 "
+                          "before the first import of lifeofprompt.kernels")
 
 
 @triton.jit
@@ -174,11 +188,18 @@ def paged_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     decide from the grid size and ``max_seq_len``. Grid sizes come from tensor shapes and the
     Python ints ``max_query_len``/``max_seq_len`` only, never from tensor values, so decode
     steps can be captured in CUDA graphs (with ``num_kv_splits`` fixed per graph).
+    A graph captured with any split count stays correct for any lengths (each program derives
+    its share of keys from ``seq_lens`` on the GPU); only speed depends on the count.
     ``tile_n``, ``block_m``, ``num_warps`` and ``num_stages`` override the tuned defaults
     (benchmarks and tests).
+
+    Every row must belong to a sequence: ``query_start_loc[-1] == T`` and ``max_query_len``
+    at least every query length (rows outside are not written). To pad a batch to a fixed
+    size, add sequences of one query row with length 0 and slot -1: their output is 0.
     """
     num_rows, num_heads, head_dim = query.shape
     num_kv_heads = k_pool.shape[2]
+    check_device(query)
     assert k_pool.shape == v_pool.shape and k_pool.shape[3] == head_dim
     assert k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1, "the pools' head_dim must be contiguous"
     assert block_tables.stride(-1) == 1, "block tables must be contiguous along the blocks"

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .paged_attention import check_device
 from .tiles import next_power_of_2
 
 
@@ -53,6 +54,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor, v_poo
     host, so it can be captured in a CUDA graph.
     """
     num_rows, num_kv_heads, head_dim = key.shape
+    check_device(key)
     assert value.shape == key.shape and k_pool.shape == v_pool.shape
     assert k_pool.shape[2:] == (num_kv_heads, head_dim), f"pool {tuple(k_pool.shape)} vs rows {tuple(key.shape)}"
     assert k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1, "the pools' head_dim must be contiguous"

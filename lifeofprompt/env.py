@@ -21,9 +21,9 @@ def env_info() -> dict:
         "cpu_threads": torch.get_num_threads(),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (no GPU)",
     }
-    try:
-        import triton
-        info["triton"] = triton.__version__
+    try:  # read, not imported: importing Triton fixes its interpreter mode (see lifeofprompt.kernels)
+        from importlib.metadata import version
+        info["triton"] = version("triton")
     except ImportError:
         info["triton"] = "not installed"
     from . import __version__

@@ -10,6 +10,8 @@ write, or a key it reads that it should not, fails the comparison.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 import random
 
@@ -18,7 +20,9 @@ import torch
 
 from lifeofprompt import paged_attention as reference
 
-kernels = pytest.importorskip("lifeofprompt.kernels", reason="Triton is not installed")
+if importlib.util.find_spec("triton") is None:     # find it without importing it: lifeofprompt.kernels
+    pytest.skip("Triton is not installed", allow_module_level=True)   # must be first (interpreter mode)
+from lifeofprompt import kernels  # noqa: E402
 from lifeofprompt.kernels.cases import (compare_with_reference, covering_cases, make_case, poisoned_pools,  # noqa: E402
                                         used_slots)
 from lifeofprompt.kernels.tiles import (DECODE_TABLE, PREFILL_TABLE, TileConfig, choose_num_kv_splits,  # noqa: E402
@@ -182,3 +186,33 @@ def test_compare_with_reference_reports_the_difference():
     report = compare_with_reference(case, num_kv_splits=2, tile_n=16)
     assert report["pools_equal"] and (report["rows"], report["heads"]) == (13, 9)
     assert report["max_abs_diff"] < 2e-5
+
+
+def test_compiled_kernels_refuse_cpu_tensors_with_a_clear_error(monkeypatch):
+    from lifeofprompt.errors import ConfigError
+
+    module = importlib.import_module("lifeofprompt.kernels.paged_attention")   # the module, not the function
+    monkeypatch.setattr(module, "INTERPRETED", False)
+    case = make_case([1], [3], 4, 2, 1, 64)
+    with pytest.raises(ConfigError, match="backend='torch'"):
+        kernels.paged_attention(*case.attention_args())
+    with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
+        kernels.store_kv(case.key, case.value, case.k_pool, case.v_pool, case.slot_mapping)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter mode is only switched on without CUDA")
+def test_import_order_interpreter_mode_in_fresh_processes():
+    """env_report leaves Triton unimported, so the kernels still switch the interpreter on after it;
+    Triton imported first (its helpers compiled-mode) gives a clear error instead of a crash mid-kernel."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    after_report = ("from lifeofprompt import env_report; env_report(); import lifeofprompt.kernels as k; "
+                    "from lifeofprompt.kernels.cases import make_case, compare_with_reference; "
+                    "print(k.INTERPRETED, compare_with_reference(make_case([1], [20], 8, 2, 1, 64))['pools_equal'])")
+    run = subprocess.run([sys.executable, "-c", after_report], env=env, capture_output=True, text=True, timeout=300)
+    assert run.stdout.split() == ["True", "True"], run.stderr
+    triton_first = "import triton; import lifeofprompt.kernels"
+    run = subprocess.run([sys.executable, "-c", triton_first], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "ConfigError" in run.stderr and "TRITON_INTERPRET=1" in run.stderr

@@ -8,6 +8,7 @@ interpreter). fp32 compares tightly because the kernel asks ``tl.dot`` for IEEE 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -37,7 +38,8 @@ def _kernels():
 
 
 def _covering():
-    pytest.importorskip("triton", reason="Triton is not installed")
+    if importlib.util.find_spec("triton") is None:
+        return []
     from lifeofprompt.kernels.cases import covering_cases
 
     return covering_cases(24, [torch.bfloat16, torch.float16, torch.float32], max_len=300)

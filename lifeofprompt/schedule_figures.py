@@ -83,6 +83,40 @@ def spans_from_engine(engine, outputs, static: bool = False) -> list[RequestSpan
     return build_spans(list(engine.step_records), arrivals, finishes, static)
 
 
+def in_steps(engine, outputs):
+    """The engine's records and the outputs' timings re-timed in *steps*: step ``i`` runs from ``i`` to ``i + 1``.
+
+    On a shared machine the seconds of a step depend on what else runs; the step count is what
+    the scheduling policy alone decides. Returns ``(records, timings)`` for ``build_spans`` and
+    ``metrics.summarize`` (a request that arrived before step ``i`` started has arrival ``i``).
+    """
+    import copy
+
+    from .metrics import RequestTiming
+
+    originals = list(engine.step_records)
+    records, end_step = [], {}
+    for i, rec in enumerate(originals):
+        clone = copy.copy(rec)
+        clone.start_time, clone.end_time = float(i), float(i + 1)
+        records.append(clone)
+        end_step[rec.end_time] = float(i + 1)
+    starts = [rec.start_time for rec in originals]
+
+    def arrival_step(t):
+        return float(sum(1 for s in starts if s < t))
+
+    timings = {}
+    for o in outputs:
+        m = o.metrics
+        timings[o.request_id] = RequestTiming(
+            arrival_time=arrival_step(m.arrival_time),
+            first_scheduled_time=arrival_step(m.first_scheduled_time + 1e-12) - 1 if m.first_scheduled_time is not None else None,
+            first_token_time=end_step.get(m.first_token_time), finished_time=end_step.get(m.finished_time),
+            token_times=[end_step[t] for t in m.token_times], num_prompt_tokens=m.num_prompt_tokens)
+    return records, timings
+
+
 def spans_from_sim(result, static: bool | None = None) -> list[RequestSpans]:
     arrivals = {f"r{i}": t.arrival_time for i, t in enumerate(result.timings)}
     finishes = {f"r{i}": t.finished_time for i, t in enumerate(result.timings)}
@@ -120,23 +154,28 @@ def plot_gantt(rows: list[RequestSpans], ax=None, title: str = "", max_rows: int
     return ax
 
 
-def summary_line(timings) -> str:
+def summary_line(timings, unit: str = "s") -> str:
+    """Throughput and TTFT in one line; ``unit`` is ``"s"`` or ``"steps"`` (timings re-timed by ``in_steps``)."""
     s = summarize(timings)
+    if unit == "steps":
+        return (f"{s['output_throughput']:.2f} output tokens/step, TTFT p50 {s['ttft_s']['p50']:.1f} steps, "
+                f"p99 {s['ttft_s']['p99']:.1f} steps, finished after {s['duration_s']:.0f} steps")
     return (f"{s['output_throughput']:.1f} output tok/s, TTFT p50 {s['ttft_s']['p50']:.2f} s, "
             f"p99 {s['ttft_s']['p99']:.2f} s, finished after {s['duration_s']:.2f} s")
 
 
 def plot_static_vs_continuous(static_rows, continuous_rows, static_timings, continuous_timings, max_rows: int = 40,
-                              suptitle: str = "Static against continuous batching, same requests"):
+                              suptitle: str = "Static against continuous batching, same requests", unit: str = "s"):
     """Two Gantt charts on one time axis, each titled with its throughput and TTFT."""
     import matplotlib.pyplot as plt
 
     n = min(max(len(static_rows), 1), max_rows)
     fig, axes = plt.subplots(2, 1, figsize=(10, 0.5 * n + 3), sharex=True)
-    plot_gantt(static_rows, axes[0], "static: " + summary_line(static_timings), max_rows)
-    plot_gantt(continuous_rows, axes[1], "continuous: " + summary_line(continuous_timings), max_rows, legend=False)
+    plot_gantt(static_rows, axes[0], "static: " + summary_line(static_timings, unit), max_rows)
+    plot_gantt(continuous_rows, axes[1], "continuous: " + summary_line(continuous_timings, unit), max_rows, legend=False)
     for ax in axes:
         ax.title.set_fontsize(9)
+        ax.set_xlabel("time (steps)" if unit == "steps" else "time (s)")
     fig.suptitle(suptitle)
     fig.tight_layout()
     return fig
@@ -146,17 +185,31 @@ def plot_static_vs_continuous(static_rows, continuous_rows, static_timings, cont
 
 
 class SchedulePanel:
-    """Sliders → simulator → timeline + throughput / TTFT p50 / p99. ``update`` is the whole callback."""
+    """Sliders → simulator → timeline + throughput / TTFT p50 / p99. ``update`` is the whole callback.
+
+    The arrival-rate slider spans a tenth of to twice the *capacity* of the default settings
+    (a closed loop of 16 clients measured in the simulator at start), so the interesting range
+    is on the slider whatever machine the simulator was calibrated on.
+    """
+
+    DEFAULTS = dict(max_num_seqs=16, num_blocks=256, budget=512)
 
     def __init__(self, machine=None, num_requests: int = 120, prompt_lens=(16, 128), output_lens=(8, 64),
                  seed: int = 0, max_rows: int = 30):
-        from .simulator import random_workload
+        from .arrivals import closed_loop
+        from .simulator import Simulator, random_workload
 
         self.machine = machine
         self.workload = random_workload(num_requests, prompt_lens, output_lens, seed)
         self.seed = seed
         self.max_rows = max_rows
         self._run = lru_cache(maxsize=64)(self._simulate)
+        d = self.DEFAULTS
+        loop = Simulator(machine=machine, num_blocks=d["num_blocks"], max_num_seqs=d["max_num_seqs"],
+                         max_num_batched_tokens=d["budget"]).run(self.workload, closed_loop(num_requests, d["max_num_seqs"]))
+        self.capacity = loop.summary["request_throughput"]
+        self.max_rate = float(f"{2 * self.capacity:.2g}")
+        self.default_rate = float(f"{0.6 * self.capacity:.2g}")
 
     def _simulate(self, max_num_seqs: int, rate: float, num_blocks: int, budget: int):
         from .arrivals import poisson
@@ -166,40 +219,48 @@ class SchedulePanel:
                         max_num_batched_tokens=budget)
         return sim.run(self.workload, poisson(len(self.workload), rate, self.seed), seed=self.seed)
 
-    def simulate(self, max_num_seqs: int = 16, rate: float = 1.0, num_blocks: int = 256, budget: int = 512):
-        return self._run(int(max_num_seqs), float(rate), int(num_blocks), int(budget))
+    def _args(self, max_num_seqs, rate, num_blocks, budget):
+        d = self.DEFAULTS
+        return (int(d["max_num_seqs"] if max_num_seqs is None else max_num_seqs),
+                float(self.default_rate if rate is None else rate),
+                int(d["num_blocks"] if num_blocks is None else num_blocks), int(d["budget"] if budget is None else budget))
 
-    def summary(self, max_num_seqs: int = 16, rate: float = 1.0, num_blocks: int = 256, budget: int = 512) -> str:
-        r = self.simulate(max_num_seqs, rate, num_blocks, budget)
+    def simulate(self, max_num_seqs=None, rate=None, num_blocks=None, budget=None):
+        return self._run(*self._args(max_num_seqs, rate, num_blocks, budget))
+
+    def summary(self, max_num_seqs=None, rate=None, num_blocks=None, budget=None) -> str:
+        seqs, rate, blocks, budget = self._args(max_num_seqs, rate, num_blocks, budget)
+        r = self._run(seqs, rate, blocks, budget)
         s = r.summary
-        return (f"max_num_seqs={int(max_num_seqs)}, {float(rate):g} req/s, {int(num_blocks)} blocks, budget {int(budget)}: "
+        return (f"max_num_seqs={seqs}, {rate:g} req/s, {blocks} blocks, budget {budget}: "
                 f"throughput {s['output_throughput']:.1f} tok/s, TTFT p50 {s['ttft_s']['p50']:.2f} s, "
                 f"p99 {s['ttft_s']['p99']:.2f} s, {r.num_preemptions} preemptions, {s['failed']} rejected")
 
-    def figure(self, max_num_seqs: int = 16, rate: float = 1.0, num_blocks: int = 256, budget: int = 512):
+    def figure(self, max_num_seqs=None, rate=None, num_blocks=None, budget=None):
         import matplotlib.pyplot as plt
 
-        r = self.simulate(max_num_seqs, rate, num_blocks, budget)
+        seqs, rate, blocks, budget = self._args(max_num_seqs, rate, num_blocks, budget)
+        r = self._run(seqs, rate, blocks, budget)
         rows = spans_from_sim(r)
         fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 0.22 * self.max_rows + 2.2), gridspec_kw={"width_ratios": [3, 1]})
-        plot_gantt(rows, ax, f"simulated schedule, max_num_seqs={int(max_num_seqs)}, {float(rate):g} req/s", self.max_rows)
+        plot_gantt(rows, ax, f"simulated schedule, max_num_seqs={seqs}, {rate:g} req/s", self.max_rows)
         ax.title.set_fontsize(9)
         running = [(rec.start_time, len(rec.scheduled)) for rec in r.steps]
         ax2.step([t for t, _ in running], [n for _, n in running], where="post", color="tab:blue", linewidth=0.8)
-        ax2.axhline(int(max_num_seqs), color="grey", linestyle=":", label="max_num_seqs")
+        ax2.axhline(seqs, color="grey", linestyle=":", label="max_num_seqs")
         ax2.set_xlabel("time (s)")
         ax2.set_ylabel("sequences in the step")
         ax2.set_title("batch size over time", fontsize=9)
         ax2.legend(fontsize=7)
-        fig.suptitle(self.summary(max_num_seqs, rate, num_blocks, budget), fontsize=9)
+        fig.suptitle(self.summary(seqs, rate, blocks, budget), fontsize=9)
         fig.tight_layout()
         return fig
 
-    def update(self, max_num_seqs: int = 16, rate: float = 1.0, num_blocks: int = 256, budget: int = 512):
+    def update(self, max_num_seqs=None, rate=None, num_blocks=None, budget=None):
         """The callback: draw the figure and print the summary (what the widget shows)."""
         import matplotlib.pyplot as plt
 
-        fig = self.figure(max_num_seqs, rate, num_blocks, budget)
+        self.figure(max_num_seqs, rate, num_blocks, budget)
         plt.show()
         text = self.summary(max_num_seqs, rate, num_blocks, budget)
         print(text)
@@ -208,11 +269,13 @@ class SchedulePanel:
     def widget(self):
         import ipywidgets as w
 
+        d = self.DEFAULTS
         sliders = dict(
-            max_num_seqs=w.IntSlider(16, min=1, max=64, description="max seqs", continuous_update=False),
-            rate=w.FloatSlider(1.0, min=0.1, max=4.0, step=0.1, description="req/s", continuous_update=False),
-            num_blocks=w.IntSlider(256, min=16, max=1024, step=16, description="KV blocks", continuous_update=False),
-            budget=w.IntSlider(512, min=32, max=2048, step=32, description="token budget", continuous_update=False),
+            max_num_seqs=w.IntSlider(d["max_num_seqs"], min=1, max=64, description="max seqs", continuous_update=False),
+            rate=w.FloatSlider(self.default_rate, min=self.max_rate / 20, max=self.max_rate, step=self.max_rate / 40,
+                               readout_format=".3g", description="req/s", continuous_update=False),
+            num_blocks=w.IntSlider(d["num_blocks"], min=16, max=1024, step=16, description="KV blocks", continuous_update=False),
+            budget=w.IntSlider(d["budget"], min=32, max=2048, step=32, description="token budget", continuous_update=False),
         )
         out = w.interactive_output(self.update, sliders)
         return w.VBox([w.HBox(list(sliders.values())[:2]), w.HBox(list(sliders.values())[2:]), out])

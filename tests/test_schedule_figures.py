@@ -62,12 +62,16 @@ def test_figures_draw():
 def test_panel_callback_reacts_to_every_slider():
     panel = SchedulePanel(machine=MACHINE, num_requests=30)
     base = panel.summary()
-    changed = {panel.summary(max_num_seqs=2), panel.summary(rate=3.0), panel.summary(num_blocks=16), panel.summary(budget=64)}
+    assert panel.capacity > 0 and panel.default_rate < panel.capacity < panel.max_rate
+    assert base == panel.summary(16, panel.default_rate, 256, 512)
+    changed = {panel.summary(max_num_seqs=2), panel.summary(rate=panel.max_rate), panel.summary(num_blocks=16),
+               panel.summary(budget=64)}
     assert base not in changed and len(changed) == 4
     assert "preemptions" in base and "TTFT p50" in base
     tight = panel.simulate(num_blocks=16)
     assert tight.num_preemptions > 0
     assert panel.simulate(max_num_seqs=2).summary["ttft_s"]["p99"] > panel.simulate().summary["ttft_s"]["p99"]
+    assert panel.simulate(rate=panel.max_rate).summary["ttft_s"]["p99"] > panel.simulate().summary["ttft_s"]["p99"]
     text = panel.update(max_num_seqs=4)
     assert text == panel.summary(max_num_seqs=4)
     fig = panel.figure(max_num_seqs=4)
@@ -75,3 +79,18 @@ def test_panel_callback_reacts_to_every_slider():
     plt.close("all")
     box = panel.widget()
     assert [c.description for row in box.children[:2] for c in row.children] == ["max seqs", "req/s", "KV blocks", "token budget"]
+
+
+def test_in_steps_retimes_a_run_by_step_index():
+    from types import SimpleNamespace
+
+    from lifeofprompt.schedule_figures import in_steps
+
+    run = Simulator(machine=MACHINE, static_batch_size=2).run(WORK)       # r0..r3, 2 + 6 + 2 + 6 tokens
+    engine = SimpleNamespace(step_records=run.steps)
+    outputs = [SimpleNamespace(request_id=f"r{i}", metrics=t) for i, t in enumerate(run.timings)]
+    records, timings = in_steps(engine, outputs)
+    assert [(r.start_time, r.end_time) for r in records[:2]] == [(0.0, 1.0), (1.0, 2.0)]
+    assert [t.first_token_time for t in timings.values()] == [1.0, 1.0, 7.0, 7.0]   # second batch after 6 steps
+    assert [t.finished_time for t in timings.values()] == [2.0, 6.0, 8.0, 12.0]
+    assert timings["r2"].first_scheduled_time == 6.0 and timings["r2"].arrival_time == 0.0

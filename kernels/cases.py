@@ -160,3 +160,26 @@ def compare_with_reference(case: PagedCase, num_kv_splits: int | None = None, **
     return dict(max_abs_diff=float((out.float() - expected.float()).abs().max()),
                 pools_equal=all(torch.equal(a, b) for a, b in zip(pools["triton"], pools["torch"])),
                 rows=out.shape[0], heads=out.shape[1])
+
+
+def errors_against_fp32(case: PagedCase, num_kv_splits: int | None = None, **tuning) -> dict:
+    """How far the kernel's and the torch reference's low-precision outputs each are from fp32 attention.
+
+    Both read the same bf16/fp16 keys and values; the "truth" is the reference run on those
+    exact values in fp32. A kernel as precise as the reference has about the reference's
+    error (its own output rounding); a bug or a sloppy accumulation shows up as a larger one.
+    """
+    from lifeofprompt import paged_attention as reference
+
+    from . import paged_attention
+
+    rest = (case.block_tables, case.seq_lens, case.query_start_loc, case.max_query_len, case.max_seq_len, case.scale)
+    truth = reference.paged_attention(case.query.float(), case.k_pool.float(), case.v_pool.float(), *rest)
+    low = reference.paged_attention(case.query, case.k_pool, case.v_pool, *rest).float()
+    out = paged_attention(case.query, case.k_pool, case.v_pool, *rest, num_kv_splits=num_kv_splits, **tuning).float()
+
+    def rms(x):
+        return float(x.pow(2).mean().sqrt())
+
+    return dict(kernel_rms=rms(out - truth), reference_rms=rms(low - truth),
+                kernel_max=float((out - truth).abs().max()), reference_max=float((low - truth).abs().max()))

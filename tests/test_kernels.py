@@ -23,8 +23,8 @@ from lifeofprompt import paged_attention as reference
 if importlib.util.find_spec("triton") is None:     # find it without importing it: lifeofprompt.kernels
     pytest.skip("Triton is not installed", allow_module_level=True)   # must be first (interpreter mode)
 from lifeofprompt import kernels  # noqa: E402
-from lifeofprompt.kernels.cases import (compare_with_reference, covering_cases, make_case, poisoned_pools,  # noqa: E402
-                                        used_slots)
+from lifeofprompt.kernels.cases import (compare_with_reference, covering_cases, errors_against_fp32,  # noqa: E402
+                                        make_case, poisoned_pools, used_slots)
 from lifeofprompt.kernels.tiles import (DECODE_TABLE, PREFILL_TABLE, TileConfig, choose_num_kv_splits,  # noqa: E402
                                         choose_tiles, kernel_tiles, tiles_figure)
 
@@ -216,3 +216,14 @@ def test_import_order_interpreter_mode_in_fresh_processes():
     triton_first = "import triton; import lifeofprompt.kernels"
     run = subprocess.run([sys.executable, "-c", triton_first], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and "ConfigError" in run.stderr and "TRITON_INTERPRET=1" in run.stderr
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 3])
+def test_fp16_kernel_is_as_precise_as_the_reference(num_kv_splits):
+    """Against fp32 attention on the same fp16 inputs, the kernel's error is about the reference's own
+    (its output rounding), though it rounds the softmax weights to fp16 for the second tl.dot."""
+    case = make_case([1, 1, 20], [90, 3, 30], 8, 8, 2, 64, dtype=torch.float16, seed=9)
+    err = errors_against_fp32(case, num_kv_splits=num_kv_splits, tile_n=32)
+    assert err["reference_rms"] > 0
+    assert err["kernel_rms"] <= 1.5 * err["reference_rms"], err
+    assert err["kernel_max"] <= 2 * err["reference_max"], err

@@ -1,0 +1,40 @@
+"""Notebook 06 in a real browser: it runs, and moving the block-size slider redraws the paging panel."""
+
+from __future__ import annotations
+
+import pytest
+
+NOTEBOOK = "notebooks/06_paged_cache.ipynb"
+
+
+@pytest.mark.browser
+def test_block_size_slider_redraws_the_pool(lab):
+    page = lab.open_and_run(NOTEBOOK)
+    text = lab.output_text(page)
+    assert "same tokens as generate_cached: True" in text
+    assert "hello there finishes: blocks [2] back to the free queue" in text
+
+    widget = page.locator(".widget-vbox").filter(has=page.locator(".widget-slider")).first
+    widget.scroll_into_view_if_needed()
+    readout = widget.locator(".widget-readout").first
+    assert readout.inner_text().strip() == "16"
+    output = widget.locator(".widget-output")
+    output.locator("img").first.wait_for()
+    before_text = output.inner_text()
+    before_image = output.locator("img").first.get_attribute("src")
+    assert "block size 16 → 128 blocks" in before_text
+    lab.screenshot(page, "notebook06_panel_block16", locator=widget)
+
+    handle = widget.locator(".widget-slider .noUi-handle").first
+    handle.click()
+    page.keyboard.press("ArrowRight")                      # 16 → 32 tokens per block
+    lab.wait_idle(page)
+    page.wait_for_function("(el) => el.innerText.includes('block size 32')", arg=output.element_handle(),
+                           timeout=60_000)
+    assert readout.inner_text().strip() == "32"
+    after_text = output.inner_text()
+    assert "block size 32 → 64 blocks" in after_text and "paged:" in after_text
+    output.locator("img").first.wait_for()
+    assert output.locator("img").first.get_attribute("src") != before_image, "the figure was not redrawn"
+    path = lab.screenshot(page, "notebook06_panel_block32", locator=widget)
+    assert path.stat().st_size > 10_000

@@ -19,3 +19,7 @@ from .outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: E4
 from .sampling_params import SamplingParams  # noqa: E402
 
 __all__ += ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics"]
+
+from .block_manager import BlockManager  # noqa: E402
+
+__all__ += ["BlockManager"]

@@ -184,6 +184,8 @@ class BlockManager:
             return
         state = self._state(seq)
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if num_full <= len(state.block_hashes):
+            return                                   # the usual decode step: no block filled up
         tokens = seq.token_ids
         for i in range(len(state.block_hashes), num_full):
             parent = state.block_hashes[-1] if state.block_hashes else None

@@ -123,21 +123,33 @@ def bpe_steps(symbols: list[str], ranks: dict[tuple[str, str], int]) -> list[Mer
     return steps
 
 
-def bpe_piece(piece: str, ranks: dict[tuple[str, str], int]) -> list[str]:
-    """The final symbols of one pre-tokenized piece."""
-    steps = bpe_steps(list(piece), ranks)
-    return list(steps[-1].symbols) if steps else list(piece)
-
-
 def bpe_encode(tokenizer, text: str) -> list[int]:
     """Token ids computed by our own merge loop; equal to ``tokenizer.encode(text)`` (tested).
 
     Special tokens written in the text (``<|im_start|>``) are not recognised here: this is
-    the plain-text path, the one the story's prompts take.
+    the plain-text path, the one the story's prompts take. A byte missing from the vocabulary
+    (see ``missing_bytes``) is dropped before merging, as the real tokenizer drops it, so its
+    neighbours may merge across the gap.
     """
     ranks = _cached_ranks(tokenizer)
     vocab = tokenizer.get_vocab()
-    return [vocab[symbol] for piece in pretokenize(tokenizer, text) for symbol in bpe_piece(piece, ranks)]
+    ids = []
+    for piece in pretokenize(tokenizer, text):
+        symbols = [ch for ch in piece if ch in vocab]
+        steps = bpe_steps(symbols, ranks)
+        ids += [vocab[symbol] for symbol in (steps[-1].symbols if steps else symbols)]
+    return ids
+
+
+def missing_bytes(tokenizer) -> list[int]:
+    """Byte values with no token of their own; text containing them loses them silently.
+
+    A byte-level vocabulary is meant to hold all 256 bytes, but SmolLM2's lacks 21 (six control
+    bytes, bytes never valid in UTF-8, and 0xF1/0xF2 that start rare 4-byte characters), and
+    with no unknown token the tokenizer simply drops them.
+    """
+    vocab = tokenizer.get_vocab()
+    return [b for b, symbol in byte_to_unicode().items() if symbol not in vocab]
 
 
 _RANKS_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -83,6 +83,7 @@ def plot_matrix(ax, matrix: torch.Tensor, title: str, row_labels=None, col_label
     ``-inf`` entries (the causal mask) are drawn grey and labelled ``-inf``. ``outline_all``
     draws a green frame round the whole matrix (K and V: every row is needed).
     """
+    import matplotlib
     import matplotlib.patches as patches
 
     m = matrix.detach().float()
@@ -90,8 +91,8 @@ def plot_matrix(ax, matrix: torch.Tensor, title: str, row_labels=None, col_label
     limit = float(finite.abs().max()) if finite.numel() else 1.0
     shown = torch.where(torch.isfinite(m), m, torch.tensor(float("nan")))
     low = -limit if cmap == "RdBu_r" else 0.0      # diverging map centred on 0; weights start at 0
-    image = ax.imshow(shown.numpy(), cmap=cmap, vmin=low, vmax=limit or 1)
-    image.cmap.set_bad("#d9d9d9")
+    colormap = matplotlib.colormaps[cmap].with_extremes(bad="#d9d9d9")      # masked (-inf) cells in grey
+    image = ax.imshow(shown.numpy(), cmap=colormap, vmin=low, vmax=limit or 1)
     rows, cols = m.shape
     for i in range(rows):
         for j in range(cols):

@@ -1,0 +1,123 @@
+"""lifeofprompt.tokenization: our BPE loop against the real tokenizer, the walkthrough, the tables."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lifeofprompt.tokenization import (STORY_TINYLLAMA_COUNTS, byte_to_unicode, bpe_encode, bpe_steps,
+                                       bpe_walkthrough, bytes_as_symbols, chat_prompt, format_token_table,
+                                       format_walkthrough, merge_ranks, plot_walkthrough, pretokenize,
+                                       special_tokens, token_table, token_table_html)
+
+STORY_IDS = [[6004, 957, 1462, 314], [28195, 314, 253, 3953, 4018, 1194], [28120, 665]]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2):
+    return smollm2[1]
+
+
+def test_byte_table_is_a_printable_bijection():
+    table = byte_to_unicode()
+    assert len(table) == 256 and len(set(table.values())) == 256
+    assert all(ch.isprintable() and not ch.isspace() for ch in table.values())
+    assert table[32] == "Ġ" and table[10] == "Ċ" and table[ord("a")] == "a"
+    assert bytes_as_symbols(" é") == ["Ġ", "Ã", "©"]
+
+
+def test_merge_list_is_the_tokenizers_own(tokenizer):
+    ranks = merge_ranks(tokenizer)
+    assert len(ranks) == 48900
+    assert ranks[("Ġ", "t")] == 0 and ranks[("Ġ", "b")] == 26
+
+
+def test_walkthrough_of_beautiful(tokenizer):
+    walk = bpe_walkthrough(tokenizer, " beautiful")
+    assert walk.start == tuple("Ġbeautiful") and walk.utf8[0] == 32
+    assert [s.pair for s in walk.steps][:3] == [("Ġ", "b"), ("u", "t"), ("Ġb", "e")]
+    assert [s.rank for s in walk.steps] == [26, 64, 73, 84, 90, 1396, 2634, 3188, 3701]
+    assert walk.tokens == ("Ġbeautiful",) and walk.ids == (3953,)
+    for step in walk.steps:                       # merging never loses or adds a character
+        assert "".join(step.symbols) == "Ġbeautiful"
+    text = format_walkthrough(walk)
+    assert "merge  9" in text and "ids [3953]" in text
+
+
+def test_walkthrough_of_a_word_that_stays_in_pieces(tokenizer):
+    walk = bpe_walkthrough(tokenizer, " tokenization")
+    assert walk.tokens == ("Ġtoken", "ization") and list(walk.ids) == tokenizer.encode(" tokenization")
+
+
+def test_walkthrough_wants_one_piece(tokenizer):
+    with pytest.raises(ValueError, match="2 pieces"):
+        bpe_walkthrough(tokenizer, "hello there")
+
+
+def test_bpe_steps_merges_the_best_ranked_pair_everywhere():
+    ranks = {("a", "b"): 1, ("b", "c"): 0, ("ab", "ab"): 2}
+    steps = bpe_steps(list("abab"), ranks)
+    assert [s.symbols for s in steps] == [("ab", "ab"), ("abab",)]
+    assert [s.symbols for s in bpe_steps(list("abc"), ranks)] == [("a", "bc")]   # rank 0 wins
+    assert bpe_steps(list("xyz"), ranks) == []
+
+
+def test_our_encoder_gives_the_story_ids(tokenizer):
+    for text, ids in zip(["hi my name is", "today is a beautiful summer day", "hello there"], STORY_IDS):
+        assert bpe_encode(tokenizer, text) == ids == tokenizer.encode(text)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=30))
+def test_our_encoder_equals_the_tokenizer_on_any_text(tokenizer, text):
+    assert bpe_encode(tokenizer, text) == tokenizer.encode(text)
+
+
+def test_pretokenize_keeps_the_space_with_the_word(tokenizer):
+    assert pretokenize(tokenizer, "hi my name is") == ["hi", "Ġmy", "Ġname", "Ġis"]
+
+
+def test_token_table_and_its_renderings(tokenizer):
+    rows = token_table(tokenizer)
+    assert [r.count for r in rows] == [4, 6, 2]
+    assert [list(r.ids) for r in rows] == STORY_IDS
+    assert rows[0].tokens == ("hi", "Ġmy", "Ġname", "Ġis")
+    text = format_token_table(rows)
+    assert "[28195, 314, 253, 3953, 4018, 1194]" in text
+    html = token_table_html(rows, STORY_TINYLLAMA_COUNTS)
+    assert html.count("class='token-id'") == 12 and "<td>7</td>" in html
+    assert STORY_TINYLLAMA_COUNTS == {"hi my name is": 5, "today is a beautiful summer day": 7, "hello there": 2}
+
+
+def test_special_tokens_and_chat_template(tokenizer):
+    specials = special_tokens(tokenizer)
+    assert specials[:3] == [(0, "<|endoftext|>", True), (1, "<|im_start|>", True), (2, "<|im_end|>", True)]
+    assert len(specials) == 17 and not specials[3][2]
+    text, ids = chat_prompt(tokenizer, "hi my name is")
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+    assert len(ids) == 34 and ids[0] == 1 and ids[-4:] == [1, 520, 9531, 198]
+    start = ids.index(6004)
+    assert ids[start:start + 4] == STORY_IDS[0]
+
+
+def test_walkthrough_figure_draws_every_symbol(tokenizer):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    walk = bpe_walkthrough(tokenizer, " sunset")
+    ax = plot_walkthrough(walk)
+    boxes = len(walk.start) + sum(len(s.symbols) for s in walk.steps)
+    assert len(ax.patches) == boxes
+    assert "ids 21822" in [t.get_text() for t in ax.texts]
+    matplotlib.pyplot.close(ax.figure)
+
+
+def test_missing_bytes_are_dropped_like_the_tokenizer_does(tokenizer):
+    from lifeofprompt.tokenization import missing_bytes
+
+    gaps = missing_bytes(tokenizer)
+    assert len(gaps) == 21 and 0x04 in gaps and 0xF1 in gaps and 32 not in gaps
+    assert tokenizer.encode("a\x04b") == bpe_encode(tokenizer, "a\x04b") == [81, 82]   # a, b: the 0x04 is gone
+    # the gap closes before merging: '"' and ':' merge into one token across the dropped byte
+    assert tokenizer.encode('"\x16:') == bpe_encode(tokenizer, '"\x16:') == tokenizer.encode('":') == [1799]

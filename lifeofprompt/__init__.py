@@ -23,3 +23,8 @@ __all__ += ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOu
 from .block_manager import BlockManager  # noqa: E402
 
 __all__ += ["BlockManager"]
+
+from .memory import MemoryPlan, kv_bytes_per_token, plan_memory  # noqa: E402  (notebook 05: the VRAM land)
+from .roofline import Machine  # noqa: E402
+
+__all__ += ["MemoryPlan", "kv_bytes_per_token", "plan_memory", "Machine"]

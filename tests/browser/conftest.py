@@ -10,6 +10,7 @@ checks see the whole notebook. Playwright drives Debian's ``/usr/bin/chromium``.
         page = lab.open_and_run("notebooks/01_tokenization.ipynb")
         assert "6004" in lab.output_text(page)
         lab.screenshot(page, "notebook01")
+        lab.close(page)          # shut its kernel down (optional: all stop at session end)
 
 Outside CI a machine without Chromium skips these tests; in CI (``CI=true``) it fails,
 because ``scripts/test.sh`` installs Chromium first.
@@ -221,6 +222,18 @@ class Lab:
         path = ARTIFACTS / f"{name}.png"
         page.screenshot(path=str(path))
         return path
+
+    def close(self, page) -> None:
+        """Shut down the page's kernel (frees its memory) and close the tab, without saving anything."""
+        try:
+            page.evaluate("""() => {
+                const panel = window.jupyterapp.shell.currentWidget;
+                return panel && panel.sessionContext ? panel.sessionContext.shutdown() : null;
+            }""")
+        finally:
+            page.context.close()
+            if page.context in self._contexts:
+                self._contexts.remove(page.context)
 
     def server_log_tail(self, chars: int = 3000) -> str:
         try:

@@ -25,3 +25,4 @@ def test_notebook01_runs_and_shows_the_token_table(lab):
     assert page.locator(".jp-OutputArea-output img").count() >= 1, "the BPE figure did not render"
     path = lab.screenshot(page, "notebook01_token_table", locator=table)
     assert path.stat().st_size > 10_000
+    lab.close(page)

@@ -1,8 +1,9 @@
 """The engine's GPU path against its CPU-proven twin (run by the GPU issue's script; skipped without CUDA).
 
 On ``tinyllama-1.1b-random`` (TinyLlama's shapes, RANDOM weights), bf16:
-* the Triton backend against the torch backend, teacher-forced over a prefill and a chunked
-  prefill after a cached prefix: logits within bf16 tolerance, argmax agreement >= 99%;
+* the Triton backend against the torch backend, both against an fp32 copy, teacher-forced over a
+  prefill and a chunked prefill after a cached prefix: Triton's error at most 2x the torch bf16
+  path's, argmax agreement >= 99% where the fp32 winner is not within bf16 noise of a tie;
 * decode replayed from CUDA graphs against the same padded decode run eagerly: identical tokens;
   and against the plain unpadded eager decode (agreement reported, >= 95% of tokens required);
 * the pool sized from the profiled forward fits the device at gpu_memory_utilization;
@@ -58,20 +59,48 @@ def teacher_forced_logits(runner, seqs, split=0.6):
 
 
 def test_triton_matches_torch_teacher_forced(tinyllama):
+    """Both bf16 backends against an fp32 copy of the model: the Triton path must be as close to it as the torch path.
+
+    With random weights the top logits are nearly tied, so bf16 rounding alone flips argmaxes
+    (the first H200 run: 93.7% raw agreement, max diff 0.15 on logits up to 5.25). So argmax
+    agreement is required (>= 99%) on the rows whose fp32 winner leads by more than twice the
+    torch path's typical bf16 error, and the Triton error may be at most 2x the torch path's.
+    """
+    import copy
+
     from lifeofprompt.model_runner import ModelRunner
 
     seqs = make_seqs(LENGTHS, tinyllama.config.vocab_size)
     fast = ModelRunner(tinyllama, 512, 16, "triton", max_num_seqs=8, enforce_eager=True)
     ref = ModelRunner(tinyllama, 512, 16, "torch", max_num_seqs=8, enforce_eager=True)
     a, b = teacher_forced_logits(fast, seqs), teacher_forced_logits(ref, seqs)
-    assert a.shape == (sum(LENGTHS), tinyllama.config.vocab_size)
-    scale = b.abs().max().item()
-    err = (a - b).abs().max().item()
-    agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
-    print(f"max |logit diff| {err:.4f} (max |logit| {scale:.3f}); argmax agreement {agree:.4f}")
+    del fast, ref
+    model32 = copy.deepcopy(tinyllama).float()
+    exact = teacher_forced_logits(ModelRunner(model32, 512, 16, "torch", max_num_seqs=8, enforce_eager=True), seqs)
+    del model32
+    torch.cuda.empty_cache()
+    assert a.shape == b.shape == exact.shape == (sum(LENGTHS), tinyllama.config.vocab_size)
     assert torch.isfinite(a).all()
-    assert err <= 0.05 * scale + 0.05
-    assert agree >= 0.99
+    err_fast, err_ref = (a - exact).abs(), (b - exact).abs()
+    top2 = exact.topk(2, dim=-1).values
+    margin = top2[:, 0] - top2[:, 1]
+    threshold = 2 * err_ref.amax(dim=-1).median()
+    decisive = margin > threshold
+    agree_decisive = (a.argmax(-1) == b.argmax(-1))[decisive].float().mean().item()
+    report = dict(
+        max_err_triton=err_fast.max().item(), max_err_torch=err_ref.max().item(),
+        mean_err_triton=err_fast.mean().item(), mean_err_torch=err_ref.mean().item(),
+        argmax_vs_fp32_triton=(a.argmax(-1) == exact.argmax(-1)).float().mean().item(),
+        argmax_vs_fp32_torch=(b.argmax(-1) == exact.argmax(-1)).float().mean().item(),
+        argmax_triton_vs_torch_all=(a.argmax(-1) == b.argmax(-1)).float().mean().item(),
+        decisive_rows=decisive.float().mean().item(), threshold=threshold.item(),
+        argmax_triton_vs_torch_decisive=agree_decisive)
+    print({k: round(v, 4) for k, v in report.items()})
+    assert report["max_err_triton"] <= 2 * report["max_err_torch"] + 0.02
+    assert report["mean_err_triton"] <= 1.5 * report["mean_err_torch"] + 1e-3
+    assert report["argmax_vs_fp32_triton"] >= report["argmax_vs_fp32_torch"] - 0.02
+    assert report["decisive_rows"] >= 0.3
+    assert agree_decisive >= 0.99
 
 
 def greedy_tokens(runner, prompts, n):

@@ -140,7 +140,7 @@ def plot_attention(toy: ToyAttention):
     dims = [f"d{i}" for i in range(toy.X.shape[1])]
     last = len(toy.tokens) - 1
     d = toy.X.shape[1]
-    fig = plt.figure(figsize=(13, 6.8))
+    fig = plt.figure(figsize=(13, 7.6))
     grid = fig.add_gridspec(2, 4, height_ratios=[1, 0.9])
     axes = [fig.add_subplot(grid[0, i]) for i in range(4)]
     plot_matrix(axes[0], toy.scores, f"scores = Q·Kᵀ/√{d}", toy.tokens, toy.tokens, highlight_rows=[last])
@@ -151,7 +151,9 @@ def plot_attention(toy: ToyAttention):
     for ax in axes[:3]:
         ax.set_xlabel("key (looked at)", fontsize=8)
     axes[0].set_ylabel("query (looking)", fontsize=8)
-    ax = fig.add_subplot(grid[1, :])
+    head_ax = fig.add_subplot(grid[1, 0])
+    plot_matrix(head_ax, toy.W_LM.T, "W_LM (transposed)", toy.vocab, dims, fmt="{:.1f}")
+    ax = fig.add_subplot(grid[1, 1:])
     logits = toy.logits.numpy()
     best = int(toy.logits.argmax())
     colors = ["#e76f51" if i == best else "#8ab6d6" for i in range(len(logits))]
@@ -159,8 +161,8 @@ def plot_attention(toy: ToyAttention):
     ax.set_xticks(range(len(logits)), toy.vocab)
     ax.axhline(0, color="black", linewidth=0.6)
     ax.set_ylabel("logit")
-    ax.set_title(f"only the last context row [1×{d}] · W_LM [{d}×{len(toy.vocab)}] → logits over a "
-                 f"{len(toy.vocab)}-word toy vocabulary; argmax = {toy.next_token!r}", fontsize=10)
+    ax.set_title(f"last context row [1×{d}] · W_LM [{d}×{len(toy.vocab)}] → {len(toy.vocab)} logits; "
+                 f"argmax = {toy.next_token!r}", fontsize=10)
     fig.suptitle("Attention of the last token decides the next one (causal: no token sees the future)", fontsize=11)
     fig.tight_layout()
     return fig

@@ -21,7 +21,7 @@ def land_figure(plan: MemoryPlan, title: str = "", ax=None):
     import matplotlib.pyplot as plt
 
     if ax is None:
-        _, ax = plt.subplots(figsize=(9, 2.4))
+        _, ax = plt.subplots(figsize=(9, 3.0))
     act_label = "activations (measured)" if plan.activations_measured else "activations (estimated)"
     parts = [("weights", plan.weights, "weights"), (act_label, plan.activations, "activations"),
              ("KV pool", plan.kv_pool, "KV pool"), ("not used (1 − utilization)", plan.unusable, "unusable")]
@@ -35,9 +35,9 @@ def land_figure(plan: MemoryPlan, title: str = "", ax=None):
         left += width
     ax.set_xlim(0, plan.total / GiB)
     ax.set_yticks([])
-    ax.set_xlabel("GiB of device memory")
+    ax.set_xlabel("GiB of device memory", labelpad=2)
     ax.set_title(title or f"The land: {format_bytes(plan.total)} device, {plan.num_gpu_blocks:,} GPU blocks")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=2, fontsize=8, frameon=False)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.42), ncol=2, fontsize=8, frameon=False)
     ax.figure.tight_layout()
     return ax.figure
 

@@ -96,7 +96,8 @@ def measure_machine(device="cpu", dtype=None, name: str | None = None) -> Machin
             name = torch.cuda.get_device_name(device)
         else:
             import platform
-            name = f"CPU {platform.machine()}, {torch.get_num_threads()} threads"
+            threads = torch.get_num_threads()
+            name = f"CPU {platform.machine()}, {threads} thread{'s' if threads != 1 else ''}"
     return Machine(name=name, bandwidth=measure_copy_bandwidth(device), flops=measure_matmul_rate(device, dtype))
 
 
@@ -162,10 +163,12 @@ def fit_overhead(machine: Machine, config: ModelConfig, dtype, measured_step_s: 
 # ----------------------------------------------------------------------------- the picture
 
 
-def plot_roofline(machine: Machine, points: dict[str, float] | None = None, ax=None):
+def plot_roofline(machine: Machine, points: dict[str, float] | None = None, ax=None,
+                  measured: dict[str, tuple[float, float]] | None = None):
     """Attainable operations/s against arithmetic intensity, with named steps marked on the roof.
 
-    ``points`` maps a label to an intensity (FLOP/byte), e.g. from ``arithmetic_intensity``.
+    ``points`` maps a label to an intensity (FLOP/byte), e.g. from ``arithmetic_intensity``;
+    ``measured`` maps a label to ``(intensity, achieved operations/s)``, drawn as crosses under the roof.
     """
     import matplotlib.pyplot as plt
     import numpy as np
@@ -181,6 +184,8 @@ def plot_roofline(machine: Machine, points: dict[str, float] | None = None, ax=N
     for (label, intensity), color in zip(points.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"]):
         rate = min(intensity * machine.bandwidth, machine.flops)
         ax.plot([intensity], [rate], "o", color=color, markersize=8, label=f"{label}: {intensity:.1f} FLOP/byte")
+    for label, (intensity, rate) in (measured or {}).items():
+        ax.plot([intensity], [rate], "x", color="black", markersize=9, mew=2, label=f"{label}: {rate / 1e9:.2g} GFLOP/s")
     ax.set_xlabel("arithmetic intensity (operations per byte read)")
     ax.set_ylabel("attainable operations per second")
     ax.set_title(f"Roofline of {machine.name}")

@@ -71,21 +71,39 @@ def make_llm(model: str, device: str, **kwargs):
     return LLM(model, dtype=dtype, device=device, log_stats=False, **kwargs)
 
 
-def run_engine(llm, prompts, out_lens, label="lifeofprompt") -> dict:
-    """Greedy, EOS ignored, one ``max_tokens`` per request; wall time of ``LLM.generate``."""
+def run_engine(llm, prompts, out_lens, label="lifeofprompt", deadline_s: float | None = None) -> dict:
+    """Greedy, EOS ignored, one ``max_tokens`` per request, all submitted at once; wall time until done.
+
+    With ``deadline_s`` the run stops there and counts the tokens made so far (``timed_out``).
+    """
     from lifeofprompt.sampling_params import SamplingParams
 
     params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=k) for k in out_lens]
-    sync(llm.engine.model.device)
+    engine = llm.engine
+    steps_before = engine.scheduler.num_steps
+    sync(engine.model.device)
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    sync(llm.engine.model.device)
+    ids = llm._add(llm._validated(prompts, params))
+    latest, timed_out = {}, False
+    while len([o for o in latest.values() if o.finished]) < len(ids):
+        for out in engine.step():
+            latest[out.request_id] = out
+        if deadline_s is not None and time.perf_counter() - start > deadline_s:
+            timed_out = True
+            break
+    sync(engine.model.device)
     seconds = time.perf_counter() - start
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
+    if timed_out:
+        for rid in ids:
+            engine.abort(rid)
+        engine.step()
+    tokens = sum(len(o.outputs[0].token_ids) for o in latest.values())
+    ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in latest.values()
+            if o.metrics.first_token_time is not None]
     return dict(peer=label, seconds=seconds, output_tokens=tokens, tokens_per_s=tokens / seconds,
-                requests=len(prompts), prompt_tokens=sum(map(len, prompts)), ttft_median_s=statistics.median(ttft),
-                steps=llm.engine.scheduler.num_steps)
+                requests=len(prompts), prompt_tokens=sum(map(len, prompts)),
+                ttft_median_s=statistics.median(ttft) if ttft else None,
+                steps=engine.scheduler.num_steps - steps_before, timed_out=timed_out)
 
 
 # ----------------------------------------------------------------------------- transformers
@@ -140,16 +158,23 @@ def hf_continuous(ref, prompts, out_lens, timeout_s: float = 600) -> dict:
         manager = ref.init_continuous_batching(generation_config=config)
         manager.start()
         try:
-            ids = [manager.add_request(p, max_new_tokens=k) for p, k in zip(prompts, out_lens)]
-            done = {}
+            try:       # streaming: partial outputs too, so a capped run counts every token made
+                ids = [manager.add_request(p, max_new_tokens=k, streaming=True) for p, k in zip(prompts, out_lens)]
+                note += ", streaming"
+            except TypeError:
+                ids = [manager.add_request(p, max_new_tokens=k) for p, k in zip(prompts, out_lens)]
+            latest, done = {}, set()
             while len(done) < len(ids):
                 if time.perf_counter() - start > timeout_s:
-                    note += f"; TIMED OUT: {len(done)}/{len(ids)} requests done after {timeout_s:.0f} s (tokens/s counts finished requests only)"
+                    note += (f"; TIMED OUT: {len(done)}/{len(ids)} requests finished after {timeout_s:.0f} s "
+                             "(tokens/s counts every token made by then)")
                     break
                 result = manager.get_result(timeout=1)
-                if result is not None and result.is_finished():
-                    done[result.request_id] = result
-                elif result is None and not manager.is_running():
+                if result is not None:
+                    latest[result.request_id] = result
+                    if result.is_finished():
+                        done.add(result.request_id)
+                elif not manager.is_running():
                     raise RuntimeError("the continuous batching thread stopped")
         finally:
             timed_out = "TIMED OUT" in note
@@ -157,16 +182,18 @@ def hf_continuous(ref, prompts, out_lens, timeout_s: float = 600) -> dict:
                 manager.stop(block=not timed_out, timeout=10)
             except TypeError:
                 manager.stop(block=not timed_out)
-        tokens = sum(len(r.generated_tokens) for r in done.values())
+        tokens = sum(len(r.generated_tokens) for r in latest.values())
+        finished = len(done)
     except (AttributeError, TypeError) as exc:
         note = f"generate_batch with max_new_tokens={max(out_lens)} for all (manager API: {exc!r})"
         start = time.perf_counter()
         out = ref.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
         tokens = sum(len(r.generated_tokens) for r in out.values())
+        finished = len(out)
     sync(ref.device)
     seconds = time.perf_counter() - start
     return dict(peer=label, available=True, seconds=seconds, output_tokens=tokens, tokens_per_s=tokens / seconds,
-                note=note)
+                requests=len(prompts), finished_requests=finished, timed_out="TIMED OUT" in note, note=note)
 
 
 def hf_decode_batch1(ref, prompt, n: int) -> dict:

@@ -65,21 +65,21 @@ run_step machine 30  $CHECK machine $DRY
 if [ -n "$DRY" ]; then
   run_step pytest 120 $PY -m pytest tests/gpu -q -p no:cacheprovider --timeout=60 -rs
 else
-  run_step pytest 115 $PY -m pytest ${GPU_TESTS:-tests/gpu} -q -p no:cacheprovider --timeout=100 --maxfail=5 -rfEs
+  run_step pytest 100 $PY -m pytest ${GPU_TESTS:-tests/gpu} -q -p no:cacheprovider --timeout=100 --maxfail=5 -rfEs
 fi
 # keep the pytest section on its own too
 awk '/== pytest \(budget/{on=1} on{print} /== pytest (ok|FAILED)/{on=0}' "$LOG" > "$WORK/pytest.txt"
 cp "$WORK/pytest.txt" "$OUT/pytest_gpu.txt"
-run_step kernel  45  $CHECK kernel $DRY
+run_step kernel  40  $CHECK kernel $DRY
 if [ -f kernels/bench.py ] && [ -z "$DRY" ] && [[ ",${SKIP_STEPS:-}," != *",kbench,"* ]]; then
   say "== python -m lifeofprompt.kernels.bench (budget 25s)"
   timeout -k 5 25 $PY -m lifeofprompt.kernels.bench > "$WORK/kernels_bench.txt" 2>&1; say "kernels/bench.py rc=$?"
   tail -n 30 "$WORK/kernels_bench.txt" >> "$LOG"
 fi
 run_step decode  60  $CHECK decode $DRY
-run_step ours    60  $CHECK ours $DRY
-if [ -n "$DRY" ]; then PEER_CAP=30; else PEER_CAP=55; fi
-run_step peer    75  $CHECK peer $DRY --peer-timeout $PEER_CAP
+run_step ours    75  $CHECK ours $DRY --ours-deadline 40
+if [ -n "$DRY" ]; then PEER_CAP=30; else PEER_CAP=50; fi
+run_step peer    70  $CHECK peer $DRY --peer-timeout $PEER_CAP
 run_step story   30  $CHECK story $DRY
 run_step summary 20  $CHECK summary $DRY
 say "total $(( $(date +%s) - START ))s; files in $OUT:"

@@ -34,7 +34,11 @@ def test_block_size_slider_redraws_the_pool(lab):
     assert readout.inner_text().strip() == "32"
     after_text = output.inner_text()
     assert "block size 32 → 64 blocks" in after_text and "paged:" in after_text
-    output.locator("img").first.wait_for()
-    assert output.locator("img").first.get_attribute("src") != before_image, "the figure was not redrawn"
+    image = output.locator("img").first
+    image.wait_for()
+    assert image.get_attribute("src") != before_image, "the figure was not redrawn"
+    page.wait_for_function("(img) => img.complete && img.naturalWidth > 0", arg=image.element_handle(),
+                           timeout=30_000)
+    page.wait_for_timeout(500)                             # let the new image paint before the screenshot
     path = lab.screenshot(page, "notebook06_panel_block32", locator=widget)
     assert path.stat().st_size > 10_000

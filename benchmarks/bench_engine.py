@@ -273,45 +273,17 @@ def roofline_curve(machine, config, dtype, rows: list[dict]) -> list[dict]:
 def plot_throughput(results: dict, path: Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from lifeofprompt.engine_figures import plot_throughput as draw
 
-    groups = [(name, rows) for name, rows in results.items() if isinstance(rows, list) and rows]
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.8), squeeze=False)
-    for ax, (name, rows) in zip(axes[0], groups):
-        rows = [r for r in rows if "tokens_per_s" in r]
-        ax.barh([r["peer"] for r in rows], [r["tokens_per_s"] for r in rows], color=["C0"] + ["C7"] * (len(rows) - 1))
-        for i, r in enumerate(rows):
-            ax.text(r["tokens_per_s"], i, f" {r['tokens_per_s']:.0f}", va="center", fontsize=8)
-        ax.set_title(name, fontsize=10)
-        ax.set_xlabel("output tokens / s (higher is better)")
-        ax.invert_yaxis()
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    draw({name: rows for name, rows in results.items() if isinstance(rows, list)}, title, path)
 
 
 def plot_batching_curve(rows: list[dict], path: Path, title: str, floor_s: float | None = None) -> None:
     import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from lifeofprompt.engine_figures import plot_batching_curve as draw
 
-    rows = [r for r in rows if "step_s" in r]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([r["batch"] for r in rows], [r["step_s"] * 1e3 for r in rows], "o-", label="measured decode step")
-    if rows and "predicted_s" in rows[0]:
-        ax.plot([r["batch"] for r in rows], [r["predicted_s"] * 1e3 for r in rows], "--", label="roofline prediction")
-    if floor_s:
-        ax.axhline(floor_s * 1e3, color="gray", lw=0.8, label="weight bytes ÷ bandwidth (floor)")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("sequences in the decode step (batch size)")
-    ax.set_ylabel("step time (ms)")
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    draw(rows, title, floor_s, path)
 
 
 # ----------------------------------------------------------------------------- the CPU run

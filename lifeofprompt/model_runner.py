@@ -95,7 +95,7 @@ class ModelRunner:
         self.kv_cache = PagedKVCache.for_model(self.config, num_blocks, block_size, dtype=model.dtype, device=self.device)
         self.last_output: SamplerOutput | None = None
         self.last_logprobs: list | None = None     # per seq: None or (logprob, {token_id: logprob, ...})
-        self.step_times: dict[str, float] = {}
+        self.last_launch: dict = {}               # how the last step ran (eager / graph replay, padding), for traces
         # Static decode buffers: used by CUDA graphs, and by the CPU tests that check the padding.
         self._alloc_static_buffers()
         if enforce_eager is None:
@@ -202,12 +202,15 @@ class ModelRunner:
             padded = self.graphs or self.pad_decode_eagerly
             size = padded_batch_size(len(seqs), self.graph_sizes) if padded else None
             if size is not None and not self.graphs:
+                self.last_launch = dict(mode="padded eager decode", rows=len(seqs), padded_to=size, backend=self.backend)
                 return self.run_static_decode(seqs, size)
             if size is not None:
+                self.last_launch = dict(mode="CUDA graph replay", rows=len(seqs), padded_to=size, backend=self.backend)
                 self.fill_static_decode(seqs, size)
                 graph, logits = self.graphs[size]
                 graph.replay()
                 return logits[:len(seqs)]
+        self.last_launch = dict(mode="eager", rows=sum(num_scheduled_tokens), padded_to=None, backend=self.backend)
         input_ids, positions, meta = self.prepare(seqs, num_scheduled_tokens)
         return self.model(input_ids, positions, meta)
 

@@ -1,0 +1,118 @@
+"""Notebook 08's traces and figures: what each engine step ran, and the benchmark results drawn.
+
+The benchmark scripts (``benchmarks/bench_engine.py``, ``benchmarks/gpu_check.py``) write JSON;
+these functions read it back, so the notebook shows committed GPU figures on a machine
+without a GPU, labelled with the device and date they came from.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+
+
+# ----------------------------------------------------------------------------- a live trace
+
+
+def kernels_of_step(model, launch: dict) -> str:
+    """The kernels one step launches per layer, and how the step was launched."""
+    attention = "Triton store_kv + paged_attention" if launch.get("backend") == "triton" else "torch store_kv + paged_attention"
+    how = launch.get("mode", "?")
+    if launch.get("padded_to"):
+        how += f" (batch {launch['rows']} padded to {launch['padded_to']})"
+    return (f"{model.config.num_layers} × [RMSNorm, qkv GEMM, RoPE, {attention}, o_proj GEMM, RMSNorm, "
+            f"gate_up GEMM, SiLU·up, down GEMM] + lm_head; {how}")
+
+
+def live_trace(llm, prompts, params, out=print) -> list:
+    """Drive ``llm``'s engine one step at a time, printing each step's schedule, blocks and kernels.
+
+    Returns the finished ``RequestOutput``s in prompt order.
+    """
+    engine = llm.engine
+    ids = llm._add(llm._validated(prompts, params))
+    done = {}
+    while len(done) < len(ids):
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+        record = engine.step_records[-1]
+        out(record.format())
+        out("    kernels: " + kernels_of_step(engine.model, engine.runner.last_launch))
+    return [done[i] for i in ids]
+
+
+# ----------------------------------------------------------------------------- results
+
+
+def load_results(pattern: str = "h200-*/gpu_results.json") -> tuple[dict | None, Path | None]:
+    """The newest committed results file matching ``pattern`` under ``benchmarks/results`` (None if none)."""
+    files = sorted(RESULTS_DIR.glob(pattern))
+    if not files:
+        return None, None
+    return json.loads(files[-1].read_text()), files[-1]
+
+
+def plot_throughput(groups: dict[str, list[dict]], title: str, path: Path | None = None):
+    """Horizontal bars of output tokens/s per peer, one panel per workload (ours first, in blue)."""
+    import matplotlib.pyplot as plt
+
+    groups = {name: [r for r in rows if r.get("tokens_per_s")] for name, rows in groups.items()}
+    groups = {name: rows for name, rows in groups.items() if rows}
+    fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(4.4 * max(1, len(groups)), 3.6), squeeze=False)
+    for ax, (name, rows) in zip(axes[0], groups.items()):
+        ax.barh([r["peer"] for r in rows], [r["tokens_per_s"] for r in rows], color=["C0"] + ["C7"] * (len(rows) - 1))
+        for i, r in enumerate(rows):
+            ax.text(r["tokens_per_s"], i, f" {r['tokens_per_s']:,.0f}", va="center", fontsize=8)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("output tokens / s (higher is better)")
+        ax.invert_yaxis()
+        ax.margins(x=0.25)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=110)
+    return fig
+
+
+def plot_batching_curve(rows: list[dict], title: str, floor_s: float | None = None, path: Path | None = None):
+    """Measured decode step time against batch size, with the roofline prediction and the batch-1 floor."""
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if "step_s" in r]
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    ax.plot([r["batch"] for r in rows], [r["step_s"] * 1e3 for r in rows], "o-", label="measured decode step")
+    if rows and "predicted_s" in rows[0]:
+        ax.plot([r["batch"] for r in rows], [r["predicted_s"] * 1e3 for r in rows], "s--",
+                label="roofline: max(bytes/bandwidth, FLOPs/rate)")
+    if floor_s:
+        ax.axhline(floor_s * 1e3, color="gray", lw=0.8, ls=":", label="weight bytes ÷ bandwidth (batch-1 floor)")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("sequences in the decode step (batch size)")
+    ax.set_ylabel("step time (ms)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=110)
+    return fig
+
+
+def decode_breakdown(decode: dict) -> list[tuple[str, float]]:
+    """The batch-1 decode step in parts (ms), from the GPU script's ``decode`` section."""
+    parts = [("engine step (execute, sampling, host)", decode.get("engine_step_s")),
+             ("CUDA graph replay (the forward)", decode.get("graph_replay_s")),
+             ("same forward eager (launch-bound)", decode.get("eager_forward_s")),
+             ("  kernel time in it: matmuls", decode.get("eager_kernel_time_by_kind_s", {}).get("matmul")),
+             ("  attention", decode.get("eager_kernel_time_by_kind_s", {}).get("attention")),
+             ("  store_kv", decode.get("eager_kernel_time_by_kind_s", {}).get("store_kv")),
+             ("  small element-wise kernels", decode.get("eager_kernel_time_by_kind_s", {}).get("other")),
+             ("greedy sampling", decode.get("sample_greedy_s")),
+             ("top-k/top-p sampling", decode.get("sample_topk_topp_s")),
+             ("host: fill static buffers", decode.get("host_fill_static_s")),
+             ("floor: weight bytes ÷ copy bandwidth", decode.get("floor_s"))]
+    return [(name, value * 1e3) for name, value in parts if value is not None]

@@ -434,8 +434,12 @@ def summary_rows(r: dict) -> list[tuple[str, str, str]]:
     rows.append(("  graph replay / eager fwd", fmt(d.get("graph_replay_s"), " ms", 1e3, 2), f"eager {fmt(d.get('eager_forward_s'), ' ms', 1e3, 2)}"))
     o, p = r.get("ours", {}), r.get("peer", {})
     ratio = (o.get("tokens_per_s") / p["tokens_per_s"]) if o.get("tokens_per_s") and p.get("tokens_per_s") else None
+    done = f", finished {p['finished_requests']}/{p['requests']}" if p.get("timed_out") else ""
     rows.append((f"throughput, {o.get('requests', '?')} req (nano-vllm shape)", fmt(o.get("tokens_per_s"), " tok/s", 1, 0),
-                 f"HF CB {fmt(p.get('tokens_per_s'), ' tok/s', 1, 0)}; {fmt(ratio, 'x', 1, 2)} (aim ≥3)"))
+                 f"HF CB {fmt(p.get('tokens_per_s'), ' tok/s', 1, 0)}{done}; {fmt(ratio, 'x', 1, 2)} (aim ≥3)"))
+    if o.get("ttft_median_s") is not None:
+        rows.append(("  TTFT median, all submitted at once", fmt(o.get("ttft_median_s"), " ms", 1e3, 0),
+                     f"{o.get('steps', '?')} engine steps"))
     for row in r.get("story", {}).get("alone", []):
         rows.append((f"story '{row['prompt']}'", f"TTFT {fmt(row['ttft_s'], ' ms', 1e3, 1)}",
                      f"{fmt(row['decode_tokens_per_s'], ' tok/s', 1, 0)}"))

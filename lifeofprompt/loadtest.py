@@ -122,7 +122,10 @@ class LoadTestResult:
             head += f"\n{self.num_not_sent} requests not sent: the {self.config.max_duration:g} s time limit came first"
         errors = sorted({r.error for r in self.records if r.error})
         tail = "".join(f"\n  error: {e}" for e in errors[:5])
-        return head + "\n" + metrics.format_summary(self.summary) + tail
+        table = metrics.format_summary(self.summary).splitlines()
+        if math.isnan(self.summary["queue_s"]["p50"]):     # a client cannot see the server's queue time
+            table = [line for line in table if not line.startswith("queue")]
+        return head + "\n" + "\n".join(table) + tail
 
 
 def _finite(value):

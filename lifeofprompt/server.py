@@ -12,7 +12,8 @@ Two threads share the work, so that a step on the CPU never blocks the network:
 A client that goes away mid-stream aborts its request, so its KV blocks return at once. Every
 error the project raises on purpose (``lifeofprompt.errors``) carries its HTTP status and
 OpenAI error type; the server answers it in OpenAI's shape,
-``{"error": {"message", "type", "param", "code"}}``, and keeps serving everyone else.
+``{"error": {"message", "type", "param", "code"}}``, and keeps serving everyone else. The wire
+format lives in ``openai_protocol.py``, the ``/metrics`` page in ``server_metrics.py``.
 
     python -m lifeofprompt serve --model smollm2-135m --port 8000
 
@@ -24,7 +25,6 @@ OpenAI error type; the server answers it in OpenAI's shape,
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import socket
 import threading
@@ -32,16 +32,17 @@ import time
 import traceback
 import uuid
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 
-from . import metrics as request_metrics
 from .errors import InvalidRequestError, LifeOfPromptError, ModelNotFoundError, RequestNotFoundError
+from .openai_protocol import (ChatCompletionRequest, CompletionRequest, chat_prompt_ids, completion_prompts, error_body,
+                              error_response, openai_finish_reason, sampling_params_from, sse_event, usage_field)
 from .sampling_params import SamplingParams
+from .server_metrics import ServerStats, render_metrics
 
 logger = logging.getLogger("lifeofprompt.server")
 
@@ -182,250 +183,25 @@ class EngineLoop:
                 pass
 
 
-# ----------------------------------------------------------------------------- Prometheus metrics
-
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
-E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+# ----------------------------------------------------------------------------- the app
 
 
-class Histogram:
-    """A Prometheus histogram: cumulative bucket counts, a sum and a count."""
+class _EventStream(StreamingResponse):
+    """Server-sent events that abort their requests however the response ends.
 
-    def __init__(self, name: str, help: str, buckets):
-        self.name, self.help, self.buckets = name, help, tuple(buckets)
-        self.counts = [0] * (len(self.buckets) + 1)     # the last one is +Inf
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        index = next((i for i, upper in enumerate(self.buckets) if value <= upper), len(self.buckets))
-        self.counts[index] += 1
-        self.sum += value
-        self.count += 1
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        cumulative = 0
-        for upper, n in zip(list(self.buckets) + [float("inf")], self.counts):
-            cumulative += n
-            le = "+Inf" if upper == float("inf") else repr(float(upper))
-            lines.append(f'{self.name}_bucket{{le="{le}"}} {cumulative}')
-        lines += [f"{self.name}_sum {self.sum!r}", f"{self.name}_count {self.count}"]
-        return lines
-
-
-class ServerStats:
-    """What ``/metrics`` reports beyond the engine's live state: latencies and counts of finished requests.
-
-    Filled by the engine thread when a request finishes, read by the event loop: one lock.
+    The generator's own ``finally`` covers a client that leaves mid-stream; this covers one that
+    leaves before the first chunk, when the generator has not started and has no ``finally`` to run.
     """
 
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.ttft = Histogram("lifeofprompt_time_to_first_token_seconds",
-                              "Time from arrival to the first output token (queueing + prefill).", TTFT_BUCKETS)
-        self.tpot = Histogram("lifeofprompt_time_per_output_token_seconds",
-                              "Mean time per output token after the first, per request.", TPOT_BUCKETS)
-        self.e2e = Histogram("lifeofprompt_e2e_request_latency_seconds",
-                             "Time from arrival to the last output token.", E2E_BUCKETS)
-        self.finished: dict[str, int] = {}
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
+    def __init__(self, content, submission: "_Submission"):
+        super().__init__(content, media_type="text/event-stream")
+        self.submission = submission
 
-    def observe_finished(self, output) -> None:
-        completion = output.outputs[0]
-        reason = completion.finish_reason or "unknown"
-        times = output.metrics
-        with self.lock:
-            self.finished[reason] = self.finished.get(reason, 0) + 1
-            self.prompt_tokens += len(output.prompt_token_ids or [])
-            self.generation_tokens += len(completion.token_ids)
-            if times is None or reason == "abort":
-                return
-            record = request_metrics.RequestTiming(
-                arrival_time=times.arrival_time, first_token_time=times.first_token_time,
-                finished_time=times.finished_time, num_output_tokens=len(completion.token_ids))
-            for histogram, value in ((self.ttft, request_metrics.ttft(record)), (self.tpot, request_metrics.tpot(record)),
-                                     (self.e2e, request_metrics.e2e_latency(record))):
-                if value is not None:
-                    histogram.observe(value)
-
-
-def _gauge(name: str, help: str, value, kind: str = "gauge") -> list[str]:
-    return [f"# HELP {name} {help}", f"# TYPE {name} {kind}", f"{name} {value!r}"]
-
-
-def engine_state(engine) -> dict:
-    """The live numbers ``/metrics`` reports, from the engine's parts (read without stopping it)."""
-    blocks = engine.block_manager
-    return {
-        "running": len(engine.scheduler.running),
-        "waiting": len(engine.scheduler.waiting),
-        "kv_blocks_total": blocks.num_blocks,
-        "kv_blocks_used": blocks.num_used_blocks,
-        "prefix_cache_queries": blocks.hits + blocks.misses,   # full prompt blocks looked up at admission
-        "prefix_cache_hits": blocks.hits,
-        "preemptions": engine.scheduler.num_preemptions,
-    }
-
-
-def render_metrics(engine, stats: ServerStats, model_name: str) -> str:
-    """The Prometheus text exposition format (version 0.0.4)."""
-    state = engine_state(engine)
-    hit_rate = state["prefix_cache_hits"] / state["prefix_cache_queries"] if state["prefix_cache_queries"] else 0.0
-    lines = [
-        "# HELP lifeofprompt_model_info The model this server runs.",
-        "# TYPE lifeofprompt_model_info gauge",
-        f'lifeofprompt_model_info{{model_name="{model_name}"}} 1',
-    ]
-    lines += _gauge("lifeofprompt_num_requests_running", "Requests in the running batch.", state["running"])
-    lines += _gauge("lifeofprompt_num_requests_waiting", "Requests in the waiting queue (arrived, not yet running, or preempted).", state["waiting"])
-    lines += _gauge("lifeofprompt_kv_cache_blocks_total", "KV cache blocks in the pool.", state["kv_blocks_total"])
-    lines += _gauge("lifeofprompt_kv_cache_blocks_used", "KV cache blocks held by requests.", state["kv_blocks_used"])
-    lines += _gauge("lifeofprompt_kv_cache_usage_ratio", "Fraction of the KV pool in use (0 to 1).",
-                    state["kv_blocks_used"] / state["kv_blocks_total"] if state["kv_blocks_total"] else 0.0)
-    lines += _gauge("lifeofprompt_prefix_cache_queries_total", "Full prompt blocks looked up in the prefix cache.",
-                    state["prefix_cache_queries"], "counter")
-    lines += _gauge("lifeofprompt_prefix_cache_hits_total", "Full prompt blocks found in the prefix cache.",
-                    state["prefix_cache_hits"], "counter")
-    lines += _gauge("lifeofprompt_prefix_cache_hit_rate", "Prefix-cache hits over queries, since start (0 to 1).", hit_rate)
-    lines += _gauge("lifeofprompt_num_preemptions_total", "Running requests evicted to free blocks (recomputed later).",
-                    state["preemptions"], "counter")
-    with stats.lock:
-        lines += _gauge("lifeofprompt_prompt_tokens_total", "Prompt tokens of finished requests.", stats.prompt_tokens, "counter")
-        lines += _gauge("lifeofprompt_generation_tokens_total", "Tokens generated by finished requests.", stats.generation_tokens, "counter")
-        lines += ["# HELP lifeofprompt_request_success_total Finished requests, by finish reason.",
-                  "# TYPE lifeofprompt_request_success_total counter"]
-        lines += [f'lifeofprompt_request_success_total{{finished_reason="{reason}"}} {n}'
-                  for reason, n in sorted(stats.finished.items())]
-        for histogram in (stats.ttft, stats.tpot, stats.e2e):
-            lines += histogram.render()
-    return "\n".join(lines) + "\n"
-
-
-# ----------------------------------------------------------------------------- request bodies
-
-
-class _Body(BaseModel):
-    """Unknown fields are ignored, as OpenAI-compatible servers do (clients send many)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None                 # vLLM's extension
-    min_p: float | None = None               # vLLM's extension
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: dict | None = None
-    n: int = 1
-    ignore_eos: bool = False                 # vLLM's extension, for benchmarks
-    return_token_ids: bool = False           # vLLM's extension: choices carry the generated token ids
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logprobs: Any = None
-    user: str | None = None
-
-
-class CompletionRequest(_Body):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict] | None = None
-
-
-class ChatCompletionRequest(_Body):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-
-
-def sampling_params_from(body: _Body, default_max_tokens: int | None) -> SamplingParams:
-    """OpenAI's fields → ``SamplingParams`` (its validation raises typed errors naming the field)."""
-    if body.n != 1:
-        raise InvalidRequestError("only n=1 is supported", param="n")
-    if body.logprobs not in (None, False):
-        raise InvalidRequestError("logprobs are not supported", param="logprobs")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) not in (None, 0, 0.0):
-            raise InvalidRequestError(f"{name} is not supported", param=name)
-    max_tokens = body.max_tokens
-    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
-        max_tokens = body.max_completion_tokens
-    kwargs = dict(max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
-                  stop=body.stop, seed=body.seed, ignore_eos=body.ignore_eos)
-    for name in ("temperature", "top_p", "top_k", "min_p"):
-        if getattr(body, name) is not None:
-            kwargs[name] = getattr(body, name)
-    return SamplingParams(**kwargs)
-
-
-def completion_prompts(prompt) -> list:
-    """``prompt`` as OpenAI allows it (text, token ids, or a list of either) → a list of prompts."""
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise InvalidRequestError("prompt must not be empty", param="prompt")
-    if all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]
-    return list(prompt)
-
-
-def chat_prompt_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
-    """The model's own chat template, ending with the assistant's turn, as token ids."""
-    plain = []
-    for i, message in enumerate(messages):
-        content = message.content
-        if isinstance(content, list):       # [{"type": "text", "text": ...}, ...]
-            if any(part.get("type") != "text" for part in content):
-                raise InvalidRequestError("only text content parts are supported", param=f"messages.{i}.content")
-            content = "".join(str(part.get("text", "")) for part in content)
-        plain.append({"role": message.role, "content": content or ""})
-    text = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-# ----------------------------------------------------------------------------- responses
-
-
-def error_body(message: str, error_type: str, param: str | None = None, code: int | str | None = None) -> dict:
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-
-
-def error_response(exc: Exception):
-    """A typed error → its HTTP status and OpenAI's error shape (anything else is a 500)."""
-    if isinstance(exc, LifeOfPromptError):
-        status, error_type = exc.http_status, exc.error_type
-    else:
-        status, error_type = 500, "internal_error"
-    return JSONResponse(error_body(str(exc), error_type, getattr(exc, "param", None), status), status_code=status)
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def _finish_reason(completion) -> str | None:
-    reason = completion.finish_reason
-    return None if reason is None else ("stop" if reason == "abort" else reason)
-
-
-def _sse(payload) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-# ----------------------------------------------------------------------------- the app
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.submission.abort()
 
 
 class _Submission:
@@ -556,17 +332,17 @@ def build_app(engine, model_name: str | None = None, engine_loop: EngineLoop | N
         submission = _Submission(engine_loop, "cmpl")
         submission.add(completion_prompts(body.prompt), params)
         if body.stream:
-            return StreamingResponse(stream_completion(submission, body), media_type="text/event-stream")
+            return _EventStream(stream_completion(submission, body), submission)
         finals = await wait_or_disconnect(request, submission)
         if not finals:
             return JSONResponse(error_body("client disconnected", "aborted", None, 499), status_code=499)
         choices = [{"index": i, "text": out.outputs[0].text, "logprobs": None,
-                    "finish_reason": _finish_reason(out.outputs[0])} for i, out in sorted(finals.items())]
+                    "finish_reason": openai_finish_reason(out.outputs[0])} for i, out in sorted(finals.items())]
         if body.return_token_ids:
             for choice in choices:
                 choice["token_ids"] = list(finals[choice["index"]].outputs[0].token_ids)
         return {"id": submission.id, "object": "text_completion", "created": int(time.time()), "model": model_name,
-                "choices": choices, "usage": _usage(sum(len(o.prompt_token_ids) for o in finals.values()),
+                "choices": choices, "usage": usage_field(sum(len(o.prompt_token_ids) for o in finals.values()),
                                                     sum(len(o.outputs[0].token_ids) for o in finals.values()))}
 
     async def stream_completion(submission: _Submission, body: CompletionRequest):
@@ -575,7 +351,7 @@ def build_app(engine, model_name: str | None = None, engine_loop: EngineLoop | N
                        "model": model_name, "choices": choices}
             if include_usage:
                 payload["usage"] = usage
-            return _sse(payload)
+            return sse_event(payload)
 
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         async for kind, *piece in _stream_deltas(submission):
@@ -588,7 +364,7 @@ def build_app(engine, model_name: str | None = None, engine_loop: EngineLoop | N
             elif kind == "usage" and include_usage:
                 yield chunk([], piece[0])
             elif kind == "error":
-                yield _sse(piece[0])
+                yield sse_event(piece[0])
         yield "data: [DONE]\n\n"
 
     @app.post("/v1/chat/completions")
@@ -599,18 +375,18 @@ def build_app(engine, model_name: str | None = None, engine_loop: EngineLoop | N
         submission = _Submission(engine_loop, "chatcmpl")
         submission.add([prompt_ids], params)
         if body.stream:
-            return StreamingResponse(stream_chat(submission, body), media_type="text/event-stream")
+            return _EventStream(stream_chat(submission, body), submission)
         finals = await wait_or_disconnect(request, submission)
         if not finals:
             return JSONResponse(error_body("client disconnected", "aborted", None, 499), status_code=499)
         out = finals[0]
         choice = {"index": 0, "message": {"role": "assistant", "content": out.outputs[0].text},
-                  "logprobs": None, "finish_reason": _finish_reason(out.outputs[0])}
+                  "logprobs": None, "finish_reason": openai_finish_reason(out.outputs[0])}
         if body.return_token_ids:
             choice["token_ids"] = list(out.outputs[0].token_ids)
         return {"id": submission.id, "object": "chat.completion", "created": int(time.time()), "model": model_name,
                 "choices": [choice],
-                "usage": _usage(len(out.prompt_token_ids), len(out.outputs[0].token_ids))}
+                "usage": usage_field(len(out.prompt_token_ids), len(out.outputs[0].token_ids))}
 
     async def stream_chat(submission: _Submission, body: ChatCompletionRequest):
         def chunk(choices, usage=None):
@@ -618,7 +394,7 @@ def build_app(engine, model_name: str | None = None, engine_loop: EngineLoop | N
                        "model": model_name, "choices": choices}
             if include_usage:
                 payload["usage"] = usage
-            return _sse(payload)
+            return sse_event(payload)
 
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
@@ -633,7 +409,7 @@ def build_app(engine, model_name: str | None = None, engine_loop: EngineLoop | N
             elif kind == "usage" and include_usage:
                 yield chunk([], piece[0])
             elif kind == "error":
-                yield _sse(piece[0])
+                yield sse_event(piece[0])
         yield "data: [DONE]\n\n"
 
     return app
@@ -657,7 +433,7 @@ async def _stream_deltas(submission: _Submission):
                 sent[index] = len(completion.text)
                 new_ids = list(completion.token_ids[sent_ids.get(index, 0):])
                 sent_ids[index] = len(completion.token_ids)
-                finish_reason = _finish_reason(completion) if output.finished else None
+                finish_reason = openai_finish_reason(completion) if output.finished else None
                 if output.finished:
                     prompt_tokens += len(output.prompt_token_ids)
                     completion_tokens += len(completion.token_ids)
@@ -669,7 +445,7 @@ async def _stream_deltas(submission: _Submission):
             status, kind = getattr(exc, "http_status", 500), getattr(exc, "error_type", "internal_error")
             yield "error", error_body(str(exc), kind, getattr(exc, "param", None), status)
             return
-        yield "usage", _usage(prompt_tokens, completion_tokens)
+        yield "usage", usage_field(prompt_tokens, completion_tokens)
     finally:
         submission.abort()
 

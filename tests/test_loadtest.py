@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import statistics
+import time
 
 import pytest
 
@@ -156,9 +158,84 @@ def test_stops_by_itself_at_the_time_limit(server):
     assert len(result.records) + result.num_not_sent == 40
     assert all(r.error == "cancelled: the time limit came first" for r in result.records)
     server_loop = server.engine_loop
-    import time
     deadline = time.monotonic() + 60
     while server.engine.has_unfinished_requests() or server_loop.routes:     # the cancelled streams were aborted
         assert time.monotonic() < deadline
         time.sleep(0.02)
     assert_idle_and_clean(server)
+
+
+# ----------------------------------------------------------------------------- notebook 09's study and figures
+
+
+def test_time_decode_steps_reads_the_engines_step_records(smollm2):
+    from lifeofprompt.serving_study import time_decode_steps
+
+    model, tokenizer = smollm2
+    engine = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=16, max_num_seqs=4, log_stats=False)
+    point = time_decode_steps(engine, 2, prompt_len=4, decode_steps=2)
+    records = list(engine.step_records)
+    assert [r.num_batched_tokens for r in records] == [8, 2, 2]        # one prefill of 2 × 4, two decode steps
+    assert point.batch_size == 2 and point.context_tokens == 2 * (4 + 1 + 1)
+    durations = [r.end_time - r.start_time for r in records[1:]]
+    assert point.step_s == min(durations) > 0 and point.median_s == statistics.median(durations)
+    assert not engine.has_unfinished_requests() and engine.block_manager.num_used_blocks == 0
+    narrow = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=16, max_num_seqs=1, log_stats=False)
+    with pytest.raises(RuntimeError, match="max_num_seqs"):
+        time_decode_steps(narrow, 2, prompt_len=4, decode_steps=1)
+
+
+def test_roofline_bend_and_prediction():
+    import torch
+
+    from lifeofprompt import roofline
+    from lifeofprompt.config import SMOLLM2_135M
+    from lifeofprompt.serving_study import BatchPoint, bend_batch_size, predicted_curve
+
+    machine = roofline.Machine("test", bandwidth=10e9, flops=50e9, overhead_s=0.01)
+    bend = bend_batch_size(machine, SMOLLM2_135M, torch.float32, context_per_seq=20)
+    assert bend == 11                  # break-even 5 FLOP/byte over ~0.5 FLOP/byte per float32 sequence
+    for batch, compute_bound in ((bend - 1, False), (bend, True)):
+        nbytes, flops = roofline.step_bytes_and_flops(SMOLLM2_135M, torch.float32, batch, 20 * batch, batch)
+        assert (flops / machine.flops >= nbytes / machine.bandwidth) == compute_bound
+    points = [BatchPoint(1, 0.1, 20), BatchPoint(32, 0.5, 640)]
+    assert predicted_curve(machine, SMOLLM2_135M, torch.float32, points) == [
+        roofline.predict_step_time(machine, SMOLLM2_135M, torch.float32, 1, 20, 1),
+        roofline.predict_step_time(machine, SMOLLM2_135M, torch.float32, 32, 640, 32)]
+
+
+def _fake_result(rate, seed, ttfts):
+    from lifeofprompt.loadtest import LoadTestResult, RequestRecord
+
+    config = LoadTestConfig(arrival="poisson", rate=rate, num_requests=len(ttfts), seed=seed)
+    records = [RequestRecord(arrival_time=float(i), first_token_time=i + t, finished_time=i + t + 1.0,
+                             token_times=[i + t, i + t + 1.0], num_output_tokens=2, index=i, status=200)
+               for i, t in enumerate(ttfts)]
+    return LoadTestResult(config, records, 0.0, len(ttfts) + 2.0, 0, metrics.summarize(records))
+
+
+def test_serving_figures_label_axes_and_name_the_machine():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lifeofprompt.serving_figures import plot_batching_curve, plot_queue_growth, plot_repeats, plot_ttft_against_rate
+    from lifeofprompt.serving_study import BatchPoint
+
+    sweep = [_fake_result(0.5, 0, [0.1, 0.2, 0.3]), _fake_result(2.0, 0, [0.5, 2.0, 4.0])]
+    figures = [
+        plot_batching_curve([BatchPoint(1, 0.1, 20), BatchPoint(2, 0.12, 40)], [0.1, 0.11], 0.05, label="machine X"),
+        plot_ttft_against_rate(sweep, capacity=1.0, label="machine X"),
+        plot_queue_growth(sweep, capacity=1.0, label="machine X"),
+        plot_repeats(sweep, label="machine X"),
+    ]
+    for fig in figures:
+        assert any(t.get_text() == "machine X" for t in fig.texts)
+        for ax in fig.axes:
+            assert ax.get_xlabel() and ax.get_ylabel() and ax.get_title()
+    ttft_ax = figures[1].axes[0]
+    p99_line = ttft_ax.get_lines()[1]
+    assert list(p99_line.get_ydata()) == [r.summary["ttft_s"]["p99"] for r in sweep]
+    assert len(figures[2].axes[0].get_lines()) == 2            # one queue line per rate
+    plt.close("all")

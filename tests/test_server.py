@@ -8,6 +8,7 @@ every block back in the pool.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -293,10 +294,9 @@ def test_disconnect_frees_blocks_while_others_run(server, expected):
     """A long stream dropped after one chunk gives its blocks back; a request beside it is unaffected."""
     body = {"model": MODEL, "prompt": "tell me a long story", "max_tokens": 300, "temperature": 0, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                break
-        assert server.engine.block_manager.num_used_blocks > 0
+        first = next(line for line in response.iter_lines() if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"][0]["text"], first
+        assert server.engine.block_manager.num_used_blocks > 0, first
     other = httpx.post(server.url + "/v1/completions", timeout=60,
                        json={"model": MODEL, "prompt": HI_IDS, "max_tokens": 6, "temperature": 0}).json()
     assert other["choices"][0]["text"] == expected["hi"].text

@@ -472,7 +472,7 @@ def step_summary(args) -> dict:
         curve = results.get("decode", {}).get("batching_curve", [])
         if curve:
             bench.plot_batching_curve(curve, out_dir / "batching_curve.png",
-                                      f"decode step vs batch, context 512 — {device}, {results['date']}\n{results['label']}",
+                                      f"decode step vs batch, context {curve[0].get('context', '?')} — {device}, {results['date']}\n{results['label']}",
                                       results.get("decode", {}).get("floor_s"))
         o, p = results.get("ours", {}), results.get("peer", {})
         bars = [dict(peer="lifeofprompt", tokens_per_s=o["tokens_per_s"])] if o.get("tokens_per_s") else []

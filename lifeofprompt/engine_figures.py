@@ -61,16 +61,19 @@ def plot_throughput(groups: dict[str, list[dict]], title: str, path: Path | None
 
     groups = {name: [r for r in rows if r.get("tokens_per_s")] for name, rows in groups.items()}
     groups = {name: rows for name, rows in groups.items() if rows}
-    fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(4.4 * max(1, len(groups)), 3.6), squeeze=False)
+    import textwrap
+
+    fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(5.2 * max(1, len(groups)), 3.4), squeeze=False)
     for ax, (name, rows) in zip(axes[0], groups.items()):
-        ax.barh([r["peer"] for r in rows], [r["tokens_per_s"] for r in rows], color=["C0"] + ["C7"] * (len(rows) - 1))
+        labels = ["\n".join(textwrap.wrap(r["peer"], 22)) for r in rows]
+        ax.barh(labels, [r["tokens_per_s"] for r in rows], color=["C0"] + ["C7"] * (len(rows) - 1))
         for i, r in enumerate(rows):
             ax.text(r["tokens_per_s"], i, f" {r['tokens_per_s']:,.0f}", va="center", fontsize=8)
-        ax.set_title(name, fontsize=9)
+        ax.set_title("\n".join(textwrap.wrap(name, 48)), fontsize=9)
         ax.set_xlabel("output tokens / s (higher is better)")
         ax.invert_yaxis()
         ax.margins(x=0.25)
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle("\n".join(textwrap.wrap(title, 62 * len(groups) or 62)), fontsize=9)
     fig.tight_layout()
     if path is not None:
         fig.savefig(path, dpi=110)

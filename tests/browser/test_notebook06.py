@@ -39,6 +39,10 @@ def test_block_size_slider_redraws_the_pool(lab):
     assert image.get_attribute("src") != before_image, "the figure was not redrawn"
     page.wait_for_function("(img) => img.complete && img.naturalWidth > 0", arg=image.element_handle(),
                            timeout=30_000)
-    page.wait_for_timeout(500)                             # let the new image paint before the screenshot
+    image.evaluate("img => img.decode()")                 # decoded and painted before the screenshot
+    page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
+    page.wait_for_timeout(1000)
+    lab.screenshot(page, "notebook06_panel_block32", locator=widget)   # a loaded machine may paint late:
+    page.wait_for_timeout(3000)                                         # the second shot is the one kept
     path = lab.screenshot(page, "notebook06_panel_block32", locator=widget)
     assert path.stat().st_size > 10_000

@@ -349,6 +349,10 @@ def cpu_run(args) -> dict:
     return results
 
 
+CPU_PANELS = {"mixed": "mixed workload (prompts 16-256, outputs 16-128)",
+              "fixed64": "fixed 64-token outputs", "batch1": "batch-1 decode (64-token prompt)"}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mixed", type=int, default=32, help="requests in the mixed workload")
@@ -369,7 +373,7 @@ def main(argv=None) -> int:
     path = args.out / f"cpu_engine_{stamp}.json"
     path.write_text(json.dumps(results, indent=2, default=str))
     title = f"SmolLM2-135M fp32 on {results['env']['machine']} ({args.threads} thread), {results['env']['date']}"
-    plot_throughput({k: results[k] for k in ("mixed", "fixed64", "batch1")}, args.out / f"cpu_throughput_{stamp}.png", title)
+    plot_throughput({name: results[k] for k, name in CPU_PANELS.items()}, args.out / f"cpu_throughput_{stamp}.png", title)
     plot_batching_curve(results["batching_curve"], args.out / f"cpu_batching_curve_{stamp}.png",
                         f"decode step vs batch, context {args.curve_context} — {title}", results["decode_floor_s"])
     print(f"wrote {path}")

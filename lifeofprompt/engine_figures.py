@@ -96,7 +96,9 @@ def plot_batching_curve(rows: list[dict], title: str, floor_s: float | None = No
     ax.set_ylim(bottom=0)
     ax.set_xlabel("sequences in the decode step (batch size)")
     ax.set_ylabel("step time (ms)")
-    ax.set_title(title, fontsize=9)
+    import textwrap
+
+    ax.set_title("\n".join(textwrap.wrap(title, 80)), fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()

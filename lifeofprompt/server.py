@@ -278,6 +278,10 @@ def build_app(engine, model_name: str | None = None, engine_loop: EngineLoop | N
     async def _typed_error(request: Request, exc: LifeOfPromptError):
         return error_response(exc)
 
+    @app.exception_handler(Exception)
+    async def _unexpected_error(request: Request, exc: Exception):   # a failed step: 500, still in OpenAI's shape
+        return error_response(exc)
+
     def check_model(requested: str | None) -> None:
         if requested is not None and requested != model_name:
             raise ModelNotFoundError(f"the model {requested!r} does not exist; this server runs {model_name!r}")

@@ -229,6 +229,30 @@ def test_full_queue_answers_503(server, client, expected):
     assert_no_leaks(server)
 
 
+def test_a_failing_step_fails_its_requests_and_the_server_goes_on(server, expected, monkeypatch):
+    """A step that raises (a bug, a kernel failure) fails the requests in flight with a 500 in
+    OpenAI's shape; the engine thread survives and the next request is served."""
+    real_step, calls = server.engine.step, []
+
+    def step_that_fails_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("simulated failure inside a step")
+        return real_step()
+
+    monkeypatch.setattr(server.engine, "step", step_that_fails_once)
+    body = {"model": MODEL, "prompt": HI_IDS, "max_tokens": 6, "temperature": 0}
+    failed = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert failed.status_code == 500
+    assert failed.json()["error"]["type"] == "internal_error"
+    assert "simulated failure" in failed.json()["error"]["message"]
+    assert "simulated failure" in server.engine_loop.last_error
+    assert_no_leaks(server)
+    again = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert again.status_code == 200 and again.json()["choices"][0]["text"] == expected["hi"].text
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
 # ----------------------------------------------------------------------------- many clients at once
 
 

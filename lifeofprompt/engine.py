@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -86,17 +86,14 @@ class IncrementalDetokenizer:
 
 
 @dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
+class _Completion:
+    """One of the ``n`` answers of a request: its sequence and the text made from it so far."""
+
+    index: int
     seq: Sequence
-    metrics: RequestMetrics
     detokenizer: IncrementalDetokenizer
     text: str = ""                  # the output text (stop strings cut off)
     emitted_text_len: int = 0       # how much of ``text`` earlier outputs already carried
-    emitted_tokens: int = 0
     logprobs: list | None = None
     cumulative_logprob: float | None = None
     new_token_ids: list[int] = field(default_factory=list)
@@ -104,6 +101,21 @@ class _Request:
     @property
     def finished(self) -> bool:
         return self.seq.status == SequenceStatus.FINISHED
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    completions: list[_Completion]
+    pending: list[_Completion] = field(default_factory=list)   # n > 1: waiting for the first one's prompt
+
+    @property
+    def finished(self) -> bool:
+        return not self.pending and all(c.finished for c in self.completions)
 
 
 def _unpack_logprobs(entry):
@@ -155,6 +167,7 @@ class LLMEngine:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.requests: dict[str, _Request] = {}
+        self._owner: dict[int, tuple[_Request, _Completion]] = {}   # seq_id -> its request and answer
         self.step_records: deque[StepRecord] = deque(maxlen=max_step_records)
         self._inbox: list[tuple[str, object]] = []
         self._pending_outputs: list[RequestOutput] = []
@@ -247,23 +260,29 @@ class LLMEngine:
         """Queue a request (text, token ids, or ``{"prompt_token_ids": [...]}``); safe from any thread."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         text, ids = self.validate(prompt, params)
-        if params.n != 1:
-            raise InvalidRequestError("n > 1 is not supported by this engine yet; send n requests", param="n")
         arrival = self.clock() if arrival_time is None else arrival_time
-        seq = Sequence(str(request_id), ids, params, prompt=text, arrival_time=arrival)
-        request = _Request(str(request_id), text, ids, params, seq,
-                           RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(ids)),
-                           IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
-                           logprobs=[] if params.logprobs is not None else None,
-                           cumulative_logprob=0.0 if params.logprobs is not None else None)
+        request_id = str(request_id)
+        completions = []
+        for i in range(params.n):
+            # each answer samples on its own stream: seed, seed + 1, ... (None stays None)
+            child = replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            seq_id = request_id if params.n == 1 else f"{request_id}/{i}"
+            seq = Sequence(seq_id, ids, child, prompt=text, arrival_time=arrival)
+            completions.append(_Completion(i, seq, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
+                                           logprobs=[] if params.logprobs is not None else None,
+                                           cumulative_logprob=0.0 if params.logprobs is not None else None))
+        request = _Request(request_id, text, ids, params, RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(ids)),
+                           completions, pending=completions[1:])
         with self._lock:
-            if request.request_id in self.requests:
+            if request_id in self.requests:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
             if self.max_waiting is not None:
                 queued = len(self.scheduler.waiting) + sum(1 for kind, _ in self._inbox if kind == "add")
                 if queued >= self.max_waiting:
                     raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests): retry later")
-            self.requests[request.request_id] = request
+            self.requests[request_id] = request
+            for c in completions:
+                self._owner[c.seq.seq_id] = (request, c)
             self._inbox.append(("add", request))
 
     def abort(self, request_id: str) -> None:
@@ -290,12 +309,19 @@ class LLMEngine:
             inbox, self._inbox = self._inbox, []
         for kind, item in inbox:
             if kind == "add":
-                self.scheduler.add(item.seq)
+                self.scheduler.add(item.completions[0].seq)
                 continue
             request = self.requests.get(item)
             if request is None or request.finished:
                 continue                               # unknown or already done: nothing to stop
-            self.scheduler.finish(request.seq, "abort")
+            for c in request.completions:
+                if c.finished:
+                    continue
+                if any(c is p for p in request.pending):    # never handed to the scheduler: holds no block
+                    c.seq.status, c.seq.finish_reason = SequenceStatus.FINISHED, "abort"
+                else:
+                    self.scheduler.finish(c.seq, "abort")   # its blocks go back now
+            request.pending.clear()
             request.metrics.finished_time = self.clock()
             self._pending_outputs.append(self._make_output(request))
             self._forget(request)
@@ -303,6 +329,8 @@ class LLMEngine:
     def _forget(self, request: _Request) -> None:
         with self._lock:
             self.requests.pop(request.request_id, None)
+            for c in request.completions:
+                self._owner.pop(c.seq.seq_id, None)
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, and return the requests that changed (new tokens or finished)."""
@@ -314,20 +342,29 @@ class LLMEngine:
                 return outputs
             record.start_time = self.clock()
             for seq in record.seqs:
-                metrics = self.requests[seq.request_id].metrics
+                request, _ = self._owner[seq.seq_id]
+                metrics = request.metrics
                 if metrics.first_scheduled_time is None:
                     metrics.first_scheduled_time = record.start_time
                     metrics.num_cached_tokens = seq.num_cached_tokens
-                metrics.num_preemptions = seq.num_preemptions
+                metrics.num_preemptions = sum(c.seq.num_preemptions for c in request.completions)
             sampled = self.runner.execute(record.seqs, record.num_scheduled_tokens)
             logprob_rows = getattr(self.runner, "last_logprobs", None) or [None] * len(record.seqs)
             now = record.end_time = self.clock()
             entries = {seq.seq_id: lp for seq, lp in zip(record.seqs, logprob_rows)}
+            changed: dict[str, _Request] = {}
             for seq in self.scheduler.update(record, sampled):
-                request = self.requests[seq.request_id]
-                self._on_token(request, seq.output_token_ids[-1], entries.get(seq.seq_id), now)
-                if request.finished:
+                request, completion = self._owner[seq.seq_id]
+                self._on_token(request, completion, seq.output_token_ids[-1], entries.get(seq.seq_id), now)
+                if completion.finished:
                     record.finished.append(seq.request_id)
+                if request.pending and completion.index == 0:
+                    # n > 1: the prompt's full blocks are cached now, so the other answers share them
+                    for sibling in reversed(request.pending):
+                        self.scheduler.add(sibling.seq, front=True)
+                    request.pending.clear()
+                changed[request.request_id] = request
+            for request in changed.values():
                 outputs.append(self._make_output(request))
                 if request.finished:
                     self._forget(request)
@@ -336,19 +373,19 @@ class LLMEngine:
                 self.block_manager.check_invariants(self.scheduler.seqs)
             return outputs
 
-    def _on_token(self, request: _Request, token: int, logprob_entry, now: float) -> None:
-        seq, params, metrics = request.seq, request.params, request.metrics
+    def _on_token(self, request: _Request, completion: _Completion, token: int, logprob_entry, now: float) -> None:
+        seq, params, metrics = completion.seq, completion.seq.sampling_params, request.metrics
         metrics.token_times.append(now)
         if metrics.first_token_time is None:
             metrics.first_token_time = now
-        request.new_token_ids.append(token)
-        if request.logprobs is not None:
+        completion.new_token_ids.append(token)
+        if completion.logprobs is not None:
             chosen, top = _unpack_logprobs(logprob_entry)
-            request.logprobs.append(dict(top or {}) | ({token: chosen} if chosen is not None else {}))
+            completion.logprobs.append(dict(top or {}) | ({token: chosen} if chosen is not None else {}))
             if chosen is not None:
-                request.cumulative_logprob += chosen
+                completion.cumulative_logprob += chosen
         with self._tokenizer_lock:
-            request.detokenizer.add(token)
+            completion.detokenizer.add(token)
         reason, stop_reason = None, None
         if len(seq.output_token_ids) >= (params.max_tokens or self.max_model_len) or len(seq) >= self.max_model_len:
             reason = "length"
@@ -356,35 +393,38 @@ class LLMEngine:
             reason, stop_reason = "stop", None
         elif token in params.stop_token_ids:
             reason, stop_reason = "stop", token
-        text = request.detokenizer.text
+        text = completion.detokenizer.text
         for stop in params.stop:
-            at = text.find(stop, max(0, len(request.text) - len(stop) + 1))
+            at = text.find(stop, max(0, len(completion.text) - len(stop) + 1))
             if at != -1:
                 text, reason, stop_reason = text[:at], "stop", stop
                 break
-        request.text = text
+        completion.text = text
         if reason is not None:
             seq.stop_reason = stop_reason
             self.scheduler.finish(seq, reason)
-            metrics.finished_time = now
+            if request.finished:
+                metrics.finished_time = now
 
     def _make_output(self, request: _Request) -> RequestOutput:
-        """A snapshot: cumulative text and ids, plus what changed since the last snapshot."""
-        seq = request.seq
-        finished = request.finished
-        visible = len(request.text)
-        if not finished and request.params.stop:     # hold back what could be the start of a stop string
-            visible = max(request.emitted_text_len, len(request.text) - max(map(len, request.params.stop)) + 1)
-        new_text = request.text[request.emitted_text_len:visible]
-        request.emitted_text_len = visible
-        new_ids, request.new_token_ids = request.new_token_ids, []
-        completion = CompletionOutput(
-            index=0, text=request.text[:visible], token_ids=list(seq.output_token_ids),
-            finish_reason=seq.finish_reason if finished else None, stop_reason=seq.stop_reason,
-            logprobs=list(request.logprobs) if request.logprobs is not None else None,
-            cumulative_logprob=request.cumulative_logprob, new_token_ids=new_ids, new_text=new_text)
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
-                             finished, request.metrics, num_cached_tokens=seq.num_cached_tokens)
+        """A snapshot: cumulative text and ids of every answer, plus what changed since the last snapshot."""
+        completions = []
+        for c in request.completions:
+            seq = c.seq
+            visible = len(c.text)
+            if not c.finished and request.params.stop:   # hold back what could be the start of a stop string
+                visible = max(c.emitted_text_len, len(c.text) - max(map(len, request.params.stop)) + 1)
+            new_text = c.text[c.emitted_text_len:visible]
+            c.emitted_text_len = visible
+            new_ids, c.new_token_ids = c.new_token_ids, []
+            completions.append(CompletionOutput(
+                index=c.index, text=c.text[:visible], token_ids=list(seq.output_token_ids),
+                finish_reason=seq.finish_reason if c.finished else None, stop_reason=seq.stop_reason,
+                logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                cumulative_logprob=c.cumulative_logprob, new_token_ids=new_ids, new_text=new_text))
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
+                             request.finished, request.metrics,
+                             num_cached_tokens=request.completions[0].seq.num_cached_tokens)
 
     # ---------------------------------------------------------------- looking inside
     @property

@@ -69,8 +69,6 @@ class LLM:
         requests = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             self.engine.validate(prompt, p, index=i)
-            if p.n != 1:
-                raise InvalidRequestError("n > 1 is not supported yet", param="n", index=i)
             requests.append((prompt, p))
         return requests
 

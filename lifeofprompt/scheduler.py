@@ -147,10 +147,14 @@ class Scheduler:
                 f"{self.block_manager.num_blocks} blocks × {self.block_manager.block_size} = {pool} tokens)",
                 param="max_tokens")
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, front: bool = False) -> None:
+        """Queue a request (``front=True``: ahead of everyone, as for a preempted one)."""
         self.check_fits(seq)
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        if front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take a request out (finished or aborted) and give its blocks back at once."""

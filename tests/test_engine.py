@@ -172,3 +172,24 @@ def test_startup_log_names_memory_blocks_and_concurrency(smollm2):
     assert "weights take 513.1 MiB" in text
     assert "KV cache: 45.0 MiB = 64 blocks × 16 tokens = 1024 tokens (45.0 KiB per token)" in text
     assert "maximum concurrency for 8192 tokens per request: 0.12x" in text
+
+
+def test_n_answers_share_the_prompt_blocks_and_sample_apart(smollm2, story_ids):
+    engine = make_engine(smollm2, block_size=4)
+    prompt = story_ids[1] + story_ids[0]                       # 10 tokens: two full blocks to share
+    engine.add_request("n", prompt, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=3, ignore_eos=True))
+    engine.add_request("g", story_ids[2], SamplingParams(n=2, temperature=0, max_tokens=2, ignore_eos=True))
+    (n_out,) = [o for o in engine.run_until_done() if o.request_id == "n"]
+    assert [c.index for c in n_out.outputs] == [0, 1, 2] and all(len(c.token_ids) == 3 for c in n_out.outputs)
+    assert len({tuple(c.token_ids) for c in n_out.outputs}) > 1            # seeds 7, 8, 9: different draws
+    later = [r for rec in engine.step_records for r in rec.scheduled if r.request_id in ("n/1", "n/2") and r.kind == "prefill"]
+    assert [r.num_cached_tokens for r in later] == [8, 8]                   # the siblings reused the prompt's blocks
+    engine.add_request("again", prompt, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=3, ignore_eos=True))
+    (again,) = engine.run_until_done()
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in n_out.outputs]   # same seed, same answers
+    engine.add_request("cut", prompt, SamplingParams(n=2, temperature=0, max_tokens=5))
+    engine.step()
+    engine.abort("cut")
+    (cut,) = engine.step()
+    assert cut.finished and [c.finish_reason for c in cut.outputs] == ["abort", "abort"]
+    assert engine.block_manager.num_used_blocks == 0

@@ -193,3 +193,10 @@ def test_n_answers_share_the_prompt_blocks_and_sample_apart(smollm2, story_ids):
     (cut,) = engine.step()
     assert cut.finished and [c.finish_reason for c in cut.outputs] == ["abort", "abort"]
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_pool_sized_from_kv_cache_memory(smollm2):
+    per_block = 2 * 30 * 3 * 64 * 4 * 16                       # K and V, 30 layers, 3 KV heads, fp32, 16 tokens
+    engine = make_engine(smollm2, num_kv_blocks=None, kv_cache_memory=10 * per_block + 100)
+    assert engine.num_kv_blocks == 10 and engine.runner.kv_cache.nbytes == 10 * per_block
+    assert engine.max_model_len == 160                          # a request can never outgrow the pool

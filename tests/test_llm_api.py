@@ -94,3 +94,11 @@ def test_chat_applies_the_template(llm):
     assert out.outputs[0].text == "The answer to this"
     with pytest.raises(InvalidRequestError):
         llm.chat([{"content": "no role"}])
+
+
+def test_long_runs_get_a_progress_bar(llm, capsys):
+    outs = llm.generate([[i + 1, i + 2] for i in range(16)], SamplingParams(temperature=0, max_tokens=1))
+    assert len(outs) == 16 and all(len(o.outputs[0].token_ids) == 1 for o in outs)
+    assert "Processed prompts" in capsys.readouterr().err
+    llm.generate([[1, 2]], SamplingParams(temperature=0, max_tokens=1))
+    assert "Processed prompts" not in capsys.readouterr().err    # a short run stays quiet

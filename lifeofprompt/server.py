@@ -185,6 +185,9 @@ class EngineLoop:
 
 # ----------------------------------------------------------------------------- the app
 
+CLIENT_GONE = object()       # put in a request's queue when its client disconnects
+DISCONNECT_POLL_S = 0.5
+
 
 class _EventStream(StreamingResponse):
     """Server-sent events that abort their requests however the response ends.
@@ -232,6 +235,8 @@ class _Submission:
         index_of = {rid: i for i, rid in enumerate(self.request_ids)}
         while len(self.finished) < len(self.request_ids):
             output = await self.queue.get()
+            if output is CLIENT_GONE:
+                return
             if isinstance(output, BaseException):
                 raise output
             if output.finished:
@@ -286,29 +291,29 @@ def build_app(engine, model_name: str | None = None, engine_loop: EngineLoop | N
         if requested is not None and requested != model_name:
             raise ModelNotFoundError(f"the model {requested!r} does not exist; this server runs {model_name!r}")
 
-    async def wait_or_disconnect(request: Request, submission: _Submission) -> dict[int, Any]:
-        """Collect every final output; abort if the client goes away first."""
+    async def wait_or_disconnect(request: Request, submission: _Submission) -> dict[int, Any] | None:
+        """Every final output by prompt index; None if the client went away first (its requests are aborted).
+
+        A watcher polls the connection twice a second while the outputs arrive, so a client that
+        gives up on a long completion frees its blocks within half a second, not at the end.
+        """
+        async def watch():
+            while not await request.is_disconnected():
+                await asyncio.sleep(DISCONNECT_POLL_S)
+            submission.abort()
+            submission.queue.put_nowait(CLIENT_GONE)
+
+        watcher = asyncio.create_task(watch())
         finals: dict[int, Any] = {}
-        outputs = submission.outputs()
         try:
-            while True:
-                next_output = asyncio.ensure_future(outputs.__anext__())
-                while True:
-                    done, _ = await asyncio.wait({next_output}, timeout=0.5)
-                    if done:
-                        break
-                    if await request.is_disconnected():
-                        next_output.cancel()
-                        submission.abort()
-                        return {}
-                try:
-                    index, output = next_output.result()
-                except StopAsyncIteration:
-                    return finals
+            async for index, output in submission.outputs():
                 finals[index] = output
         except asyncio.CancelledError:
             submission.abort()
             raise
+        finally:
+            watcher.cancel()
+        return finals if len(submission.finished) == len(submission.request_ids) else None
 
     @app.get("/health")
     async def health():
@@ -338,7 +343,7 @@ def build_app(engine, model_name: str | None = None, engine_loop: EngineLoop | N
         if body.stream:
             return _EventStream(stream_completion(submission, body), submission)
         finals = await wait_or_disconnect(request, submission)
-        if not finals:
+        if finals is None:
             return JSONResponse(error_body("client disconnected", "aborted", None, 499), status_code=499)
         choices = [{"index": i, "text": out.outputs[0].text, "logprobs": None,
                     "finish_reason": openai_finish_reason(out.outputs[0])} for i, out in sorted(finals.items())]
@@ -381,7 +386,7 @@ def build_app(engine, model_name: str | None = None, engine_loop: EngineLoop | N
         if body.stream:
             return _EventStream(stream_chat(submission, body), submission)
         finals = await wait_or_disconnect(request, submission)
-        if not finals:
+        if finals is None:
             return JSONResponse(error_body("client disconnected", "aborted", None, 499), status_code=499)
         out = finals[0]
         choice = {"index": 0, "message": {"role": "assistant", "content": out.outputs[0].text},

@@ -63,8 +63,8 @@ def wait_idle(server, timeout: float = 60.0) -> None:
         time.sleep(0.02)
 
 
-def assert_no_leaks(server) -> None:
-    wait_idle(server)
+def assert_no_leaks(server, timeout: float = 60.0) -> None:
+    wait_idle(server, timeout)
     engine = server.engine
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert not engine.requests and not engine.scheduler.running and not engine.scheduler.waiting
@@ -325,3 +325,12 @@ def test_disconnect_frees_blocks_while_others_run(server, expected):
                        json={"model": MODEL, "prompt": HI_IDS, "max_tokens": 6, "temperature": 0}).json()
     assert other["choices"][0]["text"] == expected["hi"].text
     assert_no_leaks(server)
+
+
+def test_non_streaming_client_that_gives_up_aborts_its_request(server):
+    """A client that stops waiting for a long non-streamed completion: the server notices the closed
+    connection and aborts it, well before its 900 tokens could have been generated."""
+    body = {"model": MODEL, "prompt": HI_IDS, "max_tokens": 900, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+    assert_no_leaks(server, timeout=20)

@@ -211,26 +211,38 @@ def paging_panel(block_size: int, pool_tokens: int, lengths: list[int], max_len:
     return fig, summary
 
 
+def figure_png(fig, dpi: int = 80) -> bytes:
+    """The figure as PNG bytes, drawn completely before anything shows it (then closed)."""
+    import io
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    plt.close(fig)
+    return buffer.getvalue()
+
+
 def paging_widget(lengths: list[int], max_len: int, bytes_per_token: int | None = None, bytes_label: str = "",
                   block_sizes=(1, 2, 4, 8, 16, 32, 64, 128), pool_tokens=(512, 8192, 256, 2048)):
-    """Block-size and pool-size sliders that redraw ``paging_panel`` (needs ipywidgets)."""
+    """Block-size and pool-size sliders that redraw ``paging_panel`` (needs ipywidgets).
+
+    The figure travels as PNG bytes in an ``Image`` widget, replaced whole on every change.
+    """
+    import html
+
     import ipywidgets as widgets
-    from IPython.display import display
 
     lo, hi, step, start = pool_tokens
     block = widgets.SelectionSlider(options=list(block_sizes), value=16, description="block size")
     pool = widgets.IntSlider(min=lo, max=hi, step=step, value=start, description="pool slots")
-    out = widgets.Output()
+    summary = widgets.HTML()
+    image = widgets.Image(format="png")
 
     def redraw(_=None):
-        with out:
-            out.clear_output(wait=True)
-            fig, text = paging_panel(block.value, pool.value, lengths, max_len, bytes_per_token, bytes_label)
-            print(text)
-            display(fig)
-            plt.close(fig)
+        fig, text = paging_panel(block.value, pool.value, lengths, max_len, bytes_per_token, bytes_label)
+        image.value = figure_png(fig)
+        summary.value = f"<pre class='lop-paging-summary'>{html.escape(text)}</pre>"
 
     block.observe(redraw, names="value")
     pool.observe(redraw, names="value")
     redraw()
-    return widgets.VBox([widgets.HBox([block, pool]), out])
+    return widgets.VBox([widgets.HBox([block, pool]), summary, image])

@@ -112,9 +112,20 @@ def test_widget_redraws_through_the_callback_when_a_slider_moves(monkeypatch):
 
     monkeypatch.setattr(paging_figures, "paging_panel", fake_panel)
     box = paging_figures.paging_widget([10, 20], 64)
-    block, pool = box.children[0].children
+    (block, pool), summary, image = box.children[0].children, box.children[1], box.children[2]
     assert calls == [(16, 2048)]
+    assert bytes(image.value[:4]) == b"\x89PNG" and "text" in summary.value
     block.value = 64
     pool.value = 4096
     assert calls == [(16, 2048), (64, 2048), (64, 4096)]
     plt.close("all")
+
+
+def test_widget_image_is_the_panel_drawn_in_full():
+    box = paging_figures.paging_widget(request_lengths(32, 512, seed=1), 512)
+    summary, image = box.children[1], box.children[2]
+    before = bytes(image.value)
+    assert "block size 16 → 128 blocks" in summary.value
+    box.children[0].children[0].value = 32
+    assert "block size 32 → 64 blocks" in summary.value
+    assert bytes(image.value) != before and len(image.value) > 20_000       # a whole figure, not a blank canvas

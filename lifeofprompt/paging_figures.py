@@ -10,8 +10,6 @@ from __future__ import annotations
 import math
 
 import matplotlib
-
-matplotlib.use(matplotlib.get_backend())   # keep the notebook's inline backend; Agg in tests
 import matplotlib.pyplot as plt
 from matplotlib.collections import PatchCollection
 from matplotlib.patches import Patch, Rectangle

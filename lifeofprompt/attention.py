@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .paged_attention import attend_padded, paged_attention, row_coordinates, store_kv
+from .paged_attention import AttentionPlan, attend_groups, paged_attention, row_coordinates, store_kv
 
 
 @dataclass
@@ -37,6 +37,14 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
+
+    def torch_plan(self, **paged) -> AttentionPlan:
+        """The torch path's per-step plan, built by the first layer and reused by the others."""
+        plan = self.__dict__.get("_plan")
+        if plan is None:
+            plan = AttentionPlan.build(self.query_start_loc, self.seq_lens, **paged)
+            self.__dict__["_plan"] = plan
+        return plan
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -71,12 +79,11 @@ class NoCacheMetadata(AttentionMetadata):
         return cls(**cls.describe_batch(lengths, lengths, device, last_rows_only))
 
     def attend(self, layer_idx, q, k, v):
-        seq_index, row_index = row_coordinates(self.query_start_loc, q.shape[0])
-        keys = k.new_zeros(self.num_seqs, self.max_seq_len, *k.shape[1:])
-        values = torch.zeros_like(keys)
-        keys[seq_index, row_index] = k
-        values[seq_index, row_index] = v
-        return attend_padded(q, keys, values, self.seq_lens, self.query_start_loc, self.max_query_len, _scale(self, q))
+        # Every sequence is all query rows here: its keys are exactly its own rows.
+        plan = self.torch_plan()
+        return attend_groups(q, plan, lambda g: (k[g.rows].view(len(g.seq_ids), g.length, *k.shape[1:]),
+                                                 v[g.rows].view(len(g.seq_ids), g.length, *v.shape[1:])),
+                             _scale(self, q))
 
 
 class ContiguousKVCache:
@@ -112,14 +119,17 @@ class ContiguousCacheMetadata(AttentionMetadata):
     positions: torch.Tensor | None = None    # [T] long: where each new row is written
 
     def attend(self, layer_idx, q, k, v):
+        plan = self.torch_plan()
         seq_index, _ = row_coordinates(self.query_start_loc, q.shape[0])
         rows = self.cache_rows[seq_index]
         k_cache, v_cache = self.cache.k[layer_idx], self.cache.v[layer_idx]
         k_cache[rows, self.positions] = k.to(k_cache.dtype)
         v_cache[rows, self.positions] = v.to(v_cache.dtype)
-        keys = k_cache[self.cache_rows, : self.max_seq_len]
-        values = v_cache[self.cache_rows, : self.max_seq_len]
-        return attend_padded(q, keys, values, self.seq_lens, self.query_start_loc, self.max_query_len, _scale(self, q))
+
+        def fetch(group):                                   # each sequence's own row, up to its length
+            own = self.cache_rows[torch.tensor(group.seq_ids, device=q.device)]
+            return k_cache[own, : group.length], v_cache[own, : group.length]
+        return attend_groups(q, plan, fetch, _scale(self, q))
 
 
 class PagedKVCache:
@@ -175,5 +185,8 @@ class PagedCacheMetadata(AttentionMetadata):
         store, attention = attention_backend(self.backend)
         k_pool, v_pool = self.cache.k(layer_idx), self.cache.v(layer_idx)
         store(k, v, k_pool, v_pool, self.slot_mapping)
+        extra = {}
+        if self.backend == "torch":
+            extra["plan"] = self.torch_plan(block_tables=self.block_tables, block_size=self.cache.block_size)
         return attention(q, k_pool, v_pool, self.block_tables, self.seq_lens, self.query_start_loc,
-                         self.max_query_len, self.max_seq_len, _scale(self, q))
+                         self.max_query_len, self.max_seq_len, _scale(self, q), **extra)

@@ -12,8 +12,8 @@ and once per forward the LM head, ``2·rows·hidden·vocab`` for the rows whose 
 Norms, rotary embeddings and the softmax are a few operations per element: left out.
 
 Counts are of *useful* work: a causal query sees only the keys at or before its position.
-(The plain-torch attention of ``paged_attention.attend_padded`` computes the masked square too,
-at most twice the useful score operations; the Triton kernel skips it.)
+(The torch path, ``scaled_dot_product_attention`` with an explicit mask, computes the masked
+square too, at most twice the useful score operations; the Triton kernel skips it.)
 """
 
 from __future__ import annotations

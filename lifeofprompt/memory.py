@@ -108,10 +108,11 @@ def estimate_activation_bytes(config: ModelConfig, dtype, num_tokens: int = 2048
     their product (``3·intermediate``); plus fp32 logits for ``logits_rows`` sampled rows.
     ``num_tokens`` plays vLLM's ``max_num_batched_tokens``, the largest step it profiles.
 
-    A fused attention kernel never stores the ``heads × T × T`` scores (``score_copies=0``). The
-    plain-torch path (``attend_padded``) holds about three fp32 copies (scores, masked, softmax):
-    on an H200, TinyLlama bf16 over 2,048 tokens measured 1.70 GB, against 0.15 GB without and
-    1.76 GB with ``score_copies=3``. Measure on the real device when you can
+    A fused attention kernel never stores the ``heads × T × T`` scores (``score_copies=0``). An
+    attention written as plain matrix products holds about three fp32 copies (scores, masked,
+    softmax): on an H200, TinyLlama bf16 over 2,048 tokens measured 1.70 GB with our first torch
+    path (written that way; it now calls torch's fused ``scaled_dot_product_attention``), against
+    0.15 GB without and 1.76 GB with ``score_copies=3``. Measure on the real device when you can
     (``measure_activation_bytes``); a CUDA context and CUDA graphs come on top.
     """
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim

@@ -44,18 +44,19 @@ def gather_slots(block_tables: torch.Tensor, max_seq_len: int, block_size: int) 
 
 def paged_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    max_query_len: int, max_seq_len: int, scale: float) -> torch.Tensor:
+                    max_query_len: int, max_seq_len: int, scale: float, plan: "AttentionPlan | None" = None) -> torch.Tensor:
     """Causal grouped-query attention of query rows ``[T, heads, head_dim]`` over the paged pool.
 
     Sequence ``b`` owns query rows ``query_start_loc[b]:query_start_loc[b+1]``; they are its
     *last* tokens, so its first ``seq_lens[b] - query_len`` tokens are a cached prefix that
-    every one of its queries may see.
+    every one of its queries may see. ``plan`` (optional) carries what every layer of one step
+    shares (groups, masks, key slots), so a forward computes it once.
     """
-    block_size = k_pool.shape[1]
-    slots = gather_slots(block_tables, max_seq_len, block_size)
-    keys = k_pool.reshape(-1, *k_pool.shape[2:])[slots]        # [B, max_seq_len, kv_heads, D]
-    values = v_pool.reshape(-1, *v_pool.shape[2:])[slots]
-    return attend_padded(query, keys, values, seq_lens, query_start_loc, max_query_len, scale)
+    if plan is None:
+        plan = AttentionPlan.build(query_start_loc, seq_lens, block_tables=block_tables, block_size=k_pool.shape[1])
+    k_flat = k_pool.reshape(-1, *k_pool.shape[2:])
+    v_flat = v_pool.reshape(-1, *v_pool.shape[2:])
+    return attend_groups(query, plan, lambda g: (k_flat[g.slots], v_flat[g.slots]), scale)
 
 
 def row_coordinates(query_start_loc: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,34 +66,88 @@ def row_coordinates(query_start_loc: torch.Tensor, num_rows: int) -> tuple[torch
     return seq_index, rows - query_start_loc.long()[seq_index]
 
 
-def attend_padded(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_lens: torch.Tensor,
-                  query_start_loc: torch.Tensor, max_query_len: int, scale: float) -> torch.Tensor:
-    """Attention of flat query rows over per-sequence keys/values padded to ``[B, L, kv_heads, D]``.
+class AttentionGroup:
+    """Sequences attended together: all decode rows in one batch, each prefill (chunk) on its own.
 
-    Shared by every cache layout: only how ``keys``/``values`` were gathered differs.
+    ``rows`` are the flat query rows ``[b * Q]``, ``mask`` ``[b, 1, Q, L]`` says which keys each
+    row may see, ``slots`` ``[b, L]`` where those keys live in a paged pool.
+    """
+
+    def __init__(self, seq_ids, rows, num_queries, length, mask, slots=None):
+        self.seq_ids, self.rows, self.num_queries, self.length = seq_ids, rows, num_queries, length
+        self.mask, self.slots = mask, slots
+
+
+class AttentionPlan:
+    """What every layer of one step shares, built once per forward by the torch path.
+
+    Padding every sequence to the longest query would make a step that mixes one 256-token
+    prefill chunk with 31 decodes compute 32 × 256 query rows; grouping decodes together and
+    prefills one by one computes exactly the rows that exist.
+    """
+
+    def __init__(self, groups: list[AttentionGroup]):
+        self.groups = groups
+
+    @classmethod
+    def build(cls, query_start_loc, seq_lens, block_tables=None, block_size=None) -> "AttentionPlan":
+        device = query_start_loc.device
+        starts = query_start_loc.tolist()
+        lengths = seq_lens.tolist()
+        decodes = [b for b in range(len(lengths)) if starts[b + 1] - starts[b] == 1]
+        prefills = [b for b in range(len(lengths)) if starts[b + 1] - starts[b] > 1]
+        groups = []
+
+        def slots_for(seq_ids, length):
+            if block_tables is None:
+                return None
+            return gather_slots(block_tables[torch.tensor(seq_ids, device=device)], length, block_size)
+
+        if decodes:
+            length = max(1, max(lengths[b] for b in decodes))
+            lens = torch.tensor([lengths[b] for b in decodes], device=device)
+            mask = (torch.arange(length, device=device)[None, :] < lens[:, None])[:, None, None, :]
+            rows = torch.tensor([starts[b] for b in decodes], device=device)
+            groups.append(AttentionGroup(decodes, rows, 1, length, mask, slots_for(decodes, length)))
+        for b in prefills:
+            num_q, length = starts[b + 1] - starts[b], lengths[b]
+            context = length - num_q                      # cached prefix every row of the chunk sees
+            key_pos = torch.arange(length, device=device)
+            query_pos = context + torch.arange(num_q, device=device)
+            mask = (key_pos[None, :] <= query_pos[:, None])[None, None]
+            rows = torch.arange(starts[b], starts[b + 1], device=device)
+            groups.append(AttentionGroup([b], rows, num_q, length, mask, slots_for([b], length)))
+        return cls(groups)
+
+
+def _sdpa(q, k, v, mask, scale):
+    """``q [b, H, Q, D]`` over ``k, v [b, kv, L, D]``: grouped-query attention in one fused call.
+
+    torch >= 2.5 shares each KV head among its query heads itself (``enable_gqa``); older
+    versions get the KV heads repeated.
+    """
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if k.shape[1] == q.shape[1]:
+        return sdpa(q, k, v, attn_mask=mask, scale=scale)
+    try:
+        return sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    except TypeError:
+        group = q.shape[1] // k.shape[1]
+        return sdpa(q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), attn_mask=mask, scale=scale)
+
+
+def attend_groups(query: torch.Tensor, plan: AttentionPlan, fetch, scale: float) -> torch.Tensor:
+    """Attention of flat query rows, group by group; ``fetch(group)`` gives its keys/values ``[b, L, kv, D]``.
+
+    Rows of sequences that see no key at all (padding, length 0) come out as zeros.
     """
     num_rows, num_heads, head_dim = query.shape
-    num_seqs, max_len, num_kv_heads, _ = keys.shape
-    group = num_heads // num_kv_heads
-    seq_index, row_index = row_coordinates(query_start_loc, num_rows)
-
-    # Scatter the flat rows into a padded [B, Qmax, heads, D] block, grouped by KV head.
-    q = query.new_zeros(num_seqs, max_query_len, num_heads, head_dim)
-    q[seq_index, row_index] = query
-    q = q.view(num_seqs, max_query_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    k = keys.permute(0, 2, 3, 1)                                   # [B, kv, D, L]
-    v = values.permute(0, 2, 1, 3)                                 # [B, kv, L, D]
-    scores = (q.float() @ k.float().unsqueeze(2)) * scale          # [B, kv, group, Qmax, L]
-
-    # Row i of sequence b sits at position context_len + i and sees keys 0..that position.
-    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
-    context_lens = seq_lens.long() - query_lens
-    key_pos = torch.arange(max_len, device=query.device)
-    query_pos = context_lens[:, None] + torch.arange(max_query_len, device=query.device)[None]
-    visible = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < seq_lens.long()[:, None, None])
-    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
-    weights = torch.softmax(scores, dim=-1)
-    weights = torch.nan_to_num(weights)                            # rows with nothing visible (padding)
-    out = weights @ v.float().unsqueeze(2)                         # [B, kv, group, Qmax, D]
-    out = out.permute(0, 3, 1, 2, 4).reshape(num_seqs, max_query_len, num_heads, head_dim)
-    return out[seq_index, row_index].to(query.dtype)
+    out = query.new_zeros(num_rows, num_heads, head_dim)
+    for group in plan.groups:
+        keys, values = fetch(group)
+        b, q_len = len(group.seq_ids), group.num_queries
+        q = query[group.rows].view(b, q_len, num_heads, head_dim).transpose(1, 2)
+        k, v = keys.to(query.dtype).transpose(1, 2), values.to(query.dtype).transpose(1, 2)
+        context = _sdpa(q, k, v, group.mask, scale)                 # [b, H, Q, D]
+        out[group.rows] = torch.nan_to_num(context.transpose(1, 2).reshape(b * q_len, num_heads, head_dim))
+    return out

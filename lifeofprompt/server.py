@@ -354,15 +354,20 @@ def build_app(engine, model_name: str | None = None, engine_loop: EngineLoop | N
                 "choices": choices, "usage": usage_field(sum(len(o.prompt_token_ids) for o in finals.values()),
                                                     sum(len(o.outputs[0].token_ids) for o in finals.values()))}
 
-    async def stream_completion(submission: _Submission, body: CompletionRequest):
+    def chunk_writer(submission: _Submission, body, object_name: str):
+        """An SSE chunk builder for one stream: OpenAI's envelope around ``choices`` (and ``usage`` when asked)."""
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+
         def chunk(choices, usage=None):
-            payload = {"id": submission.id, "object": "text_completion", "created": int(time.time()),
+            payload = {"id": submission.id, "object": object_name, "created": int(time.time()),
                        "model": model_name, "choices": choices}
             if include_usage:
                 payload["usage"] = usage
             return sse_event(payload)
+        return chunk, include_usage
 
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
+    async def stream_completion(submission: _Submission, body: CompletionRequest):
+        chunk, include_usage = chunk_writer(submission, body, "text_completion")
         async for kind, *piece in _stream_deltas(submission):
             if kind == "text":
                 index, delta, new_ids, finish_reason = piece
@@ -398,14 +403,7 @@ def build_app(engine, model_name: str | None = None, engine_loop: EngineLoop | N
                 "usage": usage_field(len(out.prompt_token_ids), len(out.outputs[0].token_ids))}
 
     async def stream_chat(submission: _Submission, body: ChatCompletionRequest):
-        def chunk(choices, usage=None):
-            payload = {"id": submission.id, "object": "chat.completion.chunk", "created": int(time.time()),
-                       "model": model_name, "choices": choices}
-            if include_usage:
-                payload["usage"] = usage
-            return sse_event(payload)
-
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        chunk, include_usage = chunk_writer(submission, body, "chat.completion.chunk")
         yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
         async for kind, *piece in _stream_deltas(submission):
             if kind == "text":

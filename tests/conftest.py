@@ -29,3 +29,12 @@ def smollm2_reference():
 def story_ids(smollm2):
     _, tokenizer = smollm2
     return [tokenizer.encode(p) for p in STORY_PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Small forwards: one torch thread is faster than two fighting over a shared 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

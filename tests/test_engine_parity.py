@@ -36,13 +36,7 @@ NEW_TOKENS = 64
 PINNED = json.loads((Path(__file__).parent / "data" / "engine_parity_smollm2.json").read_text())
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small forwards: one thread is faster than two fighting over a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from lifeofprompt.reference import hf_greedy
 

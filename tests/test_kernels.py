@@ -34,18 +34,6 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available() and not kernels.INTERP
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 
 
-@pytest.fixture
-def poison_allocations(monkeypatch):
-    """Every tensor the wrappers get from ``torch.empty``/``empty_like`` starts as NaN."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def nan_filled(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: nan_filled(empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: nan_filled(empty_like(*a, **k)))
-
-
 CASES = covering_cases(16, [torch.float32, torch.float16])
 
 

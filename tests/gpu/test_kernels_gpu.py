@@ -62,17 +62,6 @@ def check_step(case, num_kv_splits=None, tile_n=None, poison=True):
     return out, expected
 
 
-@pytest.fixture
-def poison_allocations(monkeypatch):
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def nan_filled(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: nan_filled(empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: nan_filled(empty_like(*a, **k)))
-
-
 @pytest.mark.parametrize("params", _covering(), ids=lambda c: c["id"])
 def test_random_cases(poison_allocations, params):
     from lifeofprompt.kernels.cases import make_case

@@ -134,3 +134,18 @@ def test_cache_is_rebuilt_after_a_crash_and_survives_two_builders(tmp_path):
     assert (leftover / "COMPLETE").exists()
     assert json.loads((leftover / "config.json").read_text())["num_hidden_layers"] == 30
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([leftover.name, leftover.name + ".lock"])
+
+
+def test_story_model_name_cpu_and_gpu(monkeypatch):
+    """The embedded model on a CPU; on a GPU TinyLlama, falling back to the labelled random twin (never silently)."""
+    from lifeofprompt import loader
+
+    assert loader.story_model_name("cpu") == "smollm2-135m"
+
+    def missing():
+        raise loader.ModelNotFoundError("no TinyLlama here")
+
+    monkeypatch.setattr(loader, "tinyllama_dir", missing)
+    assert loader.story_model_name("cuda") == "tinyllama-1.1b-random"
+    monkeypatch.setattr(loader, "tinyllama_dir", lambda: "/somewhere")
+    assert loader.story_model_name("cuda") == "tinyllama-1.1b"

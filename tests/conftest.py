@@ -50,3 +50,10 @@ def poison_allocations(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", lambda *a, **k: nan_filled(empty(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: nan_filled(empty_like(*a, **k)))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Browser tests run last: Playwright's sync API keeps an event loop running in the main thread
+    until the session ends, and ``asyncio.run`` refuses to start beside it (the server and
+    load-test tests use it)."""
+    items.sort(key=lambda item: item.nodeid.startswith("tests/browser/"))

@@ -141,6 +141,24 @@ def covering_cases(count: int, dtypes: list, seed: int = 6, max_len: int = 70) -
     return cases
 
 
+def run_step(case: PagedCase, num_kv_splits: int | None = None, tile_n: int | None = None, poison: bool = True):
+    """Triton store + attention (on NaN-poisoned copies of the pools when ``poison``) and the torch reference.
+
+    Returns ``(out, expected, (k_pool, v_pool))``: the kernel's output, the reference's, and the
+    pools the kernels wrote, for the CPU interpreter tests and the GPU tests alike.
+    """
+    from lifeofprompt import paged_attention as reference
+
+    from . import paged_attention, store_kv
+
+    k_pool, v_pool = poisoned_pools(case) if poison else (case.k_pool.clone(), case.v_pool.clone())
+    store_kv(case.key, case.value, k_pool, v_pool, case.slot_mapping)
+    out = paged_attention(case.query, k_pool, v_pool, case.block_tables, case.seq_lens, case.query_start_loc,
+                          case.max_query_len, case.max_seq_len, case.scale, num_kv_splits=num_kv_splits, tile_n=tile_n)
+    reference.store_kv(case.key, case.value, case.k_pool, case.v_pool, case.slot_mapping)
+    return out, reference.paged_attention(*case.attention_args()), (k_pool, v_pool)
+
+
 def compare_with_reference(case: PagedCase, num_kv_splits: int | None = None, **tuning) -> dict:
     """Run one step through the Triton kernels and the torch reference, each on its own copy of the pools.
 

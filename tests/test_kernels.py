@@ -23,7 +23,7 @@ from lifeofprompt import paged_attention as reference
 if importlib.util.find_spec("triton") is None:     # find it without importing it: lifeofprompt.kernels
     pytest.skip("Triton is not installed", allow_module_level=True)   # must be first (interpreter mode)
 from lifeofprompt import kernels  # noqa: E402
-from lifeofprompt.kernels.cases import (compare_with_reference, covering_cases, errors_against_fp32,  # noqa: E402
+from lifeofprompt.kernels.cases import (compare_with_reference, covering_cases, errors_against_fp32, run_step,  # noqa: E402
                                         make_case, poisoned_pools, used_slots)
 from lifeofprompt.kernels.tiles import (DECODE_TABLE, PREFILL_TABLE, TileConfig, choose_num_kv_splits,  # noqa: E402
                                         choose_tiles, kernel_tiles, tiles_figure)
@@ -35,18 +35,6 @@ TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.float16: dict(atol
 
 
 CASES = covering_cases(16, [torch.float32, torch.float16])
-
-
-def run_step(case, num_kv_splits=None, tile_n=None):
-    """Triton store + attention on poisoned pools; torch store + attention on clean ones."""
-    k_pool, v_pool = poisoned_pools(case)
-    kernels.store_kv(case.key, case.value, k_pool, v_pool, case.slot_mapping)
-    out = kernels.paged_attention(case.query, k_pool, v_pool, case.block_tables, case.seq_lens, case.query_start_loc,
-                                  case.max_query_len, case.max_seq_len, case.scale,
-                                  num_kv_splits=num_kv_splits, tile_n=tile_n)
-    reference.store_kv(case.key, case.value, case.k_pool, case.v_pool, case.slot_mapping)
-    expected = reference.paged_attention(*case.attention_args())
-    return out, expected, (k_pool, v_pool)
 
 
 @pytest.mark.parametrize("params", CASES, ids=[c["id"] for c in CASES])

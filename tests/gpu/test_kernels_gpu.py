@@ -47,16 +47,9 @@ def _covering():
 
 def check_step(case, num_kv_splits=None, tile_n=None, poison=True):
     """Triton store + attention (NaN-poisoned pools and output) against the torch reference."""
-    kernels = _kernels()
-    from lifeofprompt.kernels.cases import poisoned_pools
+    from lifeofprompt.kernels.cases import run_step
 
-    k_pool, v_pool = poisoned_pools(case) if poison else (case.k_pool.clone(), case.v_pool.clone())
-    kernels.store_kv(case.key, case.value, k_pool, v_pool, case.slot_mapping)
-    out = kernels.paged_attention(case.query, k_pool, v_pool, case.block_tables, case.seq_lens, case.query_start_loc,
-                                  case.max_query_len, case.max_seq_len, case.scale,
-                                  num_kv_splits=num_kv_splits, tile_n=tile_n)
-    reference.store_kv(case.key, case.value, case.k_pool, case.v_pool, case.slot_mapping)
-    expected = reference.paged_attention(*case.attention_args())
+    out, expected, _ = run_step(case, num_kv_splits, tile_n, poison)
     assert not out.isnan().any(), "output elements left unwritten or NaN read from an unused slot"
     torch.testing.assert_close(out, expected, **TOLERANCE[case.query.dtype])
     return out, expected

@@ -354,8 +354,12 @@ def build_app(engine, model_name: str | None = None, engine_loop: EngineLoop | N
                 "choices": choices, "usage": usage_field(sum(len(o.prompt_token_ids) for o in finals.values()),
                                                     sum(len(o.outputs[0].token_ids) for o in finals.values()))}
 
-    def chunk_writer(submission: _Submission, body, object_name: str):
-        """An SSE chunk builder for one stream: OpenAI's envelope around ``choices`` (and ``usage`` when asked)."""
+    async def stream_choices(submission: _Submission, body, object_name: str, make_choice, opening=None):
+        """Server-sent events for one streamed request: OpenAI's chunk envelope around each delta.
+
+        ``make_choice(index, text, finish_reason)`` shapes a choice (completion text or chat delta);
+        ``opening`` is a first choice to send before any text (the chat role).
+        """
         include_usage = bool((body.stream_options or {}).get("include_usage"))
 
         def chunk(choices, usage=None):
@@ -364,14 +368,13 @@ def build_app(engine, model_name: str | None = None, engine_loop: EngineLoop | N
             if include_usage:
                 payload["usage"] = usage
             return sse_event(payload)
-        return chunk, include_usage
 
-    async def stream_completion(submission: _Submission, body: CompletionRequest):
-        chunk, include_usage = chunk_writer(submission, body, "text_completion")
+        if opening is not None:
+            yield chunk([opening])
         async for kind, *piece in _stream_deltas(submission):
             if kind == "text":
                 index, delta, new_ids, finish_reason = piece
-                choice = {"index": index, "text": delta, "logprobs": None, "finish_reason": finish_reason}
+                choice = make_choice(index, delta, finish_reason)
                 if body.return_token_ids:
                     choice["token_ids"] = new_ids
                 yield chunk([choice])
@@ -380,6 +383,10 @@ def build_app(engine, model_name: str | None = None, engine_loop: EngineLoop | N
             elif kind == "error":
                 yield sse_event(piece[0])
         yield "data: [DONE]\n\n"
+
+    def stream_completion(submission: _Submission, body: CompletionRequest):
+        return stream_choices(submission, body, "text_completion", lambda index, text, finish: {
+            "index": index, "text": text, "logprobs": None, "finish_reason": finish})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -402,22 +409,11 @@ def build_app(engine, model_name: str | None = None, engine_loop: EngineLoop | N
                 "choices": [choice],
                 "usage": usage_field(len(out.prompt_token_ids), len(out.outputs[0].token_ids))}
 
-    async def stream_chat(submission: _Submission, body: ChatCompletionRequest):
-        chunk, include_usage = chunk_writer(submission, body, "chat.completion.chunk")
-        yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
-        async for kind, *piece in _stream_deltas(submission):
-            if kind == "text":
-                index, delta, new_ids, finish_reason = piece
-                choice = {"index": index, "delta": {"content": delta} if delta else {},
-                          "logprobs": None, "finish_reason": finish_reason}
-                if body.return_token_ids:
-                    choice["token_ids"] = new_ids
-                yield chunk([choice])
-            elif kind == "usage" and include_usage:
-                yield chunk([], piece[0])
-            elif kind == "error":
-                yield sse_event(piece[0])
-        yield "data: [DONE]\n\n"
+    def stream_chat(submission: _Submission, body: ChatCompletionRequest):
+        opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return stream_choices(submission, body, "chat.completion.chunk", lambda index, text, finish: {
+            "index": index, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish},
+            opening)
 
     return app
 

@@ -19,6 +19,7 @@ that only size padded buffers and kernel grids.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -118,18 +119,21 @@ class ContiguousCacheMetadata(AttentionMetadata):
     cache_rows: torch.Tensor | None = None   # [B] long
     positions: torch.Tensor | None = None    # [T] long: where each new row is written
 
+    @cached_property
+    def write_rows(self) -> torch.Tensor:
+        """The cache row of every new token (the same in every layer, so computed once)."""
+        seq_index, _ = row_coordinates(self.query_start_loc, self.positions.shape[0])
+        return self.cache_rows[seq_index]
+
     def attend(self, layer_idx, q, k, v):
-        plan = self.torch_plan()
-        seq_index, _ = row_coordinates(self.query_start_loc, q.shape[0])
-        rows = self.cache_rows[seq_index]
         k_cache, v_cache = self.cache.k[layer_idx], self.cache.v[layer_idx]
-        k_cache[rows, self.positions] = k.to(k_cache.dtype)
-        v_cache[rows, self.positions] = v.to(v_cache.dtype)
+        k_cache[self.write_rows, self.positions] = k.to(k_cache.dtype)
+        v_cache[self.write_rows, self.positions] = v.to(v_cache.dtype)
 
         def fetch(group):                                   # each sequence's own row, up to its length
-            own = self.cache_rows[torch.tensor(group.seq_ids, device=q.device)]
+            own = self.cache_rows[group.seq_index]
             return k_cache[own, : group.length], v_cache[own, : group.length]
-        return attend_groups(q, plan, fetch, _scale(self, q))
+        return attend_groups(q, self.torch_plan(), fetch, _scale(self, q))
 
 
 class PagedKVCache:

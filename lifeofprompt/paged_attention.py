@@ -69,13 +69,15 @@ def row_coordinates(query_start_loc: torch.Tensor, num_rows: int) -> tuple[torch
 class AttentionGroup:
     """Sequences attended together: all decode rows in one batch, each prefill (chunk) on its own.
 
-    ``rows`` are the flat query rows ``[b * Q]``, ``mask`` ``[b, 1, Q, L]`` says which keys each
-    row may see, ``slots`` ``[b, L]`` where those keys live in a paged pool.
+    ``seq_index`` are the sequences (a tensor), ``rows`` their flat query rows ``[b * Q]``, ``mask``
+    ``[b, 1, Q, L]`` which keys each row may see, ``slots`` ``[b, L]`` where those keys live in a
+    paged pool (None for the other layouts).
     """
 
-    def __init__(self, seq_ids, rows, num_queries, length, mask, slots=None):
-        self.seq_ids, self.rows, self.num_queries, self.length = seq_ids, rows, num_queries, length
-        self.mask, self.slots = mask, slots
+    def __init__(self, seq_ids: list[int], rows, num_queries: int, length: int, mask):
+        self.seq_ids, self.rows, self.num_queries, self.length, self.mask = seq_ids, rows, num_queries, length, mask
+        self.seq_index = torch.tensor(seq_ids, device=rows.device)
+        self.slots = None
 
 
 class AttentionPlan:
@@ -97,18 +99,12 @@ class AttentionPlan:
         decodes = [b for b in range(len(lengths)) if starts[b + 1] - starts[b] == 1]
         prefills = [b for b in range(len(lengths)) if starts[b + 1] - starts[b] > 1]
         groups = []
-
-        def slots_for(seq_ids, length):
-            if block_tables is None:
-                return None
-            return gather_slots(block_tables[torch.tensor(seq_ids, device=device)], length, block_size)
-
         if decodes:
             length = max(1, max(lengths[b] for b in decodes))
             lens = torch.tensor([lengths[b] for b in decodes], device=device)
             mask = (torch.arange(length, device=device)[None, :] < lens[:, None])[:, None, None, :]
             rows = torch.tensor([starts[b] for b in decodes], device=device)
-            groups.append(AttentionGroup(decodes, rows, 1, length, mask, slots_for(decodes, length)))
+            groups.append(AttentionGroup(decodes, rows, 1, length, mask))
         for b in prefills:
             num_q, length = starts[b + 1] - starts[b], lengths[b]
             context = length - num_q                      # cached prefix every row of the chunk sees
@@ -116,7 +112,10 @@ class AttentionPlan:
             query_pos = context + torch.arange(num_q, device=device)
             mask = (key_pos[None, :] <= query_pos[:, None])[None, None]
             rows = torch.arange(starts[b], starts[b + 1], device=device)
-            groups.append(AttentionGroup([b], rows, num_q, length, mask, slots_for([b], length)))
+            groups.append(AttentionGroup([b], rows, num_q, length, mask))
+        if block_tables is not None:
+            for group in groups:
+                group.slots = gather_slots(block_tables[group.seq_index], group.length, block_size)
         return cls(groups)
 
 

@@ -58,6 +58,7 @@ class Block:
 class _SeqState:
     num_tokens: int = 0                     # token slots its block table was sized for
     block_hashes: list[int] = field(default_factory=list)  # hashes of its leading full, computed blocks
+    claim: tuple[int, int] = (0, 0)         # (hits, misses) its admission counted, undone if admission fails
 
 
 class BlockManager:
@@ -137,11 +138,22 @@ class BlockManager:
             state.block_hashes.append(h)
             parent = h
         found = len(seq.block_table)
+        state.claim = (found, eligible - found)
         self.hits += found
         self.misses += eligible - found
         state.num_tokens = found * self.block_size
         self.saved_tokens += state.num_tokens
         return state.num_tokens
+
+    def cancel_claim(self, seq) -> None:
+        """Undo ``claim_cached_prefix`` when admission fails: blocks back, and its hits and misses uncounted."""
+        state = self._seqs.get(seq.seq_id)
+        if state is not None:
+            hits, misses = state.claim
+            self.hits -= hits
+            self.misses -= misses
+            self.saved_tokens -= hits * self.block_size
+        self.free(seq)
 
     # ---------------------------------------------------------------- growing a block table
     def num_new_blocks(self, seq, num_new_tokens: int) -> int:

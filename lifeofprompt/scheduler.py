@@ -203,13 +203,11 @@ class Scheduler:
         admitting = self.admission_open()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not record.preempted and admitting:
             seq = self.waiting[0]
-            counters = (bm.hits, bm.misses, bm.saved_tokens)
             cached = bm.claim_cached_prefix(seq)
             seq.num_computed_tokens = cached
             n = min(len(seq) - cached, budget)
             if not bm.allocate_slots(seq, n):
-                bm.free(seq)                         # give the claimed prefix back; try again next step
-                bm.hits, bm.misses, bm.saved_tokens = counters
+                bm.cancel_claim(seq)                 # give the claimed prefix back; try again next step
                 seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()

@@ -310,3 +310,26 @@ class BlockManagerMachine(RuleBasedStateMachine):
 TestBlockManagerMachine = BlockManagerMachine.TestCase
 TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None, derandomize=True,
                                             suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_cancel_claim_gives_blocks_and_counts_back():
+    """A failed admission leaves the pool and the hit/miss counters as they were before the claim."""
+    from lifeofprompt.block_manager import BlockManager
+    from lifeofprompt.sampling_params import SamplingParams
+    from lifeofprompt.sequence import Sequence
+
+    bm = BlockManager(num_blocks=4, block_size=4)
+    first = Sequence("a", list(range(9)), SamplingParams())
+    bm.claim_cached_prefix(first)
+    assert bm.allocate_slots(first, 9)
+    first.num_computed_tokens = 9
+    bm.cache_full_blocks(first)
+    bm.free(first)
+    before = (bm.hits, bm.misses, bm.saved_tokens, bm.num_free_blocks)
+    again = Sequence("b", list(range(9)), SamplingParams())
+    assert bm.claim_cached_prefix(again) == 8
+    assert (bm.hits, bm.saved_tokens) == (before[0] + 2, before[2] + 8)
+    bm.cancel_claim(again)
+    assert (bm.hits, bm.misses, bm.saved_tokens, bm.num_free_blocks) == before
+    assert again.block_table == []
+    bm.check_invariants()

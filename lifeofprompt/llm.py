@@ -142,8 +142,17 @@ class LLM:
         if not isinstance(conversation, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
                                                          for m in conversation):
             raise InvalidRequestError("a conversation is a list of {'role': ..., 'content': ...} messages", param="messages")
-        tokenizer = self.engine.tokenizer
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise InvalidRequestError(f"the tokenizer of {self.engine.model_name} has no chat template", param="messages")
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
-        return {"prompt": text, "prompt_token_ids": list(tokenizer.encode(text, add_special_tokens=False))}
+        text, ids = render_chat(self.engine.tokenizer, conversation, add_generation_prompt, self.engine.model_name)
+        return {"prompt": text, "prompt_token_ids": ids}
+
+
+def render_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool = True,
+                model_name: str = "this model") -> tuple[str, list[int]]:
+    """A conversation through the tokenizer's own chat template: the text and its token ids.
+
+    Shared by ``LLM.chat`` and the server's ``/v1/chat/completions``.
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise InvalidRequestError(f"the tokenizer of {model_name} has no chat template", param="messages")
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return text, list(tokenizer.encode(text, add_special_tokens=False))

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import InvalidRequestError, LifeOfPromptError
+from .llm import render_chat
 from .sampling_params import SamplingParams
 
 
@@ -103,8 +104,7 @@ def chat_prompt_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
                 raise InvalidRequestError("only text content parts are supported", param=f"messages.{i}.content")
             content = "".join(str(part.get("text", "")) for part in content)
         plain.append({"role": message.role, "content": content or ""})
-    text = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return render_chat(tokenizer, plain)[1]
 
 
 # ----------------------------------------------------------------------------- responses

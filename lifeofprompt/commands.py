@@ -61,14 +61,16 @@ def demo(args) -> int:
 
 
 def generate(args) -> int:
-    """Complete one prompt and print the text."""
-    from .generate import generate_cached
+    """Complete one prompt through the engine (greedy unless --temperature > 0) and print the text."""
+    from .llm import LLM
+    from .sampling_params import SamplingParams
 
     if args.max_tokens < 1:
         raise InvalidRequestError("--max-tokens must be at least 1", param="max_tokens")
+    params = SamplingParams(temperature=args.temperature, seed=args.seed, max_tokens=args.max_tokens)
     model, tokenizer = _load(args)
-    new = generate_cached(model, tokenizer.encode(args.prompt), args.max_tokens)
-    print(args.prompt + tokenizer.decode(new))
+    llm = LLM(model, tokenizer=tokenizer, log_stats=False)
+    print(args.prompt + llm.generate(args.prompt, params, use_tqdm=False)[0].outputs[0].text)
     return 0
 
 

@@ -40,3 +40,17 @@ def test_generate_rejects_a_bad_max_tokens():
     out = run("generate", "hi my name is", "--max-tokens", "lots")
     assert out.returncode == 2
     assert "invalid int value: 'lots'" in out.stderr
+
+
+def test_generate_honours_temperature_and_seed(capsys):
+    """Same seed, same sampled text; greedy gives its own, pinned continuation."""
+    from lifeofprompt.cli import main
+
+    runs = []
+    for argv in (["generate", "hello there", "--max-tokens", "8", "--temperature", "0.8", "--seed", "3"],) * 2 + (
+            ["generate", "hello there", "--max-tokens", "8"],):
+        assert main(argv) == 0
+        runs.append(capsys.readouterr().out.strip().splitlines()[-1])
+    assert runs[0] == runs[1]
+    assert runs[2] == "hello there's no need to do it."
+    assert runs[0] != runs[2]

@@ -23,7 +23,8 @@ from functools import cached_property
 
 import torch
 
-from .paged_attention import AttentionPlan, attend_groups, paged_attention, row_coordinates, store_kv
+from .paged_attention import (AttentionPlan, attend_groups, paged_attention, row_coordinates, store_kv,
+                              valid_writes, write_rows)
 
 
 @dataclass
@@ -185,12 +186,19 @@ class PagedCacheMetadata(AttentionMetadata):
     slot_mapping: torch.Tensor | None = None  # [T] int64, negative = padding row (not stored)
     backend: str = "torch"
 
+    @cached_property
+    def writes(self) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The torch path's ``(rows, slots)`` to store, found once per step instead of in every layer."""
+        return valid_writes(self.slot_mapping)
+
     def attend(self, layer_idx, q, k, v):
-        store, attention = attention_backend(self.backend)
         k_pool, v_pool = self.cache.k(layer_idx), self.cache.v(layer_idx)
-        store(k, v, k_pool, v_pool, self.slot_mapping)
-        extra = {}
         if self.backend == "torch":
-            extra["plan"] = self.torch_plan(block_tables=self.block_tables, block_size=self.cache.block_size)
+            write_rows(k, v, k_pool, v_pool, *self.writes)
+            plan = self.torch_plan(block_tables=self.block_tables, block_size=self.cache.block_size)
+            return paged_attention(q, k_pool, v_pool, self.block_tables, self.seq_lens, self.query_start_loc,
+                                   self.max_query_len, self.max_seq_len, _scale(self, q), plan=plan)
+        store, attention = attention_backend(self.backend)
+        store(k, v, k_pool, v_pool, self.slot_mapping)
         return attention(q, k_pool, v_pool, self.block_tables, self.seq_lens, self.query_start_loc,
-                         self.max_query_len, self.max_seq_len, _scale(self, q), **extra)
+                         self.max_query_len, self.max_seq_len, _scale(self, q))

@@ -18,6 +18,7 @@ from torch import nn
 
 from .attention import AttentionMetadata, NoCacheMetadata
 from .config import ModelConfig
+from .linear import Linear
 
 # ----------------------------------------------------------------------------- building blocks
 
@@ -31,6 +32,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and hasattr(nn.functional, "rms_norm"):
+            # One fused call, the same numbers as the spelled-out form below (torch >= 2.4).
+            return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -39,7 +43,8 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Rotate query/key pairs by an angle proportional to the token's position (RoPE, half-split layout).
 
-    The cos/sin table is computed once for every position, so a step only indexes it.
+    The cos/sin table is computed once for every position; a forward looks up its rows once
+    (``at``) and every layer rotates its queries and keys together with them (``rotate``).
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float):
@@ -49,13 +54,21 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)   # [max_positions, head_dim / 2]
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` rows of these positions, shaped ``[T, 1, head_dim / 2]`` to broadcast over heads."""
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """``x``: ``[T, heads, head_dim]``; returns it rotated, same dtype."""
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
+        cos, sin = cos_sin
         first, second = x.float().chunk(2, dim=-1)
         rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
         return rotated.to(x.dtype)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x [T, heads, head_dim]`` by its rows' ``positions``."""
+        return self.rotate(x, self.at(positions))
 
 
 class LlamaAttention(nn.Module):
@@ -66,14 +79,15 @@ class LlamaAttention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
 
-    def forward(self, positions, hidden, rotary: RotaryEmbedding, meta: AttentionMetadata):
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rotary(positions, q.view(-1, self.num_heads, self.head_dim))
-        k = rotary(positions, k.view(-1, self.num_kv_heads, self.head_dim))
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+    def forward(self, hidden, cos_sin, meta: AttentionMetadata):
+        qkv = self.qkv_proj(hidden)
+        # Queries and keys sit side by side in the fused output: rotate them in one go.
+        qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k = RotaryEmbedding.rotate(qk, cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         context = meta.attend(self.layer_idx, q, k, v)          # [T, heads, head_dim]
         return self.o_proj(context.reshape(-1, self.q_size))
 
@@ -84,8 +98,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -102,8 +116,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, positions, hidden, rotary, meta):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rotary, meta)
+    def forward(self, hidden, cos_sin, meta):
+        """``cos_sin``: the rotary rows of this forward's positions (``RotaryEmbedding.at``)."""
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -119,7 +134,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
@@ -137,8 +152,9 @@ class LlamaForCausalLM(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Final normalised hidden state of every row ``[T, hidden]``."""
         hidden = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.at(positions)
         for layer in self.layers:
-            hidden = layer(positions, hidden, self.rotary, meta)
+            hidden = layer(hidden, cos_sin, meta)
         return self.norm(hidden)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,

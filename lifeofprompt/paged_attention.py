@@ -25,10 +25,24 @@ import torch
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write ``key``/``value`` rows ``[T, kv_heads, head_dim]`` into the pools at ``slot_mapping[T]``."""
+    write_rows(key, value, k_pool, v_pool, *valid_writes(slot_mapping))
+
+
+def valid_writes(slot_mapping: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``(rows, slots)`` of the rows that are stored (``rows`` is None when all of them are)."""
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    k_pool.view(-1, *k_pool.shape[2:])[slots] = key[keep].to(k_pool.dtype)
-    v_pool.view(-1, *v_pool.shape[2:])[slots] = value[keep].to(v_pool.dtype)
+    if bool(keep.all()):
+        return None, slot_mapping.long()
+    rows = keep.nonzero().squeeze(1)
+    return rows, slot_mapping[rows].long()
+
+
+def write_rows(key, value, k_pool, v_pool, rows: torch.Tensor | None, slots: torch.Tensor) -> None:
+    """``store_kv`` once its valid rows are known (the engine's torch path finds them once per step)."""
+    if rows is not None:
+        key, value = key[rows], value[rows]
+    k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, slots, key.to(k_pool.dtype))
+    v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, slots, value.to(v_pool.dtype))
 
 
 def gather_slots(block_tables: torch.Tensor, max_seq_len: int, block_size: int) -> torch.Tensor:
@@ -54,9 +68,7 @@ def paged_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     """
     if plan is None:
         plan = AttentionPlan.build(query_start_loc, seq_lens, block_tables=block_tables, block_size=k_pool.shape[1])
-    k_flat = k_pool.reshape(-1, *k_pool.shape[2:])
-    v_flat = v_pool.reshape(-1, *v_pool.shape[2:])
-    return attend_groups(query, plan, lambda g: (k_flat[g.slots], v_flat[g.slots]), scale)
+    return attend_groups(query, plan, lambda g: (g.gather(k_pool), g.gather(v_pool)), scale)
 
 
 def row_coordinates(query_start_loc: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,14 +82,27 @@ class AttentionGroup:
     """Sequences attended together: all decode rows in one batch, each prefill (chunk) on its own.
 
     ``seq_index`` are the sequences (a tensor), ``rows`` their flat query rows ``[b * Q]``, ``mask``
-    ``[b, 1, Q, L]`` which keys each row may see, ``slots`` ``[b, L]`` where those keys live in a
-    paged pool (None for the other layouts).
+    ``[b, 1, Q, L]`` which keys each row may see, ``blocks`` ``[b, ceil(L / block_size)]`` the
+    physical blocks that hold those keys in a paged pool (None for the other layouts).
+    ``all_rows`` says the group is the whole batch in order (no gather or scatter of rows needed);
+    ``may_be_empty`` that some sequence sees no key (a padding row), whose output must be zeroed.
     """
 
-    def __init__(self, seq_ids: list[int], rows, num_queries: int, length: int, mask):
+    def __init__(self, seq_ids: list[int], rows, num_queries: int, length: int, mask,
+                 all_rows: bool = False, may_be_empty: bool = True):
         self.seq_ids, self.rows, self.num_queries, self.length, self.mask = seq_ids, rows, num_queries, length, mask
+        self.all_rows, self.may_be_empty = all_rows, may_be_empty
         self.seq_index = torch.tensor(seq_ids, device=rows.device)
-        self.slots = None
+        self.blocks = None
+
+    def gather(self, pool: torch.Tensor) -> torch.Tensor:
+        """This group's keys (or values) from one layer's pool ``[num_blocks, block_size, kv, D]``: ``[b, L, kv, D]``.
+
+        Whole blocks are copied (one index per block, not per token), then cut to ``length``.
+        """
+        b, num_blocks = self.blocks.shape
+        keys = pool[self.blocks].view(b, num_blocks * pool.shape[1], *pool.shape[2:])
+        return keys[:, : self.length]
 
 
 class AttentionPlan:
@@ -98,13 +123,16 @@ class AttentionPlan:
         lengths = seq_lens.tolist()
         decodes = [b for b in range(len(lengths)) if starts[b + 1] - starts[b] == 1]
         prefills = [b for b in range(len(lengths)) if starts[b + 1] - starts[b] > 1]
+        num_rows = starts[-1]
         groups = []
         if decodes:
             length = max(1, max(lengths[b] for b in decodes))
             lens = torch.tensor([lengths[b] for b in decodes], device=device)
             mask = (torch.arange(length, device=device)[None, :] < lens[:, None])[:, None, None, :]
             rows = torch.tensor([starts[b] for b in decodes], device=device)
-            groups.append(AttentionGroup(decodes, rows, 1, length, mask))
+            all_rows = len(decodes) == num_rows and all(starts[b] == b for b in decodes)
+            groups.append(AttentionGroup(decodes, rows, 1, length, mask, all_rows=all_rows,
+                                         may_be_empty=min(lengths[b] for b in decodes) == 0))
         for b in prefills:
             num_q, length = starts[b + 1] - starts[b], lengths[b]
             context = length - num_q                      # cached prefix every row of the chunk sees
@@ -112,10 +140,12 @@ class AttentionPlan:
             query_pos = context + torch.arange(num_q, device=device)
             mask = (key_pos[None, :] <= query_pos[:, None])[None, None]
             rows = torch.arange(starts[b], starts[b + 1], device=device)
-            groups.append(AttentionGroup([b], rows, num_q, length, mask))
+            groups.append(AttentionGroup([b], rows, num_q, length, mask, all_rows=num_q == num_rows,
+                                         may_be_empty=False))
         if block_tables is not None:
             for group in groups:
-                group.slots = gather_slots(block_tables[group.seq_index], group.length, block_size)
+                num_blocks = min((group.length + block_size - 1) // block_size, block_tables.shape[1])
+                group.blocks = block_tables[group.seq_index, :num_blocks].long().clamp(min=0)
         return cls(groups)
 
 
@@ -141,12 +171,19 @@ def attend_groups(query: torch.Tensor, plan: AttentionPlan, fetch, scale: float)
     Rows of sequences that see no key at all (padding, length 0) come out as zeros.
     """
     num_rows, num_heads, head_dim = query.shape
-    out = query.new_zeros(num_rows, num_heads, head_dim)
+    out = None
     for group in plan.groups:
         keys, values = fetch(group)
         b, q_len = len(group.seq_ids), group.num_queries
-        q = query[group.rows].view(b, q_len, num_heads, head_dim).transpose(1, 2)
+        q = query if group.all_rows else query[group.rows]
+        q = q.reshape(b, q_len, num_heads, head_dim).transpose(1, 2)
         k, v = keys.to(query.dtype).transpose(1, 2), values.to(query.dtype).transpose(1, 2)
-        context = _sdpa(q, k, v, group.mask, scale)                 # [b, H, Q, D]
-        out[group.rows] = torch.nan_to_num(context.transpose(1, 2).reshape(b * q_len, num_heads, head_dim))
-    return out
+        context = _sdpa(q, k, v, group.mask, scale).transpose(1, 2).reshape(b * q_len, num_heads, head_dim)
+        if group.may_be_empty:
+            context = torch.nan_to_num(context)                     # no key at all: softmax of nothing
+        if group.all_rows:
+            return context
+        if out is None:
+            out = query.new_zeros(num_rows, num_heads, head_dim)
+        out[group.rows] = context
+    return out if out is not None else query.new_zeros(num_rows, num_heads, head_dim)

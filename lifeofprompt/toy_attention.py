@@ -188,7 +188,7 @@ def layer_walkthrough(model, token_ids: list[int], layer_idx: int = 0) -> dict[s
     positions = torch.arange(len(token_ids), device=model.device)
     hidden = model.embed_tokens(ids)
     for earlier in model.layers[:layer_idx]:
-        hidden = earlier(positions, hidden, model.rotary, NoCacheMetadata.for_lengths([len(ids)], model.device))
+        hidden = earlier(hidden, model.rotary.at(positions), NoCacheMetadata.for_lengths([len(ids)], model.device))
     out = {"layer_input": hidden}
     attn = layer.self_attn
     out["normed"] = layer.input_layernorm(hidden)
@@ -213,7 +213,7 @@ def layer_walkthrough(model, token_ids: list[int], layer_idx: int = 0) -> dict[s
     out["swiglu"] = torch.nn.functional.silu(gate) * up
     out["layer_output"] = out["after_attention"] + layer.mlp.down_proj(out["swiglu"])
     meta = NoCacheMetadata.for_lengths([len(ids)], model.device)
-    out["reference_output"] = layer(positions, hidden, model.rotary, meta)
+    out["reference_output"] = layer(hidden, model.rotary.at(positions), meta)
     return out
 
 

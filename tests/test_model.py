@@ -65,7 +65,9 @@ def test_flat_batch_equals_each_sequence_alone(smollm2):
     start = 0
     for ids in STORY_IDS:
         alone = model(torch.tensor([ids]))[0]
-        assert (logits[start:start + len(ids)] - alone).abs().max().item() <= 1e-4
+        # fp32, logits up to ~20: products of 2 rows and of 12 sum in different orders (~1e-5 relative);
+        # a row that saw another sequence's keys would be off by whole units
+        assert (logits[start:start + len(ids)] - alone).abs().max().item() <= 3e-4
         start += len(ids)
 
 

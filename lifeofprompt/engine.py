@@ -203,11 +203,13 @@ class LLMEngine:
     def _startup_lines(self, context_len: int) -> list[str]:
         from .memory import format_bytes
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        packed = getattr(self.runner, "prepacked_bytes", 0)
         kv = self.runner.kv_cache.nbytes
         tokens = self.num_kv_blocks * self.block_size
         lines = [
             f"model {getattr(self.model, 'source', self.model_name)}",
-            f"{self.model.dtype} on {self.model.device}; weights take {format_bytes(weights)}",
+            f"{self.model.dtype} on {self.model.device}; weights take {format_bytes(weights)}"
+            + (f" (+ {format_bytes(packed)} prepacked for oneDNN)" if packed else ""),
             f"KV cache: {format_bytes(kv)} = {self.num_kv_blocks} blocks × {self.block_size} tokens "
             f"= {tokens} tokens ({format_bytes(kv / max(tokens, 1))} per token)",
             f"maximum concurrency for {self.config.max_position_embeddings} tokens per request: "

@@ -1,18 +1,24 @@
-"""The model's matrix products: ``nn.Linear`` with a CPU path for decode-sized batches.
+"""The model's matrix products: ``nn.Linear`` with two CPU paths that read weights faster.
 
-A decode step multiplies a handful of rows ``x [M, in]`` by every weight ``W [out, in]``.
-The work is tiny; the cost is reading ``W`` from memory once. On the CPU, the obvious
-``x @ W.T`` (what ``nn.Linear`` and transformers do) hands that to a BLAS routine tuned for
-big matrices: measured on this project's 2-core AVX-512 machine at one thread, it streams
-fp32 weights at ~11 GB/s for ``M = 1`` and ~5 GB/s for ``M = 2``-``3``, while a plain
-``tensor.sum()`` reads memory at ~24 GB/s. Asking for the same numbers the other way round,
-``(W @ x.T).T``, reaches ~17 GB/s for ``M = 2``-``4`` (``benchmarks/cpu_linear.py`` re-measures
-it on your machine; ``benchmarks/NOTES.md`` has the table). So for ``M ≤ 4`` rows on the CPU
-this module computes ``W @ x.T`` instead, padding a single row to two (two dot products per
-weight row cost no more memory traffic than one, and the two-column kernel is the fast one).
+A decode step multiplies a handful of rows ``x [M, in]`` by every weight ``W [out, in]``: the
+work is tiny and the cost is reading ``W``. On the CPU, ``x @ W.T`` (what ``nn.Linear`` and
+transformers run) goes to a BLAS routine tuned for big matrices. Measured on this project's
+2-core AVX-512 machine at one thread, over SmolLM2's 120 layer matrices (425 MB of fp32), it
+reads weights at ~12 GB/s for ``M = 1`` and ~8 GB/s for ``M = 2``-``8``, while a plain
+``tensor.sum()`` reads memory at ~24 GB/s. Two fixes, both giving the same numbers up to
+floating-point summation order (``benchmarks/NOTES.md`` has the tables):
 
-Same weights, same parameter names, same results up to floating-point summation order;
-GPUs (cuBLAS picks well) and large batches (compute-bound either way) keep ``nn.Linear``.
+* **few rows** (``M ≤ 4``): ask for the transpose, ``(W @ x.T).T``. BLAS then walks ``W`` row
+  by row against a skinny ``x.T``, which streams it ~1.5× faster; a single row is doubled,
+  since the two-column kernel is the fast one and two dot products per weight row cost no
+  more memory traffic than one.
+* **more rows**: oneDNN (the CPU kernel library inside torch) reorders each weight *once*
+  into the blocked layout its kernels read fastest. Products of 8 to 2048 rows then take
+  0.6-0.9× the time. The engine's model runner prepacks on the CPU (``prepack_cpu_weights``);
+  the packed copy takes as much memory again as the weights and must be rebuilt if they change.
+
+GPUs (cuBLAS chooses well), training (no autograd through the packed product) and torch
+builds without oneDNN use ``nn.Linear`` unchanged.
 """
 
 from __future__ import annotations
@@ -20,22 +26,49 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-SMALL_BATCH_ROWS = 4     # up to this many rows take the W @ x.T path on the CPU
+FEW_ROWS = 4     # up to this many rows take the (W @ x.T).T path on the CPU
 
 
-def small_batch_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for ``x [M ≤ SMALL_BATCH_ROWS, in]``, computed as ``(weight @ x.T).T``."""
+def onednn_available() -> bool:
+    """Whether this torch build can prepack linear weights (x86 and ARM CPU builds can)."""
+    ops = getattr(torch.ops, "mkldnn", None)
+    try:
+        return (torch.backends.mkldnn.is_available() and ops is not None
+                and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise"))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def few_rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for a few rows ``x [M, in]``, computed as ``(weight @ x.T).T``."""
     rows = x.shape[0]
     if rows == 1:
-        x = x.expand(2, -1).contiguous()            # one row costs as much as two; two is the fast kernel
-    out = weight @ x.t()                            # [out, max(M, 2)]
-    return out[:, :rows].t().contiguous()
+        x = x.expand(2, -1).contiguous()
+    return (weight @ x.t())[:, :rows].t().contiguous()
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (no bias) that takes the small-batch path for few rows of a CPU matrix."""
+    """``nn.Linear`` (no bias) with the CPU paths above; ``prepack()`` turns the oneDNN one on."""
+
+    packed: torch.Tensor | None = None
+
+    def prepack(self) -> int:
+        """Reorder the weight for oneDNN (CPU, no bias); returns the bytes of the packed copy (0 if none)."""
+        if self.bias is not None or not self.weight.is_cpu or not onednn_available():
+            self.packed = None
+            return 0
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        return self.weight.numel() * self.weight.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS and x.is_cpu and self.bias is None:
-            return small_batch_linear(x, self.weight)
+        if x.is_cpu and x.dim() == 2 and self.bias is None:
+            if x.shape[0] <= FEW_ROWS:
+                return few_rows_linear(x, self.weight)
+            if self.packed is not None and not torch.is_grad_enabled():
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return super().forward(x)
+
+
+def prepack_cpu_weights(model: nn.Module) -> int:
+    """Prepack every ``Linear`` of a CPU model; returns the extra bytes the packed copies take."""
+    return sum(module.prepack() for module in model.modules() if isinstance(module, Linear))

@@ -31,6 +31,7 @@ import torch
 from .attention import PagedCacheMetadata, PagedKVCache
 from .errors import ConfigError, OutOfMemoryError
 from .memory import kv_bytes_per_block, plan_memory
+from .linear import prepack_cpu_weights
 from .sampler import Sampler, SamplerOutput, make_generator
 from .sequence import Sequence
 
@@ -93,6 +94,8 @@ class ModelRunner:
                           else self.cpu_num_blocks(cpu_kv_bytes))
         self.num_blocks = num_blocks
         self.kv_cache = PagedKVCache.for_model(self.config, num_blocks, block_size, dtype=model.dtype, device=self.device)
+        # On the CPU, weights reordered once for oneDNN make every matrix product faster (linear.py).
+        self.prepacked_bytes = prepack_cpu_weights(model) if self.device.type == "cpu" else 0
         self.last_output: SamplerOutput | None = None
         self.last_logprobs: list | None = None     # per seq: None or (logprob, {token_id: logprob, ...})
         self.last_launch: dict = {}               # how the last step ran (eager / graph replay, padding), for traces

@@ -98,10 +98,12 @@ class AttentionGroup:
     def gather(self, pool: torch.Tensor) -> torch.Tensor:
         """This group's keys (or values) from one layer's pool ``[num_blocks, block_size, kv, D]``: ``[b, L, kv, D]``.
 
-        Whole blocks are copied (one index per block, not per token), then cut to ``length``.
+        Whole blocks are copied (one index per block, not per token) with ``index_select``,
+        which copies rows as plain memory (~30 GB/s here; ``pool[blocks]`` runs at ~5), then
+        cut to ``length``.
         """
         b, num_blocks = self.blocks.shape
-        keys = pool[self.blocks].view(b, num_blocks * pool.shape[1], *pool.shape[2:])
+        keys = pool.index_select(0, self.blocks.reshape(-1)).view(b, num_blocks * pool.shape[1], *pool.shape[2:])
         return keys[:, : self.length]
 
 

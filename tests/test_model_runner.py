@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lifeofprompt.linear import onednn_available
+
 from lifeofprompt.errors import ConfigError
 from lifeofprompt.model_runner import (ModelRunner, graph_batch_sizes, padded_batch_size, resolve_backend,
                                        run_greedy_loop, step)
@@ -48,6 +50,10 @@ def test_cpu_runner_defaults(runner):
     assert (runner.backend, runner.enforce_eager, runner.graphs) == ("torch", True, {})
     assert runner.graph_sizes == [1, 2, 4] and runner.max_blocks_per_seq == 16
     assert runner.kv_cache.kv.dtype == torch.float32 and runner.num_blocks == 64
+    # every matrix of the model (120 layer matrices + the tied lm_head) prepacked for oneDNN
+    if onednn_available():
+        weights = sum(p.numel() for n, p in runner.model.named_parameters() if n.endswith('proj.weight'))
+        assert runner.prepacked_bytes == 4 * (weights + 49152 * 576)
 
 
 def test_greedy_matches_the_cached_generator(runner, story_ids):

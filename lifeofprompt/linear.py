@@ -4,18 +4,19 @@ A decode step multiplies a handful of rows ``x [M, in]`` by every weight ``W [ou
 work is tiny and the cost is reading ``W``. On the CPU, ``x @ W.T`` (what ``nn.Linear`` and
 transformers run) goes to a BLAS routine tuned for big matrices. Measured on this project's
 2-core AVX-512 machine at one thread, over SmolLM2's 120 layer matrices (425 MB of fp32), it
-reads weights at ~12 GB/s for ``M = 1`` and ~8 GB/s for ``M = 2``-``8``, while a plain
-``tensor.sum()`` reads memory at ~24 GB/s. Two fixes, both giving the same numbers up to
-floating-point summation order (``benchmarks/NOTES.md`` has the tables):
+reads weights at 11.5 GB/s for ``M = 1`` and 6-9 GB/s for ``M = 2``-``8``, while a plain
+``tensor.sum()`` reads memory at ~27 GB/s. Two other routes give the same numbers up to
+floating-point summation order (``benchmarks/cpu_linear.py`` measures all three; the table is
+in ``benchmarks/NOTES.md``):
 
-* **few rows** (``M ≤ 4``): ask for the transpose, ``(W @ x.T).T``. BLAS then walks ``W`` row
-  by row against a skinny ``x.T``, which streams it ~1.5× faster; a single row is doubled,
-  since the two-column kernel is the fast one and two dot products per weight row cost no
-  more memory traffic than one.
-* **more rows**: oneDNN (the CPU kernel library inside torch) reorders each weight *once*
-  into the blocked layout its kernels read fastest. Products of 8 to 2048 rows then take
-  0.6-0.9× the time. The engine's model runner prepacks on the CPU (``prepack_cpu_weights``);
-  the packed copy takes as much memory again as the weights and must be rebuilt if they change.
+* **one or two rows**: ask for the transpose, ``(W @ x.T).T``. BLAS then walks ``W`` row by
+  row against a skinny ``x.T`` at ~17 GB/s. A single row is doubled: the two-column kernel is
+  the fast one, and two dot products per weight row cost no more memory traffic than one.
+* **three rows or more**: oneDNN (the CPU kernel library inside torch) reorders each weight
+  *once* into the blocked layout its kernels read fastest; products of 3 to 256 rows then
+  take 0.4-0.85× the time of ``x @ W.T``. The engine's model runner prepacks on the CPU
+  (``prepack_cpu_weights``); the packed copy takes as much memory again as the weights and
+  must be rebuilt if they change.
 
 GPUs (cuBLAS chooses well), training (no autograd through the packed product) and torch
 builds without oneDNN use ``nn.Linear`` unchanged.
@@ -26,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-FEW_ROWS = 4     # up to this many rows take the (W @ x.T).T path on the CPU
+FEW_ROWS = 2     # up to this many rows take the (W @ x.T).T path on the CPU
 
 
 def onednn_available() -> bool:

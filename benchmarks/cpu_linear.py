@@ -1,0 +1,102 @@
+"""How fast the CPU streams a model's weights through each matrix-product path, by batch rows.
+
+For every row count ``M`` it multiplies ``x [M, in]`` by all of SmolLM2-135M's 120 layer matrices
+in turn (425 MB of fp32: more than any cache, as in a real forward) and reports milliseconds and
+the weight bytes read per second, for:
+
+* ``x @ W.T``        what ``nn.Linear`` and transformers run;
+* ``(W @ x.T).T``    the few-rows path of ``lifeofprompt.linear`` (one row doubled to two);
+* ``oneDNN packed``  weights reordered once for oneDNN (``Linear.prepack``).
+
+and, for scale, how fast one thread reads memory with ``tensor.sum()``. Shapes are random
+numbers of SmolLM2's sizes; the engine's choice (``FEW_ROWS``) should agree with the table.
+
+    python benchmarks/cpu_linear.py                # one thread, writes results/cpu_linear_<date>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lifeofprompt.config import SMOLLM2_135M
+from lifeofprompt.linear import few_rows_linear, onednn_available
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def layer_weights(config, seed: int = 0) -> list[torch.Tensor]:
+    """Random weights with the shapes of every fused layer matrix (qkv, o, gate_up, down)."""
+    g = torch.Generator().manual_seed(seed)
+    h, i = config.hidden_size, config.intermediate_size
+    qkv = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+    shapes = [(qkv, h), (h, config.num_heads * config.head_dim), (2 * i, h), (h, i)]
+    return [torch.randn(*s, generator=g) for _ in range(config.num_layers) for s in shapes]
+
+
+def time_pass(product, weights, operands, rows: int, reps: int) -> float:
+    """Seconds for one pass of ``rows`` rows through every weight (median of ``reps`` after a warm-up)."""
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+    times = []
+    for _ in range(reps + 1):
+        start = time.perf_counter()
+        for w, op in zip(weights, operands):
+            product(xs[w.shape[1]], op)
+        times.append(time.perf_counter() - start)
+    return sorted(times[1:])[len(times[1:]) // 2]
+
+
+def read_bandwidth(nbytes: int = 256 << 20) -> float:
+    """Bytes per second one ``sum()`` over a large fp32 tensor reads."""
+    x = torch.randn(nbytes // 4)
+    x.sum()
+    start = time.perf_counter()
+    for _ in range(5):
+        x.sum()
+    return 5 * nbytes / (time.perf_counter() - start)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 16, 32, 64, 256])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from lifeofprompt import env_info
+
+    weights = layer_weights(SMOLLM2_135M)
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    paths = {"x @ W.T": (lambda x, w: nn.functional.linear(x, w), weights),
+             "(W @ x.T).T": (few_rows_linear, weights)}
+    if onednn_available():
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
+        paths["oneDNN packed"] = (lambda x, p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""), packed)
+    rows_out = []
+    with torch.no_grad():
+        for rows in args.rows:
+            row = {"rows": rows}
+            for name, (product, operands) in paths.items():
+                seconds = time_pass(product, weights, operands, rows, args.reps)
+                row[name] = {"ms": seconds * 1e3, "weight_GB_per_s": nbytes / seconds / 1e9}
+            rows_out.append(row)
+            print(f"M={rows:<4} " + "  ".join(f"{k} {v['ms']:7.1f} ms {v['weight_GB_per_s']:5.1f} GB/s"
+                                              for k, v in row.items() if k != "rows"), flush=True)
+    result = {"env": env_info(), "threads": args.threads, "weight_bytes": nbytes,
+              "sum_read_GB_per_s": read_bandwidth() / 1e9, "rows": rows_out}
+    print(f"one thread reads memory with sum() at {result['sum_read_GB_per_s']:.1f} GB/s")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"cpu_linear_{time.strftime('%Y%m%d')}.json"
+    path.write_text(json.dumps(result, indent=2, default=str))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

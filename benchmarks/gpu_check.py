@@ -247,6 +247,22 @@ def step_decode(args) -> dict:
         one_step()
         steps.append(time.perf_counter() - t0)
     out["engine_step_s"] = statistics.median(steps)
+    out["fused_kernels"] = runner.fused_kernels
+    if runner.fused_kernels and runner.graphs:
+        # The same step without the fused element-wise kernels: the before/after of NOTES.md's try.
+        runner.fused_kernels = False
+        runner.capture_graphs()
+        for _ in range(3):
+            one_step()
+        unfused = []
+        for _ in range(50):
+            bench.sync(device)
+            t0 = time.perf_counter()
+            one_step()
+            unfused.append(time.perf_counter() - t0)
+        out["engine_step_unfused_s"] = statistics.median(unfused)
+        runner.fused_kernels = True
+        runner.capture_graphs()
     # Breakdown: host prep, the forward (graph replay / eager), sampling.
     t0 = time.perf_counter()
     for _ in range(20):
@@ -263,8 +279,8 @@ def step_decode(args) -> dict:
     ids, positions, meta = runner.prepare([seq], [1])
     meta.slot_mapping = torch.full_like(meta.slot_mapping, -1)          # time the forward without storing
     with torch.no_grad():
-        out["eager_forward_s"] = median_time(lambda: model(ids, positions, meta), device)
-        logits = model(ids, positions, meta)
+        out["eager_forward_s"] = median_time(lambda: runner.run_model(ids, positions, meta), device)
+        logits = runner.run_model(ids, positions, meta)
     sampler = Sampler()
     greedy, hot = [SamplingParams(temperature=0)], [SamplingParams(temperature=0.8, top_p=0.9, top_k=50)]
     out["sample_greedy_s"] = median_time(lambda: sampler(logits, greedy).token_ids, device)
@@ -273,7 +289,7 @@ def step_decode(args) -> dict:
         from torch.profiler import ProfilerActivity, profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
         with torch.no_grad(), profile(activities=acts) as prof:
-            model(ids, positions, meta)
+            runner.run_model(ids, positions, meta)
             bench.sync(device)
         kinds: dict[str, float] = {}
         launches = 0
@@ -283,6 +299,7 @@ def step_decode(args) -> dict:
                 name = ev.key.lower()
                 kind = ("attention" if "paged_attention" in name or "reduce_splits" in name else
                         "store_kv" if "store_kv" in name else
+                        "fused" if any(k in name for k in ("rms_norm_kernel", "rotary_kernel", "silu_mul_kernel")) else
                         "matmul" if any(s in name for s in ("gemm", "gemv", "cutlass", "sm90", "cublas", "nvjet")) else "other")
                 kinds[kind] = kinds.get(kind, 0.0) + dev_us * 1e-6
                 launches += ev.count

@@ -76,7 +76,7 @@ if [ -f kernels/bench.py ] && [ -z "$DRY" ] && [[ ",${SKIP_STEPS:-}," != *",kben
   timeout -k 5 25 $PY -m lifeofprompt.kernels.bench > "$WORK/kernels_bench.txt" 2>&1; say "kernels/bench.py rc=$?"
   tail -n 30 "$WORK/kernels_bench.txt" >> "$LOG"
 fi
-run_step decode  60  $CHECK decode $DRY
+run_step decode  90  $CHECK decode $DRY
 run_step ours    75  $CHECK ours $DRY --ours-deadline 40
 if [ -n "$DRY" ]; then PEER_CAP=30; else PEER_CAP=50; fi
 run_step peer    70  $CHECK peer $DRY --peer-timeout $PEER_CAP

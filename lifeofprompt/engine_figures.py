@@ -22,6 +22,9 @@ def kernels_of_step(model, launch: dict) -> str:
     how = launch.get("mode", "?")
     if launch.get("padded_to"):
         how += f" (batch {launch['rows']} padded to {launch['padded_to']})"
+    if launch.get("fused"):
+        return (f"{model.config.num_layers} × [fused add+RMSNorm, qkv GEMM, fused RoPE, {attention}, o_proj GEMM, "
+                f"fused add+RMSNorm, gate_up GEMM, fused SiLU·up, down GEMM] + lm_head; {how}")
     return (f"{model.config.num_layers} × [RMSNorm, qkv GEMM, RoPE, {attention}, o_proj GEMM, RMSNorm, "
             f"gate_up GEMM, SiLU·up, down GEMM] + lm_head; {how}")
 
@@ -107,14 +110,43 @@ def plot_batching_curve(rows: list[dict], title: str, floor_s: float | None = No
     return fig
 
 
+def plot_cpu_linear(result: dict, path: Path | None = None):
+    """``benchmarks/cpu_linear.py``'s table drawn: weight bytes read per second by each product path, by rows."""
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    paths = [k for k in rows[0] if k != "rows"]
+    fig, ax = plt.subplots(figsize=(6.8, 4))
+    for i, name in enumerate(paths):
+        ax.plot([r["rows"] for r in rows], [r[name]["weight_GB_per_s"] for r in rows], "o-", color=f"C{i}", label=name)
+    ax.axhline(result["sum_read_GB_per_s"], color="gray", lw=0.8, ls=":",
+               label=f"memory read by sum(): {result['sum_read_GB_per_s']:.0f} GB/s")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([r["rows"] for r in rows], [str(r["rows"]) for r in rows])
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("rows multiplied by every weight matrix (decode batch size)")
+    ax.set_ylabel("weight bytes read per second (GB/s)")
+    env = result["env"]
+    ax.set_title(f"SmolLM2-135M's 120 layer matrices, fp32, {result['threads']} thread\n"
+                 f"{env['machine']}, torch {env['torch']}, {env['date']}", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=110)
+    return fig
+
+
 def decode_breakdown(decode: dict) -> list[tuple[str, float]]:
     """The batch-1 decode step in parts (ms), from the GPU script's ``decode`` section."""
     parts = [("engine step (execute, sampling, host)", decode.get("engine_step_s")),
+             ("  the same without the fused kernels", decode.get("engine_step_unfused_s")),
              ("CUDA graph replay (the forward)", decode.get("graph_replay_s")),
              ("same forward eager (launch-bound)", decode.get("eager_forward_s")),
              ("  kernel time in it: matmuls", decode.get("eager_kernel_time_by_kind_s", {}).get("matmul")),
              ("  attention", decode.get("eager_kernel_time_by_kind_s", {}).get("attention")),
              ("  store_kv", decode.get("eager_kernel_time_by_kind_s", {}).get("store_kv")),
+             ("  fused element-wise kernels", decode.get("eager_kernel_time_by_kind_s", {}).get("fused")),
              ("  small element-wise kernels", decode.get("eager_kernel_time_by_kind_s", {}).get("other")),
              ("greedy sampling", decode.get("sample_greedy_s")),
              ("top-k/top-p sampling", decode.get("sample_topk_topp_s")),

@@ -149,17 +149,52 @@ class LlamaForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Final normalised hidden state of every row ``[T, hidden]``."""
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                      fused_kernels: bool = False) -> torch.Tensor:
+        """Final normalised hidden state of every row ``[T, hidden]`` (``fused_kernels``: see below)."""
+        if fused_kernels:
+            return self.fused_hidden_states(input_ids, positions, meta)
         hidden = self.embed_tokens(input_ids)
         cos_sin = self.rotary.at(positions)
         for layer in self.layers:
             hidden = layer(hidden, cos_sin, meta)
         return self.norm(hidden)
 
+    def fused_hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """``hidden_states`` with the element-wise steps as fused Triton kernels (``kernels/fused.py``).
+
+        The same modules, weights and order of operations; only the small steps between the
+        matrix products change. At batch 1 on a GPU those ~55 tiny kernels per layer cost more
+        than the matrix products (``benchmarks/NOTES.md``); here a layer launches five:
+        residual add + RMSNorm twice, the rotary of q and k in place inside the qkv output, and
+        SiLU × up. The residual stream lives in one tensor updated in place, and each layer's
+        last residual add is done by the next layer's input norm (the last one by the final norm).
+        """
+        from .kernels import fused
+
+        cos_sin = self.rotary.at(positions)
+        residual = self.embed_tokens(input_ids)
+        sublayer_out = None
+        for layer in self.layers:
+            attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
+            if sublayer_out is None:
+                normed = fused.rms_norm(residual, norm.weight, norm.eps)
+            else:
+                normed, residual = fused.add_rms_norm(sublayer_out, residual, norm.weight, norm.eps)
+            qkv = attn.qkv_proj(normed)
+            qk = qkv[:, : attn.q_size + attn.kv_size].view(-1, attn.num_heads + attn.num_kv_heads, attn.head_dim)
+            q, k = fused.rotary_qk(qk, *cos_sin).split([attn.num_heads, attn.num_kv_heads], dim=1)
+            v = qkv[:, attn.q_size + attn.kv_size:].view(-1, attn.num_kv_heads, attn.head_dim)
+            sublayer_out = attn.o_proj(meta.attend(attn.layer_idx, q, k, v).reshape(-1, attn.q_size))
+            post = layer.post_attention_layernorm
+            normed, residual = fused.add_rms_norm(sublayer_out, residual, post.weight, post.eps)
+            sublayer_out = mlp.down_proj(fused.silu_mul(mlp.gate_up_proj(normed)))
+        return fused.add_rms_norm(sublayer_out, residual, self.norm.weight, self.norm.eps)[0]
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                meta: AttentionMetadata | None = None) -> torch.Tensor:
+                meta: AttentionMetadata | None = None, fused_kernels: bool = False) -> torch.Tensor:
         """Flat form: logits ``[len(meta.logits_indices), vocab]`` (all rows when it is None).
+        ``fused_kernels`` runs ``fused_hidden_states`` (Triton; the GPU engine's choice).
 
         Convenience form (``input_ids`` is ``[batch, seq]``, no metadata): logits ``[batch, seq, vocab]``.
         """
@@ -168,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
             meta = NoCacheMetadata.for_lengths([seq] * batch, device=input_ids.device)
             positions = torch.arange(seq, device=input_ids.device).repeat(batch)
             return self.forward(input_ids.reshape(-1), positions, meta).view(batch, seq, -1)
-        hidden = self.hidden_states(input_ids, positions, meta)
+        hidden = self.hidden_states(input_ids, positions, meta, fused_kernels)
         if meta.logits_indices is not None:
             hidden = hidden[meta.logits_indices]
         return self.lm_head(hidden).float()

@@ -73,7 +73,8 @@ class ModelRunner:
     def __init__(self, model, num_blocks: int | None = None, block_size: int = 16, backend: str = "auto", *,
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, enforce_eager: bool | None = None,
-                 gpu_memory_utilization: float = 0.9, cpu_kv_bytes: int = 2 << 30):
+                 gpu_memory_utilization: float = 0.9, cpu_kv_bytes: int = 2 << 30,
+                 fused_kernels: bool | None = None):
         if block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size}")
         self.model = model
@@ -81,6 +82,11 @@ class ModelRunner:
         self.device = model.device
         self.block_size = block_size
         self.backend = resolve_backend(backend, self.device)
+        # The fused Triton element-wise kernels (model.fused_hidden_states): on by default where
+        # the Triton attention runs on a GPU; on the CPU only when asked (the interpreter is slow).
+        if fused_kernels is None:
+            fused_kernels = self.backend == "triton" and self.device.type == "cuda"
+        self.fused_kernels = fused_kernels
         self.max_num_seqs = max_num_seqs
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
@@ -136,7 +142,11 @@ class ModelRunner:
             next_block += blocks
             seqs.append(seq)
         input_ids, positions, meta = self.prepare(seqs, lengths, cache=cache)
-        return self.model(input_ids, positions, meta)
+        return self.run_model(input_ids, positions, meta)
+
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedCacheMetadata) -> torch.Tensor:
+        """The model's forward as this runner runs it (with the fused element-wise kernels or not)."""
+        return self.model(input_ids, positions, meta, fused_kernels=self.fused_kernels)
 
     @torch.no_grad()
     def profile_num_blocks(self) -> int:
@@ -205,17 +215,20 @@ class ModelRunner:
             padded = self.graphs or self.pad_decode_eagerly
             size = padded_batch_size(len(seqs), self.graph_sizes) if padded else None
             if size is not None and not self.graphs:
-                self.last_launch = dict(mode="padded eager decode", rows=len(seqs), padded_to=size, backend=self.backend)
+                self.last_launch = dict(mode="padded eager decode", rows=len(seqs), padded_to=size, backend=self.backend,
+                                        fused=self.fused_kernels)
                 return self.run_static_decode(seqs, size)
             if size is not None:
-                self.last_launch = dict(mode="CUDA graph replay", rows=len(seqs), padded_to=size, backend=self.backend)
+                self.last_launch = dict(mode="CUDA graph replay", rows=len(seqs), padded_to=size, backend=self.backend,
+                                        fused=self.fused_kernels)
                 self.fill_static_decode(seqs, size)
                 graph, logits = self.graphs[size]
                 graph.replay()
                 return logits[:len(seqs)]
-        self.last_launch = dict(mode="eager", rows=sum(num_scheduled_tokens), padded_to=None, backend=self.backend)
+        self.last_launch = dict(mode="eager", rows=sum(num_scheduled_tokens), padded_to=None, backend=self.backend,
+                                fused=self.fused_kernels)
         input_ids, positions, meta = self.prepare(seqs, num_scheduled_tokens)
-        return self.model(input_ids, positions, meta)
+        return self.run_model(input_ids, positions, meta)
 
     @torch.no_grad()
     def execute(self, seqs: list[Sequence], num_scheduled_tokens: list[int]) -> list[int | None]:
@@ -308,8 +321,8 @@ class ModelRunner:
     def run_static_decode(self, seqs: list[Sequence], size: int) -> torch.Tensor:
         """The graph's computation run eagerly: the padded static-buffer decode (tests it on any device)."""
         self.fill_static_decode(seqs, size)
-        return self.model(self.static_input_ids[:size], self.static_positions[:size],
-                          self.static_decode_metadata(size))[:len(seqs)]
+        return self.run_model(self.static_input_ids[:size], self.static_positions[:size],
+                              self.static_decode_metadata(size))[:len(seqs)]
 
     @torch.no_grad()
     def capture_graphs(self) -> None:
@@ -320,11 +333,11 @@ class ModelRunner:
         for size in reversed(self.graph_sizes):
             meta = self.static_decode_metadata(size)
             ids, positions = self.static_input_ids[:size], self.static_positions[:size]
-            self.model(ids, positions, meta)                       # warm-up: autotune, allocate
+            self.run_model(ids, positions, meta)                   # warm-up: autotune, allocate
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self.model(ids, positions, meta)
+                logits = self.run_model(ids, positions, meta)
             if pool is None:
                 pool = graph.pool()
             self.graphs[size] = (graph, logits)

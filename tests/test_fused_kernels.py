@@ -211,35 +211,6 @@ def test_bad_inputs_are_refused():
 # ----------------------------------------------------------------------------- wired into the model
 
 
-def fused_hidden_states(model, input_ids, positions, meta):
-    """``LlamaModel.hidden_states`` with the fused kernels: a sketch of the wiring, 5 launches per layer.
-
-    The residual stream lives in one tensor, updated in place by ``add_rms_norm``; each
-    layer's post-MLP add is folded into the next layer's input norm, the last one into the
-    final norm.
-    """
-    cos, sin = model.rotary.at(positions)
-    residual = model.embed_tokens(input_ids)
-    normed, out = None, None
-    for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        norm = layer.input_layernorm
-        if out is None:
-            normed = fused.rms_norm(residual, norm.weight, norm.eps)
-        else:
-            normed, residual = fused.add_rms_norm(out, residual, norm.weight, norm.eps)
-        qkv = attn.qkv_proj(normed)
-        qk = qkv[:, : attn.q_size + attn.kv_size].view(-1, attn.num_heads + attn.num_kv_heads, attn.head_dim)
-        fused.rotary_qk(qk, cos, sin)                                  # in place, inside qkv
-        q, k = qk.split([attn.num_heads, attn.num_kv_heads], dim=1)
-        v = qkv[:, attn.q_size + attn.kv_size:].view(-1, attn.num_kv_heads, attn.head_dim)
-        out = attn.o_proj(meta.attend(attn.layer_idx, q, k, v).reshape(-1, attn.q_size))
-        post = layer.post_attention_layernorm
-        normed, residual = fused.add_rms_norm(out, residual, post.weight, post.eps)
-        out = mlp.down_proj(fused.silu_mul(mlp.gate_up_proj(normed)))
-    return fused.add_rms_norm(out, residual, model.norm.weight, model.norm.eps)[0]
-
-
 @torch.no_grad()
 def test_smollm2_forward_with_fused_kernels_matches_the_model(smollm2, story_ids, one_thread):
     """All 30 SmolLM2 layers on the story's prompts (two sequences, 10 rows) with the fused kernels."""
@@ -252,7 +223,7 @@ def test_smollm2_forward_with_fused_kernels_matches_the_model(smollm2, story_ids
     positions = torch.cat([torch.arange(n) for n in lengths])
     meta = NoCacheMetadata.for_lengths(lengths)
     expected = model.hidden_states(input_ids, positions, meta)
-    hidden = fused_hidden_states(model, input_ids, positions, meta)
+    hidden = model.fused_hidden_states(input_ids, positions, meta)
     torch.testing.assert_close(hidden, expected, atol=5e-5, rtol=1e-5)    # observed 1.1e-5 at values up to 31
     assert meta.logits_indices is None                                    # no-cache metadata: every row's next token
     next_tokens = model.lm_head(hidden).argmax(-1)

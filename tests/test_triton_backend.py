@@ -1,4 +1,5 @@
-"""The whole model with the Triton backend (interpreter on the CPU) gives the torch backend's logits.
+"""The whole model with the Triton backend (interpreter on the CPU) gives the torch backend's logits,
+with and without the fused element-wise kernels.
 
 Two ``ModelRunner``s over the embedded SmolLM2 (fp32), one per backend, run the same two
 steps: first the prompts "hi my name is" and "hello there" whole plus the first half of
@@ -36,7 +37,7 @@ def step_logits(runner, seqs, num_tokens):
     input_ids, positions, meta = runner.prepare(seqs, num_tokens)
     meta.logits_indices = None
     with torch.no_grad():
-        logits = runner.model(input_ids, positions, meta)
+        logits = runner.run_model(input_ids, positions, meta)
     for seq, n in zip(seqs, num_tokens):
         seq.num_computed_tokens += n
     return logits
@@ -46,11 +47,15 @@ def test_triton_backend_logits_match_torch(smollm2, story_ids):
     model, _ = smollm2
     assert [len(ids) for ids in story_ids] == [4, 6, 2]
     runners = {name: ModelRunner(model, num_blocks=16, block_size=4, backend=name) for name in ("torch", "triton")}
+    # the GPU engine's full path: Triton attention and the fused element-wise kernels
+    runners["fused"] = ModelRunner(model, num_blocks=16, block_size=4, backend="triton", fused_kernels=True)
+    assert (runners["triton"].fused_kernels, runners["fused"].fused_kernels) == (False, True)
     seqs = {name: make_seqs(story_ids) for name in runners}
 
     first = {name: step_logits(runners[name], seqs[name], [4, 3, 2]) for name in runners}
     assert first["triton"].shape == (9, model.config.vocab_size)
     torch.testing.assert_close(first["triton"], first["torch"], atol=1e-4, rtol=0)
+    torch.testing.assert_close(first["fused"], first["torch"], atol=1e-4, rtol=0)
 
     # Greedy next tokens for the two finished prompts, then decode rows + the chunk's rest.
     for name in runners:
@@ -59,7 +64,10 @@ def test_triton_backend_logits_match_torch(smollm2, story_ids):
     second = {name: step_logits(runners[name], seqs[name], [1, 3, 1]) for name in runners}
     assert second["triton"].shape == (5, model.config.vocab_size)
     torch.testing.assert_close(second["triton"], second["torch"], atol=1e-4, rtol=0)
+    torch.testing.assert_close(second["fused"], second["torch"], atol=1e-4, rtol=0)
     assert second["triton"].argmax(-1).tolist() == second["torch"].argmax(-1).tolist()
+    assert second["fused"].argmax(-1).tolist() == second["torch"].argmax(-1).tolist()
 
     # Both caches hold the same keys and values in the same (shuffled) blocks.
     torch.testing.assert_close(runners["triton"].kv_cache.kv, runners["torch"].kv_cache.kv, atol=1e-4, rtol=0)
+    torch.testing.assert_close(runners["fused"].kv_cache.kv, runners["torch"].kv_cache.kv, atol=1e-4, rtol=0)

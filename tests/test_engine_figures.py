@@ -1,0 +1,36 @@
+"""Notebook 08's figure helpers read the benchmark JSON the scripts write."""
+
+from types import SimpleNamespace
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+from lifeofprompt.engine_figures import decode_breakdown, kernels_of_step, plot_cpu_linear  # noqa: E402
+
+MODEL = SimpleNamespace(config=SimpleNamespace(num_layers=22))
+
+
+def test_kernels_of_step_names_the_fused_kernels_only_when_used():
+    plain = kernels_of_step(MODEL, dict(mode="eager", backend="torch", fused=False))
+    fused = kernels_of_step(MODEL, dict(mode="CUDA graph replay", backend="triton", fused=True, rows=3, padded_to=4))
+    assert plain.startswith("22 × [RMSNorm, qkv GEMM, RoPE, torch store_kv") and "fused" not in plain
+    assert "fused add+RMSNorm" in fused and "fused SiLU·up" in fused and fused.endswith("(batch 3 padded to 4)")
+
+
+def test_decode_breakdown_in_ms_with_the_unfused_step():
+    decode = dict(engine_step_s=0.0012, engine_step_unfused_s=0.0027, floor_s=0.00049,
+                  eager_kernel_time_by_kind_s=dict(fused=0.0001, matmul=0.0008))
+    rows = dict(decode_breakdown(decode))
+    assert rows["  the same without the fused kernels"] == 2.7
+    assert rows["  fused element-wise kernels"] == 0.1 and "  small element-wise kernels" not in rows
+
+
+def test_cpu_linear_plot_has_one_line_per_path():
+    env = dict(machine="test machine", torch="2.x", date="today")
+    rows = [{"rows": m, "x @ W.T": {"weight_GB_per_s": 10 / m}, "oneDNN packed": {"weight_GB_per_s": 15 / m}}
+            for m in (1, 2, 4)]
+    fig = plot_cpu_linear(dict(env=env, threads=1, rows=rows, sum_read_GB_per_s=27.0))
+    ax = fig.axes[0]
+    assert [line.get_label() for line in ax.get_lines()][:2] == ["x @ W.T", "oneDNN packed"]
+    assert list(ax.get_lines()[1].get_ydata()) == [15.0, 7.5, 3.75]

@@ -11,7 +11,7 @@ the weight bytes read per second, for:
 and, for scale, how fast one thread reads memory with ``tensor.sum()``. Shapes are random
 numbers of SmolLM2's sizes; the engine's choice (``FEW_ROWS``) should agree with the table.
 
-    python benchmarks/cpu_linear.py                # one thread, writes results/cpu_linear_<date>.json
+    python benchmarks/cpu_linear.py                # one thread, writes results/cpu_linear_<date>.json and .png
 """
 
 from __future__ import annotations
@@ -94,7 +94,12 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"cpu_linear_{time.strftime('%Y%m%d')}.json"
     path.write_text(json.dumps(result, indent=2, default=str))
-    print(f"wrote {path}")
+    import matplotlib
+    matplotlib.use("Agg")
+    from lifeofprompt.engine_figures import plot_cpu_linear
+
+    plot_cpu_linear(result, path.with_suffix(".png"))
+    print(f"wrote {path} and its plot")
     return 0
 
 

@@ -96,6 +96,7 @@ def plot_batching_curve(rows: list[dict], title: str, floor_s: float | None = No
     if floor_s:
         ax.axhline(floor_s * 1e3, color="gray", lw=0.8, ls=":", label="weight bytes ÷ bandwidth (batch-1 floor)")
     ax.set_xscale("log", base=2)
+    ax.set_xticks([r["batch"] for r in rows], [str(r["batch"]) for r in rows])
     ax.set_ylim(bottom=0)
     ax.set_xlabel("sequences in the decode step (batch size)")
     ax.set_ylabel("step time (ms)")

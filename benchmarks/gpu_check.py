@@ -226,9 +226,10 @@ def step_decode(args) -> dict:
     ladder_max = 8 if dry(args) else 128
     context = 64 if dry(args) else 500
     start = time.perf_counter()
-    runner = ModelRunner(model, 2048 if dry(args) else 8192, 16, "auto", max_num_seqs=ladder_max,
-                         max_model_len=min(1024, config.max_position_embeddings),
-                         enforce_eager=True if dry(args) else None)
+    # A dry run takes the GPU's code path too: Triton kernels (interpreted) and the fused ones.
+    runner = ModelRunner(model, 2048 if dry(args) else 8192, 16, "triton" if dry(args) else "auto",
+                         max_num_seqs=ladder_max, max_model_len=min(1024, config.max_position_embeddings),
+                         enforce_eager=True if dry(args) else None, fused_kernels=True if dry(args) else None)
     out = dict(model=label, backend=runner.backend, graphs=sorted(runner.graphs), context=context,
                runner_start_s=time.perf_counter() - start, graph_capture_s=getattr(runner, "graph_capture_seconds", None))
     seq = Sequence("b1", [(7 * i) % 9000 + 3 for i in range(context)], SamplingParams(temperature=0))
@@ -248,21 +249,23 @@ def step_decode(args) -> dict:
         steps.append(time.perf_counter() - t0)
     out["engine_step_s"] = statistics.median(steps)
     out["fused_kernels"] = runner.fused_kernels
-    if runner.fused_kernels and runner.graphs:
+    if runner.fused_kernels:
         # The same step without the fused element-wise kernels: the before/after of NOTES.md's try.
         runner.fused_kernels = False
-        runner.capture_graphs()
+        if runner.graphs:
+            runner.capture_graphs()
         for _ in range(3):
             one_step()
         unfused = []
-        for _ in range(50):
+        for _ in range(10 if dry(args) else 50):
             bench.sync(device)
             t0 = time.perf_counter()
             one_step()
             unfused.append(time.perf_counter() - t0)
         out["engine_step_unfused_s"] = statistics.median(unfused)
         runner.fused_kernels = True
-        runner.capture_graphs()
+        if runner.graphs:
+            runner.capture_graphs()
     # Breakdown: host prep, the forward (graph replay / eager), sampling.
     t0 = time.perf_counter()
     for _ in range(20):

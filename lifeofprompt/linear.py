@@ -54,8 +54,13 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
 
     def prepack(self) -> int:
-        """Reorder the weight for oneDNN (CPU, no bias); returns the bytes of the packed copy (0 if none)."""
-        if self.bias is not None or not self.weight.is_cpu or not onednn_available():
+        """Reorder the weight for oneDNN (CPU, fp32, no bias); returns the bytes of the packed copy (0 if none).
+
+        Only fp32 is packed: that is what was measured, and oneDNN's bf16 kernels need CPU
+        instructions (AVX-512 BF16, AMX) that not every machine has.
+        """
+        if (self.bias is not None or not self.weight.is_cpu or self.weight.dtype != torch.float32
+                or not onednn_available()):
             self.packed = None
             return 0
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)

@@ -451,6 +451,9 @@ def summary_rows(r: dict) -> list[tuple[str, str, str]]:
     d = r.get("decode", {})
     rows.append(("decode step b1 (engine)", fmt(d.get("engine_step_s"), " ms", 1e3, 2),
                  f"floor {fmt(d.get('floor_s'), ' ms', 1e3, 2)}; ratio {fmt(d.get('engine_step_over_floor'), 'x', 1, 2)} (aim ≤1.5)"))
+    if d.get("engine_step_unfused_s") is not None:
+        rows.append(("  same step, fused kernels off", fmt(d.get("engine_step_unfused_s"), " ms", 1e3, 2),
+                     "before/after of NOTES.md's fusion try"))
     rows.append(("  graph replay / eager fwd", fmt(d.get("graph_replay_s"), " ms", 1e3, 2), f"eager {fmt(d.get('eager_forward_s'), ' ms', 1e3, 2)}"))
     o, p = r.get("ours", {}), r.get("peer", {})
     ratio = (o.get("tokens_per_s") / p["tokens_per_s"]) if o.get("tokens_per_s") and p.get("tokens_per_s") else None

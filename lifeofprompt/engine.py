@@ -137,7 +137,8 @@ class LLMEngine:
                  enable_prefix_caching: bool = True, attention_backend: str | None = None,
                  enforce_eager: bool = False, gpu_memory_utilization: float = 0.9,
                  max_waiting: int | None = None, check_invariants: bool = False,
-                 max_step_records: int = 10_000, log_stats: bool = True, clock=time.monotonic):
+                 max_step_records: int = 10_000, log_stats: bool = True, clock=time.monotonic,
+                 prepack_cpu_weights: bool = True):
         if isinstance(model, str):
             from .loader import load_model
             self.model, self.tokenizer = load_model(model, dtype=dtype, device=device)
@@ -158,7 +159,7 @@ class LLMEngine:
         if num_kv_blocks is None and (kv_cache_memory is not None or self.model.device.type != "cuda"):
             num_kv_blocks = self._blocks_for_memory(kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY)
         self.runner = self._build_runner(num_kv_blocks, attention_backend, max_num_seqs, max_num_batched_tokens,
-                                         context_len, enforce_eager, gpu_memory_utilization)
+                                         context_len, enforce_eager, gpu_memory_utilization, prepack_cpu_weights)
         self.num_kv_blocks = self.runner.kv_cache.num_blocks
         self.block_manager = BlockManager(self.num_kv_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, context_len)
@@ -189,11 +190,11 @@ class LLMEngine:
         return blocks
 
     def _build_runner(self, num_blocks, backend, max_num_seqs, max_num_batched_tokens, max_model_len,
-                      enforce_eager, gpu_memory_utilization):
+                      enforce_eager, gpu_memory_utilization, prepack_cpu_weights=True):
         from .model_runner import ModelRunner
         wanted = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                       max_model_len=max_model_len, enforce_eager=enforce_eager or None,
-                      gpu_memory_utilization=gpu_memory_utilization)
+                      gpu_memory_utilization=gpu_memory_utilization, prepack_cpu_weights=prepack_cpu_weights)
         accepted = inspect.signature(ModelRunner).parameters
         kwargs = {k: v for k, v in wanted.items() if k in accepted}
         if backend is None:
@@ -426,7 +427,8 @@ class LLMEngine:
                 cumulative_logprob=c.cumulative_logprob, new_token_ids=new_ids, new_text=new_text))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
                              request.finished, request.metrics,
-                             num_cached_tokens=request.completions[0].seq.num_cached_tokens)
+                             num_cached_tokens=request.completions[0].seq.num_cached_tokens,
+                             random_weights=getattr(self.model, "is_random", False))
 
     # ---------------------------------------------------------------- looking inside
     @property

@@ -58,6 +58,43 @@ def load_results(pattern: str = "h200-*/gpu_results.json") -> tuple[dict | None,
     return json.loads(files[-1].read_text()), files[-1]
 
 
+def separate_runs(results_path: Path) -> list[str]:
+    """Lines about the runs kept next to a GPU results file: kernel tests and bench, reruns.
+
+    A GPU lease is short, so one session's figures can come from several calls: the main
+    script's table leaves a dash where a step was skipped to fit, or shows a test that a later
+    rerun passed. These lines put those runs next to the table.
+    """
+    import re
+
+    folder = results_path.parent
+    lines = []
+
+    def passed_line(log: Path) -> str | None:
+        found = [ln.strip() for ln in log.read_text().splitlines() if re.search(r"\d+ (passed|failed)", ln)]
+        return found[-1] if found else None
+
+    tests = folder / "kernel_gpu_tests.log"
+    if tests.exists() and passed_line(tests):
+        lines.append(f"kernel tests (tests/gpu/test_kernels_gpu.py): {passed_line(tests)}")
+    bench = folder / "kernel_bench_tinyllama_heads.json"
+    if bench.exists():
+        seen = set()
+        for row in json.loads(bench.read_text())["rows"]:
+            key = (row["batch"], row["context_len"], row["kernel"], row.get("num_kv_splits"))
+            if key[:2] not in ((64, 4096), (1, 32768)) or key in seen:
+                continue
+            seen.add(key)
+            splits = row.get("num_kv_splits")
+            how = "" if splits is None else ", no KV split" if splits == 1 else f", {splits} KV splits"
+            lines.append(f"kernel bench, batch {row['batch']} × {row['context_len']}: {row['kernel']}{how}: "
+                         f"{row['ms']:.3f} ms, {row['gb_per_s']:,.0f} GB/s")
+    for rerun in sorted(folder.glob("rerun-*/pytest_gpu.txt")):
+        if passed_line(rerun):
+            lines.append(f"{rerun.parent.name}: tests/gpu/test_engine_gpu.py rerun after a fix: {passed_line(rerun)}")
+    return lines
+
+
 def plot_throughput(groups: dict[str, list[dict]], title: str, path: Path | None = None):
     """Horizontal bars of output tokens/s per peer, one panel per workload (ours first, in blue)."""
     import matplotlib.pyplot as plt

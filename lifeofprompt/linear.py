@@ -75,6 +75,14 @@ class Linear(nn.Linear):
         return super().forward(x)
 
 
-def prepack_cpu_weights(model: nn.Module) -> int:
-    """Prepack every ``Linear`` of a CPU model; returns the extra bytes the packed copies take."""
-    return sum(module.prepack() for module in model.modules() if isinstance(module, Linear))
+def prepack_cpu_weights(model: nn.Module, enabled: bool = True) -> int:
+    """Prepack every ``Linear`` of a CPU model; returns the extra bytes the packed copies take.
+
+    ``enabled=False`` drops packed copies instead (to save their memory), returning 0.
+    """
+    linears = [module for module in model.modules() if isinstance(module, Linear)]
+    if not enabled:
+        for module in linears:
+            module.packed = None
+        return 0
+    return sum(module.prepack() for module in linears)

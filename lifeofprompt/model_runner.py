@@ -31,7 +31,7 @@ import torch
 from .attention import PagedCacheMetadata, PagedKVCache
 from .errors import ConfigError, OutOfMemoryError
 from .memory import kv_bytes_per_block, plan_memory
-from .linear import prepack_cpu_weights
+from .linear import prepack_cpu_weights as prepack_weights
 from .sampler import Sampler, SamplerOutput, make_generator
 from .sequence import Sequence
 
@@ -74,7 +74,7 @@ class ModelRunner:
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, enforce_eager: bool | None = None,
                  gpu_memory_utilization: float = 0.9, cpu_kv_bytes: int = 2 << 30,
-                 fused_kernels: bool | None = None):
+                 fused_kernels: bool | None = None, prepack_cpu_weights: bool = True):
         if block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size}")
         self.model = model
@@ -100,8 +100,9 @@ class ModelRunner:
                           else self.cpu_num_blocks(cpu_kv_bytes))
         self.num_blocks = num_blocks
         self.kv_cache = PagedKVCache.for_model(self.config, num_blocks, block_size, dtype=model.dtype, device=self.device)
-        # On the CPU, weights reordered once for oneDNN make every matrix product faster (linear.py).
-        self.prepacked_bytes = prepack_cpu_weights(model) if self.device.type == "cpu" else 0
+        # On the CPU, weights reordered once for oneDNN make every matrix product faster (linear.py),
+        # at the price of a second copy of them (prepack_cpu_weights=False: less memory, slower).
+        self.prepacked_bytes = prepack_weights(model, prepack_cpu_weights) if self.device.type == "cpu" else 0
         self.last_output: SamplerOutput | None = None
         self.last_logprobs: list | None = None     # per seq: None or (logprob, {token_id: logprob, ...})
         self.last_launch: dict = {}               # how the last step ran (eager / graph replay, padding), for traces

@@ -61,9 +61,11 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    random_weights: bool = False               # the model had seeded random weights: the text means nothing
 
     def __repr__(self) -> str:
         out = self.outputs[0] if self.outputs else None
+        note = ", RANDOM WEIGHTS (text meaningless)" if self.random_weights else ""
         return (f"RequestOutput({self.request_id!r}, prompt={self.prompt!r}, "
                 f"text={out.text if out else None!r}, finished={self.finished}, "
-                f"finish_reason={out.finish_reason if out else None!r})")
+                f"finish_reason={out.finish_reason if out else None!r}{note})")

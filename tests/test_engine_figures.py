@@ -34,3 +34,22 @@ def test_cpu_linear_plot_has_one_line_per_path():
     ax = fig.axes[0]
     assert [line.get_label() for line in ax.get_lines()][:2] == ["x @ W.T", "oneDNN packed"]
     assert list(ax.get_lines()[1].get_ydata()) == [15.0, 7.5, 3.75]
+
+
+def test_separate_runs_are_read_from_the_results_folder(tmp_path):
+    import json
+
+    from lifeofprompt.engine_figures import separate_runs
+
+    (tmp_path / "gpu_results.json").write_text("{}")
+    (tmp_path / "kernel_gpu_tests.log").write_text("collected 37 items\n....\n37 passed in 64.42s\n")
+    rows = [dict(kernel="triton paged", batch=64, context_len=4096, num_kv_splits=1, ms=0.0814, gb_per_s=3305.1)] * 2
+    rows.append(dict(kernel="triton paged", batch=8, context_len=512, num_kv_splits=1, ms=0.01, gb_per_s=1.0))
+    (tmp_path / "kernel_bench_tinyllama_heads.json").write_text(json.dumps({"rows": rows}))
+    (tmp_path / "rerun-18h37").mkdir()
+    (tmp_path / "rerun-18h37" / "pytest_gpu.txt").write_text("1 failed\n....\n4 passed in 26.92s\n")
+    assert separate_runs(tmp_path / "gpu_results.json") == [
+        "kernel tests (tests/gpu/test_kernels_gpu.py): 37 passed in 64.42s",
+        "kernel bench, batch 64 × 4096: triton paged, no KV split: 0.081 ms, 3,305 GB/s",
+        "rerun-18h37: tests/gpu/test_engine_gpu.py rerun after a fix: 4 passed in 26.92s",
+    ]

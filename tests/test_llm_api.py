@@ -102,3 +102,36 @@ def test_long_runs_get_a_progress_bar(llm, capsys):
     assert "Processed prompts" in capsys.readouterr().err
     llm.generate([[1, 2]], SamplingParams(temperature=0, max_tokens=1))
     assert "Processed prompts" not in capsys.readouterr().err    # a short run stays quiet
+
+
+def test_logprobs_come_back_through_generate(llm, story_ids):
+    """``logprobs=N``: per generated token the top N plus the sampled one; greedy picks the most likely."""
+    import math
+
+    out = llm.generate([story_ids[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [2026, 365, 10905, 6176]
+    assert len(out.logprobs) == 4 and out.logprobs[3][6176] == pytest.approx(-0.0959, abs=1e-3)
+    for token, top in zip(out.token_ids, out.logprobs):
+        assert len(top) == 3 and token in top
+        assert max(top, key=top.get) == token                      # greedy: the sampled token is the best
+        assert all(lp <= 0 for lp in top.values()) and sum(math.exp(lp) for lp in top.values()) <= 1 + 1e-5
+    assert out.cumulative_logprob == pytest.approx(sum(top[t] for t, top in zip(out.token_ids, out.logprobs)))
+    assert not llm.generate([story_ids[0]], GREEDY3, use_tqdm=False)[0].random_weights
+
+
+def test_outputs_of_a_random_weight_model_say_so():
+    from dataclasses import replace
+
+    from lifeofprompt.config import TINYLLAMA_1_1B
+    from lifeofprompt.loader import ByteTokenizer
+    from lifeofprompt.model import LlamaForCausalLM
+
+    config = replace(TINYLLAMA_1_1B, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=128)
+    model = LlamaForCausalLM(config).eval()
+    model.is_random = True
+    tiny = LLM(model, tokenizer=ByteTokenizer(config.vocab_size), num_kv_blocks=16, log_stats=False)
+    assert any("random weights" in line for line in tiny.engine.startup_log)
+    out = tiny.generate(["hi"], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)[0]
+    assert out.random_weights and "RANDOM WEIGHTS" in repr(out)

@@ -56,6 +56,15 @@ def test_cpu_runner_defaults(runner):
         assert runner.prepacked_bytes == 4 * (weights + 49152 * 576)
 
 
+def test_prepacking_can_be_turned_off_to_save_memory(smollm2, story_ids):
+    model, _ = smollm2
+    lean = ModelRunner(model, 64, 16, max_num_seqs=4, max_model_len=256, prepack_cpu_weights=False)
+    assert lean.prepacked_bytes == 0 and all(getattr(m, "packed", None) is None for m in model.modules())
+    assert run_greedy_loop(lean, story_ids, 8) == STORY_8          # same tokens without the packed copies
+    again = ModelRunner(model, 64, 16, max_num_seqs=4, max_model_len=256)
+    assert again.prepacked_bytes > 0 or not onednn_available()       # and back for the next runner
+
+
 def test_greedy_matches_the_cached_generator(runner, story_ids):
     assert run_greedy_loop(runner, story_ids, 8) == STORY_8
 

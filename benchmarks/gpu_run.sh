@@ -13,7 +13,10 @@ set -u
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 OUT="${OUT:-/tmp/lifeofprompt_gpu_out}"
-WORK="${WORK:-$(mktemp -d /tmp/lifeofprompt_gpu_work.XXXXXX)}"
+if [ -z "${WORK:-}" ]; then   # a scratch folder of our own: removed when the script ends, however it ends
+  WORK="$(mktemp -d /tmp/lifeofprompt_gpu_work.XXXXXX)"
+  trap 'rm -rf "$WORK"' EXIT
+fi
 PY="${PYTHON:-python3}"
 DRY=""
 if [ "${1:-}" = "--cpu-dry-run" ]; then DRY="--cpu-dry-run"; fi

@@ -239,30 +239,26 @@ def step_decode(args) -> dict:
     def one_step():
         run_step(runner, [seq], [1])
 
-    for _ in range(3):
-        one_step()
-    steps = []
-    for _ in range(10 if dry(args) else 50):
-        bench.sync(device)
-        t0 = time.perf_counter()
-        one_step()
-        steps.append(time.perf_counter() - t0)
-    out["engine_step_s"] = statistics.median(steps)
+    def median_step() -> float:
+        """Median wall time of one decode step (after three warm-up steps), sampling and host work included."""
+        for _ in range(3):
+            one_step()
+        steps = []
+        for _ in range(10 if dry(args) else 50):
+            bench.sync(device)
+            t0 = time.perf_counter()
+            one_step()
+            steps.append(time.perf_counter() - t0)
+        return statistics.median(steps)
+
+    out["engine_step_s"] = median_step()
     out["fused_kernels"] = runner.fused_kernels
     if runner.fused_kernels:
         # The same step without the fused element-wise kernels: the before/after of NOTES.md's try.
         runner.fused_kernels = False
         if runner.graphs:
             runner.capture_graphs()
-        for _ in range(3):
-            one_step()
-        unfused = []
-        for _ in range(10 if dry(args) else 50):
-            bench.sync(device)
-            t0 = time.perf_counter()
-            one_step()
-            unfused.append(time.perf_counter() - t0)
-        out["engine_step_unfused_s"] = statistics.median(unfused)
+        out["engine_step_unfused_s"] = median_step()
         runner.fused_kernels = True
         if runner.graphs:
             runner.capture_graphs()

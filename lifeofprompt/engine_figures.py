@@ -95,6 +95,17 @@ def separate_runs(results_path: Path) -> list[str]:
     return lines
 
 
+def _finish(fig, path: Path | None, ax=None):
+    """Legend and grid on ``ax`` (if given), tight layout, and a PNG at ``path`` (if given)."""
+    if ax is not None:
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=110)
+    return fig
+
+
 def plot_throughput(groups: dict[str, list[dict]], title: str, path: Path | None = None):
     """Horizontal bars of output tokens/s per peer, one panel per workload (ours first, in blue)."""
     import matplotlib.pyplot as plt
@@ -114,10 +125,7 @@ def plot_throughput(groups: dict[str, list[dict]], title: str, path: Path | None
         ax.invert_yaxis()
         ax.margins(x=0.25)
     fig.suptitle("\n".join(textwrap.wrap(title, 62 * len(groups) or 62)), fontsize=9)
-    fig.tight_layout()
-    if path is not None:
-        fig.savefig(path, dpi=110)
-    return fig
+    return _finish(fig, path)
 
 
 def plot_batching_curve(rows: list[dict], title: str, floor_s: float | None = None, path: Path | None = None):
@@ -140,12 +148,7 @@ def plot_batching_curve(rows: list[dict], title: str, floor_s: float | None = No
     import textwrap
 
     ax.set_title("\n".join(textwrap.wrap(title, 80)), fontsize=9)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    if path is not None:
-        fig.savefig(path, dpi=110)
-    return fig
+    return _finish(fig, path, ax)
 
 
 def plot_cpu_linear(result: dict, path: Path | None = None):
@@ -167,12 +170,7 @@ def plot_cpu_linear(result: dict, path: Path | None = None):
     env = result["env"]
     ax.set_title(f"SmolLM2-135M's 120 layer matrices, fp32, {result['threads']} thread\n"
                  f"{env['machine']}, torch {env['torch']}, {env['date']}", fontsize=9)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    if path is not None:
-        fig.savefig(path, dpi=110)
-    return fig
+    return _finish(fig, path, ax)
 
 
 def decode_breakdown(decode: dict) -> list[tuple[str, float]]:

@@ -192,13 +192,13 @@ class PagedCacheMetadata(AttentionMetadata):
         return valid_writes(self.slot_mapping)
 
     def attend(self, layer_idx, q, k, v):
-        k_pool, v_pool = self.cache.k(layer_idx), self.cache.v(layer_idx)
-        if self.backend == "torch":
-            write_rows(k, v, k_pool, v_pool, *self.writes)
-            plan = self.torch_plan(block_tables=self.block_tables, block_size=self.cache.block_size)
-            return paged_attention(q, k_pool, v_pool, self.block_tables, self.seq_lens, self.query_start_loc,
-                                   self.max_query_len, self.max_seq_len, _scale(self, q), plan=plan)
         store, attention = attention_backend(self.backend)
-        store(k, v, k_pool, v_pool, self.slot_mapping)
+        k_pool, v_pool = self.cache.k(layer_idx), self.cache.v(layer_idx)
+        extra = {}
+        if self.backend == "torch":        # what every layer shares is worked out once per step
+            write_rows(k, v, k_pool, v_pool, *self.writes)
+            extra["plan"] = self.torch_plan(block_tables=self.block_tables, block_size=self.cache.block_size)
+        else:
+            store(k, v, k_pool, v_pool, self.slot_mapping)
         return attention(q, k_pool, v_pool, self.block_tables, self.seq_lens, self.query_start_loc,
-                         self.max_query_len, self.max_seq_len, _scale(self, q))
+                         self.max_query_len, self.max_seq_len, _scale(self, q), **extra)

@@ -65,7 +65,7 @@ def sync(device) -> None:
 
 
 def make_llm(model: str, device: str, **kwargs):
-    from lifeofprompt.llm import LLM
+    from lifeofprompt.engine.llm import LLM
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     return LLM(model, dtype=dtype, device=device, log_stats=False, **kwargs)
@@ -76,7 +76,7 @@ def run_engine(llm, prompts, out_lens, label="lifeofprompt", deadline_s: float |
 
     With ``deadline_s`` the run stops there and counts the tokens made so far (``timed_out``).
     """
-    from lifeofprompt.sampling_params import SamplingParams
+    from lifeofprompt.engine.sampling_params import SamplingParams
 
     params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=k) for k in out_lens]
     engine = llm.engine
@@ -213,7 +213,7 @@ def hf_continuous(ref, prompts, out_lens, timeout_s: float = 600) -> dict:
 
 def hf_decode_batch1(ref, prompt, n: int) -> dict:
     """transformers greedy ``generate`` on one prompt: tokens/s including its prefill."""
-    from lifeofprompt.reference import hf_greedy
+    from lifeofprompt.lessons.reference import hf_greedy
 
     hf_greedy(ref, prompt, 2)                                   # warm-up
     sync(ref.device)
@@ -239,9 +239,9 @@ def decode_step_curve(runner, batch_sizes: list[int], context: int, steps: int =
 
     Each batch decodes from prompts of ``context`` random tokens (blocks handed out directly).
     """
-    from lifeofprompt.model_runner import step as run_step
-    from lifeofprompt.sampling_params import SamplingParams
-    from lifeofprompt.sequence import Sequence
+    from lifeofprompt.engine.model_runner import step as run_step
+    from lifeofprompt.engine.sampling_params import SamplingParams
+    from lifeofprompt.engine.sequence import Sequence
 
     rows = []
     bs = runner.block_size
@@ -272,7 +272,7 @@ def decode_step_curve(runner, batch_sizes: list[int], context: int, steps: int =
 
 def roofline_curve(machine, config, dtype, rows: list[dict]) -> list[dict]:
     """Add the roofline's predicted step time to each measured row."""
-    from lifeofprompt.roofline import predict_step_time
+    from lifeofprompt.lessons.roofline import predict_step_time
 
     for row in rows:
         if "step_s" in row:
@@ -288,7 +288,7 @@ def roofline_curve(machine, config, dtype, rows: list[dict]) -> list[dict]:
 def plot_throughput(results: dict, path: Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
-    from lifeofprompt.engine_figures import plot_throughput as draw
+    from lifeofprompt.figures.engine import plot_throughput as draw
 
     draw({name: rows for name, rows in results.items() if isinstance(rows, list)}, title, path)
 
@@ -296,7 +296,7 @@ def plot_throughput(results: dict, path: Path, title: str) -> None:
 def plot_batching_curve(rows: list[dict], path: Path, title: str, floor_s: float | None = None) -> None:
     import matplotlib
     matplotlib.use("Agg")
-    from lifeofprompt.engine_figures import plot_batching_curve as draw
+    from lifeofprompt.figures.engine import plot_batching_curve as draw
 
     draw(rows, title, floor_s, path)
 
@@ -324,8 +324,8 @@ def best_of(rounds: int, runs: dict) -> list[dict]:
 
 def cpu_run(args) -> dict:
     from lifeofprompt import env_info
-    from lifeofprompt.reference import load_reference
-    from lifeofprompt.roofline import decode_floor, measure_machine
+    from lifeofprompt.lessons.reference import load_reference
+    from lifeofprompt.lessons.roofline import decode_floor, measure_machine
 
     torch.set_num_threads(args.threads)
     results: dict = {"env": env_info(), "threads": args.threads, "rounds": args.rounds,

@@ -5,7 +5,7 @@ in turn (425 MB of fp32: more than any cache, as in a real forward) and reports 
 the weight bytes read per second, for:
 
 * ``x @ W.T``        what ``nn.Linear`` and transformers run;
-* ``(W @ x.T).T``    the few-rows path of ``lifeofprompt.linear`` (one row doubled to two);
+* ``(W @ x.T).T``    the few-rows path of ``lifeofprompt.model.linear`` (one row doubled to two);
 * ``oneDNN packed``  weights reordered once for oneDNN (``Linear.prepack``).
 
 and, for scale, how fast one thread reads memory with ``tensor.sum()``. Shapes are random
@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lifeofprompt.config import SMOLLM2_135M
-from lifeofprompt.linear import few_rows_linear, onednn_available
+from lifeofprompt.model.config import SMOLLM2_135M
+from lifeofprompt.model.linear import few_rows_linear, onednn_available
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     path.write_text(json.dumps(result, indent=2, default=str))
     import matplotlib
     matplotlib.use("Agg")
-    from lifeofprompt.engine_figures import plot_cpu_linear
+    from lifeofprompt.figures.engine import plot_cpu_linear
 
     plot_cpu_linear(result, path.with_suffix(".png"))
     print(f"wrote {path} and its plot")

@@ -48,15 +48,15 @@ def device_of(args) -> str:
 
 def build_model(args):
     """(model, tokenizer, label): the random TinyLlama on the GPU, a tiny random Llama in a dry run."""
-    from lifeofprompt.loader import ByteTokenizer, random_tinyllama
+    from lifeofprompt.model.loader import ByteTokenizer, random_tinyllama
 
     if not dry(args):
         model = random_tinyllama("cuda", torch.bfloat16)
         return model, ByteTokenizer(model.config.vocab_size), RANDOM_LABEL
     from dataclasses import replace
 
-    from lifeofprompt.config import TINYLLAMA_1_1B
-    from lifeofprompt.model import LlamaForCausalLM
+    from lifeofprompt.model.config import TINYLLAMA_1_1B
+    from lifeofprompt.model.llama import LlamaForCausalLM
 
     config = replace(TINYLLAMA_1_1B, name="tiny-random (dry run)", vocab_size=10240, hidden_size=128,
                      intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
@@ -94,7 +94,7 @@ def load_part(args, name: str) -> dict:
 
 
 def machine_from_parts(args):
-    from lifeofprompt.roofline import Machine
+    from lifeofprompt.lessons.roofline import Machine
 
     m = load_part(args, "machine")
     if "copy_bandwidth" not in m:
@@ -159,7 +159,7 @@ def paged_case(batch: int, context: int, device, dtype, num_heads=32, num_kv_hea
 def step_kernel(args) -> dict:
     """Paged attention at batch 64 × 4,096 (dry: 2 × 64) vs copy bandwidth and vs SDPA; 1 × 32k with/without split."""
     from lifeofprompt.kernels import paged_attention
-    from lifeofprompt.paged_attention import paged_attention as torch_paged
+    from lifeofprompt.model.paged_attention import paged_attention as torch_paged
 
     device = device_of(args)
     dtype = torch.float32 if dry(args) else torch.bfloat16
@@ -214,11 +214,11 @@ def step_kernel(args) -> dict:
 
 def step_decode(args) -> dict:
     """Batch-1 decode step at context ≤ 512 against the floor, with a breakdown; then the batching curve."""
-    from lifeofprompt.model_runner import ModelRunner, step as run_step
-    from lifeofprompt.roofline import decode_floor, decode_weight_bytes
-    from lifeofprompt.sampler import Sampler
-    from lifeofprompt.sampling_params import SamplingParams
-    from lifeofprompt.sequence import Sequence
+    from lifeofprompt.engine.model_runner import ModelRunner, step as run_step
+    from lifeofprompt.lessons.roofline import decode_floor, decode_weight_bytes
+    from lifeofprompt.engine.sampler import Sampler
+    from lifeofprompt.engine.sampling_params import SamplingParams
+    from lifeofprompt.engine.sequence import Sequence
 
     device = device_of(args)
     model, _, label = build_model(args)
@@ -341,7 +341,7 @@ def workload(args):
 
 def step_ours(args) -> dict:
     """Our engine on the nano-vllm-shaped workload (after a small warm-up run)."""
-    from lifeofprompt.llm import LLM
+    from lifeofprompt.engine.llm import LLM
 
     model, tokenizer, label = build_model(args)
     start = time.perf_counter()
@@ -362,7 +362,7 @@ def step_ours(args) -> dict:
 
 def step_peer(args) -> dict:
     """transformers continuous batching on the same weights and workload (capped in time)."""
-    from lifeofprompt.reference import hf_from_ours
+    from lifeofprompt.lessons.reference import hf_from_ours
 
     model, _, label = build_model(args)
     ref = hf_from_ours(model)
@@ -392,8 +392,8 @@ def step_peer(args) -> dict:
 
 def step_story(args) -> dict:
     """TTFT and tokens/s for the three story prompts (byte tokenizer of the random twin), alone and together."""
-    from lifeofprompt.llm import LLM
-    from lifeofprompt.sampling_params import SamplingParams
+    from lifeofprompt.engine.llm import LLM
+    from lifeofprompt.engine.sampling_params import SamplingParams
 
     model, tokenizer, label = build_model(args)
     llm = LLM(model, tokenizer=tokenizer, **dict(engine_kwargs(args), max_num_seqs=8))

@@ -57,7 +57,7 @@ run_step() {  # run_step NAME SECONDS COMMAND...  (the budget shrinks to what is
 }
 
 say "repo $REPO; out $OUT; work $WORK; python $($PY --version 2>&1)"
-if ! $PY -c "import lifeofprompt, lifeofprompt.kernels, lifeofprompt.model_runner" >> "$LOG" 2>&1; then
+if ! $PY -c "import lifeofprompt, lifeofprompt.kernels, lifeofprompt.engine.model_runner" >> "$LOG" 2>&1; then
   say "import via PYTHONPATH failed; trying an offline editable install"
   $PY -m pip install --no-deps --no-build-isolation --no-index -e . >> "$LOG" 2>&1 || say "pip install failed too"
 fi

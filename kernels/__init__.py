@@ -1,9 +1,10 @@
 """Triton kernels for the paged KV cache, installed as ``lifeofprompt.kernels``.
 
 ``store_kv`` and ``paged_attention`` have exactly the signatures of the torch reference in
-``lifeofprompt.paged_attention``; ``lifeofprompt.attention.attention_backend("triton")``
-imports them from here. Nothing else in the package imports this subpackage, so the CPU
-torch path never needs Triton.
+``lifeofprompt.model.paged_attention``; ``lifeofprompt.model.attention.attention_backend("triton")``
+imports them from here, and ``lifeofprompt.model.llama`` its fused decode layers. Nothing else in
+the package imports this subpackage (``tests/test_layout.py`` checks it), so the CPU torch path
+never needs Triton.
 
 Without CUDA the kernels run in Triton's interpreter (numpy on the CPU, slow but exact for
 fp32/fp16). Interpreter mode is decided when ``@triton.jit`` decorates a kernel, so this

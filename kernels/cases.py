@@ -84,7 +84,7 @@ def make_case(query_lens: list[int], context_lens: list[int], block_size: int, n
 
 def used_slots(case: PagedCase) -> torch.Tensor:
     """Flat slots that hold a token of some sequence (its prefix or this step's rows)."""
-    from lifeofprompt.paged_attention import gather_slots
+    from lifeofprompt.model.paged_attention import gather_slots
 
     slots = gather_slots(case.block_tables, max(1, case.max_seq_len), case.k_pool.shape[1])
     positions = torch.arange(slots.shape[1], device=slots.device)
@@ -147,7 +147,7 @@ def run_step(case: PagedCase, num_kv_splits: int | None = None, tile_n: int | No
     Returns ``(out, expected, (k_pool, v_pool))``: the kernel's output, the reference's, and the
     pools the kernels wrote, for the CPU interpreter tests and the GPU tests alike.
     """
-    from lifeofprompt import paged_attention as reference
+    from lifeofprompt.model import paged_attention as reference
 
     from . import paged_attention, store_kv
 
@@ -165,7 +165,7 @@ def compare_with_reference(case: PagedCase, num_kv_splits: int | None = None, **
     For the notebook and quick checks: the largest output difference, whether the two pools
     hold the same rows afterwards, and the rows and heads compared.
     """
-    from lifeofprompt import paged_attention as reference
+    from lifeofprompt.model import paged_attention as reference
 
     from . import paged_attention, store_kv
 
@@ -187,7 +187,7 @@ def errors_against_fp32(case: PagedCase, num_kv_splits: int | None = None, **tun
     exact values in fp32. A kernel as precise as the reference has about the reference's
     error (its own output rounding); a bug or a sloppy accumulation shows up as a larger one.
     """
-    from lifeofprompt import paged_attention as reference
+    from lifeofprompt.model import paged_attention as reference
 
     from . import paged_attention
 

@@ -15,12 +15,12 @@ norm folded into the next layer's first):
     mlp_out = down(silu_mul(gate_up(normed)))
     normed, residual = add_rms_norm(mlp_out, residual, w_next)  # next layer's input norm, or the final norm
 
-Every kernel rounds exactly where the torch code in ``lifeofprompt.model`` rounds (math in
+Every kernel rounds exactly where the torch code in ``lifeofprompt.model.llama`` rounds (math in
 fp32, a cast to the activation dtype at the same points), so in fp32 the results agree to
 the last bits and in bf16 they differ by at most a rounding step now and then. Each has a
-torch reference next to it (``*_reference``), built from the model's own code where there
-is any. All of them read no tensor values on the host, so they can be captured in a CUDA
-graph.
+torch reference (``*_reference`` in ``fused_reference.py``, apart so that this file needs
+nothing from the model that imports it), built from the model's own code where there is any.
+All of them read no tensor values on the host, so they can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of ``x [..., hidden]`` into a new contiguous tensor of ``x``'s shape and dtype.
 
-    Same numbers as ``lifeofprompt.model.RMSNorm``: ``weight * (x32 * rsqrt(mean(x32²) + eps)).to(dtype)``.
+    Same numbers as ``lifeofprompt.model.llama.RMSNorm``: ``weight * (x32 * rsqrt(mean(x32²) + eps)).to(dtype)``.
     ``x`` may have any row stride; its last dimension must be contiguous.
     """
     return _launch_rms_norm(x, None, weight, eps)
@@ -108,29 +108,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     ``x`` is only read. Both may have any row stride; the last dimension must be contiguous.
     """
     return _launch_rms_norm(x, residual, weight, eps), residual
-
-
-def _rms_norm_module(weight: torch.Tensor, eps: float):
-    from lifeofprompt.model import RMSNorm
-
-    norm = RMSNorm(weight.shape[0], eps).to(device=weight.device, dtype=weight.dtype)
-    with torch.no_grad():
-        norm.weight.copy_(weight)
-    return norm
-
-
-@torch.no_grad()
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The model's own ``RMSNorm`` module with this weight."""
-    return _rms_norm_module(weight, eps)(x)
-
-
-@torch.no_grad()
-def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Out of place: ``(RMSNorm(residual + x), residual + x)``, as the decoder layer computes them."""
-    summed = residual + x
-    return rms_norm_reference(summed, weight, eps), summed
 
 
 # ----------------------------------------------------------------------------- rotary embedding
@@ -188,13 +165,6 @@ def rotary_qk(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return qk
 
 
-def rotary_qk_reference(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Out of place: ``RotaryEmbedding.rotate`` from the model."""
-    from lifeofprompt.model import RotaryEmbedding
-
-    return RotaryEmbedding.rotate(qk, (cos, sin))
-
-
 # ----------------------------------------------------------------------------- SiLU × up
 
 
@@ -231,9 +201,3 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
             out, gate_up, out.stride(0), gate_up.stride(0), INTERMEDIATE=intermediate, BLOCK=block,
         )
     return out
-
-
-def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
-    """``LlamaMLP``'s activation: ``silu(gate) * up`` in the activations' dtype."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up

@@ -1,6 +1,6 @@
 """One paged-attention kernel for decode and (chunked) prefill rows, plus flash-decoding.
 
-The torch reference (``lifeofprompt.paged_attention``) gathers every sequence's keys into a
+The torch reference (``lifeofprompt.model.paged_attention``) gathers every sequence's keys into a
 padded tensor first. The kernel never builds that tensor: it reads keys and values straight
 from the pool, a tile at a time, through the block table.
 
@@ -183,7 +183,7 @@ def paged_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
                     num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """Causal GQA attention of query rows ``[T, heads, head_dim]`` over the paged pool -> ``[T, heads, head_dim]``.
 
-    Same contract as ``lifeofprompt.paged_attention.paged_attention``. ``num_kv_splits``
+    Same contract as ``lifeofprompt.model.paged_attention.paged_attention``. ``num_kv_splits``
     forces flash-decoding with that many splits (1 = never); None lets ``choose_num_kv_splits``
     decide from the grid size and ``max_seq_len``. Grid sizes come from tensor shapes and the
     Python ints ``max_query_len``/``max_seq_len`` only, never from tensor values, so decode

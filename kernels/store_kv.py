@@ -50,7 +50,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor, v_poo
              slot_mapping: torch.Tensor) -> None:
     """Write ``key``/``value`` rows ``[T, kv_heads, head_dim]`` into the pools at ``slot_mapping[T]``.
 
-    Same contract as ``lifeofprompt.paged_attention.store_kv``; reads no tensor values on the
+    Same contract as ``lifeofprompt.model.paged_attention.store_kv``; reads no tensor values on the
     host, so it can be captured in a CUDA graph.
     """
     num_rows, num_kv_heads, head_dim = key.shape

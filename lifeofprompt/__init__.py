@@ -1,30 +1,37 @@
 """lifeofprompt: a vLLM-style inference engine built from scratch, one notebook at a time.
 
-The data flow one way: tokenizer → model (``model.py``) → cache (``attention.py``,
-``paged_attention.py``) → scheduler → engine. Each stage's finished code lives here once;
-the notebooks in ``notebooks/`` explain it and import it.
+The data flow one way, and so do the imports: ``model/`` (tokenizer, Llama layers, attention
+metadata) → ``engine/`` (blocks, scheduler, runner, ``LLM``) → ``serving/`` (HTTP, load tests);
+``lessons/`` and ``figures/`` sit on top for the notebooks. Each stage's finished code lives here
+once; the notebooks in ``notebooks/`` explain it and import it. ``import lifeofprompt`` loads torch
+and nothing heavier (no matplotlib, transformers, fastapi, triton) until a name that needs it is used.
 """
 
-from .config import ModelConfig
+from ._version import __version__
 from .env import env_info, env_report
-from .generate import generate_cached, generate_naive
-from .loader import load_model
+from .errors import (ConfigError, InvalidRequestError, LifeOfPromptError, MissingDependencyError, ModelNotFoundError,
+                     OutOfMemoryError, QueueFullError, RequestNotFoundError, RequestTooLargeError)
+from .model.config import ModelConfig
+from .model.loader import load_model
+from .engine.block_manager import BlockManager
+from .engine.llm import LLM
+from .engine.llm_engine import LLMEngine
+from .engine.memory import MemoryPlan, kv_bytes_per_token, plan_memory
+from .engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .engine.sampling_params import SamplingParams
+from .lessons.generate import generate_cached, generate_naive
+from .lessons.roofline import Machine
 
-__version__ = "0.1.0"
-__all__ = ["ModelConfig", "load_model", "generate_naive", "generate_cached", "env_info", "env_report", "__version__"]
-
-from .engine import LLMEngine  # noqa: E402  (notebook 07: the scheduler and the engine's public API)
-from .llm import LLM  # noqa: E402
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: E402
-from .sampling_params import SamplingParams  # noqa: E402
-
-__all__ += ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics"]
-
-from .block_manager import BlockManager  # noqa: E402
-
-__all__ += ["BlockManager"]
-
-from .memory import MemoryPlan, kv_bytes_per_token, plan_memory  # noqa: E402  (notebook 05: the VRAM land)
-from .roofline import Machine  # noqa: E402
-
-__all__ += ["MemoryPlan", "kv_bytes_per_token", "plan_memory", "Machine"]
+__all__ = [
+    "__version__", "env_info", "env_report",
+    # errors (lifeofprompt.errors)
+    "LifeOfPromptError", "ModelNotFoundError", "MissingDependencyError", "InvalidRequestError", "RequestTooLargeError",
+    "ConfigError", "OutOfMemoryError", "QueueFullError", "RequestNotFoundError",
+    # model (notebooks 01-02)
+    "ModelConfig", "load_model",
+    # engine (notebooks 05-08)
+    "LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics",
+    "BlockManager", "MemoryPlan", "kv_bytes_per_token", "plan_memory",
+    # lessons (notebooks 03-05)
+    "generate_naive", "generate_cached", "Machine",
+]

@@ -1,3 +1,5 @@
+"""``python -m lifeofprompt ...``: hands the command line to ``cli.main``."""
+
 import sys
 
 from .cli import main

@@ -12,9 +12,7 @@ import argparse
 import sys
 
 from .errors import LifeOfPromptError
-from .loader import DEFAULT_MODEL, MODEL_NAMES
-
-STORY_PROMPTS = ["hi my name is", "today is a beautiful summer day", "hello there"]
+from .model.loader import DEFAULT_MODEL, MODEL_NAMES
 
 
 def _model_arg(parser: argparse.ArgumentParser) -> None:

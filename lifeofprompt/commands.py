@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
-from .cli import STORY_PROMPTS
 from .errors import InvalidRequestError
-from .loader import load_model
+from .model.loader import load_model
+from .story import STORY_PROMPTS
 
 
 def _load(args):
@@ -24,8 +24,8 @@ def _load(args):
 
 def demo(args) -> int:
     """The story's three prompts through the engine: token ids, each scheduler step with its block tables, completions."""
-    from .engine import LLMEngine
-    from .sampling_params import SamplingParams
+    from .engine.llm_engine import LLMEngine
+    from .engine.sampling_params import SamplingParams
 
     if args.max_tokens < 1:
         raise InvalidRequestError("--max-tokens must be at least 1", param="max_tokens")
@@ -62,8 +62,8 @@ def demo(args) -> int:
 
 def generate(args) -> int:
     """Complete one prompt through the engine (greedy unless --temperature > 0) and print the text."""
-    from .llm import LLM
-    from .sampling_params import SamplingParams
+    from .engine.llm import LLM
+    from .engine.sampling_params import SamplingParams
 
     if args.max_tokens < 1:
         raise InvalidRequestError("--max-tokens must be at least 1", param="max_tokens")
@@ -76,7 +76,7 @@ def generate(args) -> int:
 
 def _engine_for_serving(args):
     """An ``LLMEngine`` from the serve flags (unset flags keep the engine's defaults)."""
-    from .engine import LLMEngine
+    from .engine.llm_engine import LLMEngine
 
     options = {name: getattr(args, name) for name in
                ("dtype", "device", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_waiting")
@@ -86,7 +86,7 @@ def _engine_for_serving(args):
 
 def serve(args) -> int:
     """Load the model, build the engine, serve it over HTTP until Ctrl-C."""
-    from .server import serve as run_server
+    from .serving.server import serve as run_server
 
     engine = _engine_for_serving(args)
     name = args.served_model_name or args.model
@@ -99,7 +99,7 @@ def loadtest(args) -> int:
     """Run a load test against an OpenAI-compatible endpoint; print the summary, optionally write JSON."""
     import os
 
-    from .loadtest import LoadTestConfig, parse_length, run_loadtest
+    from .serving.loadtest import LoadTestConfig, parse_length, run_loadtest
 
     arrival = "poisson" if args.rate is not None else "closed_loop" if args.clients is not None else "all_at_once"
     config = LoadTestConfig(

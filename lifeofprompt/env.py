@@ -26,7 +26,7 @@ def env_info() -> dict:
         info["triton"] = version("triton")
     except ImportError:
         info["triton"] = "not installed"
-    from . import __version__
+    from ._version import __version__
     info["lifeofprompt"] = __version__
     return info
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-STORY_PROMPTS = ["hi my name is", "today is a beautiful summer day", "hello there"]
+from lifeofprompt.story import STORY_PROMPTS
 
 
 @pytest.fixture(scope="session")
@@ -20,7 +20,7 @@ def smollm2():
 @pytest.fixture(scope="session")
 def smollm2_reference():
     """transformers' LlamaForCausalLM on the same weights."""
-    from lifeofprompt.reference import load_reference
+    from lifeofprompt.lessons.reference import load_reference
 
     return load_reference("smollm2-135m", dtype=torch.float32, device="cpu")
 

@@ -5,7 +5,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from lifeofprompt.arrivals import Dispatcher, all_at_once, closed_loop, drive, poisson, sample_lengths
+from lifeofprompt.serving.arrivals import Dispatcher, all_at_once, closed_loop, drive, poisson, sample_lengths
 from lifeofprompt.errors import InvalidRequestError
 
 

@@ -7,10 +7,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from lifeofprompt import block_manager as bm_module
-from lifeofprompt.block_manager import BlockManager
-from lifeofprompt.sampling_params import SamplingParams
-from lifeofprompt.sequence import Sequence
+from lifeofprompt.engine import block_manager as bm_module
+from lifeofprompt.engine.block_manager import BlockManager
+from lifeofprompt.engine.sampling_params import SamplingParams
+from lifeofprompt.engine.sequence import Sequence
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -314,9 +314,9 @@ TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_coun
 
 def test_cancel_claim_gives_blocks_and_counts_back():
     """A failed admission leaves the pool and the hit/miss counters as they were before the claim."""
-    from lifeofprompt.block_manager import BlockManager
-    from lifeofprompt.sampling_params import SamplingParams
-    from lifeofprompt.sequence import Sequence
+    from lifeofprompt.engine.block_manager import BlockManager
+    from lifeofprompt.engine.sampling_params import SamplingParams
+    from lifeofprompt.engine.sequence import Sequence
 
     bm = BlockManager(num_blocks=4, block_size=4)
     first = Sequence("a", list(range(9)), SamplingParams())

@@ -14,7 +14,7 @@ def test_bf16_on_the_cpu_follows_fp32(smollm2, story_ids, one_thread):
     # teacher-forced: every prompt row's logits within bf16's precision of fp32's, the same argmax
     ids = torch.tensor([t for s in story_ids for t in s])
     positions = torch.tensor([i for s in story_ids for i in range(len(s))])
-    from lifeofprompt.attention import NoCacheMetadata
+    from lifeofprompt.model.attention import NoCacheMetadata
     meta = NoCacheMetadata.for_lengths([len(s) for s in story_ids])
     with torch.no_grad():
         full, half = model32(ids, positions, meta), model16(ids, positions, meta)

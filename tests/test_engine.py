@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from lifeofprompt.engine import LLMEngine
+from lifeofprompt.engine.llm_engine import LLMEngine
 from lifeofprompt.errors import QueueFullError, RequestTooLargeError
-from lifeofprompt.sampling_params import SamplingParams
+from lifeofprompt.engine.sampling_params import SamplingParams
 
 # Greedy continuations of the story's prompts (SmolLM2-135M-Instruct, fp32, EOS ignored), pinned.
 STORY_NEXT = [

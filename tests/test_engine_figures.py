@@ -6,7 +6,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-from lifeofprompt.engine_figures import decode_breakdown, kernels_of_step, plot_cpu_linear  # noqa: E402
+from lifeofprompt.figures.engine import decode_breakdown, kernels_of_step, plot_cpu_linear  # noqa: E402
 
 MODEL = SimpleNamespace(config=SimpleNamespace(num_layers=22))
 
@@ -39,7 +39,7 @@ def test_cpu_linear_plot_has_one_line_per_path():
 def test_separate_runs_are_read_from_the_results_folder(tmp_path):
     import json
 
-    from lifeofprompt.engine_figures import separate_runs
+    from lifeofprompt.figures.engine import separate_runs
 
     (tmp_path / "gpu_results.json").write_text("{}")
     (tmp_path / "kernel_gpu_tests.log").write_text("collected 37 items\n....\n37 passed in 64.42s\n")

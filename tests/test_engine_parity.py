@@ -3,7 +3,7 @@
 The embedded SmolLM2-135M on the CPU in fp32: the story's three prompts and eight more, 64 new
 tokens each, all in ONE batch (so they share every decode step). transformers' tokens for all
 eleven are pinned in ``tests/data/engine_parity_smollm2.json`` (made with
-``lifeofprompt.reference.hf_greedy``, one prompt at a time); transformers runs live here for the
+``lifeofprompt.lessons.reference.hf_greedy``, one prompt at a time); transformers runs live here for the
 story's three prompts, so the pin itself stays checked without paying 700 reference forwards
 on every test run.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from lifeofprompt.reference import hf_greedy
+from lifeofprompt.lessons.reference import hf_greedy
 
 PROMPTS = [
     "hi my name is",

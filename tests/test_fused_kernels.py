@@ -28,8 +28,8 @@ import torch
 if importlib.util.find_spec("triton") is None:    # find it without importing it: lifeofprompt.kernels must be first
     pytest.skip("Triton is not installed", allow_module_level=True)
 from lifeofprompt import kernels  # noqa: E402
-from lifeofprompt.kernels import fused  # noqa: E402
-from lifeofprompt.model import RotaryEmbedding  # noqa: E402
+from lifeofprompt.kernels import fused, fused_reference  # noqa: E402
+from lifeofprompt.model.llama import RotaryEmbedding  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available() and not kernels.INTERPRETED,
                                 reason="CPU interpreter tests; on a GPU machine run tests/gpu")
@@ -100,7 +100,7 @@ def test_rms_norm_matches_model(poison_allocations, case, dtype):
     weight = _weight(case["hidden"], dtype, gen)
     before = x.clone()
     out = fused.rms_norm(x, weight, case["eps"])
-    expected = fused.rms_norm_reference(x, weight, case["eps"])
+    expected = fused_reference.rms_norm_reference(x, weight, case["eps"])
     assert out.dtype == dtype and out.shape == x.shape and out.is_contiguous()
     assert_matches(out, expected)
     assert torch.equal(x, before), "rms_norm must not write its input"
@@ -116,7 +116,7 @@ def test_add_rms_norm_adds_in_place_then_normalises(poison_allocations, case, dt
     x_before, residual_before = x.clone(), residual.clone()
     buffer = residual._base if residual._base is not None else residual       # the wider buffer it is a slice of
     buffer_before = buffer.clone()
-    expected, expected_sum = fused.add_rms_norm_reference(x, residual, weight, case["eps"])
+    expected, expected_sum = fused_reference.add_rms_norm_reference(x, residual, weight, case["eps"])
 
     out, new_residual = fused.add_rms_norm(x, residual, weight, case["eps"])
     assert new_residual is residual, "the residual is updated in place and returned"
@@ -140,7 +140,7 @@ def test_rotary_qk_rotates_the_qkv_slice_in_place(poison_allocations, case, dtyp
     positions = torch.randint(0, 4096, (tokens,), generator=gen)
     cos, sin = rotary.at(positions)
     v_before = qkv[:, (hq + hkv) * head_dim:].clone()
-    expected = fused.rotary_qk_reference(qk, cos, sin)
+    expected = fused_reference.rotary_qk_reference(qk, cos, sin)
 
     out = fused.rotary_qk(qk, cos, sin)
     assert out is qk
@@ -154,7 +154,7 @@ def test_rotary_qk_accepts_two_dimensional_angle_rows():
     gen = torch.Generator().manual_seed(3)
     qk = torch.randn(4, 6, 32, generator=gen)
     cos, sin = RotaryEmbedding(32, 64, 10000.0).at(torch.tensor([0, 5, 9, 63]))
-    expected = fused.rotary_qk_reference(qk, cos, sin)
+    expected = fused_reference.rotary_qk_reference(qk, cos, sin)
     fused.rotary_qk(qk, cos[:, 0], sin[:, 0])
     assert torch.equal(qk, expected)
 
@@ -166,7 +166,7 @@ def test_silu_mul_matches_mlp(poison_allocations, case, dtype):
     gate_up = _strided(case["tokens"], 2 * case["intermediate"], dtype, gen, 4.0, case["extra"])
     before = gate_up.clone()
     out = fused.silu_mul(gate_up)
-    expected = fused.silu_mul_reference(gate_up)
+    expected = fused_reference.silu_mul_reference(gate_up)
     assert out.shape == (case["tokens"], case["intermediate"]) and out.dtype == dtype and out.is_contiguous()
     assert_matches(out, expected)
     assert torch.equal(gate_up, before)
@@ -187,7 +187,7 @@ def test_three_dimensional_rows_keep_their_shape():
     gen = torch.Generator().manual_seed(4)
     x, residual = torch.randn(2, 3, 64, generator=gen), torch.randn(2, 3, 64, generator=gen)
     weight = _weight(64, torch.float32, gen)
-    expected, expected_sum = fused.add_rms_norm_reference(x, residual, weight, 1e-6)
+    expected, expected_sum = fused_reference.add_rms_norm_reference(x, residual, weight, 1e-6)
     out, residual = fused.add_rms_norm(x, residual, weight, 1e-6)
     assert out.shape == (2, 3, 64)
     torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
@@ -214,7 +214,7 @@ def test_bad_inputs_are_refused():
 @torch.no_grad()
 def test_smollm2_forward_with_fused_kernels_matches_the_model(smollm2, story_ids, one_thread):
     """All 30 SmolLM2 layers on the story's prompts (two sequences, 10 rows) with the fused kernels."""
-    from lifeofprompt.attention import NoCacheMetadata
+    from lifeofprompt.model.attention import NoCacheMetadata
 
     model, _ = smollm2
     ids = story_ids[0] + story_ids[1]

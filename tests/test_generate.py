@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from lifeofprompt.errors import InvalidRequestError
-from lifeofprompt.generate import (compare_old_rows, generate_cached, generate_cached_batch, generate_naive,
+from lifeofprompt.lessons.generate import (compare_old_rows, generate_cached, generate_cached_batch, generate_naive,
                                    record_forward)
-from lifeofprompt.reference import hf_greedy
+from lifeofprompt.lessons.reference import hf_greedy
 
 # SmolLM2-135M-Instruct (embedded, fp32, CPU), 64 greedy tokens after each story prompt, EOS ignored.
 PINNED_64 = [

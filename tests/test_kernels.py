@@ -18,7 +18,7 @@ import random
 import pytest
 import torch
 
-from lifeofprompt import paged_attention as reference
+from lifeofprompt.model import paged_attention as reference
 
 if importlib.util.find_spec("triton") is None:     # find it without importing it: lifeofprompt.kernels
     pytest.skip("Triton is not installed", allow_module_level=True)   # must be first (interpreter mode)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from lifeofprompt.linear import FEW_ROWS, Linear, few_rows_linear, onednn_available, prepack_cpu_weights
+from lifeofprompt.model.linear import FEW_ROWS, Linear, few_rows_linear, onednn_available, prepack_cpu_weights
 
 
 def pair(in_features=96, out_features=160, seed=0):

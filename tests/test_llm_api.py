@@ -123,9 +123,9 @@ def test_logprobs_come_back_through_generate(llm, story_ids):
 def test_outputs_of_a_random_weight_model_say_so():
     from dataclasses import replace
 
-    from lifeofprompt.config import TINYLLAMA_1_1B
-    from lifeofprompt.loader import ByteTokenizer
-    from lifeofprompt.model import LlamaForCausalLM
+    from lifeofprompt.model.config import TINYLLAMA_1_1B
+    from lifeofprompt.model.loader import ByteTokenizer
+    from lifeofprompt.model.llama import LlamaForCausalLM
 
     config = replace(TINYLLAMA_1_1B, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=128)

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from lifeofprompt import load_model, loader
-from lifeofprompt.config import TINYLLAMA_1_1B, ModelConfig
+from lifeofprompt import load_model
+from lifeofprompt.model import loader
+from lifeofprompt.model.config import TINYLLAMA_1_1B, ModelConfig
 from lifeofprompt.errors import MissingDependencyError, ModelNotFoundError
-from lifeofprompt.model import LlamaForCausalLM
+from lifeofprompt.model.llama import LlamaForCausalLM
 
 
 def test_unknown_name_names_the_choices():
@@ -138,7 +139,7 @@ def test_cache_is_rebuilt_after_a_crash_and_survives_two_builders(tmp_path):
 
 def test_story_model_name_cpu_and_gpu(monkeypatch):
     """The embedded model on a CPU; on a GPU TinyLlama, falling back to the labelled random twin (never silently)."""
-    from lifeofprompt import loader
+    from lifeofprompt.model import loader
 
     assert loader.story_model_name("cpu") == "smollm2-135m"
 

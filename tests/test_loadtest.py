@@ -11,12 +11,12 @@ import pytest
 pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from lifeofprompt import arrivals, metrics  # noqa: E402
+from lifeofprompt.serving import arrivals, metrics  # noqa: E402
 from lifeofprompt.cli import main  # noqa: E402
-from lifeofprompt.engine import LLMEngine  # noqa: E402
+from lifeofprompt.engine.llm_engine import LLMEngine  # noqa: E402
 from lifeofprompt.errors import InvalidRequestError  # noqa: E402
-from lifeofprompt.loadtest import LoadTestConfig, make_prompts, parse_length, run_loadtest, waiting_over_time  # noqa: E402
-from lifeofprompt.server import ServerThread  # noqa: E402
+from lifeofprompt.serving.loadtest import LoadTestConfig, make_prompts, parse_length, run_loadtest, waiting_over_time  # noqa: E402
+from lifeofprompt.serving.server import ServerThread  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def test_poisson_follows_the_seeded_schedule_and_metrics_summarize(server):
     assert sorted(sent) == sent
     ok = result.records
     assert all(r.error is None for r in ok)
-    # the summary is lifeofprompt.metrics' own, over these records
+    # the summary is lifeofprompt.serving.metrics' own, over these records
     recomputed = metrics.summarize(ok, duration=result.duration)
     assert json.dumps(result.summary, sort_keys=True) == json.dumps(recomputed, sort_keys=True)   # NaN-aware
     assert result.summary["ttft_s"] == metrics.percentiles(metrics.ttft(r) for r in ok)
@@ -169,7 +169,7 @@ def test_stops_by_itself_at_the_time_limit(server):
 
 
 def test_time_decode_steps_reads_the_engines_step_records(smollm2):
-    from lifeofprompt.serving_study import time_decode_steps
+    from lifeofprompt.lessons.serving_study import time_decode_steps
 
     model, tokenizer = smollm2
     engine = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=16, max_num_seqs=4, log_stats=False)
@@ -188,9 +188,9 @@ def test_time_decode_steps_reads_the_engines_step_records(smollm2):
 def test_roofline_bend_and_prediction():
     import torch
 
-    from lifeofprompt import roofline
-    from lifeofprompt.config import SMOLLM2_135M
-    from lifeofprompt.serving_study import BatchPoint, bend_batch_size, predicted_curve
+    from lifeofprompt.lessons import roofline
+    from lifeofprompt.model.config import SMOLLM2_135M
+    from lifeofprompt.lessons.serving_study import BatchPoint, bend_batch_size, predicted_curve
 
     machine = roofline.Machine("test", bandwidth=10e9, flops=50e9, overhead_s=0.01)
     bend = bend_batch_size(machine, SMOLLM2_135M, torch.float32, context_per_seq=20)
@@ -205,7 +205,7 @@ def test_roofline_bend_and_prediction():
 
 
 def _fake_result(rate, seed, ttfts):
-    from lifeofprompt.loadtest import LoadTestResult, RequestRecord
+    from lifeofprompt.serving.loadtest import LoadTestResult, RequestRecord
 
     config = LoadTestConfig(arrival="poisson", rate=rate, num_requests=len(ttfts), seed=seed)
     records = [RequestRecord(arrival_time=float(i), first_token_time=i + t, finished_time=i + t + 1.0,
@@ -220,8 +220,8 @@ def test_serving_figures_label_axes_and_name_the_machine():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from lifeofprompt.serving_figures import plot_batching_curve, plot_queue_growth, plot_repeats, plot_ttft_against_rate
-    from lifeofprompt.serving_study import BatchPoint
+    from lifeofprompt.figures.serving import plot_batching_curve, plot_queue_growth, plot_repeats, plot_ttft_against_rate
+    from lifeofprompt.lessons.serving_study import BatchPoint
 
     sweep = [_fake_result(0.5, 0, [0.1, 0.2, 0.3]), _fake_result(2.0, 0, [0.5, 2.0, 4.0])]
     figures = [

@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lifeofprompt.config import LLAMA_3_1_8B, SMOLLM2_135M, TINYLLAMA_1_1B
+from lifeofprompt.model.config import LLAMA_3_1_8B, SMOLLM2_135M, TINYLLAMA_1_1B
 from lifeofprompt.errors import ConfigError, OutOfMemoryError
-from lifeofprompt.memory import (GiB, KiB, LLAMA_2_13B, MiB, blocks_for_tokens, dtype_bytes, estimate_activation_bytes,
+from lifeofprompt.engine.memory import (GiB, KiB, LLAMA_2_13B, MiB, blocks_for_tokens, dtype_bytes, estimate_activation_bytes,
                                  kv_bytes_for_tokens, kv_bytes_per_block, kv_bytes_per_token, max_concurrent_requests,
                                  num_blocks_for_bytes, plan_memory, weight_bytes)
 

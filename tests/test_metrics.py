@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from lifeofprompt.metrics import (RequestTiming, achieved_arrival_rate, e2e_latency, format_summary,
+from lifeofprompt.serving.metrics import (RequestTiming, achieved_arrival_rate, e2e_latency, format_summary,
                                   inter_token_latencies, percentiles, queue_time, summarize, tpot, ttft)
 
 

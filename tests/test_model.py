@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lifeofprompt.attention import NoCacheMetadata
-from lifeofprompt.config import ModelConfig
-from lifeofprompt.model import LlamaForCausalLM
+from lifeofprompt.model.attention import NoCacheMetadata
+from lifeofprompt.model.config import ModelConfig
+from lifeofprompt.model.llama import LlamaForCausalLM
 
 STORY_IDS = [[6004, 957, 1462, 314], [28195, 314, 253, 3953, 4018, 1194], [28120, 665]]
 

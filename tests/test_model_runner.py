@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lifeofprompt.linear import onednn_available
+from lifeofprompt.model.linear import onednn_available
 
 from lifeofprompt.errors import ConfigError
-from lifeofprompt.model_runner import (ModelRunner, graph_batch_sizes, padded_batch_size, resolve_backend,
+from lifeofprompt.engine.model_runner import (ModelRunner, graph_batch_sizes, padded_batch_size, resolve_backend,
                                        run_greedy_loop, step)
-from lifeofprompt.sampling_params import SamplingParams
-from lifeofprompt.sequence import Sequence
+from lifeofprompt.engine.sampling_params import SamplingParams
+from lifeofprompt.engine.sequence import Sequence
 
 # generate_cached_batch's greedy tokens for the three story prompts (pinned here too)
 STORY_8 = [[2026, 365, 10905, 6176, 28, 4836, 260, 3589],

@@ -8,10 +8,10 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from lifeofprompt.block_manager import BlockManager
-from lifeofprompt.generate import generate_cached
-from lifeofprompt.paged_attention import paged_attention, store_kv
-from lifeofprompt.paging import trace_paged_generation
+from lifeofprompt.engine.block_manager import BlockManager
+from lifeofprompt.lessons.generate import generate_cached
+from lifeofprompt.model.paged_attention import paged_attention, store_kv
+from lifeofprompt.lessons.paging import trace_paged_generation
 
 # Greedy continuations of the three prompts on the embedded model (same as generate_cached).
 PINNED = {

@@ -8,13 +8,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pytest
 
-from lifeofprompt import paging_figures
-from lifeofprompt.block_manager import BlockManager
-from lifeofprompt.paging import (format_fragmentation_table, fragmentation_table, request_lengths, requests_that_fit,
+from lifeofprompt.figures import paging as paging_figures
+from lifeofprompt.engine.block_manager import BlockManager
+from lifeofprompt.lessons.paging import (format_fragmentation_table, fragmentation_table, request_lengths, requests_that_fit,
                                  slots_wasted_contiguous, slots_wasted_paged, snapshot)
-from lifeofprompt.paging_figures import draw_fragmentation, draw_snapshot, draw_trace, paging_panel, place_requests
-from lifeofprompt.sampling_params import SamplingParams
-from lifeofprompt.sequence import Sequence
+from lifeofprompt.figures.paging import draw_fragmentation, draw_snapshot, draw_trace, paging_panel, place_requests
+from lifeofprompt.engine.sampling_params import SamplingParams
+from lifeofprompt.engine.sequence import Sequence
 
 LENGTHS = [1, 16, 17, 100]
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lifeofprompt.config import LLAMA_3_1_8B, SMOLLM2_135M, TINYLLAMA_1_1B
-from lifeofprompt.flops import (attention_pairs, cached_step_flops, forward_flops, generation_flops,
+from lifeofprompt.model.config import LLAMA_3_1_8B, SMOLLM2_135M, TINYLLAMA_1_1B
+from lifeofprompt.lessons.flops import (attention_pairs, cached_step_flops, forward_flops, generation_flops,
                                 naive_step_flops)
-from lifeofprompt.memory import kv_bytes_per_token
-from lifeofprompt.roofline import (Machine, arithmetic_intensity, break_even, decode_floor, decode_weight_bytes,
+from lifeofprompt.engine.memory import kv_bytes_per_token
+from lifeofprompt.lessons.roofline import (Machine, arithmetic_intensity, break_even, decode_floor, decode_weight_bytes,
                                    fit_overhead, measure_copy_bandwidth, measure_machine, measure_matmul_rate,
                                    predict_step_time, step_bytes_and_flops)
 

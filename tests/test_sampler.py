@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lifeofprompt.errors import InvalidRequestError
-from lifeofprompt.sampler import Sampler, apply_filters, make_generator
-from lifeofprompt.sampling_params import SamplingParams
+from lifeofprompt.engine.sampler import Sampler, apply_filters, make_generator
+from lifeofprompt.engine.sampling_params import SamplingParams
 
 # probabilities 0.4, 0.3, 0.15, 0.1, 0.05 (as logits: their logs), in a shuffled order
 PROBS = torch.tensor([0.1, 0.4, 0.05, 0.3, 0.15])

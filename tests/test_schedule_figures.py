@@ -8,9 +8,9 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
 
-from lifeofprompt.roofline import Machine  # noqa: E402
-from lifeofprompt.schedule_figures import SchedulePanel, build_spans, plot_gantt, plot_static_vs_continuous, spans_from_sim  # noqa: E402
-from lifeofprompt.simulator import SimRequest, Simulator  # noqa: E402
+from lifeofprompt.lessons.roofline import Machine  # noqa: E402
+from lifeofprompt.figures.schedule import SchedulePanel, build_spans, plot_gantt, plot_static_vs_continuous, spans_from_sim  # noqa: E402
+from lifeofprompt.lessons.simulator import SimRequest, Simulator  # noqa: E402
 
 MACHINE = Machine("test machine", bandwidth=10e9, flops=50e9, overhead_s=0.01)
 WORK = [SimRequest(16, n) for n in (2, 6, 2, 6)]
@@ -84,7 +84,7 @@ def test_panel_callback_reacts_to_every_slider():
 def test_in_steps_retimes_a_run_by_step_index():
     from types import SimpleNamespace
 
-    from lifeofprompt.schedule_figures import in_steps
+    from lifeofprompt.figures.schedule import in_steps
 
     run = Simulator(machine=MACHINE, static_batch_size=2).run(WORK)       # r0..r3, 2 + 6 + 2 + 6 tokens
     engine = SimpleNamespace(step_records=run.steps)

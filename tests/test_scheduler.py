@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lifeofprompt.block_manager import BlockManager
+from lifeofprompt.engine.block_manager import BlockManager
 from lifeofprompt.errors import RequestTooLargeError
-from lifeofprompt.sampling_params import SamplingParams
-from lifeofprompt.scheduler import Scheduler
-from lifeofprompt.sequence import Sequence, SequenceStatus
+from lifeofprompt.engine.sampling_params import SamplingParams
+from lifeofprompt.engine.scheduler import Scheduler
+from lifeofprompt.engine.sequence import Sequence, SequenceStatus
 
 
 def seq(name, prompt_len, max_tokens, first=0):
@@ -131,7 +131,7 @@ def test_every_workload_finishes_with_the_same_tokens(requests, num_blocks, budg
 
 
 def test_the_printed_schedule_folds_quiet_steps():
-    from lifeofprompt.scheduler import format_steps
+    from lifeofprompt.engine.scheduler import format_steps
 
     sched = Scheduler(BlockManager(8, block_size=4), max_num_seqs=8, max_num_batched_tokens=100)
     sched.add(seq("a", 3, 4))

@@ -18,10 +18,10 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from lifeofprompt.engine import LLMEngine  # noqa: E402
-from lifeofprompt.llm import LLM  # noqa: E402
-from lifeofprompt.sampling_params import SamplingParams  # noqa: E402
-from lifeofprompt.server import ServerThread  # noqa: E402
+from lifeofprompt.engine.llm_engine import LLMEngine  # noqa: E402
+from lifeofprompt.engine.llm import LLM  # noqa: E402
+from lifeofprompt.engine.sampling_params import SamplingParams  # noqa: E402
+from lifeofprompt.serving.server import ServerThread  # noqa: E402
 
 MODEL = "smollm2-135m"
 NUM_BLOCKS = 64                      # 64 × 16 = 1,024 tokens: the engine's limit per request

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lifeofprompt.arrivals import all_at_once, closed_loop, poisson
-from lifeofprompt.config import SMOLLM2_135M
-from lifeofprompt.roofline import Machine, predict_step_time
-from lifeofprompt.scheduler import ScheduledRequest, StepRecord
-from lifeofprompt.simulator import SimRequest, Simulator, calibrate, compare_steps, random_workload
+from lifeofprompt.serving.arrivals import all_at_once, closed_loop, poisson
+from lifeofprompt.model.config import SMOLLM2_135M
+from lifeofprompt.lessons.roofline import Machine, predict_step_time
+from lifeofprompt.engine.scheduler import ScheduledRequest, StepRecord
+from lifeofprompt.lessons.simulator import SimRequest, Simulator, calibrate, compare_steps, random_workload
 
 MACHINE = Machine("test machine", bandwidth=10e9, flops=50e9, overhead_s=0.01)
 

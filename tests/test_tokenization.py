@@ -1,4 +1,4 @@
-"""lifeofprompt.tokenization: our BPE loop against the real tokenizer, the walkthrough, the tables."""
+"""lifeofprompt.model.tokenization: our BPE loop against the real tokenizer, the walkthrough, the tables."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lifeofprompt.tokenization import (STORY_TINYLLAMA_COUNTS, byte_to_unicode, bpe_encode, bpe_steps,
+from lifeofprompt.model.tokenization import (STORY_TINYLLAMA_COUNTS, byte_to_unicode, bpe_encode, bpe_steps,
                                        bpe_walkthrough, bytes_as_symbols, chat_prompt, format_token_table,
                                        format_walkthrough, merge_ranks, plot_walkthrough, pretokenize,
                                        special_tokens, token_table, token_table_html)
@@ -114,7 +114,7 @@ def test_walkthrough_figure_draws_every_symbol(tokenizer):
 
 
 def test_missing_bytes_are_dropped_like_the_tokenizer_does(tokenizer):
-    from lifeofprompt.tokenization import missing_bytes
+    from lifeofprompt.model.tokenization import missing_bytes
 
     gaps = missing_bytes(tokenizer)
     assert len(gaps) == 21 and 0x04 in gaps and 0xF1 in gaps and 32 not in gaps

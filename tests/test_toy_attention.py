@@ -1,4 +1,4 @@
-"""lifeofprompt.toy_attention: the toy is real attention, the layer walkthrough is the real layer."""
+"""lifeofprompt.lessons.toy_attention: the toy is real attention, the layer walkthrough is the real layer."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lifeofprompt.model import RotaryEmbedding
-from lifeofprompt.toy_attention import (layer_walkthrough, plot_attention, plot_gqa, plot_matrix, plot_projections,
+from lifeofprompt.model.llama import RotaryEmbedding
+from lifeofprompt.lessons.toy_attention import (layer_walkthrough, plot_attention, plot_gqa, plot_matrix, plot_projections,
                                         plot_rope, rope_scores, toy_attention)
 
 matplotlib.use("Agg")

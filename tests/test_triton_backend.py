@@ -14,9 +14,9 @@ import importlib.util
 import pytest
 import torch
 
-from lifeofprompt.model_runner import ModelRunner
-from lifeofprompt.sampling_params import SamplingParams
-from lifeofprompt.sequence import Sequence
+from lifeofprompt.engine.model_runner import ModelRunner
+from lifeofprompt.engine.sampling_params import SamplingParams
+from lifeofprompt.engine.sequence import Sequence
 
 if importlib.util.find_spec("triton") is None:     # find it without importing it: lifeofprompt.kernels
     pytest.skip("Triton is not installed", allow_module_level=True)   # must be first (interpreter mode)

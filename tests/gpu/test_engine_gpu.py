@@ -22,14 +22,14 @@ LENGTHS = [37, 120, 300, 64, 255, 16]
 
 @pytest.fixture(scope="module")
 def tinyllama():
-    from lifeofprompt.loader import random_tinyllama
+    from lifeofprompt.model.loader import random_tinyllama
 
     return random_tinyllama("cuda", torch.bfloat16)
 
 
 def make_seqs(lengths, vocab, seed=0):
-    from lifeofprompt.sampling_params import SamplingParams
-    from lifeofprompt.sequence import Sequence
+    from lifeofprompt.engine.sampling_params import SamplingParams
+    from lifeofprompt.engine.sequence import Sequence
 
     g = torch.Generator().manual_seed(seed)
     seqs, next_block = [], 0
@@ -68,7 +68,7 @@ def test_triton_matches_torch_teacher_forced(tinyllama):
     """
     import copy
 
-    from lifeofprompt.model_runner import ModelRunner
+    from lifeofprompt.engine.model_runner import ModelRunner
 
     seqs = make_seqs(LENGTHS, tinyllama.config.vocab_size)
     fast = ModelRunner(tinyllama, 512, 16, "triton", max_num_seqs=8, enforce_eager=True)
@@ -104,13 +104,13 @@ def test_triton_matches_torch_teacher_forced(tinyllama):
 
 
 def greedy_tokens(runner, prompts, n):
-    from lifeofprompt.model_runner import run_greedy_loop
+    from lifeofprompt.engine.model_runner import run_greedy_loop
 
     return run_greedy_loop(runner, prompts, n)
 
 
 def test_cuda_graph_decode_matches_eager(tinyllama):
-    from lifeofprompt.model_runner import ModelRunner
+    from lifeofprompt.engine.model_runner import ModelRunner
 
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 32000, (n,), generator=g).tolist() for n in (5, 17, 33, 64, 100)]
@@ -129,7 +129,7 @@ def test_cuda_graph_decode_matches_eager(tinyllama):
 
 
 def test_profiled_pool_fits(tinyllama):
-    from lifeofprompt.model_runner import ModelRunner
+    from lifeofprompt.engine.model_runner import ModelRunner
 
     runner = ModelRunner(tinyllama, None, 16, "triton", max_num_seqs=16, max_num_batched_tokens=2048, enforce_eager=True)
     free, total = torch.cuda.mem_get_info()
@@ -142,8 +142,8 @@ def test_profiled_pool_fits(tinyllama):
 
 
 def test_seeded_sampling_repeats_on_gpu(tinyllama):
-    from lifeofprompt.model_runner import ModelRunner, run_greedy_loop
-    from lifeofprompt.sampling_params import SamplingParams
+    from lifeofprompt.engine.model_runner import ModelRunner, run_greedy_loop
+    from lifeofprompt.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7, max_tokens=16)
     runs = []

@@ -43,6 +43,12 @@ def _fused():
     return fused
 
 
+def _references():
+    from lifeofprompt.kernels import fused_reference
+
+    return fused_reference
+
+
 def assert_matches(out, expected):
     torch.testing.assert_close(out, expected, **TOLERANCE[out.dtype])
     if out.dtype != torch.float32:
@@ -79,16 +85,16 @@ def _id(case):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", NORM_CASES, ids=_id)
 def test_rms_norm_and_add_rms_norm(poison_allocations, case, dtype):
-    fused = _fused()
+    fused, refs = _fused(), _references()
     gen = torch.Generator().manual_seed(case["tokens"] * 7 + case["hidden"])
     shape = (case["tokens"], case["hidden"])
     x = _randn(*shape, dtype=dtype, gen=gen, scale=case["scale"], extra=case["extra"])
     residual = _randn(*shape, dtype=dtype, gen=gen, scale=case["scale"], extra=case["extra"])
     weight = _weight(case["hidden"], dtype, gen)
-    assert_matches(fused.rms_norm(x, weight, 1e-5), fused.rms_norm_reference(x, weight, 1e-5))
+    assert_matches(fused.rms_norm(x, weight, 1e-5), refs.rms_norm_reference(x, weight, 1e-5))
 
     x_before = x.clone()
-    expected, expected_sum = fused.add_rms_norm_reference(x, residual, weight, 1e-5)
+    expected, expected_sum = refs.add_rms_norm_reference(x, residual, weight, 1e-5)
     out, new_residual = fused.add_rms_norm(x, residual, weight, 1e-5)
     assert new_residual is residual and torch.equal(residual, expected_sum)
     assert torch.equal(x, x_before)
@@ -98,9 +104,9 @@ def test_rms_norm_and_add_rms_norm(poison_allocations, case, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", ROTARY_CASES, ids=_id)
 def test_rotary_qk_in_place(case, dtype):
-    from lifeofprompt.model import RotaryEmbedding
+    from lifeofprompt.model.llama import RotaryEmbedding
 
-    fused = _fused()
+    fused, refs = _fused(), _references()
     tokens, hq, hkv, head_dim = case["tokens"], case["heads_q"], case["heads_kv"], case["head_dim"]
     gen = torch.Generator().manual_seed(tokens * 13 + hq)
     qkv = _randn(tokens, (hq + 2 * hkv) * head_dim, dtype=dtype, gen=gen)
@@ -108,7 +114,7 @@ def test_rotary_qk_in_place(case, dtype):
     positions = torch.randint(0, 32768, (tokens,), generator=gen).to(CUDA)
     cos, sin = RotaryEmbedding(head_dim, 32768, 10000.0).to(CUDA).at(positions)
     v_before = qkv[:, (hq + hkv) * head_dim:].clone()
-    expected = fused.rotary_qk_reference(qk, cos, sin)
+    expected = refs.rotary_qk_reference(qk, cos, sin)
     assert fused.rotary_qk(qk, cos, sin) is qk
     assert_matches(qk, expected)
     assert torch.equal(qkv[:, (hq + hkv) * head_dim:], v_before)
@@ -117,19 +123,19 @@ def test_rotary_qk_in_place(case, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", SILU_CASES, ids=_id)
 def test_silu_mul(poison_allocations, case, dtype):
-    fused = _fused()
+    fused, refs = _fused(), _references()
     gen = torch.Generator().manual_seed(case["tokens"] * 3 + case["intermediate"])
     gate_up = _randn(case["tokens"], 2 * case["intermediate"], dtype=dtype, gen=gen, scale=4.0, extra=case["extra"])
     out = fused.silu_mul(gate_up)
     assert out.shape == (case["tokens"], case["intermediate"]) and out.is_contiguous()
-    assert_matches(out, fused.silu_mul_reference(gate_up))
+    assert_matches(out, refs.silu_mul_reference(gate_up))
 
 
 def test_bf16_error_against_fp32_is_the_references():
     """TinyLlama decode shapes: each kernel's bf16 output is as close to the fp32 computation as torch's bf16 path."""
-    from lifeofprompt.model import RotaryEmbedding
+    from lifeofprompt.model.llama import RotaryEmbedding
 
-    fused = _fused()
+    fused, refs = _fused(), _references()
     gen = torch.Generator().manual_seed(0)
 
     def rms(t):
@@ -141,12 +147,12 @@ def test_bf16_error_against_fp32_is_the_references():
     cos, sin = RotaryEmbedding(64, 2048, 10000.0).to(CUDA).at(torch.arange(1000, 1064, device=CUDA))
     gate_up = _randn(64, 2 * 5632, dtype=torch.bfloat16, gen=gen, scale=4.0)
     checks = {
-        "rms_norm": (fused.rms_norm(x, weight, 1e-5), fused.rms_norm_reference(x, weight, 1e-5),
-                     fused.rms_norm_reference(x.float(), weight.float(), 1e-5)),
-        "rotary": (fused.rotary_qk(qk.clone(), cos, sin), fused.rotary_qk_reference(qk, cos, sin),
-                   fused.rotary_qk_reference(qk.float(), cos, sin)),
-        "silu_mul": (fused.silu_mul(gate_up), fused.silu_mul_reference(gate_up),
-                     fused.silu_mul_reference(gate_up.float())),
+        "rms_norm": (fused.rms_norm(x, weight, 1e-5), refs.rms_norm_reference(x, weight, 1e-5),
+                     refs.rms_norm_reference(x.float(), weight.float(), 1e-5)),
+        "rotary": (fused.rotary_qk(qk.clone(), cos, sin), refs.rotary_qk_reference(qk, cos, sin),
+                   refs.rotary_qk_reference(qk.float(), cos, sin)),
+        "silu_mul": (fused.silu_mul(gate_up), refs.silu_mul_reference(gate_up),
+                     refs.silu_mul_reference(gate_up.float())),
     }
     for name, (out, reference, truth) in checks.items():
         kernel_error, reference_error = rms(out.float() - truth), rms(reference.float() - truth)
@@ -155,9 +161,9 @@ def test_bf16_error_against_fp32_is_the_references():
 
 def test_decode_kernels_replay_in_a_cuda_graph():
     """All four kernels on TinyLlama's decode shapes captured once, replayed on new inputs: no host sync inside."""
-    from lifeofprompt.model import RotaryEmbedding
+    from lifeofprompt.model.llama import RotaryEmbedding
 
-    fused = _fused()
+    fused, refs = _fused(), _references()
     gen = torch.Generator().manual_seed(5)
     tokens, dtype = 8, torch.bfloat16
     x, residual = _randn(tokens, 2048, dtype=dtype, gen=gen), _randn(tokens, 2048, dtype=dtype, gen=gen)
@@ -188,10 +194,10 @@ def test_decode_kernels_replay_in_a_cuda_graph():
         for t in (x, residual, qkv, gate_up):
             t.copy_(torch.randn(t.shape, generator=gen).to(CUDA, dtype))
         positions.copy_(torch.randint(0, 2048, (tokens,), generator=gen).to(CUDA))
-        expected_first = fused.rms_norm_reference(x, weight, 1e-5)
-        expected_normed, expected_sum = fused.add_rms_norm_reference(x, residual, weight, 1e-5)
-        expected_qk = fused.rotary_qk_reference(qk, *rotary.at(positions))
-        expected_activated = fused.silu_mul_reference(gate_up)
+        expected_first = refs.rms_norm_reference(x, weight, 1e-5)
+        expected_normed, expected_sum = refs.add_rms_norm_reference(x, residual, weight, 1e-5)
+        expected_qk = refs.rotary_qk_reference(qk, *rotary.at(positions))
+        expected_activated = refs.silu_mul_reference(gate_up)
         graph.replay()
         torch.cuda.synchronize()
         assert_matches(first, expected_first)

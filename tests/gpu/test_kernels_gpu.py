@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from lifeofprompt import paged_attention as reference
+from lifeofprompt.model import paged_attention as reference
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,0 +1,158 @@
+"""``LLM``: the offline front door, with vLLM's names.
+
+    from lifeofprompt import LLM, SamplingParams
+    llm = LLM()                                     # the embedded SmolLM2-135M, on the CPU here
+    outputs = llm.generate(["hi my name is", "hello there"], SamplingParams(temperature=0, max_tokens=16))
+    print(outputs[0].outputs[0].text)
+
+``generate`` checks every request before any work starts (a bad one raises a typed error that
+names its index, and nothing runs), adds them all to an ``LLMEngine`` and steps it until they
+finish; outputs come back in the order of the prompts. ``stream`` yields what each step adds,
+``chat`` applies the tokenizer's chat template first.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Iterator, Sequence as Seq
+
+from .llm_engine import LLMEngine
+from ..errors import InvalidRequestError
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+TQDM_MIN_REQUESTS = 16      # a progress bar only for runs long enough to want one
+
+
+class LLM:
+    def __init__(self, model="smollm2-135m", dtype=None, device=None, block_size: int = 16,
+                 num_kv_blocks: int | None = None, kv_cache_memory: int | None = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
+                 attention_backend: str | None = None, enforce_eager: bool = False, **engine_kwargs):
+        self.engine = LLMEngine(model, dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
+                                kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+                                max_num_batched_tokens=max_num_batched_tokens,
+                                enable_prefix_caching=enable_prefix_caching, attention_backend=attention_backend,
+                                enforce_eager=enforce_eager, **engine_kwargs)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    # ---------------------------------------------------------------- requests
+    @staticmethod
+    def _as_list(prompts) -> list:
+        """A string, a list of strings, a list of token-id lists (or one token-id list) → a list of prompts."""
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]
+        if not isinstance(prompts, (list, tuple)):
+            raise InvalidRequestError(f"prompts must be a string or a list, got {type(prompts).__name__}", param="prompt")
+        return list(prompts)
+
+    def _validated(self, prompts, sampling_params) -> list[tuple]:
+        prompts = self._as_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise InvalidRequestError(f"{len(params)} sampling_params for {len(prompts)} prompts: give one, or one per prompt",
+                                          param="sampling_params")
+        requests = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            self.engine.validate(prompt, p, index=i)
+            requests.append((prompt, p))
+        return requests
+
+    def _add(self, requests) -> list[str]:
+        ids = []
+        for prompt, params in requests:
+            request_id = str(next(self._ids))
+            self.engine.add_request(request_id, prompt, params)
+            ids.append(request_id)
+        return ids
+
+    # ---------------------------------------------------------------- generation
+    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete every prompt; one ``RequestOutput`` per prompt, in order."""
+        requests = self._validated(prompts, sampling_params)
+        ids = self._add(requests)
+        position = {rid: i for i, rid in enumerate(ids)}
+        results: list[RequestOutput | None] = [None] * len(ids)
+        bar = None
+        if use_tqdm and len(ids) >= TQDM_MIN_REQUESTS:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(ids), desc="Processed prompts", unit="req")
+        try:
+            while any(r is None for r in results):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in position:
+                        results[position[out.request_id]] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in ids:                 # leave the engine clean for the next call
+                self.engine.abort(rid)
+            self.engine.step()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return results
+
+    def stream(self, prompts, sampling_params=None) -> Iterator[RequestOutput]:
+        """Yield each step's changes, request by request: ``out.outputs[0].new_text`` is the delta.
+
+        Stopping the iteration early (``break``, ``close()``) aborts the requests still running.
+        """
+        ids = self._add(self._validated(prompts, sampling_params))
+        pending = set(ids)
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.request_id in pending:
+                        if out.finished:
+                            pending.discard(out.request_id)
+                        yield out
+        finally:
+            for rid in pending:
+                self.engine.abort(rid)
+            if pending:
+                self.engine.step()
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation (a list of
+        ``{"role", "content"}`` dicts) or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(self, conversation, add_generation_prompt: bool = True) -> dict:
+        """The conversation as the token ids the model was trained to continue."""
+        if not isinstance(conversation, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                         for m in conversation):
+            raise InvalidRequestError("a conversation is a list of {'role': ..., 'content': ...} messages", param="messages")
+        text, ids = render_chat(self.engine.tokenizer, conversation, add_generation_prompt, self.engine.model_name)
+        return {"prompt": text, "prompt_token_ids": ids}
+
+
+def render_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool = True,
+                model_name: str = "this model") -> tuple[str, list[int]]:
+    """A conversation through the tokenizer's own chat template: the text and its token ids.
+
+    Shared by ``LLM.chat`` and the server's ``/v1/chat/completions``.
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise InvalidRequestError(f"the tokenizer of {model_name} has no chat template", param="messages")
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return text, list(tokenizer.encode(text, add_special_tokens=False))

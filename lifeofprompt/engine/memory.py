@@ -1,0 +1,227 @@
+"""What the KV cache costs, and how the GPU's memory is shared out (notebook 05; the engine sizes its pool here).
+
+Every token a sequence has seen leaves one key and one value vector per KV head in every layer:
+
+    bytes per token = 2 × layers × kv_heads × head_dim × bytes per element
+
+The engine hands the cache out in *blocks* of ``block_size`` tokens. Before it takes any request
+it splits the device's memory like land among tenants (``plan_memory``): the fraction it may use
+(``gpu_memory_utilization``), minus the weights, minus the activation workspace of the largest
+forward, leaves the KV pool; the pool divided by the bytes of one block is the number of "GPU
+blocks" vLLM logs at start-up. A host swap pool (4 GiB by default) gives the "CPU blocks".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..model.config import ModelConfig
+from ..errors import ConfigError, OutOfMemoryError
+
+GiB = 1024**3
+MiB = 1024**2
+KiB = 1024
+
+_DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16, "fp32": torch.float32,
+                "float": torch.float32, "fp8": torch.float8_e4m3fn}
+
+
+# meta-llama/Llama-2-13b-hf: 40 layers and no grouped-query attention (40 KV heads of 128), the
+# kind of model whose cache is near a megabyte per token (notebook 05). Shapes from its config.json.
+LLAMA_2_13B = ModelConfig(name="meta-llama/Llama-2-13b-hf", vocab_size=32000, hidden_size=5120,
+                          intermediate_size=13824, num_layers=40, num_heads=40, num_kv_heads=40, head_dim=128,
+                          max_position_embeddings=4096)
+
+
+def dtype_bytes(dtype) -> int:
+    """Bytes per element of a torch dtype or a name such as ``"bf16"``, ``"bfloat16"``, ``"float32"``."""
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        dtype = _DTYPE_NAMES.get(name) or getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"unknown dtype {dtype!r}: give a torch dtype or a name like 'bf16', 'float32'")
+    return dtype.itemsize
+
+
+def _check_block_size(block_size) -> int:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
+    return block_size
+
+
+# ----------------------------------------------------------------------------- per token, per block
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype) -> int:
+    """Key + value bytes one token leaves in every layer: ``2 × layers × kv_heads × head_dim × bytes``."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype_bytes(dtype)
+
+
+def kv_bytes_per_block(config: ModelConfig, dtype, block_size: int = 16) -> int:
+    """Bytes of one cache block: ``block_size`` tokens across all layers."""
+    return kv_bytes_per_token(config, dtype) * _check_block_size(block_size)
+
+
+def kv_bytes_for_tokens(config: ModelConfig, dtype, num_tokens: int) -> int:
+    """The cache of one conversation of ``num_tokens`` tokens (exact, not rounded up to blocks)."""
+    if num_tokens < 0:
+        raise ConfigError(f"num_tokens must be >= 0, got {num_tokens}")
+    return kv_bytes_per_token(config, dtype) * num_tokens
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int = 16) -> int:
+    """Blocks a sequence of ``num_tokens`` tokens holds: its last block may be partly empty."""
+    return math.ceil(num_tokens / _check_block_size(block_size))
+
+
+def num_blocks_for_bytes(kv_pool_bytes: int, config: ModelConfig, dtype, block_size: int = 16) -> int:
+    """Whole blocks that fit in ``kv_pool_bytes`` (the engine's pool size for a memory budget)."""
+    return max(0, int(kv_pool_bytes) // kv_bytes_per_block(config, dtype, block_size))
+
+
+def max_concurrent_requests(kv_pool_bytes: int, config: ModelConfig, dtype, context_len: int,
+                            block_size: int = 16) -> int:
+    """Requests of ``context_len`` tokens whose caches fit the pool at once (each holds whole blocks)."""
+    if context_len <= 0:
+        raise ConfigError(f"context_len must be >= 1, got {context_len}")
+    blocks = num_blocks_for_bytes(kv_pool_bytes, config, dtype, block_size)
+    return blocks // blocks_for_tokens(context_len, block_size)
+
+
+# ----------------------------------------------------------------------------- the other tenants
+
+
+def weight_bytes(config: ModelConfig, dtype) -> int:
+    """Bytes of all parameters stored in ``dtype`` (tied embeddings counted once)."""
+    return config.num_parameters() * dtype_bytes(dtype)
+
+
+def estimate_activation_bytes(config: ModelConfig, dtype, num_tokens: int = 2048, logits_rows: int = 256,
+                              score_copies: int = 0) -> int:
+    """A rough peak of the transient tensors of one forward over ``num_tokens`` rows (an *estimate*).
+
+    Per row, the tensors alive inside one layer: the residual stream, its normed copy and the
+    attention output (``3·hidden``), fused q/k/v, the context (``heads·head_dim``), gate/up and
+    their product (``3·intermediate``); plus fp32 logits for ``logits_rows`` sampled rows.
+    ``num_tokens`` plays vLLM's ``max_num_batched_tokens``, the largest step it profiles.
+
+    A fused attention kernel never stores the ``heads × T × T`` scores (``score_copies=0``). An
+    attention written as plain matrix products holds about three fp32 copies (scores, masked,
+    softmax): on an H200, TinyLlama bf16 over 2,048 tokens measured 1.70 GB with our first torch
+    path (written that way; it now calls torch's fused ``scaled_dot_product_attention``), against
+    0.15 GB without and 1.76 GB with ``score_copies=3``. Measure on the real device when you can
+    (``measure_activation_bytes``); a CUDA context and CUDA graphs come on top.
+    """
+    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    per_row = 3 * config.hidden_size + q_size + 2 * kv_size + q_size + 3 * config.intermediate_size
+    scores = score_copies * config.num_heads * num_tokens * num_tokens * 4
+    return num_tokens * per_row * dtype_bytes(dtype) + logits_rows * config.vocab_size * 4 + scores
+
+
+@torch.no_grad()
+def measure_activation_bytes(model, num_tokens: int = 2048) -> int:
+    """Peak memory a forward over ``num_tokens`` rows allocates beyond what was there (CUDA only)."""
+    from ..model.attention import NoCacheMetadata
+
+    device = model.device
+    if device.type != "cuda":
+        raise ConfigError("measure_activation_bytes needs a CUDA device; on the CPU use estimate_activation_bytes")
+    ids = torch.randint(0, model.config.vocab_size, (num_tokens,), device=device)
+    meta = NoCacheMetadata.for_lengths([num_tokens], device=device, last_rows_only=True)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    model(ids, torch.arange(num_tokens, device=device), meta)
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
+# ----------------------------------------------------------------------------- the land
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How one device's memory is shared: ``total`` = unusable + weights + activations + KV pool."""
+
+    total: int                   # bytes the device reports
+    usable: int                  # total × gpu_memory_utilization
+    weights: int
+    activations: int
+    activations_measured: bool   # True: measured on the device; False: estimated from the shapes
+    kv_pool: int                 # usable − weights − activations
+    bytes_per_block: int
+    num_gpu_blocks: int          # whole blocks in the KV pool ("GPU blocks" in vLLM's log)
+    num_cpu_blocks: int          # whole blocks in the host swap pool ("CPU blocks")
+    block_size: int = 16
+    bytes_per_token: int = 0
+
+    @property
+    def unusable(self) -> int:
+        """What the utilization fraction leaves to other processes and fragmentation."""
+        return self.total - self.usable
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens the GPU blocks hold, all sequences together."""
+        return self.num_gpu_blocks * self.block_size
+
+    def max_concurrency(self, context_len: int) -> int:
+        """Requests of ``context_len`` tokens whose caches fit the GPU blocks at once."""
+        if context_len <= 0:
+            raise ConfigError(f"context_len must be >= 1, got {context_len}")
+        return self.num_gpu_blocks // blocks_for_tokens(context_len, self.block_size)
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def plan_memory(config: ModelConfig, dtype, total_memory: int, gpu_memory_utilization: float = 0.9,
+                block_size: int = 16, weights: int | None = None, activations: int | None = None,
+                activations_measured: bool = False, cpu_swap_bytes: int = 4 * GiB) -> MemoryPlan:
+    """Share ``total_memory`` bytes out as vLLM does at start-up and count the KV blocks.
+
+    ``weights`` defaults to the parameters in ``dtype``; ``activations`` to
+    ``estimate_activation_bytes`` (then ``activations_measured`` must stay False). Pass
+    ``weights=0, activations=0, gpu_memory_utilization=1.0`` to size a pool from a plain
+    KV budget. Raises ``ConfigError`` for settings out of range and ``OutOfMemoryError`` when
+    the weights do not fit or not one block is left for the cache.
+    """
+    _check_block_size(block_size)
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    if total_memory <= 0:
+        raise ConfigError(f"total_memory must be > 0 bytes, got {total_memory}")
+    if cpu_swap_bytes < 0:
+        raise ConfigError(f"cpu_swap_bytes must be >= 0, got {cpu_swap_bytes}")
+    if activations is None and activations_measured:
+        raise ConfigError("activations_measured=True needs the measured activations= value")
+    weights = weight_bytes(config, dtype) if weights is None else int(weights)
+    activations = estimate_activation_bytes(config, dtype) if activations is None else int(activations)
+    usable = int(total_memory * gpu_memory_utilization)
+    if weights > usable:
+        raise OutOfMemoryError(
+            f"the weights of {config.name} ({weights / GiB:.2f} GiB) do not fit in {usable / GiB:.2f} GiB "
+            f"({gpu_memory_utilization:.0%} of {total_memory / GiB:.2f} GiB): use a larger device, a smaller "
+            "dtype, or a higher gpu_memory_utilization")
+    per_block = kv_bytes_per_block(config, dtype, block_size)
+    kv_pool = usable - weights - activations
+    if kv_pool < per_block:
+        raise OutOfMemoryError(
+            f"no KV block left: {usable / GiB:.2f} GiB usable − {weights / GiB:.2f} GiB weights − "
+            f"{activations / GiB:.2f} GiB activations leaves {max(kv_pool, 0) / MiB:.1f} MiB, and one block of "
+            f"{block_size} tokens needs {per_block / MiB:.2f} MiB")
+    return MemoryPlan(total=int(total_memory), usable=usable, weights=weights, activations=activations,
+                      activations_measured=activations_measured, kv_pool=kv_pool, bytes_per_block=per_block,
+                      num_gpu_blocks=kv_pool // per_block, num_cpu_blocks=int(cpu_swap_bytes) // per_block,
+                      block_size=block_size, bytes_per_token=kv_bytes_per_token(config, dtype))
+
+
+def format_bytes(n: float) -> str:
+    """Binary units, as memory is sold to programs: ``22.0 KiB``, ``88.0 MiB``, ``14.40 GiB``."""
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}" if unit == "GiB" else f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"

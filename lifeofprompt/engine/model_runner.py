@@ -1,0 +1,393 @@
+"""``ModelRunner``: turns one scheduled step into a flat batch, runs the model, samples.
+
+The scheduler decides *which* tokens run (``num_scheduled_tokens`` per sequence, starting at
+``seq.num_computed_tokens``); the runner decides *how*: token ids and positions in one flat
+tensor, each new token's cache slot from the sequence's block table, the block tables and
+lengths as tensors, and logits only for sequences whose step reaches their last known token
+(a prompt chunk in the middle of a prompt samples nothing).
+
+Two paths share this code:
+
+* CPU: fp32 weights, the torch paged attention, every step run eagerly;
+* GPU: bf16 weights, the Triton kernels, the KV pool sized from the memory left after a
+  profiling forward, and decode steps replayed from CUDA graphs. A graph is captured once per
+  batch size of a ladder (1, 2, 4, 8, 16, 32, 48, ... up to ``max_num_seqs``); a step with B
+  sequences replays the smallest graph with at least B rows, the extra rows being padding
+  (slot -1: nothing is stored; length 1: attention reads one harmless slot). A graph bakes in
+  tensor addresses and Python ints, so its inputs live in static buffers that each step fills,
+  the block tables have a fixed width, and ``max_seq_len`` is the pool's limit.
+
+Sampling runs on the device (``lifeofprompt.sampler``); the one host synchronisation of a step
+is reading the chosen ids back.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from ..model.attention import PagedCacheMetadata, PagedKVCache
+from ..errors import ConfigError, OutOfMemoryError
+from .memory import kv_bytes_per_block, plan_memory
+from ..model.linear import prepack_cpu_weights as prepack_weights
+from .sampler import Sampler, SamplerOutput, make_generator
+from .sequence import Sequence
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``"auto"`` → Triton on CUDA, torch elsewhere; explicit names pass through."""
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if backend not in ("torch", "triton"):
+        raise ConfigError(f"unknown attention backend {backend!r}: use 'auto', 'torch' or 'triton'")
+    return backend
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The ladder of decode batch sizes that get a CUDA graph: 1, 2, 4, 8, then every 16, up to ``max_num_seqs``."""
+    if max_num_seqs < 1:
+        raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
+    sizes += list(range(16, max_num_seqs, 16))
+    return sorted(set(sizes + [max_num_seqs]))
+
+
+def padded_batch_size(batch: int, sizes: list[int]) -> int | None:
+    """The smallest ladder size that holds ``batch`` rows (None: larger than every graph)."""
+    for size in sizes:
+        if size >= batch:
+            return size
+    return None
+
+
+class ModelRunner:
+    """Runs steps of a model over a paged KV pool.
+
+    ``num_blocks=None`` sizes the pool: on a GPU from the memory free after a profiling forward
+    (see ``profile_num_blocks``); on the CPU from ``cpu_kv_bytes`` (default 2 GiB, capped at
+    what ``max_num_seqs`` sequences of ``max_model_len`` tokens could ever use).
+    """
+
+    def __init__(self, model, num_blocks: int | None = None, block_size: int = 16, backend: str = "auto", *,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                 max_model_len: int | None = None, enforce_eager: bool | None = None,
+                 gpu_memory_utilization: float = 0.9, cpu_kv_bytes: int = 2 << 30,
+                 fused_kernels: bool | None = None, prepack_cpu_weights: bool = True):
+        if block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {block_size}")
+        self.model = model
+        self.config = model.config
+        self.device = model.device
+        self.block_size = block_size
+        self.backend = resolve_backend(backend, self.device)
+        # The fused Triton element-wise kernels (model.fused_hidden_states): on by default where
+        # the Triton attention runs on a GPU; on the CPU only when asked (the interpreter is slow).
+        if fused_kernels is None:
+            fused_kernels = self.backend == "triton" and self.device.type == "cuda"
+        self.fused_kernels = fused_kernels
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
+                                 self.config.max_position_embeddings)
+        self.max_num_batched_tokens = max_num_batched_tokens or max(self.max_model_len, 2048)
+        self.max_blocks_per_seq = math.ceil(self.max_model_len / block_size)
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.sampler = Sampler()
+        self.memory_report: dict = {}
+        if num_blocks is None:
+            num_blocks = (self.profile_num_blocks() if self.device.type == "cuda"
+                          else self.cpu_num_blocks(cpu_kv_bytes))
+        self.num_blocks = num_blocks
+        self.kv_cache = PagedKVCache.for_model(self.config, num_blocks, block_size, dtype=model.dtype, device=self.device)
+        # On the CPU, weights reordered once for oneDNN make every matrix product faster (linear.py),
+        # at the price of a second copy of them (prepack_cpu_weights=False: less memory, slower).
+        self.prepacked_bytes = prepack_weights(model, prepack_cpu_weights) if self.device.type == "cpu" else 0
+        self.last_output: SamplerOutput | None = None
+        self.last_logprobs: list | None = None     # per seq: None or (logprob, {token_id: logprob, ...})
+        self.last_launch: dict = {}               # how the last step ran (eager / graph replay, padding), for traces
+        # Static decode buffers: used by CUDA graphs, and by the CPU tests that check the padding.
+        self._alloc_static_buffers()
+        if enforce_eager is None:
+            enforce_eager = self.device.type != "cuda" or self.backend != "triton"
+        self.enforce_eager = enforce_eager
+        # Run decode steps through the graphs' padded static buffers even without graphs: the same
+        # computation a graph replays, eagerly (to compare graph against eager, and test on the CPU).
+        self.pad_decode_eagerly = False
+        self.graph_sizes = graph_batch_sizes(max_num_seqs)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if not enforce_eager:
+            self.capture_graphs()
+
+    # ------------------------------------------------------------------ memory
+
+    def cpu_num_blocks(self, kv_bytes: int) -> int:
+        """Blocks that fit ``kv_bytes`` (at most what max_num_seqs full-length sequences use)."""
+        per_block = self.kv_bytes_per_block()
+        return max(1, min(kv_bytes // per_block, self.max_num_seqs * self.max_blocks_per_seq + 1))
+
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one block of K and V across all layers (notebook 05's arithmetic)."""
+        return kv_bytes_per_block(self.config, self.model.dtype, self.block_size)
+
+    def dummy_prefill(self, cache: PagedKVCache, num_tokens: int, num_seqs: int) -> torch.Tensor:
+        """One forward of ``num_tokens`` prompt tokens split over ``num_seqs`` sequences (profiling, warm-up)."""
+        num_seqs = max(1, min(num_seqs, num_tokens))
+        lengths = [num_tokens // num_seqs + (1 if i < num_tokens % num_seqs else 0) for i in range(num_seqs)]
+        seqs, next_block = [], 0
+        from .sampling_params import SamplingParams
+        for i, n in enumerate(lengths):
+            seq = Sequence(f"dummy-{i}", [i % self.config.vocab_size] * n, SamplingParams(temperature=0))
+            blocks = math.ceil(n / self.block_size)
+            seq.block_table = [(next_block + b) % cache.num_blocks for b in range(blocks)]
+            next_block += blocks
+            seqs.append(seq)
+        input_ids, positions, meta = self.prepare(seqs, lengths, cache=cache)
+        return self.run_model(input_ids, positions, meta)
+
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedCacheMetadata) -> torch.Tensor:
+        """The model's forward as this runner runs it (with the fused element-wise kernels or not)."""
+        return self.model(input_ids, positions, meta, fused_kernels=self.fused_kernels)
+
+    @torch.no_grad()
+    def profile_num_blocks(self) -> int:
+        """KV blocks that fit in ``gpu_memory_utilization`` × the device after the model and its peak workspace.
+
+        Runs one prefill of ``max_num_batched_tokens`` tokens over ``max_num_seqs`` sequences (the
+        largest step the scheduler may send) with a small scratch pool, measures the peak, and hands
+        the numbers to ``lifeofprompt.memory.plan_memory`` (notebook 05's function).
+        """
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        weights = torch.cuda.memory_allocated()
+        tokens = self.max_num_batched_tokens
+        scratch_blocks = math.ceil(tokens / self.block_size) + self.max_num_seqs
+        scratch = PagedKVCache.for_model(self.config, scratch_blocks, self.block_size, dtype=self.model.dtype, device=self.device)
+        torch.cuda.reset_peak_memory_stats()
+        self.dummy_prefill(scratch, tokens, self.max_num_seqs)
+        torch.cuda.synchronize()
+        activations = torch.cuda.max_memory_allocated() - weights - scratch.nbytes
+        del scratch
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        non_torch = max(0, (total - free) - torch.cuda.memory_reserved())
+        plan = plan_memory(self.config, self.model.dtype, total, self.gpu_memory_utilization, self.block_size,
+                           weights=weights, activations=activations + non_torch, activations_measured=True)
+        self.memory_plan = plan
+        self.memory_report = dict(plan.as_dict(), activation_bytes_torch=activations, non_torch_bytes=non_torch,
+                                  profiled_tokens=tokens, profiled_seqs=self.max_num_seqs)
+        return plan.num_gpu_blocks
+
+    # ------------------------------------------------------------------ one step
+
+    def prepare(self, seqs: list[Sequence], num_scheduled_tokens: list[int], cache: PagedKVCache | None = None):
+        """Flat ``input_ids``, ``positions`` and the paged metadata of one step (built on the host, copied once)."""
+        ids, positions, query_lens, seq_lens, logits_rows, seq_of_row = [], [], [], [], [], []
+        for b, (seq, n) in enumerate(zip(seqs, num_scheduled_tokens)):
+            start = seq.num_computed_tokens
+            ids.extend(seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            seq_of_row.extend([b] * n)
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            if start + n == len(seq):
+                logits_rows.append(len(ids) - 1)
+        width = max(len(s.block_table) for s in seqs)
+        block_tables = torch.tensor([s.block_table + [-1] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32)
+        pos = torch.tensor(positions, dtype=torch.long)
+        rows = torch.tensor(seq_of_row, dtype=torch.long)
+        slots = block_tables[rows, pos // self.block_size].long() * self.block_size + pos % self.block_size
+        device = self.device
+        fields = PagedCacheMetadata.describe_batch(query_lens, seq_lens, device)
+        fields["logits_indices"] = torch.tensor(logits_rows, dtype=torch.long).to(device, non_blocking=True)
+        meta = PagedCacheMetadata(**fields, cache=cache or self.kv_cache, block_tables=block_tables.to(device, non_blocking=True),
+                                  slot_mapping=slots.to(device, non_blocking=True), backend=self.backend)
+        return torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True), pos.to(device, non_blocking=True), meta
+
+    @staticmethod
+    def is_decode(seqs: list[Sequence], num_scheduled_tokens: list[int]) -> bool:
+        """Every sequence runs exactly its one newest token (the shape CUDA graphs serve)."""
+        return all(n == 1 and s.num_computed_tokens + 1 == len(s) for s, n in zip(seqs, num_scheduled_tokens))
+
+    @torch.no_grad()
+    def forward(self, seqs: list[Sequence], num_scheduled_tokens: list[int]) -> torch.Tensor:
+        """Logits ``[sequences that sample, vocab]`` of one step: graph replay for decode, else eager."""
+        if self.is_decode(seqs, num_scheduled_tokens):
+            padded = self.graphs or self.pad_decode_eagerly
+            size = padded_batch_size(len(seqs), self.graph_sizes) if padded else None
+            if size is not None and not self.graphs:
+                self.last_launch = dict(mode="padded eager decode", rows=len(seqs), padded_to=size, backend=self.backend,
+                                        fused=self.fused_kernels)
+                return self.run_static_decode(seqs, size)
+            if size is not None:
+                self.last_launch = dict(mode="CUDA graph replay", rows=len(seqs), padded_to=size, backend=self.backend,
+                                        fused=self.fused_kernels)
+                self.fill_static_decode(seqs, size)
+                graph, logits = self.graphs[size]
+                graph.replay()
+                return logits[:len(seqs)]
+        self.last_launch = dict(mode="eager", rows=sum(num_scheduled_tokens), padded_to=None, backend=self.backend,
+                                fused=self.fused_kernels)
+        input_ids, positions, meta = self.prepare(seqs, num_scheduled_tokens)
+        return self.run_model(input_ids, positions, meta)
+
+    @torch.no_grad()
+    def execute(self, seqs: list[Sequence], num_scheduled_tokens: list[int]) -> list[int | None]:
+        """Run one step; the sampled token for each sequence that reached its end, else None.
+
+        ``self.last_logprobs`` then holds, per sequence, None or ``(logprob of the sampled token,
+        {token_id: logprob} of the top N)`` for requests that asked for logprobs.
+        """
+        logits = self.forward(seqs, num_scheduled_tokens)
+        sampling = [s for s, n in zip(seqs, num_scheduled_tokens) if s.num_computed_tokens + n == len(s)]
+        out = self.sample(logits, sampling)
+        sampled = out.token_ids.tolist()                 # the step's one host synchronisation
+        logprob_rows = self.read_logprobs(out, sampling)
+        tokens = iter(sampled)
+        logprobs = iter(logprob_rows)
+        result, self.last_logprobs = [], []
+        for s, n in zip(seqs, num_scheduled_tokens):
+            reached = s.num_computed_tokens + n == len(s)
+            result.append(next(tokens) if reached else None)
+            self.last_logprobs.append(next(logprobs) if reached else None)
+        return result
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """Sample one token per row on the device; each seeded request keeps its own generator on the sequence."""
+        generators = []
+        for seq in seqs:
+            if seq.sampling_params.seed is not None and getattr(seq, "generator", None) is None:
+                seq.generator = make_generator(seq.sampling_params.seed, logits.device)
+            generators.append(getattr(seq, "generator", None))
+        self.last_output = out = self.sampler(logits, [s.sampling_params for s in seqs], generators)
+        return out
+
+    @staticmethod
+    def read_logprobs(out: SamplerOutput, seqs: list[Sequence]) -> list:
+        if out.logprobs is None:
+            return [None] * len(seqs)
+        chosen = out.logprobs.tolist()
+        top_ids = out.top_ids.tolist() if out.top_ids is not None else [[] for _ in seqs]
+        top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else [[] for _ in seqs]
+        rows = []
+        for i, seq in enumerate(seqs):
+            n = seq.sampling_params.logprobs
+            if n is None:
+                rows.append(None)
+            else:
+                rows.append((chosen[i], dict(zip(top_ids[i][:n], top_lp[i][:n]))))
+        return rows
+
+    # ------------------------------------------------------------------ CUDA graphs
+
+    def _alloc_static_buffers(self) -> None:
+        """Fixed-address inputs of the decode graphs, sized for the largest batch."""
+        n, device = self.max_num_seqs, self.device
+        self.static_input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.static_positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.static_slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.static_seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.static_block_tables = torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.static_query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+
+    def static_decode_metadata(self, size: int) -> PagedCacheMetadata:
+        """Metadata over the first ``size`` rows of the static buffers (what a graph of that size reads)."""
+        return PagedCacheMetadata(
+            query_start_loc=self.static_query_start_loc[:size + 1], seq_lens=self.static_seq_lens[:size],
+            max_query_len=1, max_seq_len=self.max_model_len, logits_indices=None, cache=self.kv_cache,
+            block_tables=self.static_block_tables[:size], slot_mapping=self.static_slot_mapping[:size],
+            backend=self.backend)
+
+    def fill_static_decode(self, seqs: list[Sequence], size: int) -> None:
+        """Copy a decode step of ``len(seqs)`` sequences into the static buffers, padding rows up to ``size``.
+
+        Padding rows: token 0 at position 0, slot -1 (stored nowhere), length 1 over block 0.
+        """
+        pad = size - len(seqs)
+        width = self.max_blocks_per_seq
+        last = [len(seq) - 1 for seq in seqs]
+        ids = torch.tensor([seq.token_ids[-1] for seq in seqs] + [0] * pad, dtype=torch.long)
+        positions = torch.tensor(last + [0] * pad, dtype=torch.long)
+        slots = torch.tensor([seq.block_table[p // self.block_size] * self.block_size + p % self.block_size
+                              for seq, p in zip(seqs, last)] + [-1] * pad, dtype=torch.long)
+        seq_lens = torch.tensor([p + 1 for p in last] + [1] * pad, dtype=torch.int32)
+        tables = torch.tensor([(seq.block_table + [0] * width)[:width] for seq in seqs] + [[0] * width] * pad,
+                              dtype=torch.int32)
+        for static, host in ((self.static_input_ids, ids), (self.static_positions, positions),
+                             (self.static_slot_mapping, slots), (self.static_seq_lens, seq_lens),
+                             (self.static_block_tables, tables)):
+            static[:size].copy_(host, non_blocking=True)
+
+    @torch.no_grad()
+    def run_static_decode(self, seqs: list[Sequence], size: int) -> torch.Tensor:
+        """The graph's computation run eagerly: the padded static-buffer decode (tests it on any device)."""
+        self.fill_static_decode(seqs, size)
+        return self.run_model(self.static_input_ids[:size], self.static_positions[:size],
+                              self.static_decode_metadata(size))[:len(seqs)]
+
+    @torch.no_grad()
+    def capture_graphs(self) -> None:
+        """Capture one decode graph per ladder size, largest first so smaller ones reuse its memory pool."""
+        start = time.perf_counter()
+        pool = None
+        self.graphs = {}
+        for size in reversed(self.graph_sizes):
+            meta = self.static_decode_metadata(size)
+            ids, positions = self.static_input_ids[:size], self.static_positions[:size]
+            self.run_model(ids, positions, meta)                   # warm-up: autotune, allocate
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self.run_model(ids, positions, meta)
+            if pool is None:
+                pool = graph.pool()
+            self.graphs[size] = (graph, logits)
+        torch.cuda.synchronize()
+        self.graph_capture_seconds = time.perf_counter() - start
+
+
+def run_greedy_loop(runner: ModelRunner, prompts: list[list[int]], max_tokens: int | list[int],
+                    params=None, chunk: int | None = None) -> list[list[int]]:
+    """Drive a runner without a scheduler: each prompt gets its blocks up front, one prefill step, then
+    every sequence decodes together until its ``max_tokens`` (EOS ignored).
+
+    The engine's scheduler does this properly (admission, chunking, preemption); this loop exists
+    so the runner can be tested and benchmarked on its own.
+    """
+    from .sampling_params import SamplingParams
+
+    params = params or SamplingParams(temperature=0, ignore_eos=True)
+    limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    seqs, next_block = [], 0
+    for i, (prompt, limit) in enumerate(zip(prompts, limits)):
+        seq = Sequence(f"r{i}", prompt, params)
+        blocks = math.ceil((len(prompt) + limit) / runner.block_size)
+        if next_block + blocks > runner.num_blocks:
+            raise OutOfMemoryError(f"run_greedy_loop: {len(prompts)} requests need more than {runner.num_blocks} blocks")
+        seq.block_table = list(range(next_block, next_block + blocks))
+        next_block += blocks
+        seqs.append(seq)
+    budget = chunk or runner.max_num_batched_tokens
+    pending = list(seqs)
+    while pending:                                   # prefill, as many whole prompts per step as fit the budget
+        batch, used = [], 0
+        while pending and (not batch or used + len(pending[0]) <= budget):
+            used += len(pending[0])
+            batch.append(pending.pop(0))
+        step(runner, batch, [len(s) for s in batch])
+    running = [s for s, limit in zip(seqs, limits) if len(s.output_token_ids) < limit]
+    while running:
+        for start in range(0, len(running), runner.max_num_seqs):
+            group = running[start:start + runner.max_num_seqs]
+            step(runner, group, [1] * len(group))
+        running = [s for s, limit in zip(seqs, limits) if len(s.output_token_ids) < limit]
+    return [s.output_token_ids for s in seqs]
+
+
+def step(runner: ModelRunner, seqs: list[Sequence], num_tokens: list[int]) -> None:
+    """One runner step, then the bookkeeping a scheduler would do: advance counters, append samples."""
+    sampled = runner.execute(seqs, num_tokens)
+    for seq, n, token in zip(seqs, num_tokens, sampled):
+        seq.num_computed_tokens += n
+        if token is not None:
+            seq.output_token_ids.append(token)

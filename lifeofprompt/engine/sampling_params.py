@@ -1,0 +1,62 @@
+"""``SamplingParams``: how to pick each next token, with vLLM's names and defaults.
+
+Validated when built, so a bad value fails at ``generate`` time with a typed error naming
+the field, before any work starts and without disturbing other requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import InvalidRequestError
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1                               # completions per prompt (they share the prompt's blocks)
+    temperature: float = 1.0                 # 0 = greedy
+    top_p: float = 1.0                       # keep the smallest set of tokens whose probability reaches top_p
+    top_k: int = -1                          # keep the k most likely tokens; -1 = all
+    min_p: float = 0.0                       # drop tokens less likely than min_p × the most likely one
+    seed: int | None = None                  # same prompt + params + seed → same tokens, run after run
+    max_tokens: int | None = 16              # new tokens at most (None: up to the context length)
+    stop: list[str] | str | None = None      # stop strings (not included in the output text)
+    stop_token_ids: list[int] | None = None  # extra token ids that end generation
+    ignore_eos: bool = False                 # keep going past EOS (benchmarks)
+    logprobs: int | None = None              # top-N log-probabilities per generated token
+    skip_special_tokens: bool = True
+    extra: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(param, message):
+            raise InvalidRequestError(message, param=param)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", f"n must be an integer >= 1, got {self.n!r}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            bad("temperature", f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            bad("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+            bad("top_k", f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
+        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            bad("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            bad("logprobs", f"logprobs must be an integer >= 0, got {self.logprobs!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", f"seed must be an integer, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "stop must be a non-empty string or a list of them")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

@@ -1,0 +1,271 @@
+"""``Scheduler``: decides, every step, which requests run and how many of their tokens.
+
+The cinema queue. Requests wait in line (WAITING), take a seat when there is room (RUNNING)
+and leave when done (FINISHED). Each step has one token budget, ``max_num_batched_tokens``,
+and there is no separate "prefill phase" or "decode phase": a step mixes them.
+
+1. Running requests first, in the order they were admitted. A decoding request costs one
+   token; a request still in the middle of its prompt gets its next chunk (chunked prefill),
+   as much as the budget allows. Each needs its next tokens' cache slots
+   (``allocate_slots``). When the pool is empty, the most recently admitted running request
+   is *preempted*: its blocks are freed, its computed-token count goes back to zero and it
+   returns to the front of the waiting line, to be recomputed later (its prompt's prefix-
+   cached blocks are found again if nobody has reused them yet).
+2. Then, if nobody was preempted this step, waiting requests are admitted in arrival order
+   while the budget lasts, the running set is under ``max_num_seqs`` and ``allocate_slots``
+   can give the request's first chunk. Admission first claims the longest cached prefix of the
+   prompt, so those tokens are not computed again.
+
+A request whose prompt plus ``max_tokens`` needs more blocks than the whole pool could never
+finish; ``add`` rejects it with ``RequestTooLargeError`` instead of letting it evict everyone
+forever. Every step leaves a ``StepRecord`` (who ran, how many tokens, which blocks) for the
+trace and the timelines.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from ..errors import ConfigError, RequestTooLargeError
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of one step (a trace line)."""
+
+    request_id: str
+    kind: str                 # "prefill", "prefill chunk", "recompute", "decode"
+    start: int                # num_computed_tokens before the step: first position computed
+    num_tokens: int           # tokens computed this step
+    num_cached_tokens: int    # tokens claimed from the prefix cache when admitted this step (else 0)
+    block_table: list[int]    # the block table after this step's allocation
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass
+class StepRecord:
+    """What one step did; ``seqs``/``num_scheduled_tokens`` are what the model runner executes."""
+
+    step: int
+    seqs: list[Sequence] = field(default_factory=list, repr=False)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    admitted: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)    # filled in after the step ran
+    num_waiting: int = 0                                 # after scheduling
+    num_running: int = 0
+    num_free_blocks: int = 0
+    start_time: float | None = None                      # filled in by whoever runs the step
+    end_time: float | None = None
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    def format(self) -> str:
+        """One line per scheduled request: kind, token positions, blocks."""
+        head = (f"step {self.step:3d}: {self.num_batched_tokens:4d} tokens, {len(self.seqs)} running, "
+                f"{self.num_waiting} waiting, {self.num_free_blocks} blocks free")
+        lines = [head]
+        for r in self.scheduled:
+            cached = f", {r.num_cached_tokens} cached" if r.num_cached_tokens else ""
+            lines.append(f"    {r.request_id:>10} {r.kind:13} tokens {r.start:3d}..{r.end - 1:<3d} "
+                         f"({r.num_tokens}{cached})  blocks {r.block_table}")
+        for rid in self.preempted:
+            lines.append(f"    {rid:>10} PREEMPTED: blocks freed, back to the front of the queue")
+        for rid in self.finished:
+            lines.append(f"    {rid:>10} finished: blocks freed")
+        return "\n".join(lines)
+
+
+def format_steps(records, fold_quiet: bool = False) -> str:
+    """The schedule as text, step by step. ``fold_quiet`` folds runs of steps in which every
+    request only decoded one token into its existing blocks (nothing admitted, grown, freed)."""
+    lines, folded, previous = [], [], {}
+
+    def flush():
+        if folded:
+            span = f"step {folded[0]}" if len(folded) == 1 else f"steps {folded[0]}..{folded[-1]}"
+            lines.append(f"{span}: one decode token per running request, no new block")
+            folded.clear()
+
+    for record in records:
+        tables = {r.request_id: r.block_table for r in record.scheduled}
+        quiet = (fold_quiet and not record.admitted and not record.finished and not record.preempted
+                 and all(r.kind == "decode" and previous.get(r.request_id) == r.block_table for r in record.scheduled))
+        previous = tables
+        if quiet:
+            folded.append(record.step)
+            continue
+        flush()
+        lines.append(record.format())
+    flush()
+    return "\n".join(lines)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 max_model_len: int | None = None):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_seqs and max_num_batched_tokens must be >= 1, got {max_num_seqs}, {max_num_batched_tokens}")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        pool_tokens = block_manager.num_blocks * block_manager.block_size
+        self.max_model_len = min(max_model_len or pool_tokens, pool_tokens)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []       # in admission order: the last one is preempted first
+        self.num_steps = 0
+        self.num_preemptions = 0
+
+    # ---------------------------------------------------------------- requests in and out
+    def max_total_tokens(self, seq: Sequence) -> int:
+        """Tokens the sequence may reach: prompt + max_tokens, capped by the context length."""
+        max_tokens = seq.sampling_params.max_tokens
+        total = seq.num_prompt_tokens + (max_tokens if max_tokens is not None else self.max_model_len)
+        return min(total, self.max_model_len) if max_tokens is None else total
+
+    def check_fits(self, seq: Sequence) -> None:
+        """Raise ``RequestTooLargeError`` for a request the pool (or the context) could never hold."""
+        total = self.max_total_tokens(seq)
+        if total > self.max_model_len or seq.num_prompt_tokens >= self.max_model_len:
+            pool = self.block_manager.num_blocks * self.block_manager.block_size
+            raise RequestTooLargeError(
+                f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.sampling_params.max_tokens}) = {total} "
+                f"tokens exceeds the engine's limit of {self.max_model_len} tokens (context length, or the whole KV pool: "
+                f"{self.block_manager.num_blocks} blocks × {self.block_manager.block_size} = {pool} tokens)",
+                param="max_tokens")
+
+    def add(self, seq: Sequence, front: bool = False) -> None:
+        """Queue a request (``front=True``: ahead of everyone, as for a preempted one)."""
+        self.check_fits(seq)
+        seq.status = SequenceStatus.WAITING
+        if front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take a request out (finished or aborted) and give its blocks back at once."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        """Every sequence that may hold blocks (for ``check_invariants``)."""
+        return list(self.running) + list(self.waiting)
+
+    # ---------------------------------------------------------------- one step
+    def schedule(self) -> StepRecord:
+        record = StepRecord(step=self.num_steps)
+        self.num_steps += 1
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+
+        # 1. running requests: decodes and unfinished prompt chunks, oldest admission first
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(len(seq) - seq.num_computed_tokens, budget)
+            while not bm.allocate_slots(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                record.preempted.append(victim.request_id)
+                if victim is seq:
+                    break
+            else:
+                self._add_to_step(record, seq, n, cached=0)
+                budget -= n
+                i += 1
+                continue
+            break                                   # seq preempted itself: it was the last one
+
+        # 2. waiting requests, in order, while there is room (not in a step that had to preempt)
+        admitting = self.admission_open()
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not record.preempted and admitting:
+            seq = self.waiting[0]
+            cached = bm.claim_cached_prefix(seq)
+            seq.num_computed_tokens = cached
+            n = min(len(seq) - cached, budget)
+            if not bm.allocate_slots(seq, n):
+                bm.cancel_claim(seq)                 # give the claimed prefix back; try again next step
+                seq.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            if seq.num_preemptions == 0 and not seq.output_token_ids:
+                seq.num_cached_tokens = cached
+            record.admitted.append(seq.request_id)
+            self._add_to_step(record, seq, n, cached=cached)
+            budget -= n
+
+        record.num_waiting = len(self.waiting)
+        record.num_running = len(self.running)
+        record.num_free_blocks = bm.num_free_blocks
+        return record
+
+    def admission_open(self) -> bool:
+        """Whether this step may admit waiting requests (continuous batching: always)."""
+        return True
+
+    def _add_to_step(self, record: StepRecord, seq: Sequence, n: int, cached: int) -> None:
+        start = seq.num_computed_tokens
+        if start + n < len(seq):
+            kind = "prefill chunk"
+        elif start + n == len(seq) and n == 1 and start >= seq.num_prompt_tokens:
+            kind = "decode"
+        elif seq.output_token_ids:
+            kind = "recompute"
+        else:
+            kind = "prefill"
+        record.seqs.append(seq)
+        record.num_scheduled_tokens.append(n)
+        record.scheduled.append(ScheduledRequest(seq.request_id, kind, start, n, cached, list(seq.block_table)))
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Evict by recompute: blocks freed, computed count to zero, front of the waiting line."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # ---------------------------------------------------------------- after the model ran
+    def update(self, record: StepRecord, sampled: list[int | None]) -> list[Sequence]:
+        """Advance each scheduled sequence past this step's tokens and append its sampled token.
+
+        Returns the sequences that got a new token. Finishing (EOS, stop strings, length) is the
+        engine's call; it then calls ``finish``.
+        """
+        grown = []
+        for seq, n, token in zip(record.seqs, record.num_scheduled_tokens, sampled):
+            if seq.status != SequenceStatus.RUNNING:
+                continue                             # aborted while the step ran
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+            if token is not None:
+                seq.output_token_ids.append(token)
+                grown.append(seq)
+        return grown

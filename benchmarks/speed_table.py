@@ -36,6 +36,8 @@ def cpu_name(result: dict) -> tuple[str, bool]:
     """The CPU a result names, and whether it was inferred (older files name none)."""
     if result.get("cpu", {}).get("model"):
         return result["cpu"]["model"], False
+    if result.get("env", {}).get("cpu"):
+        return result["env"]["cpu"], False
     machine = result.get("env", {}).get("machine", "")
     if "x86_64" in machine:
         return LEGACY_CPU, True

@@ -166,24 +166,10 @@ def source_dir() -> Path:
 
 
 def cpu_flags() -> set[str]:
-    """This CPU's feature flags: from ``lifeofprompt.env`` when it has a helper, else /proc/cpuinfo."""
-    try:
-        from lifeofprompt import env
-        helper = getattr(env, "cpu_flags", None)
-        if callable(helper):
-            return set(helper())
-    except ImportError:
-        pass
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return set(value.split())
-    return set()
+    """This CPU's feature flags (``lifeofprompt.env`` reads them from /proc/cpuinfo)."""
+    from lifeofprompt.env import cpu_flags as read_flags
 
+    return set(read_flags())
 
 def ggml_cpu_options(flags: set[str] | None = None) -> dict[str, str]:
     """ON/OFF per ggml x86 option from the CPU's flags, AMX always OFF.

@@ -1,10 +1,13 @@
 """One benchmark harness for the engine against its peers, on the CPU and on a GPU.
 
-CPU (the embedded SmolLM2-135M, fp32), in one run:
+CPU (the embedded SmolLM2-135M, fp32 unless ``--dtype`` says otherwise), in one run:
   * mixed workload (seeded; prompts of 16-256 random ids, outputs 16-128, EOS ignored):
     our engine vs transformers ``generate`` in static padded batches;
   * fixed 64-token outputs: our engine vs transformers ``generate_batch`` (continuous batching);
   * batch-1 decode: our engine vs transformers ``generate``.
+  * with ``--peers llama.cpp`` (or ``transformers,llama.cpp``): llama.cpp's ``llama-server`` on the
+    same model's Q4_1 GGUF, built by ``benchmarks/llama_cpp.py``, on the mixed workload (8 slots,
+    8 requests in flight) and batch-1 decode.
 
 GPU (``--device cuda``; TinyLlama-1.1B shapes, bf16, RANDOM weights unless real ones are given):
   * the nano-vllm-shaped workload (N requests, prompts 100-1024, outputs 100-1024, EOS ignored)
@@ -15,17 +18,21 @@ GPU (``--device cuda``; TinyLlama-1.1B shapes, bf16, RANDOM weights unless real 
 Results: JSON (machine, date, versions) and PNG plots under ``benchmarks/results/``.
 
     python benchmarks/bench_engine.py                 # CPU, modest sizes
+    python benchmarks/bench_engine.py --peers transformers,llama.cpp
     python benchmarks/bench_engine.py --device cuda   # what benchmarks/gpu_check.py calls, step by step
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
+import re
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -64,10 +71,12 @@ def sync(device) -> None:
 # ----------------------------------------------------------------------------- our engine
 
 
-def make_llm(model: str, device: str, **kwargs):
+def make_llm(model: str, device: str, dtype=None, **kwargs):
+    """Our engine, quiet; bf16 on CUDA and fp32 on the CPU unless ``dtype`` says otherwise."""
     from lifeofprompt.engine.llm import LLM
 
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if dtype is None:
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
     return LLM(model, dtype=dtype, device=device, log_stats=False, **kwargs)
 
 
@@ -225,9 +234,77 @@ def hf_decode_batch1(ref, prompt, n: int) -> dict:
 
 
 def engine_decode_batch1(llm, prompt, n: int) -> dict:
+    """Our engine on one prompt: tokens/s over the wall time (prefill included), and over the time
+    after the first token (``decode_tokens_per_s``, what llama-server's own timings measure)."""
     out = run_engine(llm, [prompt], [2])                        # warm-up
     out = run_engine(llm, [prompt], [n], label="lifeofprompt (batch 1)")
+    if out["ttft_median_s"] is not None and out["output_tokens"] > 1:
+        out["decode_tokens_per_s"] = (out["output_tokens"] - 1) / (out["seconds"] - out["ttft_median_s"])
     return out
+
+
+# ----------------------------------------------------------------------------- llama.cpp
+
+
+LLAMA_SLOTS = 8
+
+
+def llama_cpp_module():
+    """``benchmarks/llama_cpp.py``, loaded by path: the name ``llama_cpp`` also belongs to the
+    llama-cpp-python package, which may be installed."""
+    import importlib.util
+
+    if "bench_llama_cpp" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("bench_llama_cpp", Path(__file__).with_name("llama_cpp.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bench_llama_cpp"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["bench_llama_cpp"]
+
+
+def llama_server(threads: int, decode_tokens: int, slots: int = LLAMA_SLOTS):
+    """llama-server on the embedded model's Q4_1 GGUF, with a KV share per slot that fits the
+    longest request of either workload (mixed: 256 + 128 tokens; batch 1: 64 + ``decode_tokens``)."""
+    from lifeofprompt.model.loader import smollm2_gguf_path
+
+    llama_cpp = llama_cpp_module()
+    longest = max(256 + 128, 64 + decode_tokens) + 16
+    per_slot = -(-longest // 256) * 256
+    return llama_cpp.LlamaServer(smollm2_gguf_path(), llama_cpp.build(), slots=slots,
+                                 ctx_per_slot=per_slot, threads=threads)
+
+
+def returned_tokens(reply: dict) -> int:
+    """How many tokens llama-server sent back (its token list; its own count if the list is absent)."""
+    if reply.get("tokens"):
+        return len(reply["tokens"])
+    return int(reply.get("tokens_predicted") or reply.get("timings", {}).get("predicted_n", 0))
+
+
+def llama_mixed(server, prompts, out_lens, slots: int = LLAMA_SLOTS) -> dict:
+    """The workload through llama-server's slots: ``slots`` requests in flight, in arrival order,
+    each a greedy /completion on token ids with ``n_predict`` tokens, EOS ignored, no prompt cache."""
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=slots) as pool:
+        replies = list(pool.map(lambda job: server.complete(*job), zip(prompts, out_lens)))
+    seconds = time.perf_counter() - start
+    tokens = sum(map(returned_tokens, replies))
+    return dict(peer=f"llama.cpp llama-server, {slots} slots (Q4_1 GGUF)", seconds=seconds, output_tokens=tokens,
+                asked_tokens=sum(out_lens), tokens_per_s=tokens / seconds, requests=len(prompts),
+                prompt_tokens=sum(map(len, prompts)))
+
+
+def llama_decode_batch1(server, prompt, n: int) -> dict:
+    """One prompt, ``n`` tokens: tokens/s over the request's wall time (prefill and HTTP included,
+    as ours), and the server's own decode rate from its ``timings``."""
+    server.complete(prompt, 2)                                  # warm-up
+    start = time.perf_counter()
+    reply = server.complete(prompt, n)
+    seconds = time.perf_counter() - start
+    timings, tokens = reply.get("timings", {}), returned_tokens(reply)
+    return dict(peer="llama.cpp llama-server (batch 1, Q4_1 GGUF)", seconds=seconds, output_tokens=tokens,
+                tokens_per_s=tokens / seconds, decode_tokens_per_s=timings.get("predicted_per_second"),
+                server_prompt_ms=timings.get("prompt_ms"), server_decode_ms=timings.get("predicted_ms"))
 
 
 # ----------------------------------------------------------------------------- step times
@@ -322,44 +399,131 @@ def best_of(rounds: int, runs: dict) -> list[dict]:
     return best
 
 
-def cpu_run(args) -> dict:
-    from lifeofprompt import env_info
-    from lifeofprompt.lessons.reference import load_reference
-    from lifeofprompt.lessons.roofline import decode_floor, measure_machine
+PEERS = ("transformers", "llama.cpp")
+SIMD_FLAG = re.compile(r"^(sse|ssse3|avx|amx|fma|f16c|bmi|asimd|sve|bf16|i8mm|fphp|dotprod)")
+SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
-    torch.set_num_threads(args.threads)
-    results: dict = {"env": env_info(), "threads": args.threads, "rounds": args.rounds,
-                     "model": "smollm2-135m (fp32, real weights)"}
-    llm = make_llm("smollm2-135m", "cpu", max_num_seqs=args.max_num_seqs, enable_prefix_caching=False)
-    ref = load_reference("smollm2-135m", dtype=torch.float32, device="cpu")
-    log = print
 
-    run_engine(llm, *mixed_workload(4, seed=9))                 # warm-up: first-call set-up of every kernel
+def cpu_description() -> dict:
+    """Which CPU a result came from: speed ratios differ from one processor to the next, so every
+    result names its model, its SIMD flags (what kernels and llama.cpp's build depend on) and all flags."""
+    from lifeofprompt.env import cpu_flags, cpu_model
+
+    flags = sorted(cpu_flags())
+    return dict(model=cpu_model(), simd_flags=[f for f in flags if SIMD_FLAG.match(f)], flags=" ".join(flags))
+
+
+def cpu_slug(model: str) -> str:
+    """A file-name form of a CPU's name: ``Intel(R) Xeon(R) Platinum 8480+`` -> ``intel-xeon-platinum-8480``."""
+    name = re.sub(r"\((r|tm)\)|\bcpu\b|@.*$|\bprocessor\b", " ", model.lower())
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "unknown-cpu"
+
+
+def cpu_dtype(name: str):
+    """``--dtype``: a torch dtype, or ``"auto"`` for the engine's own choice."""
+    return name if name == "auto" else getattr(torch, name)
+
+
+def add_ratios(results: dict, best: dict[str, dict], keys: dict[str, str], field: str = "tokens_per_s") -> None:
+    """``results[key] = ours / peer`` for every peer that ran and measured ``field``."""
+    ours = best["ours"].get(field)
+    for peer, key in keys.items():
+        theirs = best.get(peer, {}).get(field)
+        if ours and theirs:
+            results[key] = ours / theirs
+
+
+def log_phase(name: str, best: dict[str, dict]) -> None:
+    rates = ", ".join(f"{peer} {row.get('tokens_per_s', float('nan')):.1f}" for peer, row in best.items())
+    print(f"{name}: {rates} tok/s", flush=True)
+
+
+def mixed_phase(args, results: dict, llm, ref, server) -> None:
     prompts, outs = mixed_workload(args.mixed, seed=0)
-    ours, static = best_of(args.rounds, {
-        "ours": lambda: run_engine(llm, prompts, outs),
-        "static": lambda: hf_static_batches(ref, prompts, outs, args.static_batch)})
-    results["mixed"] = [ours, static]
-    results["mixed_speedup"] = ours["tokens_per_s"] / static["tokens_per_s"]
-    log(f"mixed: ours {ours['tokens_per_s']:.1f} tok/s, static {static['tokens_per_s']:.1f} → {results['mixed_speedup']:.2f}x")
+    runs = {"ours": lambda: run_engine(llm, prompts, outs)}
+    if ref is not None:
+        runs["static"] = lambda: hf_static_batches(ref, prompts, outs, args.static_batch)
+    if server is not None:
+        runs["llama.cpp"] = lambda: llama_mixed(server, prompts, outs)
+    best = dict(zip(runs, best_of(args.rounds, runs)))
+    results["mixed"] = list(best.values())
+    add_ratios(results, best, {"static": "mixed_speedup", "llama.cpp": "mixed_vs_llama_cpp"})
+    log_phase("mixed", best)
 
+
+def fixed64_phase(args, results: dict, llm, ref) -> None:
+    """Fixed 64-token outputs against transformers' continuous batching (a transformers-only peer)."""
     prompts, _ = mixed_workload(args.fixed, seed=1)
     outs = [64] * len(prompts)
-    ours, cb = best_of(args.rounds, {
-        "ours": lambda: run_engine(llm, prompts, outs),
-        "cb": lambda: hf_continuous(ref, prompts, outs, timeout_s=args.peer_timeout)})
-    results["fixed64"] = [ours, cb]
-    if cb.get("available"):
-        results["fixed64_speedup"] = ours["tokens_per_s"] / cb["tokens_per_s"]
-    log(f"fixed64: ours {ours['tokens_per_s']:.1f} tok/s, HF CB {cb.get('tokens_per_s', float('nan')):.1f}")
+    runs = {"ours": lambda: run_engine(llm, prompts, outs),
+            "cb": lambda: hf_continuous(ref, prompts, outs, timeout_s=args.peer_timeout)}
+    best = dict(zip(runs, best_of(args.rounds, runs)))
+    results["fixed64"] = list(best.values())
+    add_ratios(results, best, {"cb": "fixed64_speedup"})
+    log_phase("fixed64", best)
 
+
+def batch1_phase(args, results: dict, llm, ref, server) -> None:
     prompt = mixed_workload(1, seed=2)[0][0][:64]
-    ours, hf = best_of(args.rounds + 1, {
-        "ours": lambda: engine_decode_batch1(llm, prompt, args.decode_tokens),
-        "hf": lambda: hf_decode_batch1(ref, prompt, args.decode_tokens)})
-    results["batch1"] = [ours, hf]
-    results["batch1_speedup"] = ours["tokens_per_s"] / hf["tokens_per_s"]
-    log(f"batch1: ours {ours['tokens_per_s']:.1f} tok/s, HF {hf['tokens_per_s']:.1f} → {results['batch1_speedup']:.2f}x")
+    runs = {"ours": lambda: engine_decode_batch1(llm, prompt, args.decode_tokens)}
+    if ref is not None:
+        runs["hf"] = lambda: hf_decode_batch1(ref, prompt, args.decode_tokens)
+    if server is not None:
+        runs["llama.cpp"] = lambda: llama_decode_batch1(server, prompt, args.decode_tokens)
+    best = dict(zip(runs, best_of(args.rounds + 1, runs)))
+    results["batch1"] = list(best.values())
+    add_ratios(results, best, {"hf": "batch1_speedup", "llama.cpp": "batch1_vs_llama_cpp"})
+    add_ratios(results, best, {"llama.cpp": "batch1_decode_vs_llama_cpp"}, field="decode_tokens_per_s")
+    log_phase("batch1", best)
+
+
+def llama_cpp_record(server) -> dict:
+    """What the llama.cpp peer was: pinned source, build flags, the server's command line."""
+    module = llama_cpp_module()
+    return dict(llama_cpp_python=module.LLAMA_CPP_PYTHON_VERSION, sdist_sha256=module.SDIST_SHA256,
+                version=module.server_version(server.binary), build=module.build_info(server.binary),
+                command=server.command(),
+                model=f"{server.model.name} (Q4_1: ~4.5 bits a weight, where ours reads dequantized weights)")
+
+
+def targets(results: dict) -> dict:
+    out = {}
+    if "batch1_step" in results:
+        out["batch-1 step <= 1.25x the read floor"] = results["batch1_step"]["ratio"] <= 1.25
+    checks = {"mixed ≥ 2.5x static batches": ("mixed_speedup", 2.5),
+              "batch-1 decode ≥ 1.2x generate": ("batch1_speedup", 1.2),
+              "mixed ≥ 2x llama-server": ("mixed_vs_llama_cpp", 2.0),
+              "batch-1 decode ≥ llama-server (moonshot)": ("batch1_vs_llama_cpp", 1.0)}
+    return out | {name: results[key] >= bar for name, (key, bar) in checks.items() if key in results}
+
+
+def cpu_run(args) -> dict:
+    from lifeofprompt import env_info
+    from lifeofprompt.lessons.roofline import decode_floor, decode_weight_bytes, measure_machine, measure_read_bandwidth
+
+    torch.set_num_threads(args.threads)
+    llm = make_llm("smollm2-135m", "cpu", dtype=cpu_dtype(args.dtype), max_num_seqs=args.max_num_seqs,
+                   enable_prefix_caching=False)
+    dtype = str(llm.engine.model.dtype).removeprefix("torch.")
+    results: dict = {"env": env_info(), "cpu": cpu_description(), "threads": args.threads, "dtype": dtype,
+                     "rounds": args.rounds, "peers": list(args.peers),
+                     "model": f"smollm2-135m ({SHORT_DTYPE.get(dtype, dtype)}, real weights)",
+                     "startup_log": list(llm.engine.startup_log)}
+    run_engine(llm, *mixed_workload(4, seed=9))                 # warm-up: first-call set-up of every kernel
+    with contextlib.ExitStack() as stack:
+        ref = server = None
+        if "transformers" in args.peers:
+            from lifeofprompt.lessons.reference import load_reference
+            ref = load_reference("smollm2-135m", dtype=torch.float32, device="cpu")
+            results["transformers_dtype"] = "float32"
+        if "llama.cpp" in args.peers:
+            server = stack.enter_context(llama_server(args.threads, args.decode_tokens))
+            llama_mixed(server, *mixed_workload(4, seed=9))     # warm-up
+            results["llama_cpp"] = llama_cpp_record(server)
+        mixed_phase(args, results, llm, ref, server)
+        if ref is not None:
+            fixed64_phase(args, results, llm, ref)
+        batch1_phase(args, results, llm, ref, server)
 
     machine = measure_machine("cpu")
     results["machine"] = dict(name=machine.name, bandwidth=machine.bandwidth, flops=machine.flops)
@@ -367,13 +531,36 @@ def cpu_run(args) -> dict:
     rows = decode_step_curve(runner, args.curve, context=args.curve_context, steps=5)
     results["batching_curve"] = roofline_curve(machine, runner.config, runner.model.dtype, rows)
     results["decode_floor_s"] = decode_floor(runner.config, runner.model.dtype, machine)
-    results["targets"] = {"mixed ≥ 2.5x static batches": results["mixed_speedup"] >= 2.5,
-                          "batch-1 decode ≥ 1.2x generate": results["batch1_speedup"] >= 1.2}
+    # The batch-1 target's floor: weight bytes over the rate these threads *read* memory (no write).
+    read = measure_read_bandwidth("cpu")
+    step_s = next(r["step_s"] for r in results["batching_curve"] if r["batch"] == 1 and "step_s" in r)
+    floor_s = decode_weight_bytes(runner.config, runner.model.dtype) / read
+    results["batch1_step"] = dict(step_s=step_s, read_bandwidth=read, floor_s=floor_s, ratio=step_s / floor_s)
+    print(f"batch-1 step {step_s * 1e3:.1f} ms, floor {floor_s * 1e3:.1f} ms ({read / 1e9:.1f} GB/s read): "
+          f"{step_s / floor_s:.2f}x", flush=True)
+    results["targets"] = targets(results)
     return results
 
 
 CPU_PANELS = {"mixed": "mixed workload (prompts 16-256, outputs 16-128)",
               "fixed64": "fixed 64-token outputs", "batch1": "batch-1 decode (64-token prompt)"}
+
+
+def parse_peers(text: str) -> tuple[str, ...]:
+    peers = tuple(p.strip() for p in text.split(",") if p.strip())
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown or not peers:
+        raise argparse.ArgumentTypeError(f"peers are a comma-separated subset of {', '.join(PEERS)}; got {text!r}")
+    return peers
+
+
+def result_stem(results: dict, stamp: str) -> str:
+    """``<cpu-slug>_<date>``, with threads and dtype added when they are not the default 1 and float32,
+    so runs of one day at other settings do not overwrite each other."""
+    stem = cpu_slug(results["cpu"]["model"])
+    if results["threads"] != 1 or results["dtype"] != "float32":
+        stem += f"_{results['threads']}t_{SHORT_DTYPE.get(results['dtype'], results['dtype'])}"
+    return f"{stem}_{stamp}"
 
 
 def main(argv=None) -> int:
@@ -386,7 +573,12 @@ def main(argv=None) -> int:
     parser.add_argument("--curve", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--curve-context", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads for every peer (1: fair and stable on a shared machine)")
+                        help="CPU threads for every peer, ours, transformers and llama-server "
+                             "(1: fair and stable on a shared machine)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "auto"], default="float32",
+                        help="our engine's dtype (auto: the engine's own choice); transformers stays float32")
+    parser.add_argument("--peers", type=parse_peers, default=("transformers",),
+                        help="comma-separated: transformers (default), llama.cpp, or both")
     parser.add_argument("--rounds", type=int, default=2,
                         help="runs of each peer, alternating; the fastest counts (batch-1 decode: one more)")
     parser.add_argument("--peer-timeout", type=float, default=300, help="cap on transformers' continuous batching run")
@@ -394,12 +586,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     results = cpu_run(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d")
-    path = args.out / f"cpu_engine_{stamp}.json"
+    stem = result_stem(results, time.strftime("%Y%m%d"))
+    path = args.out / f"cpu_engine_{stem}.json"
     path.write_text(json.dumps(results, indent=2, default=str))
-    title = f"SmolLM2-135M fp32 on {results['env']['machine']} ({args.threads} thread), {results['env']['date']}"
-    plot_throughput({name: results[k] for k, name in CPU_PANELS.items()}, args.out / f"cpu_throughput_{stamp}.png", title)
-    plot_batching_curve(results["batching_curve"], args.out / f"cpu_batching_curve_{stamp}.png",
+    title = (f"SmolLM2-135M {SHORT_DTYPE.get(results['dtype'], results['dtype'])} on {results['cpu']['model']} "
+             f"({args.threads} thread{'s' if args.threads > 1 else ''}), {results['env']['date']}")
+    panels = {name: results[k] for k, name in CPU_PANELS.items() if k in results}
+    plot_throughput(panels, args.out / f"cpu_throughput_{stem}.png", title)
+    plot_batching_curve(results["batching_curve"], args.out / f"cpu_batching_curve_{stem}.png",
                         f"decode step vs batch, context {args.curve_context} — {title}", results["decode_floor_s"])
     print(f"wrote {path}")
     return 0

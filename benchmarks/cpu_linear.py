@@ -4,12 +4,11 @@ For every row count ``M`` it multiplies ``x [M, in]`` by all of SmolLM2-135M's 1
 in turn (425 MB of fp32: more than any cache, as in a real forward) and reports milliseconds and
 the weight bytes read per second, for:
 
-* ``x @ W.T``        what ``nn.Linear`` and transformers run;
-* ``(W @ x.T).T``    the few-rows path of ``lifeofprompt.model.linear`` (one row doubled to two);
-* ``oneDNN packed``  weights reordered once for oneDNN (``Linear.prepack``).
-
-and, for scale, how fast one thread reads memory with ``tensor.sum()``. Shapes are random
-numbers of SmolLM2's sizes; the engine's choice (``FEW_ROWS``) should agree with the table.
+every path of ``lifeofprompt.model.linear`` available on this machine (``linear`` is ``x @ W.T``, what
+``nn.Linear`` and transformers run; ``onednn`` uses weights reordered once; ``rowwise`` is the
+compiled kernel), and, for scale, how fast the threads read memory with ``tensor.sum()``. Shapes
+are random numbers of SmolLM2's sizes. The engine does a shorter version of this at start-up
+(``lifeofprompt.model.linear_calibration``) and keeps the fastest path per shape and row count.
 
     python benchmarks/cpu_linear.py                # one thread, writes results/cpu_linear_<date>.json and .png
 """
@@ -22,10 +21,9 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from lifeofprompt.model.config import SMOLLM2_135M
-from lifeofprompt.model.linear import few_rows_linear, onednn_available
+from lifeofprompt.model.linear import Linear, available_paths, run_path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -39,14 +37,25 @@ def layer_weights(config, seed: int = 0) -> list[torch.Tensor]:
     return [torch.randn(*s, generator=g) for _ in range(config.num_layers) for s in shapes]
 
 
-def time_pass(product, weights, operands, rows: int, reps: int) -> float:
-    """Seconds for one pass of ``rows`` rows through every weight (median of ``reps`` after a warm-up)."""
-    xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+def as_modules(weights: list[torch.Tensor]) -> list[Linear]:
+    """Each weight in a ``Linear``, prepacked for oneDNN (the packed copy is only read by that path)."""
+    modules = []
+    for w in weights:
+        module = Linear(w.shape[1], w.shape[0], bias=False)
+        module.weight.data = w
+        module.prepack()
+        modules.append(module)
+    return modules
+
+
+def time_pass(path: str, modules: list[Linear], rows: int, reps: int) -> float:
+    """Seconds for one pass of ``rows`` rows through every matrix (median of ``reps`` after a warm-up)."""
+    xs = {m.in_features: torch.randn(rows, m.in_features) for m in modules}
     times = []
     for _ in range(reps + 1):
         start = time.perf_counter()
-        for w, op in zip(weights, operands):
-            product(xs[w.shape[1]], op)
+        for m in modules:
+            run_path(path, xs[m.in_features], m)
         times.append(time.perf_counter() - start)
     return sorted(times[1:])[len(times[1:]) // 2]
 
@@ -73,24 +82,20 @@ def main(argv=None) -> int:
 
     weights = layer_weights(SMOLLM2_135M)
     nbytes = sum(w.numel() * w.element_size() for w in weights)
-    paths = {"x @ W.T": (lambda x, w: nn.functional.linear(x, w), weights),
-             "(W @ x.T).T": (few_rows_linear, weights)}
-    if onednn_available():
-        packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
-        paths["oneDNN packed"] = (lambda x, p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""), packed)
+    modules = as_modules(weights)
     rows_out = []
     with torch.no_grad():
         for rows in args.rows:
             row = {"rows": rows}
-            for name, (product, operands) in paths.items():
-                seconds = time_pass(product, weights, operands, rows, args.reps)
+            for name in available_paths():
+                seconds = time_pass(name, modules, rows, args.reps)
                 row[name] = {"ms": seconds * 1e3, "weight_GB_per_s": nbytes / seconds / 1e9}
             rows_out.append(row)
             print(f"M={rows:<4} " + "  ".join(f"{k} {v['ms']:7.1f} ms {v['weight_GB_per_s']:5.1f} GB/s"
                                               for k, v in row.items() if k != "rows"), flush=True)
     result = {"env": env_info(), "threads": args.threads, "weight_bytes": nbytes,
               "sum_read_GB_per_s": read_bandwidth() / 1e9, "rows": rows_out}
-    print(f"one thread reads memory with sum() at {result['sum_read_GB_per_s']:.1f} GB/s")
+    print(f"{args.threads} thread(s) read memory with sum() at {result['sum_read_GB_per_s']:.1f} GB/s")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"cpu_linear_{time.strftime('%Y%m%d')}.json"
     path.write_text(json.dumps(result, indent=2, default=str))

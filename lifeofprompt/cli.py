@@ -20,7 +20,12 @@ def _model_arg(parser: argparse.ArgumentParser) -> None:
                         help=f"a model name ({', '.join(MODEL_NAMES)}) or a local Hugging Face Llama folder "
                              f"(default: {DEFAULT_MODEL}, embedded, works offline)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when a GPU is present)")
-    parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on GPU, float32 on CPU)")
+    parser.add_argument("--dtype", default=None,
+                        help="auto, float32, bfloat16 or float16 (default auto: bfloat16 on a GPU and on CPUs that "
+                             "compute bf16 natively, else float32)")
+    parser.add_argument("--cpu-linear", default=None, dest="cpu_linear",
+                        help="CPU matrix-product path: auto (timed at start-up, cached) or one of linear, transposed, "
+                             "transposed_doubled, onednn, rowwise (default: auto, or $LIFEOFPROMPT_CPU_LINEAR)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,6 +17,8 @@ def _load(args):
           f"{model.config.num_heads} query heads over {model.config.num_kv_heads} KV heads, "
           f"vocab {model.config.vocab_size}; {model.dtype} on {model.device} "
           f"(loaded in {time.perf_counter() - started:.1f} s)")
+    if model.dtype_reason:
+        print(f"       dtype {model.dtype_reason}")
     if model.is_random:
         print("       NOTE: random weights - the text below is meaningless; use it for speed and memory only")
     return model, tokenizer
@@ -30,7 +32,7 @@ def demo(args) -> int:
     if args.max_tokens < 1:
         raise InvalidRequestError("--max-tokens must be at least 1", param="max_tokens")
     model, tokenizer = _load(args)
-    engine = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=64, log_stats=False)
+    engine = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=64, log_stats=False, cpu_linear=args.cpu_linear)
     print("\n1. tokenization: text becomes integers")
     for text in STORY_PROMPTS:
         ids = tokenizer.encode(text)
@@ -69,7 +71,7 @@ def generate(args) -> int:
         raise InvalidRequestError("--max-tokens must be at least 1", param="max_tokens")
     params = SamplingParams(temperature=args.temperature, seed=args.seed, max_tokens=args.max_tokens)
     model, tokenizer = _load(args)
-    llm = LLM(model, tokenizer=tokenizer, log_stats=False)
+    llm = LLM(model, tokenizer=tokenizer, log_stats=False, cpu_linear=args.cpu_linear)
     print(args.prompt + llm.generate(args.prompt, params, use_tqdm=False)[0].outputs[0].text)
     return 0
 
@@ -79,7 +81,7 @@ def _engine_for_serving(args):
     from .engine.llm_engine import LLMEngine
 
     options = {name: getattr(args, name) for name in
-               ("dtype", "device", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_waiting")
+               ("dtype", "device", "cpu_linear", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_waiting")
                if getattr(args, name) is not None}
     return LLMEngine(args.model, block_size=args.block_size, **options)
 

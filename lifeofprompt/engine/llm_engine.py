@@ -18,7 +18,6 @@ Every time is ``time.monotonic()``: arrival, first scheduled, first token, each 
 
 from __future__ import annotations
 
-import inspect
 import logging
 import sys
 import threading
@@ -138,7 +137,7 @@ class LLMEngine:
                  enforce_eager: bool = False, gpu_memory_utilization: float = 0.9,
                  max_waiting: int | None = None, check_invariants: bool = False,
                  max_step_records: int = 10_000, log_stats: bool = True, clock=time.monotonic,
-                 prepack_cpu_weights: bool = True):
+                 prepack_cpu_weights: bool = True, cpu_linear: str | None = None):
         if isinstance(model, str):
             from ..model.loader import load_model
             self.model, self.tokenizer = load_model(model, dtype=dtype, device=device)
@@ -158,8 +157,12 @@ class LLMEngine:
         context_len = min(max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings)
         if num_kv_blocks is None and (kv_cache_memory is not None or self.model.device.type != "cuda"):
             num_kv_blocks = self._blocks_for_memory(kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY)
-        self.runner = self._build_runner(num_kv_blocks, attention_backend, max_num_seqs, max_num_batched_tokens,
-                                         context_len, enforce_eager, gpu_memory_utilization, prepack_cpu_weights)
+        from .model_runner import ModelRunner
+        self.runner = ModelRunner(self.model, num_kv_blocks, block_size, attention_backend or "auto",
+                                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                  max_model_len=context_len, enforce_eager=enforce_eager or None,
+                                  gpu_memory_utilization=gpu_memory_utilization,
+                                  prepack_cpu_weights=prepack_cpu_weights, cpu_linear=cpu_linear)
         self.num_kv_blocks = self.runner.kv_cache.num_blocks
         self.block_manager = BlockManager(self.num_kv_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, context_len)
@@ -189,18 +192,6 @@ class LLMEngine:
             raise OutOfMemoryError(f"kv_cache_memory={kv_bytes} bytes holds not one block of {self.block_size} tokens")
         return blocks
 
-    def _build_runner(self, num_blocks, backend, max_num_seqs, max_num_batched_tokens, max_model_len,
-                      enforce_eager, gpu_memory_utilization, prepack_cpu_weights=True):
-        from .model_runner import ModelRunner
-        wanted = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                      max_model_len=max_model_len, enforce_eager=enforce_eager or None,
-                      gpu_memory_utilization=gpu_memory_utilization, prepack_cpu_weights=prepack_cpu_weights)
-        accepted = inspect.signature(ModelRunner).parameters
-        kwargs = {k: v for k, v in wanted.items() if k in accepted}
-        if backend is None:
-            backend = "auto" if "max_num_seqs" in accepted else "torch"
-        return ModelRunner(self.model, num_blocks, self.block_size, backend, **kwargs)
-
     def _startup_lines(self, context_len: int) -> list[str]:
         from .memory import format_bytes
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -209,7 +200,9 @@ class LLMEngine:
         tokens = self.num_kv_blocks * self.block_size
         lines = [
             f"model {getattr(self.model, 'source', self.model_name)}",
-            f"{self.model.dtype} on {self.model.device}; weights take {format_bytes(weights)}"
+            f"{self.model.dtype} on {self.model.device}"
+            + (f" ({self.model.dtype_reason})" if getattr(self.model, "dtype_reason", "") else "")
+            + f"; weights take {format_bytes(weights)}"
             + (f" (+ {format_bytes(packed)} prepacked for oneDNN)" if packed else ""),
             f"KV cache: {format_bytes(kv)} = {self.num_kv_blocks} blocks × {self.block_size} tokens "
             f"= {tokens} tokens ({format_bytes(kv / max(tokens, 1))} per token)",
@@ -219,6 +212,8 @@ class LLMEngine:
             f"tokens per step; requests up to {self.max_model_len} tokens; prefix caching "
             f"{'on' if self.block_manager.enable_prefix_caching else 'off'}",
         ]
+        if self.runner.linear_choice is not None:
+            lines += self.runner.linear_choice.describe()
         if getattr(self.model, "is_random", False):
             lines.append("NOTE: random weights - generated text is meaningless (speed and memory work only)")
         return lines

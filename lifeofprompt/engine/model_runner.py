@@ -31,7 +31,8 @@ import torch
 from ..model.attention import PagedCacheMetadata, PagedKVCache
 from ..errors import ConfigError, OutOfMemoryError
 from .memory import kv_bytes_per_block, plan_memory
-from ..model.linear import prepack_cpu_weights as prepack_weights
+from ..model.linear import apply_plans
+from ..model.linear_calibration import choose_cpu_linear
 from .sampler import Sampler, SamplerOutput, make_generator
 from .sequence import Sequence
 
@@ -74,7 +75,8 @@ class ModelRunner:
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, enforce_eager: bool | None = None,
                  gpu_memory_utilization: float = 0.9, cpu_kv_bytes: int = 2 << 30,
-                 fused_kernels: bool | None = None, prepack_cpu_weights: bool = True):
+                 fused_kernels: bool | None = None, prepack_cpu_weights: bool = True,
+                 cpu_linear: str | None = None):
         if block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size}")
         self.model = model
@@ -100,9 +102,13 @@ class ModelRunner:
                           else self.cpu_num_blocks(cpu_kv_bytes))
         self.num_blocks = num_blocks
         self.kv_cache = PagedKVCache.for_model(self.config, num_blocks, block_size, dtype=model.dtype, device=self.device)
-        # On the CPU, weights reordered once for oneDNN make every matrix product faster (linear.py),
-        # at the price of a second copy of them (prepack_cpu_weights=False: less memory, slower).
-        self.prepacked_bytes = prepack_weights(model, prepack_cpu_weights) if self.device.type == "cpu" else 0
+        # On the CPU each matrix product takes the path measured fastest on this machine for its
+        # shape and row count (linear_calibration.py); weights whose plan uses oneDNN get a packed
+        # second copy (prepack_cpu_weights=False rules that path out: less memory).
+        self.linear_choice = None
+        if self.device.type == "cpu" and model.dtype == torch.float32:
+            self.linear_choice = choose_cpu_linear(model, cpu_linear, prepack=prepack_cpu_weights)
+        self.prepacked_bytes = apply_plans(model, self.linear_choice.plans if self.linear_choice else None)
         self.last_output: SamplerOutput | None = None
         self.last_logprobs: list | None = None     # per seq: None or (logprob, {token_id: logprob, ...})
         self.last_launch: dict = {}               # how the last step ran (eager / graph replay, padding), for traces

@@ -169,7 +169,7 @@ def plot_cpu_linear(result: dict, path: Path | None = None):
     ax.set_ylabel("weight bytes read per second (GB/s)")
     env = result["env"]
     ax.set_title(f"SmolLM2-135M's 120 layer matrices, fp32, {result['threads']} thread\n"
-                 f"{env['machine']}, torch {env['torch']}, {env['date']}", fontsize=9)
+                 f"{env.get('cpu', env['machine'])}, torch {env['torch']}, {env['date']}", fontsize=9)
     return _finish(fig, path, ax)
 
 

@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import torch
 
-from ..model.loader import default_device_and_dtype, smollm2_hf_dir, tinyllama_dir
+from ..model.loader import default_device, smollm2_hf_dir, tinyllama_dir
 
 
 def load_reference(name: str = "smollm2-135m", dtype=None, device=None):
-    """transformers' ``LlamaForCausalLM`` for a model name or a local folder."""
+    """transformers' ``LlamaForCausalLM`` for a model name or a local folder (fp32 on a CPU, bf16 on a GPU, unless asked)."""
     from pathlib import Path
 
     from transformers import AutoModelForCausalLM
 
-    device, dtype = default_device_and_dtype(device, dtype)
+    device = default_device(device)
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
     folder = {"smollm2-135m": smollm2_hf_dir, "tinyllama-1.1b": tinyllama_dir}.get(name, lambda: Path(name))()
     return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
 

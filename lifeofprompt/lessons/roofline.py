@@ -77,6 +77,18 @@ def measure_copy_bandwidth(device="cpu", nbytes: int | None = None, repeats: int
     return 2 * src.numel() * 4 / seconds
 
 
+def measure_read_bandwidth(device="cpu", nbytes: int | None = None, repeats: int = 5) -> float:
+    """Bytes/s the current threads *read* (a ``sum()`` over a large tensor: no write), best of ``repeats``.
+
+    This is the ceiling for a decode step, which mostly reads weights. Default size: 512 MiB on
+    the CPU (far past any cache), 1 GiB on a GPU.
+    """
+    device = torch.device(device)
+    nbytes = nbytes or (2**30 if device.type == "cuda" else 512 * 2**20)
+    data = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    return data.numel() * 4 / _best_time(data.sum, device, repeats)
+
+
 def measure_matmul_rate(device="cpu", dtype=None, size: int | None = None, repeats: int = 3) -> float:
     """Operations/s of a square matrix product ``size × size`` (``2·size³`` operations), best of ``repeats``."""
     device = torch.device(device)

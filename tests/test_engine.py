@@ -7,13 +7,14 @@ import threading
 import time
 
 import pytest
-import torch
 
+from lifeofprompt.lessons.agreement import FP32_TOLERANCE, assert_argmax_agrees, teacher_forced_logits
 from lifeofprompt.engine.llm_engine import LLMEngine
 from lifeofprompt.errors import QueueFullError, RequestTooLargeError
 from lifeofprompt.engine.sampling_params import SamplingParams
 
-# Greedy continuations of the story's prompts (SmolLM2-135M-Instruct, fp32, EOS ignored), pinned.
+# Greedy continuations of the story's prompts (SmolLM2-135M-Instruct, fp32, EOS ignored), pinned. Every step
+# is decided far beyond fp32 rounding (tests/test_pins.py), so any batch, chunking or CPU must give them exactly.
 STORY_NEXT = [
     [2026, 365, 10905, 6176, 28, 4836],      # "hi my name is" -> "... (pausing,"
     [281, 260, 216, 34, 33, 302],            # "today is a beautiful summer day" -> " in the 21st"
@@ -37,14 +38,10 @@ def run(engine, requests):
     return {o.request_id: o for o in engine.run_until_done()}
 
 
-@torch.no_grad()
-def teacher_forced_greedy(model, prompt, new):
-    """The tokens a request would get alone: argmax of one uncached forward over prompt + outputs."""
-    ids = torch.tensor([prompt + new[:-1]])
-    logits = model(ids)[0, len(prompt) - 1:]
-    return logits.argmax(-1).tolist()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@pytest.mark.numerics
 def test_alone_matches_the_pinned_tokens(smollm2, story_ids):
     engine = make_engine(smollm2)
     out = run(engine, [("alone", story_ids[0], greedy(6))])["alone"]
@@ -56,6 +53,7 @@ def test_alone_matches_the_pinned_tokens(smollm2, story_ids):
     assert len(m.token_times) == 6 and m.token_times == sorted(m.token_times) and m.token_times[0] == m.first_token_time
 
 
+@pytest.mark.numerics
 def test_crowded_chunked_and_preempted_give_the_same_tokens(smollm2, story_ids):
     """A pool of 7 blocks of 4 tokens, a budget of 4 tokens a step: prompts are chunked, and the
     growing sequences run out of blocks so the newest is preempted and recomputed."""
@@ -70,11 +68,14 @@ def test_crowded_chunked_and_preempted_give_the_same_tokens(smollm2, story_ids):
     assert any(o.metrics.num_preemptions for o in outs.values())
     for i, prompt in enumerate(story_ids):
         assert outs[f"r{i}"].outputs[0].token_ids == STORY_NEXT[i]
+    # r3 alone would get, at each step, the argmax of one uncached forward over its prompt and outputs;
+    # another computation, so compared where that forward decides (measured: all 6 steps, by 0.34 or more)
     got = outs["r3"].outputs[0].token_ids
-    assert got == teacher_forced_greedy(model, extra[0], got)
+    assert_argmax_agrees(got, teacher_forced_logits(model, extra[0], got), FP32_TOLERANCE, min_decided=5)
     assert engine.block_manager.num_used_blocks == 0
 
 
+@pytest.mark.numerics
 def test_abort_frees_blocks_at_once_and_reports_abort(smollm2, story_ids):
     engine = make_engine(smollm2)
     engine.add_request("a", story_ids[1], greedy(20))
@@ -92,6 +93,7 @@ def test_abort_frees_blocks_at_once_and_reports_abort(smollm2, story_ids):
     engine.abort("never-seen")
 
 
+@pytest.mark.numerics
 def test_stop_token_stop_string_and_eos(smollm2, story_ids):
     engine = make_engine(smollm2)
     day = story_ids[1]                                 # greedy: " in the 21st century." then EOS (2)
@@ -112,6 +114,7 @@ def test_stop_token_stop_string_and_eos(smollm2, story_ids):
     assert string.token_ids == [281, 260, 216, 34, 33, 302]
 
 
+@pytest.mark.numerics
 def test_streamed_deltas_add_up_and_hold_back_stop_prefixes(smollm2, story_ids):
     engine = make_engine(smollm2)
     engine.add_request("s", story_ids[1], SamplingParams(temperature=0, max_tokens=12, stop=["century"]))
@@ -174,6 +177,7 @@ def test_startup_log_names_memory_blocks_and_concurrency(smollm2):
     assert "maximum concurrency for 8192 tokens per request: 0.12x" in text
 
 
+@pytest.mark.numerics
 def test_n_answers_share_the_prompt_blocks_and_sample_apart(smollm2, story_ids):
     engine = make_engine(smollm2, block_size=4)
     prompt = story_ids[1] + story_ids[0]                       # 10 tokens: two full blocks to share
@@ -186,7 +190,9 @@ def test_n_answers_share_the_prompt_blocks_and_sample_apart(smollm2, story_ids):
     assert [r.num_cached_tokens for r in later] == [8, 8]                   # the siblings reused the prompt's blocks
     engine.add_request("again", prompt, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=3, ignore_eos=True))
     (again,) = engine.run_until_done()
-    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in n_out.outputs]   # same seed, same answers
+    # same seed, same answers: the prompt's blocks now come from the cache (other shapes, other rounding), and a
+    # seeded draw changes only if it lands within that rounding of a boundary between tokens (~1e-5 a draw)
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in n_out.outputs]
     engine.add_request("cut", prompt, SamplingParams(n=2, temperature=0, max_tokens=5))
     engine.step()
     engine.abort("cut")

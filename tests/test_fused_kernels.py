@@ -28,11 +28,13 @@ import torch
 if importlib.util.find_spec("triton") is None:    # find it without importing it: lifeofprompt.kernels must be first
     pytest.skip("Triton is not installed", allow_module_level=True)
 from lifeofprompt import kernels  # noqa: E402
+from lifeofprompt.lessons.agreement import FP32_TOLERANCE, assert_argmax_agrees  # noqa: E402
 from lifeofprompt.kernels import fused, fused_reference  # noqa: E402
 from lifeofprompt.model.llama import RotaryEmbedding  # noqa: E402
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available() and not kernels.INTERPRETED,
-                                reason="CPU interpreter tests; on a GPU machine run tests/gpu")
+pytestmark = [pytest.mark.numerics,
+              pytest.mark.skipif(torch.cuda.is_available() and not kernels.INTERPRETED,
+                                 reason="CPU interpreter tests; on a GPU machine run tests/gpu")]
 
 TOLERANCE = {torch.float32: dict(atol=2e-6, rtol=2e-6), torch.float16: dict(atol=1e-5, rtol=2e-3)}
 DTYPES = [torch.float32, torch.float16]
@@ -226,6 +228,7 @@ def test_smollm2_forward_with_fused_kernels_matches_the_model(smollm2, story_ids
     hidden = model.fused_hidden_states(input_ids, positions, meta)
     torch.testing.assert_close(hidden, expected, atol=5e-5, rtol=1e-5)    # observed 1.1e-5 at values up to 31
     assert meta.logits_indices is None                                    # no-cache metadata: every row's next token
-    next_tokens = model.lm_head(hidden).argmax(-1)
-    assert torch.equal(next_tokens, model.lm_head(expected).argmax(-1))
-    assert next_tokens.tolist() == [29, 1038, 28, 2026, 29, 253, 9552, 1183, 281, 281]
+    logits = model.lm_head(expected)
+    # every row's best token leads by 0.1 or more: far beyond the fused kernels' rounding, or another CPU's
+    assert_argmax_agrees(model.lm_head(hidden), logits, FP32_TOLERANCE, min_decided=10)
+    assert_argmax_agrees([29, 1038, 28, 2026, 29, 253, 9552, 1183, 281, 281], logits, FP32_TOLERANCE, min_decided=10)

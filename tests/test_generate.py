@@ -2,44 +2,65 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
+from lifeofprompt.lessons.agreement import FP32_TOLERANCE, assert_greedy_agrees
 from lifeofprompt.errors import InvalidRequestError
 from lifeofprompt.lessons.generate import (compare_old_rows, generate_cached, generate_cached_batch, generate_naive,
                                    record_forward)
 from lifeofprompt.lessons.reference import hf_greedy
 
-# SmolLM2-135M-Instruct (embedded, fp32, CPU), 64 greedy tokens after each story prompt, EOS ignored.
-PINNED_64 = [
-    [2026, 365, 10905, 6176, 28, 4836, 260, 3589, 25, 198, 198, 57, 5248, 441, 2090, 732, 288, 1643, 28, 564, 339, 5248, 2090, 339, 416, 724, 30, 339, 5248, 253, 3241, 282, 253, 2026, 365, 6832, 741, 288, 260, 9192, 281, 3433, 282, 260, 5700, 25, 339, 5248, 253, 3241, 282, 253, 2026, 365, 10905, 6176, 1163, 25, 339, 5248, 253, 3241, 282, 253],
-    [281, 260, 216, 34, 33, 302, 2070, 30, 2, 198, 1, 4093, 198, 1780, 314, 260, 768, 2378, 1114, 281, 260, 905, 47, 2, 198, 1, 520, 9531, 198, 504, 768, 2378, 1114, 281, 260, 905, 314, 1129, 23145, 28, 564, 339, 6737, 7440, 338, 357, 506, 260, 1114, 282, 260, 9734, 30, 533, 3201, 4963, 14566, 28, 260, 768, 2378, 1114, 436, 441],
-    [506, 787, 737, 288, 536, 357, 30, 198, 198, 504, 2988, 314, 42, 216, 33, 30, 198, 198, 504, 2988, 314, 42, 216, 34, 30, 2, 198, 1, 520, 9531, 198, 504, 2988, 314, 216, 34, 30, 2, 198, 2, 1, 9690, 198, 2, 198, 1, 4093, 198, 57, 5248, 3946, 288, 7198, 253, 725, 1406, 28, 253, 5069, 17732, 351, 5646, 29, 14519],
-]
+# SmolLM2-135M-Instruct (embedded, fp32, CPU), 64 greedy tokens after each story prompt, EOS ignored:
+# transformers' tokens and the top-2 margin of every step (tests/data/make_engine_parity.py).
+_PARITY = json.loads((Path(__file__).parent / "data" / "engine_parity_smollm2.json").read_text())
+STORY = ["hi my name is", "today is a beautiful summer day", "hello there"]
+PINNED_64 = [_PARITY["tokens"][p] for p in STORY]
+MARGINS_64 = [_PARITY["margins"][p] for p in STORY]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+def assert_follows_the_pin(sequences, order=(0, 1, 2)):
+    """Another computation than the pin's (and perhaps another CPU): equal up to the first near tie.
+
+    None of the story's 192 pinned steps is that close (tests/test_pins.py), so today all must match.
+    """
+    pins, margins = [PINNED_64[i] for i in order], [MARGINS_64[i] for i in order]
+    steps = sum(min(len(s), len(p)) for s, p in zip(sequences, pins))
+    assert_greedy_agrees(sequences, pins, margins, FP32_TOLERANCE, min_steps=int(0.9 * steps))
+
+
+@pytest.mark.numerics
 def test_cached_tokens_are_pinned(smollm2, story_ids):
     model, _ = smollm2
-    assert [generate_cached(model, ids, 64) for ids in story_ids] == PINNED_64
+    assert_follows_the_pin([generate_cached(model, ids, 64) for ids in story_ids])
 
 
+@pytest.mark.numerics
 def test_naive_gives_the_same_tokens(smollm2, story_ids):
     model, _ = smollm2
-    assert [generate_naive(model, ids, 64) for ids in story_ids] == PINNED_64
+    assert_follows_the_pin([generate_naive(model, ids, 64) for ids in story_ids])
 
 
+@pytest.mark.numerics
 def test_transformers_gives_the_same_tokens(smollm2_reference, story_ids):
-    assert [hf_greedy(smollm2_reference, ids, 64) for ids in story_ids] == PINNED_64
+    assert_follows_the_pin([hf_greedy(smollm2_reference, ids, 64) for ids in story_ids])
 
 
+@pytest.mark.numerics
 def test_a_batch_of_different_lengths(smollm2, story_ids):
     model, _ = smollm2
     assert [len(ids) for ids in story_ids] == [4, 6, 2]
-    assert generate_cached_batch(model, story_ids, 64) == PINNED_64
+    assert_follows_the_pin(generate_cached_batch(model, story_ids, 64))
     # the order of the batch does not matter
-    assert generate_cached_batch(model, story_ids[::-1], 16) == [p[:16] for p in PINNED_64[::-1]]
+    assert_follows_the_pin(generate_cached_batch(model, story_ids[::-1], 16), order=(2, 1, 0))
 
 
+@pytest.mark.numerics
 def test_zero_new_tokens_and_step_times(smollm2, story_ids):
     model, _ = smollm2
     assert generate_cached(model, story_ids[0], 0) == [] == generate_naive(model, story_ids[0], 0)
@@ -66,6 +87,7 @@ def test_empty_batch(smollm2):
         generate_cached_batch(model, [], 4)
 
 
+@pytest.mark.numerics
 def test_old_rows_are_recomputed_unchanged(smollm2, story_ids):
     """A naive step recomputes K, V and context rows that the previous step already had."""
     model, _ = smollm2

@@ -28,8 +28,9 @@ from lifeofprompt.kernels.cases import (compare_with_reference, covering_cases, 
 from lifeofprompt.kernels.tiles import (DECODE_TABLE, PREFILL_TABLE, TileConfig, choose_num_kv_splits,  # noqa: E402
                                         choose_tiles, kernel_tiles, tiles_figure)
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available() and not kernels.INTERPRETED,
-                                reason="CPU interpreter tests; on a GPU machine run tests/gpu")
+pytestmark = [pytest.mark.numerics,
+              pytest.mark.skipif(torch.cuda.is_available() and not kernels.INTERPRETED,
+                                 reason="CPU interpreter tests; on a GPU machine run tests/gpu")]
 
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 

@@ -177,7 +177,7 @@ def test_folder_with_another_architecture_is_refused(tmp_path):
 LOAD_AND_PREDICT = """
 import torch
 from lifeofprompt import load_model
-model, tokenizer = load_model("smollm2-135m", device="cpu")
+model, tokenizer = load_model("smollm2-135m", dtype=torch.float32, device="cpu")   # the default dtype is chosen per CPU
 ids = tokenizer.encode("hi my name is")
 print(ids, int(model(torch.tensor([ids]))[0, -1].argmax()))
 """

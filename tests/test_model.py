@@ -5,11 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lifeofprompt.lessons.agreement import FP32_TOLERANCE, assert_argmax_agrees
 from lifeofprompt.model.attention import NoCacheMetadata
 from lifeofprompt.model.config import ModelConfig
 from lifeofprompt.model.llama import LlamaForCausalLM
 
 STORY_IDS = [[6004, 957, 1462, 314], [28195, 314, 253, 3953, 4018, 1194], [28120, 665]]
+
+pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("one_thread")]
 
 
 @torch.no_grad()
@@ -20,7 +23,8 @@ def test_embedded_model_matches_transformers(smollm2, smollm2_reference):
         ours, theirs = model(x), smollm2_reference(x).logits
         assert ours.shape == theirs.shape == (1, len(ids), 49152)
         assert (ours - theirs).abs().max().item() <= 1e-3
-        assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+        # every row's best token leads by 0.1 or more: far beyond the two computations' rounding
+        assert_argmax_agrees(ours[0], theirs[0], FP32_TOLERANCE, min_decided=len(ids))
 
 
 def tiny_config(tie: bool) -> ModelConfig:
@@ -82,7 +86,8 @@ def test_logits_indices_pick_rows(smollm2):
     picked = model(flat, positions, last)
     assert picked.shape == (3, 49152)
     assert (picked - full[[3, 9, 11]]).abs().max().item() <= 1e-4   # same rows; BLAS may block 3 rows differently
-    assert picked.argmax(-1).tolist() == [2026, 281, 506]     # '...', ' in', "'s": the greedy next tokens
+    # '...', ' in', "'s": the greedy next tokens (pinned, so checked where this CPU's logits decide them)
+    assert_argmax_agrees([2026, 281, 506], picked, FP32_TOLERANCE, min_decided=3)
     chosen = NoCacheMetadata.for_lengths([4, 6, 2])
     chosen.logits_indices = torch.tensor([0, 5])
     assert (model(flat, positions, chosen) - full[[0, 5]]).abs().max().item() <= 1e-4

@@ -8,17 +8,21 @@ from collections import OrderedDict
 import pytest
 import torch
 
+from lifeofprompt.lessons.agreement import FP32_TOLERANCE, assert_greedy_agrees, teacher_forced_logits, top2_margins
 from lifeofprompt.engine.block_manager import BlockManager
 from lifeofprompt.lessons.generate import generate_cached
 from lifeofprompt.model.paged_attention import paged_attention, store_kv
 from lifeofprompt.lessons.paging import trace_paged_generation
 
-# Greedy continuations of the three prompts on the embedded model (same as generate_cached).
+# Greedy continuations of the three prompts on the embedded model (same as generate_cached); every step
+# decided far beyond fp32 rounding (tests/test_pins.py), so paged or contiguous, any CPU, gives them exactly.
 PINNED = {
     "hi my name is": [2026, 365, 10905, 6176, 28, 4836],
     "today is a beautiful summer day": [281, 260, 216, 34, 33, 302],
     "hello there": [506, 787, 737, 288, 536, 357],
 }
+
+pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("one_thread")]
 
 
 # ---------------------------------------------------------------------- paged attention vs plain attention
@@ -122,7 +126,11 @@ def test_shared_system_prompt_is_computed_once_and_changes_no_token(smollm2, sto
     on = trace_paged_generation(model, prompts, 2, num_blocks=12, block_size=16, arrivals=arrivals)
     off = trace_paged_generation(model, prompts, 2, num_blocks=12, block_size=16, arrivals=arrivals,
                                  enable_prefix_caching=False)
-    assert on.outputs == off.outputs
+    # with the cache on, the later prompts compute 10 and 6 prompt rows instead of 26 and 22: other shapes,
+    # other rounding. And after system + "hi my name is" + ' "' the best two tokens differ by 1e-4: either is right.
+    margins = [top2_margins(teacher_forced_logits(model, prompts[p], off.outputs[p])).tolist() for p in PINNED]
+    assert_greedy_agrees([on.outputs[p] for p in PINNED], [off.outputs[p] for p in PINNED], margins, FP32_TOLERANCE,
+                         min_steps=5)
     assert on.stats["hits"] == 2 and on.stats["saved_tokens"] == 32     # the two later arrivals skip 16 each
     assert on.computed_tokens == {"hi my name is": 25, "today is a beautiful summer day": 11, "hello there": 7}
     assert sum(off.computed_tokens.values()) - sum(on.computed_tokens.values()) == 32

@@ -32,7 +32,11 @@ HELLO = [{"role": "user", "content": "hello there"}]
 
 @pytest.fixture(scope="module")
 def expected(smollm2):
-    """Greedy tokens from ``LLM.generate`` (its own engine and pool, the same weights)."""
+    """Greedy tokens from ``LLM.generate`` (its own engine and pool, the same weights).
+
+    The server batches requests otherwise, which moves the rounding, not these tokens: each step
+    of them is decided far beyond fp32 rounding (tests/test_pins.py).
+    """
     model, tokenizer = smollm2
     llm = LLM(model, tokenizer=tokenizer, num_kv_blocks=NUM_BLOCKS, log_stats=False)
     greedy = SamplingParams(temperature=0, max_tokens=6)

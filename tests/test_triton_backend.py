@@ -21,6 +21,9 @@ from lifeofprompt.engine.sequence import Sequence
 if importlib.util.find_spec("triton") is None:     # find it without importing it: lifeofprompt.kernels
     pytest.skip("Triton is not installed", allow_module_level=True)   # must be first (interpreter mode)
 from lifeofprompt import kernels  # noqa: E402
+from lifeofprompt.lessons.agreement import FP32_TOLERANCE, assert_argmax_agrees  # noqa: E402
+
+pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("one_thread")]
 
 BLOCK_TABLES = [[9, 2], [14, 5], [11]]
 
@@ -65,8 +68,9 @@ def test_triton_backend_logits_match_torch(smollm2, story_ids):
     assert second["triton"].shape == (5, model.config.vocab_size)
     torch.testing.assert_close(second["triton"], second["torch"], atol=1e-4, rtol=0)
     torch.testing.assert_close(second["fused"], second["torch"], atol=1e-4, rtol=0)
-    assert second["triton"].argmax(-1).tolist() == second["torch"].argmax(-1).tolist()
-    assert second["fused"].argmax(-1).tolist() == second["torch"].argmax(-1).tolist()
+    # the same next tokens wherever the torch backend decides them (measured: all 5 rows, by 0.16 or more)
+    assert_argmax_agrees(second["triton"], second["torch"], FP32_TOLERANCE, min_decided=4)
+    assert_argmax_agrees(second["fused"], second["torch"], FP32_TOLERANCE, min_decided=4)
 
     # Both caches hold the same keys and values in the same (shuffled) blocks.
     torch.testing.assert_close(runners["triton"].kv_cache.kv, runners["torch"].kv_cache.kv, atol=1e-4, rtol=0)

@@ -13,7 +13,7 @@ that arrives while no step is running is applied immediately, so its blocks are 
 ``abort`` returns.
 
 Every time is ``time.monotonic()``: arrival, first scheduled, first token, each token, finish
-(``RequestMetrics``), so ``lifeofprompt.metrics`` can read TTFT and TPOT straight off them.
+(``RequestMetrics``), so ``lifeofprompt.serving.metrics`` can read TTFT and TPOT straight off them.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Two paths share this code:
   tensor addresses and Python ints, so its inputs live in static buffers that each step fills,
   the block tables have a fixed width, and ``max_seq_len`` is the pool's limit.
 
-Sampling runs on the device (``lifeofprompt.sampler``); the one host synchronisation of a step
+Sampling runs on the device (``lifeofprompt.engine.sampler``); the one host synchronisation of a step
 is reading the chosen ids back.
 """
 
@@ -103,7 +103,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.kv_cache = PagedKVCache.for_model(self.config, num_blocks, block_size, dtype=model.dtype, device=self.device)
         # On the CPU each matrix product takes the path measured fastest on this machine for its
-        # shape and row count (linear_calibration.py); weights whose plan uses oneDNN get a packed
+        # shape and row count (model/linear_calibration.py); weights whose plan uses oneDNN get a packed
         # second copy (prepack_cpu_weights=False rules that path out: less memory).
         self.linear_choice = None
         if self.device.type == "cpu" and model.dtype == torch.float32:
@@ -161,7 +161,7 @@ class ModelRunner:
 
         Runs one prefill of ``max_num_batched_tokens`` tokens over ``max_num_seqs`` sequences (the
         largest step the scheduler may send) with a small scratch pool, measures the peak, and hands
-        the numbers to ``lifeofprompt.memory.plan_memory`` (notebook 05's function).
+        the numbers to ``lifeofprompt.engine.memory.plan_memory`` (notebook 05's function).
         """
         torch.cuda.synchronize()
         torch.cuda.empty_cache()

@@ -9,8 +9,8 @@
  * multiply-adds (AVX-512, AVX2 or NEON, whatever -march=native finds). Threads split the
  * output rows (OpenMP; the runtime is torch's own when torch is loaded first).
  *
- * lifeofprompt/cpu_rows.py compiles this file once per machine; the engine's calibration
- * (lifeofprompt/linear_calibration.py) uses it only for the shapes where it measured fastest.
+ * lifeofprompt/model/cpu_rows.py compiles this file once per machine; the engine's calibration
+ * (lifeofprompt/model/linear_calibration.py) uses it only for the shapes where it measured fastest.
  */
 #define LANES 32
 

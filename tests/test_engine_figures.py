@@ -53,3 +53,16 @@ def test_separate_runs_are_read_from_the_results_folder(tmp_path):
         "kernel bench, batch 64 × 4096: triton paged, no KV split: 0.081 ms, 3,305 GB/s",
         "rerun-18h37: tests/gpu/test_engine_gpu.py rerun after a fix: 4 passed in 26.92s",
     ]
+
+
+def test_load_results_reads_the_committed_folder_and_takes_the_newest_date(tmp_path, monkeypatch):
+    from lifeofprompt.figures import engine
+
+    assert engine.RESULTS_DIR.is_dir() and (engine.RESULTS_DIR.parent / "bench_engine.py").exists()
+    assert engine.load_results("cpu_engine_*.json")[0] is not None          # the committed CPU results
+    for name in ("cpu_engine_amd-epyc_20261201.json", "cpu_engine_intel-xeon_20261130.json", "cpu_engine_20261129.json"):
+        (tmp_path / name).write_text('{"name": "%s"}' % name)
+    monkeypatch.setattr(engine, "RESULTS_DIR", tmp_path)
+    result, path = engine.load_results("cpu_engine_*.json")                   # by date, not by CPU name
+    assert path.name == "cpu_engine_amd-epyc_20261201.json" and result["name"] == path.name
+    assert engine.load_results("nothing_*.json") == (None, None)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-RESULTS_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
 # ----------------------------------------------------------------------------- a live trace
@@ -51,8 +51,18 @@ def live_trace(llm, prompts, params, out=print) -> list:
 
 
 def load_results(pattern: str = "h200-*/gpu_results.json") -> tuple[dict | None, Path | None]:
-    """The newest committed results file matching ``pattern`` under ``benchmarks/results`` (None if none)."""
-    files = sorted(RESULTS_DIR.glob(pattern))
+    """The newest committed results file matching ``pattern`` under ``benchmarks/results`` (None if none).
+
+    Newest by the date in the name (``..._20261201.json``, ``h200-2026-11-30/``), not by the
+    name itself: CPU results are named after their processor, which would sort them by CPU.
+    """
+    import re
+
+    def stamp(path: Path) -> tuple[str, str]:
+        dates = re.findall(r"\d{4}-?\d{2}-?\d{2}", str(path.relative_to(RESULTS_DIR)))
+        return (dates[-1].replace("-", "") if dates else "", path.name)
+
+    files = sorted(RESULTS_DIR.glob(pattern), key=stamp)
     if not files:
         return None, None
     return json.loads(files[-1].read_text()), files[-1]

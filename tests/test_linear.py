@@ -61,6 +61,26 @@ def test_every_path_matches_nn_linear(rows, path):
     torch.testing.assert_close(out, plain(x), rtol=1e-5, atol=1e-5)     # fp32, up to summation order
 
 
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("path", HERE)
+@torch.no_grad()
+def test_every_path_on_random_shapes_and_threads(seed, path):
+    """Widths that leave a tail past the kernels' vector lanes, odd output counts, 1 or 2 threads."""
+    gen = torch.Generator().manual_seed(seed)
+    in_features, out_features, rows = (int(torch.randint(lo, hi, (1,), generator=gen)) for lo, hi in
+                                       ((1, 200), (1, 300), (1, 20)))
+    ours, plain = pair(in_features, out_features, seed)
+    apply_plans(nn.Sequential(ours), {(out_features, in_features): RowPlan.single(path)})
+    x = torch.randn(rows, in_features, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 + seed % 2)
+        out = ours(x)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(out, plain(x), rtol=1e-5, atol=1e-5)
+
+
 def test_transposed_path_is_the_transposed_product():
     w, x = torch.randn(7, 5), torch.randn(1, 5)
     torch.testing.assert_close(transposed_linear(x, w), x @ w.t())

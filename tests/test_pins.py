@@ -55,7 +55,7 @@ def test_the_story_pins_are_decided_at_every_step():
 
 
 @pytest.mark.parametrize("where, prompt, tokens", CONTINUATIONS,
-                         ids=[f"{w} | {str(p)[-40:]}" for w, p, _ in CONTINUATIONS])
+                         ids=[f"{where.split(':')[0]}-{k}" for k, (where, _, _) in enumerate(CONTINUATIONS)])
 def test_other_continuations_are_decided_at_every_step(smollm2, where, prompt, tokens):
     model, tokenizer = smollm2
     ids = render_chat(tokenizer, prompt)[1] if isinstance(prompt, list) else tokenizer.encode(prompt)

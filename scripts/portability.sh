@@ -11,7 +11,7 @@
 #   aten-avx2            ATEN_CPU_CAPABILITY=avx2: torch's element-wise and reduction kernels for AVX2
 #   onednn-avx2          ONEDNN_MAX_CPU_ISA=AVX2: oneDNN (and so its bf16 and packed products) without AVX-512/AMX
 #   aten-onednn-avx2     both
-#   path-<name>          LIFEOFPROMPT_CPU_LINEAR=<name> for every engine, one per path lifeofprompt.linear.PATHS
+#   path-<name>          LIFEOFPROMPT_CPU_LINEAR=<name> for every engine, one per path lifeofprompt.model.linear.PATHS
 #                        names (linear is the default's); skipped where the chooser says it is unavailable
 #   threads-2            LIFEOFPROMPT_TEST_THREADS=2 (1 is the default's): BLAS splits products otherwise
 # The AVX2 settings run on x86-64 only. Each setting runs under `timeout` (PORTABILITY_TIMEOUT seconds,
@@ -23,10 +23,10 @@ LIMIT=${PORTABILITY_TIMEOUT:-900}
 export PYTHONHASHSEED=0 TOKENIZERS_PARALLELISM=false
 
 # The product paths the engine's chooser knows, and those this machine can run (empty: no chooser).
-KNOWN=$("$PYTHON" -c 'from lifeofprompt.linear import PATHS; print(" ".join(PATHS))' 2>/dev/null)
-PATHS=$("$PYTHON" -c 'from lifeofprompt.linear import available_paths; print(" ".join(available_paths()))' 2>/dev/null)
+KNOWN=$("$PYTHON" -c 'from lifeofprompt.model.linear import PATHS; print(" ".join(PATHS))' 2>/dev/null)
+PATHS=$("$PYTHON" -c 'from lifeofprompt.model.linear import available_paths; print(" ".join(available_paths()))' 2>/dev/null)
 ALL=(default aten-avx2 onednn-avx2 aten-onednn-avx2)
-for path in ${KNOWN:-transposed transposed_doubled onednn rows}; do
+for path in ${KNOWN:-transposed transposed_doubled onednn rowwise}; do
   [ "$path" = linear ] || ALL+=("path-$path")
 done
 ALL+=(threads-2)
@@ -47,7 +47,7 @@ environment() {       # the variables of one setting, as NAME=value words
 skip_reason() {       # empty when the setting can run here
   case "$1" in
     *avx2) [ "$(uname -m)" = x86_64 ] || echo "not x86-64" ;;
-    path-*) if [ -z "$PATHS" ]; then echo "no product-path chooser (lifeofprompt.linear.available_paths)";
+    path-*) if [ -z "$PATHS" ]; then echo "no product-path chooser (lifeofprompt.model.linear.available_paths)";
             elif ! [[ " $PATHS " == *" ${1#path-} "* ]]; then echo "unavailable here (available: $PATHS)"; fi ;;
   esac
 }

@@ -15,6 +15,7 @@ from lifeofprompt.model.linear_calibration import calibrate, choose_cpu_linear
 from lifeofprompt.model.llama import LlamaForCausalLM
 
 HERE = available_paths()
+pytestmark = pytest.mark.numerics        # floating-point kernels: scripts/portability.sh runs these per setting
 
 
 def pair(in_features=96, out_features=160, seed=0):

@@ -10,7 +10,7 @@ compiled kernel), and, for scale, how fast the threads read memory with ``tensor
 are random numbers of SmolLM2's sizes. The engine does a shorter version of this at start-up
 (``lifeofprompt.model.linear_calibration``) and keeps the fastest path per shape and row count.
 
-    python benchmarks/cpu_linear.py                # one thread, writes results/cpu_linear_<date>.json and .png
+    python benchmarks/cpu_linear.py                # one thread, writes results/cpu_linear_<cpu>_<date>.json and .png
 """
 
 from __future__ import annotations
@@ -97,7 +97,10 @@ def main(argv=None) -> int:
               "sum_read_GB_per_s": read_bandwidth() / 1e9, "rows": rows_out}
     print(f"{args.threads} thread(s) read memory with sum() at {result['sum_read_GB_per_s']:.1f} GB/s")
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"cpu_linear_{time.strftime('%Y%m%d')}.json"
+    from bench_engine import cpu_slug            # results are named after the CPU they ran on
+
+    threads = "" if args.threads == 1 else f"_{args.threads}t"
+    path = args.out / f"cpu_linear_{cpu_slug(result['env']['cpu'])}{threads}_{time.strftime('%Y%m%d')}.json"
     path.write_text(json.dumps(result, indent=2, default=str))
     import matplotlib
     matplotlib.use("Agg")

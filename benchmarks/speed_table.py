@@ -29,6 +29,7 @@ COLUMNS = [  # (header, result key): each ratio is ours ÷ the peer, output toke
     ("batch-1 ÷ HF generate", "batch1_speedup"),
     ("mixed ÷ llama.cpp", "mixed_vs_llama_cpp"),
     ("batch-1 ÷ llama.cpp", "batch1_vs_llama_cpp"),
+    ("batch-1 step ÷ read floor", "batch1_floor_ratio"),     # lower is better: 1.0 is the floor
 ]
 
 
@@ -66,6 +67,7 @@ def read_results(folder: Path) -> list[dict]:
         rows.append(dict(cpu=cpu, inferred=inferred, date=result.get("env", {}).get("date", "?"),
                          threads=result.get("threads", "?"), dtype=dtype_of(result), file=path.name,
                          **{key: result.get(key) for _, key in COLUMNS}))
+        rows[-1]["batch1_floor_ratio"] = result.get("batch1_step", {}).get("ratio")
     return rows
 
 

@@ -66,3 +66,5 @@ def test_load_results_reads_the_committed_folder_and_takes_the_newest_date(tmp_p
     result, path = engine.load_results("cpu_engine_*.json")                   # by date, not by CPU name
     assert path.name == "cpu_engine_amd-epyc_20261201.json" and result["name"] == path.name
     assert engine.load_results("nothing_*.json") == (None, None)
+    older, path = engine.load_results("cpu_engine_*.json", where=lambda r: "intel" in r["name"])
+    assert path.name == "cpu_engine_intel-xeon_20261130.json"

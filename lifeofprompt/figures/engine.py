@@ -50,8 +50,9 @@ def live_trace(llm, prompts, params, out=print) -> list:
 # ----------------------------------------------------------------------------- results
 
 
-def load_results(pattern: str = "h200-*/gpu_results.json") -> tuple[dict | None, Path | None]:
-    """The newest committed results file matching ``pattern`` under ``benchmarks/results`` (None if none).
+def load_results(pattern: str = "h200-*/gpu_results.json", where=None) -> tuple[dict | None, Path | None]:
+    """The newest committed results file matching ``pattern`` under ``benchmarks/results`` (None if none);
+    ``where(result)`` keeps only the results it accepts (e.g. one thread's runs).
 
     Newest by the date in the name (``..._20261201.json``, ``h200-2026-11-30/``), not by the
     name itself: CPU results are named after their processor, which would sort them by CPU.
@@ -62,10 +63,11 @@ def load_results(pattern: str = "h200-*/gpu_results.json") -> tuple[dict | None,
         dates = re.findall(r"\d{4}-?\d{2}-?\d{2}", str(path.relative_to(RESULTS_DIR)))
         return (dates[-1].replace("-", "") if dates else "", path.name)
 
-    files = sorted(RESULTS_DIR.glob(pattern), key=stamp)
-    if not files:
-        return None, None
-    return json.loads(files[-1].read_text()), files[-1]
+    for path in sorted(RESULTS_DIR.glob(pattern), key=stamp, reverse=True):
+        result = json.loads(path.read_text())
+        if where is None or where(result):
+            return result, path
+    return None, None
 
 
 def separate_runs(results_path: Path) -> list[str]:

@@ -195,14 +195,17 @@ def read_cached(path: Path) -> tuple[dict, dict] | None:
     return plans, stored.get("timings", {})
 
 
-def write_cached(path: Path, key: dict, plans: dict, timings: dict, seconds: float) -> None:
+def write_json(path: Path, payload: dict) -> None:
     """Write atomically (another process may be reading the same file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = dict(key=key, seconds=round(seconds, 3), timings=timings,
-                   plans={f"{o}x{i}": dict(by_rows=list(p.by_rows), large=p.large) for (o, i), p in plans.items()})
     staging = path.with_suffix(f".tmp-{os.getpid()}")
     staging.write_text(json.dumps(payload, indent=1))
     os.replace(staging, path)
+
+
+def write_cached(path: Path, key: dict, plans: dict, timings: dict, seconds: float) -> None:
+    write_json(path, dict(key=key, seconds=round(seconds, 3), timings=timings,
+                          plans={f"{o}x{i}": dict(by_rows=list(p.by_rows), large=p.large) for (o, i), p in plans.items()}))
 
 
 def choose_cpu_linear(model: nn.Module, cpu_linear: str | None = None, prepack: bool = True) -> LinearChoice:
@@ -268,8 +271,5 @@ def bf16_decode_faster() -> tuple[bool, str]:
     ratios = [time_dtype(torch.bfloat16, rows) / time_dtype(torch.float32, rows) for rows in (1, 8)]
     faster = max(ratios) <= 1.0
     why = f"a bf16 product took {ratios[0]:.2f}x / {ratios[1]:.2f}x fp32's time for 1 / 8 rows"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_suffix(f".tmp-{os.getpid()}")
-    staging.write_text(json.dumps(dict(key=key, faster=faster, why=why, ratios=ratios)))
-    os.replace(staging, path)
+    write_json(path, dict(key=key, faster=faster, why=why, ratios=ratios))
     return faster, why

@@ -180,13 +180,29 @@ def test_paths_far_behind_are_dropped_and_the_budget_is_kept():
     calls = []
     paths = ("linear", "transposed", "onednn", "rowwise")
     calibrate(model, paths, measure=fake_measure(lambda rows: "rowwise", calls))
-    # every path is timed for one row; then the row-by-row path far behind is dropped, the blocked ones kept
-    assert {p for p, _, rows in calls if rows == 1} == set(paths)
-    assert {p for p, _, rows in calls if rows == 2} == {"linear", "onednn", "rowwise"}
+    # every path is timed for one and two rows; then the row-by-row path far behind is dropped, the blocked ones kept
+    assert {p for p, _, rows in calls if rows == 1} == {p for p, _, rows in calls if rows == 2} == set(paths)
+    assert {p for p, _, rows in calls if rows == 4} == {"linear", "onednn", "rowwise"}
     calls.clear()
     plans, _ = calibrate(model, ("linear", "rowwise"), measure=fake_measure(lambda rows: "rowwise", calls), budget_s=0)
     assert {rows for _, _, rows in calls} == {1}                   # out of budget after one row
     assert all(plan.by_rows == ("rowwise",) * MAX_PLANNED_ROWS for plan in plans.values())
+
+
+def test_out_of_budget_the_plan_still_spans_the_row_counts(monkeypatch):
+    """Powers of two are timed first; rows not reached take the choice measured just below them."""
+    model = tiny_model()
+    clock = iter(range(10_000))
+    monkeypatch.setattr(linear_calibration.time, "perf_counter", lambda: next(clock))
+    winner = lambda rows: "rowwise" if rows < 4 else "onednn"  # noqa: E731
+    # each perf_counter call is one "second"; a budget of 3 lets the first rounds of rows through
+    plans, timings = calibrate(model, ("linear", "onednn", "rowwise"), measure=fake_measure(winner), budget_s=3)
+    measured = set(timings["128x64"]) - {linear_calibration.LARGE_ROWS}
+    assert measured and measured < set(range(1, MAX_PLANNED_ROWS + 1)) and measured <= {1, 2, 4, 8, 16}
+    assert 4 in measured                                         # enough budget to see the winner change
+    for plan in plans.values():
+        assert all(plan.path_for(m) == winner(max(r for r in measured if r <= m)) for m in range(1, MAX_PLANNED_ROWS + 1))
+        assert plan.path_for(3) == "rowwise" and plan.path_for(MAX_PLANNED_ROWS) == "onednn"
 
 
 def test_calibration_times_over_more_bytes_than_the_cache(monkeypatch):

@@ -81,10 +81,16 @@ def test_the_bf16_measurement_is_cached_per_machine(tmp_path, monkeypatch):
     from lifeofprompt.model import linear_calibration
     monkeypatch.setenv("LIFEOFPROMPT_CACHE", str(tmp_path))
     timed = []
-    monkeypatch.setattr(linear_calibration, "time_dtype",
-                        lambda dtype, rows: timed.append((dtype, rows)) or (1.0 if dtype == torch.bfloat16 else 2.0))
-    assert linear_calibration.bf16_decode_faster() == (True, "a bf16 product took 0.50x / 0.50x fp32's time for 1 / 8 rows")
-    assert len(timed) == 4 and linear_calibration.bf16_decode_faster()[0] and len(timed) == 4   # second call: cached
+    monkeypatch.setattr(linear_calibration, "available_paths", lambda: ("linear", "transposed", "rowwise"))
+    fp32_cost = {"linear": 4.0, "rowwise": 1.5}                    # bf16 is compared with the fastest fp32 path
+    monkeypatch.setattr(linear_calibration, "time_dtype", lambda dtype, rows, path="linear": timed.append(
+        (dtype, rows, path)) or (1.0 if dtype == torch.bfloat16 else fp32_cost[path]))
+    faster, why = linear_calibration.bf16_decode_faster()
+    assert faster and why == "a bf16 product took 0.67x / 0.67x the fastest fp32 path's time for 1 / 8 rows"
+    assert len(timed) == 6 and linear_calibration.bf16_decode_faster()[0] and len(timed) == 6   # second call: cached
+    fp32_cost["rowwise"] = 0.9                                     # a faster fp32 path than bf16: fp32 it is
+    monkeypatch.setenv("LIFEOFPROMPT_CACHE", str(tmp_path / "other"))
+    assert linear_calibration.bf16_decode_faster()[0] is False
 
 
 def test_explicit_and_gpu_dtypes(monkeypatch):

@@ -109,60 +109,84 @@ def time_path(path: str, modules: list[Linear], rows: int, repeats: int = 1) -> 
     return best
 
 
+# The order row counts are timed in: the powers of two first, so a machine too slow for the
+# budget still gets a plan measured across the whole range, with the gaps filled from below.
+ROW_ORDER = (1, 2, 4, 8, 16, 3, 6, 12, 5, 7, 10, 14, 9, 11, 13, 15)
+
+
 @dataclass
 class _ShapeSearch:
-    """The search for one weight shape: paths still in the running, choices so far, timings."""
+    """The search for one weight shape: the choice per measured row count, the timings."""
 
     modules: list[Linear]
-    candidates: list[str]
-    by_rows: list[str] = field(default_factory=list)
+    paths: tuple[str, ...]
+    choice: dict[int, str] = field(default_factory=dict)
+    dropped: dict[str, int] = field(default_factory=dict)     # row-by-row path -> rows where it fell far behind
     timings: dict = field(default_factory=dict)
 
     def measure_rows(self, rows: int, measure) -> None:
         # Doubling changes only a single row: from two rows on it is the plain transposed product.
-        here = dict.fromkeys("transposed" if rows > 1 and p == "transposed_doubled" else p for p in self.candidates)
-        times = self.timings[rows] = {p: measure(p, self.modules, rows) for p in here}
-        best = min(times, key=times.get)
-        self.by_rows.append(best)
         # A path that works row by row costs about M times one row, so once it is far behind it
-        # only falls further back; the blocked products (BLAS, oneDNN) get cheaper per row: kept.
-        self.candidates = [p for p in here if p not in ROW_BY_ROW or times[p] < DROP_FACTOR * times[best]]
+        # only falls further back: it is not timed for more rows. The blocked products (BLAS,
+        # oneDNN) get cheaper per row, so they are always timed.
+        named = ("transposed" if rows > 1 and p == "transposed_doubled" else p for p in self.paths)
+        here = [p for p in dict.fromkeys(named) if self.dropped.get(p, MAX_PLANNED_ROWS + 1) >= rows]
+        times = self.timings[rows] = {p: measure(p, self.modules, rows) for p in here}
+        best = self.choice[rows] = min(times, key=times.get)
+        for p in here:              # one row is a kernel of its own (a matrix-vector product): judge from two
+            if rows > 1 and p in ROW_BY_ROW and times[p] >= DROP_FACTOR * times[best]:
+                self.dropped[p] = min(self.dropped.get(p, rows), rows)
+
+    def plan(self, large: str) -> RowPlan:
+        """Every row count takes the choice of the nearest measured row count at or below it."""
+        by_rows = [self.choice[max(m for m in self.choice if m <= rows)] for rows in range(1, MAX_PLANNED_ROWS + 1)]
+        return RowPlan(tuple(by_rows), large)
 
     def large_rows_path(self, measure) -> str:
         """oneDNN above MAX_PLANNED_ROWS where it measured no slower than ``x @ W.T`` (compute-bound: one matrix)."""
-        if "onednn" not in self.candidates:                    # not available here
+        if "onednn" not in self.paths:                        # not available here
             return "linear"
         times = self.timings[LARGE_ROWS] = {p: measure(p, self.modules[:1], LARGE_ROWS) for p in ("linear", "onednn")}
         return "onednn" if times["onednn"] <= times["linear"] else "linear"
 
 
+def warm_up(searches: dict, paths: tuple[str, ...]) -> None:
+    """One untimed pass over every sampled matrix: the first touch of freshly loaded weights and of
+    new packed copies costs page faults, which would otherwise be timed as the path's speed."""
+    for search in searches.values():
+        x = torch.randn(1, search.modules[0].in_features)
+        for path in {"linear", "onednn"} & set(paths):
+            for module in search.modules:
+                run_path(path, x, module)
+
+
 def calibrate(model: nn.Module, paths: tuple[str, ...], measure=None, budget_s: float = BUDGET_SECONDS):
     """Time ``paths`` on the model's own shapes; returns ``(plans, timings)``.
 
-    Row counts are measured in increasing order across all shapes, so if the budget runs out
-    it is the large row counts (rare in decoding) that inherit the last choice made.
+    Row counts are measured in ``ROW_ORDER`` across all shapes; if the budget runs out, the row
+    counts not reached take the choice of the nearest measured one below them.
     ``measure(path, modules, rows) -> seconds`` is injectable, so tests can make each path win.
     """
     if measure is None:
         measure = lambda path, modules, rows: time_path(path, modules, rows, repeats=2 if rows <= 2 else 1)  # noqa: E731
     min_bytes = 2 * last_level_cache_bytes()
-    searches = {shape: _ShapeSearch(sample_modules(modules, min_bytes), list(paths))
+    searches = {shape: _ShapeSearch(sample_modules(modules, min_bytes), tuple(paths))
                 for shape, modules in weights_by_shape(model).items()}
     if "onednn" in paths:
         for search in searches.values():
             for module in search.modules:
                 module.prepack()
-    deadline = time.perf_counter() + budget_s
     try:
         with torch.no_grad():
+            warm_up(searches, paths)
+            deadline = time.perf_counter() + budget_s
             large = {shape: search.large_rows_path(measure) for shape, search in searches.items()}
-            for rows in range(1, MAX_PLANNED_ROWS + 1):
+            for rows in ROW_ORDER:
+                if rows > 1 and time.perf_counter() > deadline:
+                    break
                 for search in searches.values():
-                    if rows > 1 and time.perf_counter() > deadline:
-                        search.by_rows.append(search.by_rows[-1])      # out of budget: keep the last choice
-                    else:
-                        search.measure_rows(rows, measure)
-            plans = {shape: RowPlan(tuple(search.by_rows), large[shape]) for shape, search in searches.items()}
+                    search.measure_rows(rows, measure)
+            plans = {shape: search.plan(large[shape]) for shape, search in searches.items()}
     finally:
         for search in searches.values():
             for module in search.modules:
@@ -238,17 +262,22 @@ def choose_cpu_linear(model: nn.Module, cpu_linear: str | None = None, prepack: 
 # ----------------------------------------------------------------------------- bf16 or fp32 on this CPU
 
 
-def time_dtype(dtype: torch.dtype, rows: int, shape=(3072, 576)) -> float:
-    """Seconds for ``rows`` rows through enough ``shape`` matrices of ``dtype`` to exceed twice the cache."""
+def time_dtype(dtype: torch.dtype, rows: int, path: str = "linear", shape=(3072, 576)) -> float:
+    """Seconds for ``rows`` rows by ``path`` through enough ``shape`` matrices of ``dtype`` to exceed twice the cache."""
     count = max(2, -(-2 * last_level_cache_bytes() // (shape[0] * shape[1] * dtype.itemsize)))
-    weights = [torch.randn(shape, dtype=dtype) for _ in range(count)]
+    modules = []
+    for _ in range(count):
+        module = Linear(shape[1], shape[0], bias=False, dtype=dtype)
+        if path == "onednn":
+            module.prepack()
+        modules.append(module)
     x = torch.randn(rows, shape[1], dtype=dtype)
     best = float("inf")
     with torch.no_grad():
-        for _ in range(3):                                   # the first pass warms up
+        for _ in range(3):                                   # the first pass warms up (page faults, kernel set-up)
             start = time.perf_counter()
-            for w in weights:
-                nn.functional.linear(x, w)
+            for module in modules:
+                run_path(path, x, module)
             best = min(best, time.perf_counter() - start)
     return best
 
@@ -258,9 +287,10 @@ def bf16_decode_faster() -> tuple[bool, str]:
 
     Having bf16 instructions is necessary, not sufficient: what matters is how fast torch's bf16
     kernels read the weights. A bf16 step reads half the bytes, so it pays off only if it reads
-    them at more than half fp32's rate; timed for 1 and 8 rows.
+    them at more than half the rate of the *fastest* fp32 path here (the one the engine would
+    choose); timed for 1 and 8 rows.
     """
-    key = dict(version=CALIBRATION_VERSION, what="bf16 vs fp32", cpu=cpu_model(), flags=" ".join(sorted(cpu_flags())),
+    key = dict(version=CALIBRATION_VERSION, what="bf16 vs the fastest fp32 path", cpu=cpu_model(), flags=" ".join(sorted(cpu_flags())),
                torch=torch.__version__, threads=torch.get_num_threads())
     path = cache_file(key)
     try:
@@ -268,8 +298,10 @@ def bf16_decode_faster() -> tuple[bool, str]:
         return stored["faster"], stored["why"]
     except (OSError, ValueError, KeyError):
         pass
-    ratios = [time_dtype(torch.bfloat16, rows) / time_dtype(torch.float32, rows) for rows in (1, 8)]
+    fp32_paths = [p for p in available_paths() if p != "transposed"]      # doubled covers it for one row
+    ratios = [time_dtype(torch.bfloat16, rows) / min(time_dtype(torch.float32, rows, p) for p in fp32_paths)
+              for rows in (1, 8)]
     faster = max(ratios) <= 1.0
-    why = f"a bf16 product took {ratios[0]:.2f}x / {ratios[1]:.2f}x fp32's time for 1 / 8 rows"
+    why = f"a bf16 product took {ratios[0]:.2f}x / {ratios[1]:.2f}x the fastest fp32 path's time for 1 / 8 rows"
     write_json(path, dict(key=key, faster=faster, why=why, ratios=ratios))
     return faster, why

@@ -48,7 +48,7 @@ def choose_dtype(device: torch.device, dtype=None, declared="bfloat16") -> tuple
 
     The CPU rule: the model's declared half-precision dtype becomes bf16 only where the CPU
     computes bf16 natively (an AVX512-BF16 or AMX flag) *and* torch's bf16 products measured
-    faster than fp32's there (``linear_calibration.bf16_decode_faster``, timed once per machine):
+    faster than the fastest fp32 path there (``linear_calibration.bf16_decode_faster``, timed once per machine):
     bf16 halves the bytes a step reads, which pays only if they are read at more than half the
     speed. Without the flag bf16 is emulated through fp32 conversions, so we run fp32 without
     timing. (vLLM's CPU backend runs bf16 on every x86 CPU; we read the flags and measure.)

@@ -30,9 +30,10 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import bench_engine as bench  # noqa: E402
+from lifeofprompt.story import STORY_PROMPTS  # noqa: E402
 
 RANDOM_LABEL = "tinyllama-1.1b-random: TinyLlama-1.1B shapes, bf16, RANDOM WEIGHTS (speed only; text meaningless)"
-STORY = ["hi my name is", "today is a beautiful summer day", "hello there"]
+STORY = list(STORY_PROMPTS)
 
 
 # ----------------------------------------------------------------------------- set-up

@@ -24,11 +24,10 @@ import torch
 from lifeofprompt.lessons.agreement import (FP32_TOLERANCE, assert_argmax_agrees, assert_greedy_agrees, teacher_forced_logits,
                                     top2_margins)
 from lifeofprompt.lessons.reference import hf_greedy
+from lifeofprompt.story import STORY_PROMPTS
 
 PROMPTS = [
-    "hi my name is",
-    "today is a beautiful summer day",
-    "hello there",
+    *STORY_PROMPTS,
     "The capital of France is",
     "def fibonacci(n):",
     "Once upon a time, in a small village by the sea, there lived",

@@ -13,11 +13,12 @@ from lifeofprompt.errors import InvalidRequestError
 from lifeofprompt.lessons.generate import (compare_old_rows, generate_cached, generate_cached_batch, generate_naive,
                                    record_forward)
 from lifeofprompt.lessons.reference import hf_greedy
+from lifeofprompt.story import STORY_PROMPTS
 
 # SmolLM2-135M-Instruct (embedded, fp32, CPU), 64 greedy tokens after each story prompt, EOS ignored:
 # transformers' tokens and the top-2 margin of every step (tests/data/make_engine_parity.py).
 _PARITY = json.loads((Path(__file__).parent / "data" / "engine_parity_smollm2.json").read_text())
-STORY = ["hi my name is", "today is a beautiful summer day", "hello there"]
+STORY = list(STORY_PROMPTS)
 PINNED_64 = [_PARITY["tokens"][p] for p in STORY]
 MARGINS_64 = [_PARITY["margins"][p] for p in STORY]
 

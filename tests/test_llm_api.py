@@ -6,8 +6,9 @@ import pytest
 
 from lifeofprompt import LLM, RequestOutput, SamplingParams
 from lifeofprompt.errors import InvalidRequestError, RequestTooLargeError
+from lifeofprompt.story import STORY_PROMPTS
 
-STORY = ["hi my name is", "today is a beautiful summer day", "hello there"]
+STORY = list(STORY_PROMPTS)
 GREEDY3 = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 # The greedy tokens pinned below are decided far beyond fp32 rounding at every step (tests/test_pins.py).
 

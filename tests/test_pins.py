@@ -19,9 +19,10 @@ import pytest
 
 from lifeofprompt.lessons.agreement import FP32_TOLERANCE, assert_argmax_agrees, teacher_forced_logits
 from lifeofprompt.engine.llm import render_chat
+from lifeofprompt.story import STORY_PROMPTS
 
 PARITY = json.loads((Path(__file__).parent / "data" / "engine_parity_smollm2.json").read_text())
-STORY = ["hi my name is", "today is a beautiful summer day", "hello there"]
+STORY = list(STORY_PROMPTS)
 SEASIDE = ("You are a cheerful assistant for a small seaside town. Answer every question in one "
            "short, friendly sentence, and never make up facts you do not know.\n")
 

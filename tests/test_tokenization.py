@@ -10,6 +10,7 @@ from lifeofprompt.model.tokenization import (STORY_TINYLLAMA_COUNTS, byte_to_uni
                                        bpe_walkthrough, bytes_as_symbols, chat_prompt, format_token_table,
                                        format_walkthrough, merge_ranks, plot_walkthrough, pretokenize,
                                        special_tokens, token_table, token_table_html)
+from lifeofprompt.story import STORY_PROMPTS
 
 STORY_IDS = [[6004, 957, 1462, 314], [28195, 314, 253, 3953, 4018, 1194], [28120, 665]]
 
@@ -64,7 +65,7 @@ def test_bpe_steps_merges_the_best_ranked_pair_everywhere():
 
 
 def test_our_encoder_gives_the_story_ids(tokenizer):
-    for text, ids in zip(["hi my name is", "today is a beautiful summer day", "hello there"], STORY_IDS):
+    for text, ids in zip(STORY_PROMPTS, STORY_IDS):
         assert bpe_encode(tokenizer, text) == ids == tokenizer.encode(text)
 
 

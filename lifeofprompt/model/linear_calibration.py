@@ -37,7 +37,7 @@ from .linear import MAX_PLANNED_ROWS, PATHS, Linear, RowPlan, available_paths, p
 
 CALIBRATION_VERSION = 1
 LARGE_ROWS = 64             # the row count that stands for "more than MAX_PLANNED_ROWS"
-BUDGET_SECONDS = 2.5        # past this, the remaining row counts take the last choice made (~3 s in all)
+BUDGET_SECONDS = 2.5        # past this, row counts not yet timed take the choice below them (~3 s in all)
 DROP_FACTOR = 2.0           # a row-by-row path this many times slower than the best is not timed for more rows
 ROW_BY_ROW = ("transposed", "transposed_doubled", "rowwise")
 ENV_VARIABLE = "LIFEOFPROMPT_CPU_LINEAR"
@@ -98,7 +98,7 @@ def sample_modules(modules: list[Linear], min_bytes: int) -> list[Linear]:
 
 def time_path(path: str, modules: list[Linear], rows: int, repeats: int = 1) -> float:
     """Seconds for ``rows`` rows through every module of ``modules`` by ``path`` (fastest of ``repeats`` passes)."""
-    x = torch.randn(rows, modules[0].in_features)
+    x = torch.randn(rows, modules[0].in_features, dtype=modules[0].weight.dtype)
     run_path(path, x, modules[0])                        # warm-up: first-call set-up, kernel selection
     best = float("inf")
     for _ in range(repeats):
@@ -265,21 +265,12 @@ def choose_cpu_linear(model: nn.Module, cpu_linear: str | None = None, prepack: 
 def time_dtype(dtype: torch.dtype, rows: int, path: str = "linear", shape=(3072, 576)) -> float:
     """Seconds for ``rows`` rows by ``path`` through enough ``shape`` matrices of ``dtype`` to exceed twice the cache."""
     count = max(2, -(-2 * last_level_cache_bytes() // (shape[0] * shape[1] * dtype.itemsize)))
-    modules = []
-    for _ in range(count):
-        module = Linear(shape[1], shape[0], bias=False, dtype=dtype)
-        if path == "onednn":
+    modules = [Linear(shape[1], shape[0], bias=False, dtype=dtype) for _ in range(count)]
+    if path == "onednn":
+        for module in modules:
             module.prepack()
-        modules.append(module)
-    x = torch.randn(rows, shape[1], dtype=dtype)
-    best = float("inf")
     with torch.no_grad():
-        for _ in range(3):                                   # the first pass warms up (page faults, kernel set-up)
-            start = time.perf_counter()
-            for module in modules:
-                run_path(path, x, module)
-            best = min(best, time.perf_counter() - start)
-    return best
+        return time_path(path, modules, rows, repeats=3)
 
 
 def bf16_decode_faster() -> tuple[bool, str]:

@@ -137,7 +137,8 @@ class LLMEngine:
                  enforce_eager: bool = False, gpu_memory_utilization: float = 0.9,
                  max_waiting: int | None = None, check_invariants: bool = False,
                  max_step_records: int = 10_000, log_stats: bool = True, clock=time.monotonic,
-                 prepack_cpu_weights: bool = True, cpu_linear: str | None = None):
+                 prepack_cpu_weights: bool = True, cpu_linear: str | None = None,
+                 cpu_decode: bool | None = None):
         if isinstance(model, str):
             from ..model.loader import load_model
             self.model, self.tokenizer = load_model(model, dtype=dtype, device=device)
@@ -162,7 +163,8 @@ class LLMEngine:
                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   max_model_len=context_len, enforce_eager=enforce_eager or None,
                                   gpu_memory_utilization=gpu_memory_utilization,
-                                  prepack_cpu_weights=prepack_cpu_weights, cpu_linear=cpu_linear)
+                                  prepack_cpu_weights=prepack_cpu_weights, cpu_linear=cpu_linear,
+                                  cpu_decode=cpu_decode)
         self.num_kv_blocks = self.runner.kv_cache.num_blocks
         self.block_manager = BlockManager(self.num_kv_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, context_len)
@@ -203,7 +205,8 @@ class LLMEngine:
             f"{self.model.dtype} on {self.model.device}"
             + (f" ({self.model.dtype_reason})" if getattr(self.model, "dtype_reason", "") else "")
             + f"; weights take {format_bytes(weights)}"
-            + (f" (+ {format_bytes(packed)} prepacked for oneDNN)" if packed else ""),
+            + (f" (+ {format_bytes(packed)} prepacked for oneDNN)" if packed else "")
+            + ("; in 2 MiB pages" if getattr(self.runner, "huge_page_bytes", 0) else ""),
             f"KV cache: {format_bytes(kv)} = {self.num_kv_blocks} blocks × {self.block_size} tokens "
             f"= {tokens} tokens ({format_bytes(kv / max(tokens, 1))} per token)",
             f"maximum concurrency for {self.config.max_position_embeddings} tokens per request: "
@@ -214,6 +217,10 @@ class LLMEngine:
         ]
         if self.runner.linear_choice is not None:
             lines += self.runner.linear_choice.describe()
+        rows = getattr(self.runner, "cpu_decode_rows", 0)
+        if rows:
+            lines.append(f"decode steps of {'1' if rows == 1 else f'1-{rows}'} rows: all layers in one C call "
+                         "(model/cpu_decode.c), where rowwise products were chosen")
         if getattr(self.model, "is_random", False):
             lines.append("NOTE: random weights - generated text is meaningless (speed and memory work only)")
         return lines

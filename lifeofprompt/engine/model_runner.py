@@ -31,6 +31,8 @@ import torch
 from ..model.attention import PagedCacheMetadata, PagedKVCache
 from ..errors import ConfigError, OutOfMemoryError
 from .memory import kv_bytes_per_block, plan_memory
+from ..model.cpu_decode import layer_shapes, supports as cpu_decode_supports, usable_rows as cpu_decode_rows
+from ..model.huge_pages import move_weights_to_huge_pages
 from ..model.linear import apply_plans
 from ..model.linear_calibration import choose_cpu_linear
 from .sampler import Sampler, SamplerOutput, make_generator
@@ -76,7 +78,7 @@ class ModelRunner:
                  max_model_len: int | None = None, enforce_eager: bool | None = None,
                  gpu_memory_utilization: float = 0.9, cpu_kv_bytes: int = 2 << 30,
                  fused_kernels: bool | None = None, prepack_cpu_weights: bool = True,
-                 cpu_linear: str | None = None):
+                 cpu_linear: str | None = None, cpu_decode: bool | None = None):
         if block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size}")
         self.model = model
@@ -106,9 +108,13 @@ class ModelRunner:
         # shape and row count (model/linear_calibration.py); weights whose plan uses oneDNN get a packed
         # second copy (prepack_cpu_weights=False rules that path out: less memory).
         self.linear_choice = None
+        # On the CPU the weights move once into 2 MiB pages, which one core streams about a quarter
+        # faster than 4 KiB ones (model/huge_pages.py); before the timing, so it times them there.
+        self.huge_page_bytes = move_weights_to_huge_pages(model) if self.device.type == "cpu" else 0
         if self.device.type == "cpu" and model.dtype == torch.float32:
             self.linear_choice = choose_cpu_linear(model, cpu_linear, prepack=prepack_cpu_weights)
         self.prepacked_bytes = apply_plans(model, self.linear_choice.plans if self.linear_choice else None)
+        self.cpu_decode_rows = self.choose_cpu_decode_rows(cpu_decode)
         self.last_output: SamplerOutput | None = None
         self.last_logprobs: list | None = None     # per seq: None or (logprob, {token_id: logprob, ...})
         self.last_launch: dict = {}               # how the last step ran (eager / graph replay, padding), for traces
@@ -151,9 +157,28 @@ class ModelRunner:
         input_ids, positions, meta = self.prepare(seqs, lengths, cache=cache)
         return self.run_model(input_ids, positions, meta)
 
+    def choose_cpu_decode_rows(self, cpu_decode: bool | None) -> int:
+        """Up to how many rows a decode step runs as one C call (``model/cpu_decode.py``); 0 for never.
+
+        ``None``: where the calibration chose the ``rowwise`` product for every layer matrix (the
+        C step multiplies the same way, and saves the eager ops around the products). ``True``:
+        every decode step of up to 16 rows (tests); ``False``: never.
+        """
+        if cpu_decode is False or self.backend != "torch" or not cpu_decode_supports(self.model):
+            return 0
+        if cpu_decode:
+            return 16
+        plans = self.linear_choice.plans if self.linear_choice else None
+        return cpu_decode_rows(plans, layer_shapes(self.model))
+
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedCacheMetadata) -> torch.Tensor:
-        """The model's forward as this runner runs it (with the fused element-wise kernels or not)."""
-        return self.model(input_ids, positions, meta, fused_kernels=self.fused_kernels)
+        """The model's forward as this runner runs it: the fused C decode step, the fused Triton kernels, or plain."""
+        fused = self.fused_kernels
+        if 0 < meta.num_seqs <= self.cpu_decode_rows and meta.max_query_len == 1 and meta.cache.kv.dtype == torch.float32:
+            fused = "cpu"
+        if self.last_launch:
+            self.last_launch["fused"] = fused
+        return self.model(input_ids, positions, meta, fused_kernels=fused)
 
     @torch.no_grad()
     def profile_num_blocks(self) -> int:

@@ -1,5 +1,6 @@
 """The fused C decode step (model/cpu_decode.c) against the torch forward, and the weights' 2 MiB pages."""
 
+import itertools
 import random
 
 import pytest
@@ -134,3 +135,32 @@ def test_weights_move_to_huge_pages_and_keep_their_values_and_ties():
     big.fill_(1)                                          # pages are granted when first touched
     assert big.data_ptr() % huge_pages.HUGE_PAGE == 0
     assert huge_pages.huge_page_bytes(big) > 0
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("seed", range(6))
+@torch.no_grad()
+def test_decode_attention_in_c_matches_the_torch_path_in_mixed_steps(seed, threads):
+    """A step of decodes (some with no key yet) and prefill chunks: the C decode rows equal gather + SDPA."""
+    from lifeofprompt.model.paged_attention import paged_attention
+
+    rng = random.Random(seed)
+    kv_heads, group, head_dim, block_size = rng.choice([1, 3]), rng.choice([1, 3]), rng.choice([16, 64]), rng.choice([1, 16])
+    num_blocks = 800
+    k_pool, v_pool = torch.randn(2, num_blocks, block_size, kv_heads, head_dim).unbind(0)
+    query_lens = [rng.choice([1, 1, 1, rng.randrange(2, 9)]) for _ in range(rng.randrange(1, 9))]
+    seq_lens = [q + rng.randrange(0, 60) if q > 1 else rng.randrange(0, 80) for q in query_lens]
+    width = max(seq_lens) // block_size + 1
+    blocks = rng.sample(range(num_blocks), width * len(seq_lens))
+    block_tables = torch.tensor([blocks[i * width:(i + 1) * width] for i in range(len(seq_lens))], dtype=torch.int32)
+    starts = torch.tensor([0] + list(itertools.accumulate(query_lens)), dtype=torch.int32)
+    query = torch.randn(int(starts[-1]), kv_heads * group, head_dim)
+    args = (query, k_pool, v_pool, block_tables, torch.tensor(seq_lens, dtype=torch.int32), starts,
+            max(query_lens), max(seq_lens), head_dim ** -0.5)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = paged_attention(*args, decode_kernel=cpu_decode.decode_attention)
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(got, paged_attention(*args), rtol=1e-5, atol=1e-5)

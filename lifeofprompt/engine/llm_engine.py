@@ -221,6 +221,9 @@ class LLMEngine:
         if rows:
             lines.append(f"decode steps of {'1' if rows == 1 else f'1-{rows}'} rows: all layers in one C call "
                          "(model/cpu_decode.c), where rowwise products were chosen")
+        if getattr(self.runner, "decode_attention_reason", ""):
+            how = "in C, from the pool" if self.runner.decode_attention_in_c else "gather + SDPA (torch)"
+            lines.append(f"decode attention: {how} ({self.runner.decode_attention_reason})")
         if getattr(self.model, "is_random", False):
             lines.append("NOTE: random weights - generated text is meaningless (speed and memory work only)")
         return lines

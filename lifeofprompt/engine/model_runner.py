@@ -31,7 +31,7 @@ import torch
 from ..model.attention import PagedCacheMetadata, PagedKVCache
 from ..errors import ConfigError, OutOfMemoryError
 from .memory import kv_bytes_per_block, plan_memory
-from ..model.cpu_decode import layer_shapes, supports as cpu_decode_supports, usable_rows as cpu_decode_rows
+from ..model.cpu_decode import decode_attention_faster, layer_shapes, supports as cpu_decode_supports, usable_rows as cpu_decode_rows
 from ..model.huge_pages import move_weights_to_huge_pages
 from ..model.linear import apply_plans
 from ..model.linear_calibration import choose_cpu_linear
@@ -115,6 +115,7 @@ class ModelRunner:
             self.linear_choice = choose_cpu_linear(model, cpu_linear, prepack=prepack_cpu_weights)
         self.prepacked_bytes = apply_plans(model, self.linear_choice.plans if self.linear_choice else None)
         self.cpu_decode_rows = self.choose_cpu_decode_rows(cpu_decode)
+        self.decode_attention_in_c, self.decode_attention_reason = self.choose_decode_attention(cpu_decode)
         self.last_output: SamplerOutput | None = None
         self.last_logprobs: list | None = None     # per seq: None or (logprob, {token_id: logprob, ...})
         self.last_launch: dict = {}               # how the last step ran (eager / graph replay, padding), for traces
@@ -170,6 +171,23 @@ class ModelRunner:
             return 16
         plans = self.linear_choice.plans if self.linear_choice else None
         return cpu_decode_rows(plans, layer_shapes(self.model))
+
+    def choose_decode_attention(self, cpu_decode: bool | None) -> tuple[bool, str]:
+        """Whether the decode rows of every step attend in C, straight from the pool (``cpu_decode.decode_attention``).
+
+        Measured once per machine against the torch path (gather + SDPA); never timed when the
+        products are pinned (tests, checked notebook cells): then pinned ``rowwise`` means the C
+        paths and any other pinned path the torch ones, so no timing can move a token.
+        """
+        if cpu_decode is False or self.backend != "torch" or not cpu_decode_supports(self.model):
+            return False, ""
+        if cpu_decode:
+            return True, "asked for"
+        pinned = self.linear_choice.pinned if self.linear_choice else None
+        if pinned is not None:
+            return pinned == "rowwise", f"follows the pinned {pinned} path"
+        config = self.config
+        return decode_attention_faster(config.num_heads, config.num_kv_heads, config.head_dim, self.block_size)
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedCacheMetadata) -> torch.Tensor:
         """The model's forward as this runner runs it: the fused C decode step, the fused Triton kernels, or plain."""
@@ -232,7 +250,8 @@ class ModelRunner:
         fields = PagedCacheMetadata.describe_batch(query_lens, seq_lens, device)
         fields["logits_indices"] = torch.tensor(logits_rows, dtype=torch.long).to(device, non_blocking=True)
         meta = PagedCacheMetadata(**fields, cache=cache or self.kv_cache, block_tables=block_tables.to(device, non_blocking=True),
-                                  slot_mapping=slots.to(device, non_blocking=True), backend=self.backend)
+                                  slot_mapping=slots.to(device, non_blocking=True), backend=self.backend,
+                                  decode_in_c=self.decode_attention_in_c)
         return torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True), pos.to(device, non_blocking=True), meta
 
     @staticmethod

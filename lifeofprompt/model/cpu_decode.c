@@ -81,31 +81,72 @@ static void rotate(float *heads, long count, long head_dim, const float *cos, co
     }
 }
 
-static long slot_of(const int32_t *block_table, long position, long block_size) {
-    return (long)block_table[position / block_size] * block_size + position % block_size;
+/* sum_i a[i] * b[i] for a short vector (a head, 64-128 floats): one vector accumulator, reduced
+ * in a tree (omp simd allows the reordering; without it the compiler must add in order). */
+static float short_dot(const float *a, const float *b, long n) {
+    float sum = 0;
+    #pragma omp simd reduction(+:sum)
+    for (long i = 0; i < n; i++) sum += a[i] * b[i];
+    return sum;
 }
 
-/* One query head of one row over its sequence's cached keys and values. */
-static void attend_head(const float *q, const float *k_pool, const float *v_pool, const int32_t *block_table,
-                        long seq_len, const Dims *d, long kv_head, float *scores, float *out) {
-    long D = d->head_dim, stride = d->num_kv_heads * D;
-    float best = -INFINITY;
-    if (seq_len == 0) { for (long i = 0; i < D; i++) out[i] = 0; return; }   /* sees no key: zeros, as the torch path */
-    for (long j = 0; j < seq_len; j++) {
-        const float *k = k_pool + slot_of(block_table, j, d->block_size) * stride + kv_head * D;
-        float dot = 0;
-        for (long i = 0; i < D; i++) dot += q[i] * k[i];
-        scores[j] = dot * d->scale;
-        if (scores[j] > best) best = scores[j];
+/* Where token `j0`'s block starts in a pool (all KV heads of a token are one row of NKV * D floats). */
+static const float *block_start(const float *pool, const int32_t *block_table, long j0, const Dims *d) {
+    return pool + (long)block_table[j0 / d->block_size] * d->block_size * d->num_kv_heads * d->head_dim;
+}
+
+/* Query heads [first, first + count) of one row, over its sequence's cached keys and values.
+ * Keys and values are walked block by block, each token's row of all KV heads at once: a
+ * block is one contiguous stretch of the pool, which the prefetcher can follow, where a walk
+ * of one KV head at a time would stride through it. `q`, `out`: the row's [NQ, D];
+ * `scores`: [count, seq_len]. */
+static void attend_heads(const float *q, const float *k_pool, const float *v_pool, const int32_t *block_table,
+                         long seq_len, const Dims *d, long first, long count, float *scores, float *out) {
+    long D = d->head_dim, NKV = d->num_kv_heads, group = d->num_heads / NKV, stride = NKV * D;
+    for (long i = first * D; i < (first + count) * D; i++) out[i] = 0;
+    if (seq_len == 0) return;                     /* sees no key: zeros, as the torch path */
+    for (long j0 = 0; j0 < seq_len; j0 += d->block_size) {
+        const float *k = block_start(k_pool, block_table, j0, d);
+        if (j0 + d->block_size < seq_len) __builtin_prefetch(block_start(k_pool, block_table, j0 + d->block_size, d));
+        long end = j0 + d->block_size < seq_len ? j0 + d->block_size : seq_len;
+        for (long j = j0; j < end; j++, k += stride)
+            for (long h = first; h < first + count; h++)
+                scores[(h - first) * seq_len + j] = short_dot(q + h * D, k + (h / group) * D, D) * d->scale;
     }
-    float total = 0;
-    for (long j = 0; j < seq_len; j++) { scores[j] = expf(scores[j] - best); total += scores[j]; }
-    for (long i = 0; i < D; i++) out[i] = 0;
-    for (long j = 0; j < seq_len; j++) {
-        const float *v = v_pool + slot_of(block_table, j, d->block_size) * stride + kv_head * D;
-        float p = scores[j] / total;
-        for (long i = 0; i < D; i++) out[i] += p * v[i];
+    for (long h = 0; h < count; h++) {
+        float *s = scores + h * seq_len, best = -INFINITY, total = 0;
+        for (long j = 0; j < seq_len; j++) best = s[j] > best ? s[j] : best;
+        for (long j = 0; j < seq_len; j++) { s[j] = expf(s[j] - best); total += s[j]; }
+        for (long j = 0; j < seq_len; j++) s[j] /= total;
     }
+    for (long j0 = 0; j0 < seq_len; j0 += d->block_size) {
+        const float *v = block_start(v_pool, block_table, j0, d);
+        if (j0 + d->block_size < seq_len) __builtin_prefetch(block_start(v_pool, block_table, j0 + d->block_size, d));
+        long end = j0 + d->block_size < seq_len ? j0 + d->block_size : seq_len;
+        for (long j = j0; j < end; j++, v += stride)
+            for (long h = first; h < first + count; h++) {
+                float p = scores[(h - first) * seq_len + j], *o = out + h * D;
+                const float *vh = v + (h / group) * D;
+                #pragma omp simd
+                for (long i = 0; i < D; i++) o[i] += p * vh[i];
+            }
+    }
+}
+
+/* Attention of m decode rows, inside a parallel region: a row per task, or with fewer rows than
+ * threads a (row, KV head) per task so every thread has work. `scores`: [m * NQ, max_seq_len]. */
+static void attend_rows(const float *q, long q_stride, const float *k_pool, const float *v_pool,
+                        const int32_t *block_tables, const int32_t *seq_lens, const Dims *d, long m,
+                        float *scores, float *out, long out_stride, int threads) {
+    long NQ = d->num_heads, NKV = d->num_kv_heads, group = NQ / NKV;
+    long split = m < threads ? NKV : 1, per_task = NQ / split;
+    #pragma omp for schedule(static)
+    for (long task = 0; task < m * split; task++) {
+        long r = task / split, first = (task % split) * per_task;
+        attend_heads(q + r * q_stride, k_pool, v_pool, block_tables + r * d->max_blocks, seq_lens[r], d,
+                     first, per_task, scores + (r * NQ + first) * d->max_seq_len, out + r * out_stride);
+    }
+    (void)group;
 }
 
 static float silu(float x) { return x / (1.0f + expf(-x)); }
@@ -152,12 +193,7 @@ void decode_step(const Dims *d, const int64_t *weights, const float *final_norm,
             #pragma omp for schedule(static)
             for (long head = 0; head < NQ + 2 * NKV; head++)
                 project_head(normed, w[1], qkv, head, m, d, positions, slots, cos_table, sin_table, k_pool, v_pool);
-            #pragma omp for schedule(static)
-            for (long pair = 0; pair < m * NQ; pair++) {
-                long r = pair / NQ, h = pair % NQ;
-                attend_head(qkv + r * qkv_width + h * D, k_pool, v_pool, block_tables + r * d->max_blocks,
-                            seq_lens[r], d, h / group, scores + pair * d->max_seq_len, context + r * NQ * D + h * D);
-            }
+            attend_rows(qkv, qkv_width, k_pool, v_pool, block_tables, seq_lens, d, m, scores, context, NQ * D, threads);
             #pragma omp for schedule(static)
             for (long o = 0; o < H; o++)
                 for (long r = 0; r < m; r++) hidden[r * H + o] += dot(w[2] + o * NQ * D, context + r * NQ * D, NQ * D);
@@ -172,4 +208,15 @@ void decode_step(const Dims *d, const int64_t *weights, const float *final_norm,
         }
     }
     rms_norm(hidden, final_norm, hidden, m, H, d->eps);
+}
+
+/* Attention alone, for the decode rows of any step (one query row per sequence, q [m, NQ, D]),
+ * straight from the paged pool: the torch path would first copy every sequence's blocks into
+ * one padded tensor. Used by the engine's torch attention on the CPU (paged_attention.py). */
+void decode_attention(const Dims *d, const float *q, const float *k_pool, const float *v_pool,
+                      const int32_t *block_tables, const int32_t *seq_lens, float *out, float *scores, long m,
+                      int threads) {
+    long width = d->num_heads * d->head_dim;
+    #pragma omp parallel num_threads(threads)
+    attend_rows(q, width, k_pool, v_pool, block_tables, seq_lens, d, m, scores, out, width, threads);
 }

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import json
+import time
 from pathlib import Path
 
 import torch
@@ -117,3 +119,81 @@ def decode_hidden_states(model, input_ids: torch.Tensor, positions: torch.Tensor
                   seq_lens.data_ptr(), kv.data_ptr(), model.rotary.cos.data_ptr(), model.rotary.sin.data_ptr(),
                   *(t.data_ptr() for t in scratch), threads)
     return hidden
+
+
+@functools.lru_cache(maxsize=None)
+def attention_kernel():
+    """The compiled ``decode_attention`` function, or None where it cannot be built here."""
+    library = compiled(SOURCE)
+    function = getattr(library, "decode_attention", None) if library is not None else None
+    if function is None:
+        return None
+    function.argtypes = [ctypes.POINTER(Dims)] + [ctypes.c_void_p] * 7 + [ctypes.c_long, ctypes.c_int]
+    function.restype = None
+    return function
+
+
+def attention_supports(query: torch.Tensor, k_pool: torch.Tensor) -> bool:
+    """Whether ``decode_attention`` can serve these tensors: fp32 on the CPU, a contiguous pool, the kernel built."""
+    return (query.device.type == "cpu" and query.dtype == torch.float32 and k_pool.dtype == torch.float32
+            and k_pool.is_contiguous() and attention_kernel() is not None)
+
+
+def decode_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of one query row per sequence ``[m, heads, D]`` over its keys in the paged pool, by block table."""
+    m, num_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, _ = k_pool.shape
+    block_tables = block_tables.to(torch.int32).contiguous()
+    seq_lens = seq_lens.to(torch.int32).contiguous()
+    max_seq_len = max(1, int(seq_lens.max())) if m else 1
+    dims = Dims(num_heads * head_dim, num_heads, num_kv_heads, head_dim, 0, 0, num_blocks, block_size,
+                block_tables.shape[1], max_seq_len, 0.0, scale)
+    query = query.contiguous()
+    out = torch.empty_like(query)
+    scores = torch.empty(m * num_heads, max_seq_len, dtype=torch.float32)
+    attention_kernel()(ctypes.byref(dims), query.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+                       block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), scores.data_ptr(), m,
+                       torch.get_num_threads())
+    return out
+
+
+def decode_attention_faster(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> tuple[bool, str]:
+    """Whether ``decode_attention`` beats the torch path (gather + SDPA) here, timed once per machine and cached.
+
+    Timed on 16 sequences of 256 cached tokens in scattered blocks, alternating the two, best
+    of several rounds: the kind of decode group a busy engine step holds.
+    """
+    from .linear_calibration import cache_file, write_json
+    from ..env import cpu_flags, cpu_model
+    from .paged_attention import AttentionPlan, paged_attention
+
+    key = dict(version=1, what="decode attention: C against gather + SDPA", cpu=cpu_model(),
+               flags=" ".join(sorted(cpu_flags())), torch=torch.__version__, threads=torch.get_num_threads(),
+               heads=[num_heads, num_kv_heads, head_dim], block_size=block_size)
+    path = cache_file(key)
+    try:
+        stored = json.loads(path.read_text())
+        return stored["faster"], stored["why"]
+    except (OSError, ValueError, KeyError):
+        pass
+    seqs, context = 16, 256
+    width = -(-context // block_size)
+    generator = torch.Generator().manual_seed(0)
+    k_pool, v_pool = torch.randn(2, seqs * width * 2, block_size, num_kv_heads, head_dim, generator=generator).unbind(0)
+    block_tables = torch.randperm(seqs * width * 2, generator=generator)[:seqs * width].view(seqs, width).int()
+    seq_lens = torch.full((seqs,), context, dtype=torch.int32)
+    starts = torch.arange(seqs + 1, dtype=torch.int32)
+    query = torch.randn(seqs, num_heads, head_dim, generator=generator)
+    plan = AttentionPlan.build(starts, seq_lens, block_tables=block_tables, block_size=block_size)
+    best = {True: float("inf"), False: float("inf")}
+    for _ in range(5):
+        for in_c in (True, False):
+            start = time.perf_counter()
+            paged_attention(query, k_pool, v_pool, block_tables, seq_lens, starts, 1, context, head_dim ** -0.5,
+                            plan=plan, decode_kernel=decode_attention if in_c else None)
+            best[in_c] = min(best[in_c], time.perf_counter() - start)
+    faster = best[True] < best[False]
+    why = f"C {best[True] * 1e3:.2f} ms, torch {best[False] * 1e3:.2f} ms for 16 x 256 cached tokens"
+    write_json(path, dict(key=key, faster=faster, why=why))
+    return faster, why

@@ -52,6 +52,11 @@ class LinearChoice:
     source: str                                   # "pinned: linear", "calibrated in 2.1 s", "cached (file)"
     timings: dict = field(default_factory=dict)   # "960x576" -> {rows: {path: seconds}}
 
+    @property
+    def pinned(self) -> str | None:
+        """The path every product was pinned to, or None where the choice was measured."""
+        return self.source.removeprefix("pinned: ") if self.source.startswith("pinned: ") else None
+
     def describe(self) -> list[str]:
         lines = [f"CPU matrix products ({self.source}):"]
         for (out_features, in_features), plan in self.plans.items():

@@ -104,3 +104,100 @@ class SpeculationRun:
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds
+
+
+# ----------------------------------------------------------------------------- the workloads
+
+# Repetitive work, where prompt lookup should fire: a function is in the prompt and the answer
+# repeats most of it. And open-ended text, where it rarely does. benchmarks/bench_spec.py and
+# notebook 10 measure these same conversations.
+SNIPPETS = (
+    "def total_price(items, tax):\n    total = 0\n    for item in items:\n        total = total + item.price * item.count\n"
+    "    return total * (1 + tax)\n",
+    "def find_user(users, name):\n    for user in users:\n        if user.name == name:\n            return user\n"
+    "    return None\n",
+    "class Counter:\n    def __init__(self):\n        self.counts = {}\n\n    def add(self, word):\n"
+    "        self.counts[word] = self.counts.get(word, 0) + 1\n\n    def top(self, n):\n"
+    "        return sorted(self.counts.items(), key=lambda kv: -kv[1])[:n]\n",
+    "def read_lines(path):\n    lines = []\n    with open(path) as f:\n        for line in f:\n"
+    "            lines.append(line.strip())\n    return lines\n",
+)
+EDITS = (
+    "Add type hints to this Python code. Reply with the full code only.",
+    "Rename every variable to a longer, clearer name. Reply with the full code only.",
+    "Add a docstring to each function. Reply with the full code only.",
+    "Rewrite this code so that it uses snake_case and four-space indentation. Reply with the full code only.",
+)
+OPEN_QUESTIONS = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain why the sky is blue to a ten-year-old.",
+    "Describe a perfect autumn day in a small mountain village.",
+    "What are three good habits for learning a new language, and why?",
+    "Write a poem about the sea at night.",
+    "Tell me about the history of the bicycle.",
+    "Give advice to someone starting their first job.",
+    "Describe how bread is made, step by step.",
+)
+
+
+def workloads() -> dict[str, list[list[dict]]]:
+    """Chat conversations: ``code``, 8 edits (4 snippets × 2 edits), and ``open``, 8 open-ended requests."""
+    code = [[{"role": "user", "content": f"{EDITS[(i + j) % len(EDITS)]}\n\n```python\n{s}```"}]
+            for i, s in enumerate(SNIPPETS) for j in range(2)]
+    return {"code": code, "open": [[{"role": "user", "content": q}] for q in OPEN_QUESTIONS]}
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def measure_step_rows(runner, rows_list, context: int = 128, repeats: int = 5) -> dict[int, float]:
+    """Seconds of one forward of ``rows`` new rows after ``context`` cached tokens (fastest of ``repeats``).
+
+    A verify step of k drafts is a forward of k + 1 rows per sequence; one row is a plain decode.
+    The ratio is ``predicted_speedup``'s ``verify_cost``.
+    """
+    import math
+    import time
+
+    import torch
+
+    from ..engine.sampling_params import SamplingParams
+    from ..engine.sequence import Sequence
+
+    out = {}
+    for rows in rows_list:
+        seq = Sequence("timing", [1] * (context + rows), SamplingParams(temperature=0))
+        seq.num_computed_tokens = context
+        seq.block_table = list(range(math.ceil((context + rows) / runner.block_size)))
+        best = float("inf")
+        with torch.no_grad():
+            for _ in range(repeats + 1):
+                inputs = runner.prepare([seq], [rows])
+                start = time.perf_counter()
+                runner.run_model(*inputs)
+                best = min(best, time.perf_counter() - start)
+        out[rows] = best
+    return out
+
+
+def run_requests(llm, prompts, max_tokens: int, batch: int, label: str, k: int = 0) -> SpeculationRun:
+    """Greedy answers to ``prompts`` in groups of ``batch``; the time, the tokens and the engine's acceptance counts."""
+    import time
+
+    from ..engine.sampling_params import SamplingParams
+
+    stats = llm.engine.spec_stats
+    counts = lambda: (stats.num_drafts, list(stats.num_accepted_tokens_per_pos), list(stats.num_reached_per_pos))  # noqa: E731
+    before = counts() if stats is not None else None
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    seconds, tokens = 0.0, 0
+    for i in range(0, len(prompts), batch):
+        start = time.perf_counter()
+        outs = llm.generate(prompts[i:i + batch], params, use_tqdm=False)
+        seconds += time.perf_counter() - start
+        tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+    if stats is None:
+        return SpeculationRun(label, 0, tokens, seconds, 0, [], [])
+    after = counts()
+    return SpeculationRun(label, k or stats.num_speculative_tokens, tokens, seconds, after[0] - before[0],
+                          [a - b for a, b in zip(after[1], before[1])], [a - b for a, b in zip(after[2], before[2])])

@@ -338,3 +338,17 @@ def test_non_streaming_client_that_gives_up_aborts_its_request(server):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
     assert_no_leaks(server, timeout=20)
+
+
+def test_a_bad_seed_is_a_400_and_hurts_nobody(server, expected):
+    """seed=2**64 once passed validation and failed every request in flight with a 500."""
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            good = http.post("/v1/completions", json={"model": MODEL, "prompt": HI_IDS, "max_tokens": 6, "temperature": 0})
+            bad = http.post("/v1/completions", json={"model": MODEL, "prompt": HI_IDS, "max_tokens": 6, "seed": 2**64})
+            return await asyncio.gather(good, bad)
+
+    good, bad = asyncio.run(run())
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "seed"
+    assert good.status_code == 200 and good.json()["choices"][0]["text"] == expected["hi"].text
+    assert_no_leaks(server)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .block_manager import BlockManager
-from ..errors import ConfigError, InvalidRequestError, QueueFullError
+from ..errors import ConfigError, InvalidRequestError, LifeOfPromptError, QueueFullError, RequestFailedError
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, StepRecord, format_steps
@@ -111,6 +111,7 @@ class _Request:
     metrics: RequestMetrics
     completions: list[_Completion]
     pending: list[_Completion] = field(default_factory=list)   # n > 1: waiting for the first one's prompt
+    error: LifeOfPromptError | None = None                    # set when this request alone failed in a step
 
     @property
     def finished(self) -> bool:
@@ -348,12 +349,21 @@ class LLMEngine:
                 metrics.num_preemptions = sum(c.seq.num_preemptions for c in request.completions)
             sampled = self.runner.execute(record.seqs, record.num_scheduled_tokens)
             logprob_rows = getattr(self.runner, "last_logprobs", None) or [None] * len(record.seqs)
+            failures = getattr(self.runner, "last_failures", None) or {}
+            sampled = [None if seq.seq_id in failures else token for seq, token in zip(record.seqs, sampled)]
             now = record.end_time = self.clock()
             entries = {seq.seq_id: lp for seq, lp in zip(record.seqs, logprob_rows)}
             changed: dict[str, _Request] = {}
             for seq in self.scheduler.update(record, sampled):
                 request, completion = self._owner[seq.seq_id]
-                self._on_token(request, completion, seq.output_token_ids[-1], entries.get(seq.seq_id), now)
+                if request.error is not None:
+                    continue
+                try:
+                    self._on_token(request, completion, seq.output_token_ids[-1], entries.get(seq.seq_id), now)
+                except Exception as exc:     # this request's detokenizer or stop check: it alone ends
+                    self._fail(request, exc, "while turning its token into text", now)
+                    changed[request.request_id] = request
+                    continue
                 if completion.finished:
                     record.finished.append(seq.request_id)
                 if request.pending and completion.index == 0:
@@ -362,6 +372,11 @@ class LLMEngine:
                         self.scheduler.add(sibling.seq, front=True)
                     request.pending.clear()
                 changed[request.request_id] = request
+            for seq_id, exc in failures.items():
+                if seq_id in self._owner:
+                    request, _ = self._owner[seq_id]
+                    self._fail(request, exc, "in the sampler", now)
+                    changed[request.request_id] = request
             for request in changed.values():
                 outputs.append(self._make_output(request))
                 if request.finished:
@@ -370,6 +385,22 @@ class LLMEngine:
             if self.check_invariants:
                 self.block_manager.check_invariants(self.scheduler.seqs)
             return outputs
+
+    def _fail(self, request: _Request, exc: BaseException, where: str, now: float) -> None:
+        """End one request with a typed error (its own input's fault: 4xx; else a 500); free its blocks."""
+        if request.error is None:
+            request.error = exc if isinstance(exc, LifeOfPromptError) else RequestFailedError(
+                f"request {request.request_id!r} failed {where}: {type(exc).__name__}: {exc}")
+            logger.warning("request %s failed %s: %r", request.request_id, where, exc)
+        for c in request.completions:
+            if c.finished:
+                continue
+            if any(c is p for p in request.pending):
+                c.seq.status, c.seq.finish_reason = SequenceStatus.FINISHED, "error"
+            else:
+                self.scheduler.finish(c.seq, "error")
+        request.pending.clear()
+        request.metrics.finished_time = now
 
     def _on_token(self, request: _Request, completion: _Completion, token: int, logprob_entry, now: float) -> None:
         seq, params, metrics = completion.seq, completion.seq.sampling_params, request.metrics
@@ -423,7 +454,7 @@ class LLMEngine:
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
                              request.finished, request.metrics,
                              num_cached_tokens=request.completions[0].seq.num_cached_tokens,
-                             random_weights=getattr(self.model, "is_random", False))
+                             random_weights=getattr(self.model, "is_random", False), error=request.error)
 
     # ---------------------------------------------------------------- looking inside
     @property

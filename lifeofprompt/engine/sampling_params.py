@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 
 from ..errors import InvalidRequestError
 
+# torch.Generator.manual_seed takes any integer in [-2**63, 2**64): a request's n answers use seed ... seed + n - 1
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
+
 
 @dataclass
 class SamplingParams:
@@ -52,8 +55,11 @@ class SamplingParams:
             bad("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             bad("logprobs", f"logprobs must be an integer >= 0, got {self.logprobs!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             bad("seed", f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not MIN_SEED <= self.seed <= self.seed + self.n - 1 <= MAX_SEED:
+            bad("seed", f"seed must be in [{MIN_SEED}, {MAX_SEED - self.n + 1}] (each of the n={self.n} answers "
+                        f"seeds its own generator with seed + i), got {self.seed}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "stop must be a non-empty string or a list of them")
 

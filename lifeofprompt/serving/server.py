@@ -164,8 +164,8 @@ class EngineLoop:
         if route is None:
             return
         loop, queue = route
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, output)
+        try:    # a request that failed alone gets its typed error; everyone else's outputs go on
+            loop.call_soon_threadsafe(queue.put_nowait, output if output.error is None else output.error)
         except RuntimeError:           # the event loop is closed: the server is going down
             pass
 

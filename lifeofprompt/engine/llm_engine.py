@@ -275,14 +275,29 @@ class LLMEngine:
         with self._lock:
             if request_id in self.requests:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-            if self.max_waiting is not None:
-                queued = len(self.scheduler.waiting) + sum(1 for kind, _ in self._inbox if kind == "add")
-                if queued >= self.max_waiting:
-                    raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests): retry later")
+            if self.max_waiting is not None and self._num_queued() >= self.max_waiting + self._free_seats():
+                raise QueueFullError(f"the engine is full: {self.scheduler.max_num_seqs} requests running and "
+                                     f"{self.max_waiting} waiting (max_waiting); retry later")
             self.requests[request_id] = request
             for c in completions:
                 self._owner[c.seq.seq_id] = (request, c)
             self._inbox.append(("add", request))
+
+    def _num_queued(self) -> int:
+        """Requests not running yet: waiting in the scheduler, or still in the inbox (under ``_lock``)."""
+        return len(self.scheduler.waiting) + sum(1 for kind, _ in self._inbox if kind == "add")
+
+    def _free_seats(self) -> int:
+        """Running slots the next step can fill: a burst that arrives between two steps takes them
+        first, so ``max_num_seqs + max_waiting`` requests are admitted, as documented."""
+        return max(0, self.scheduler.max_num_seqs - len(self.scheduler.running))
+
+    def queued_request_ids(self) -> list[str]:
+        """Requests none of whose answers has started (a shutdown aborts these at once)."""
+        with self._lock:
+            return [rid for rid, r in self.requests.items()
+                    if all(c.seq.status == SequenceStatus.WAITING and not c.seq.output_token_ids
+                           and c.seq.num_computed_tokens == 0 for c in r.completions)]
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks (now if no step is running, else at the next step)."""

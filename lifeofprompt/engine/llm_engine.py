@@ -46,6 +46,28 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
 DETOKENIZE_CONTEXT = 5        # prompt tokens kept as context so the first output token decodes with its space
 
 
+MIN_FAIR_CHUNK = 64          # fair prefill never cuts a prompt's chunk thinner than this (see below)
+
+
+def fair_prefill_threshold(requested: int | None, max_num_batched_tokens: int) -> int | None:
+    """The scheduler's ``long_prefill_token_threshold``: ``requested`` if given (0 = off), else a
+    quarter of the step's budget (512 of 2,048), never under ``MIN_FAIR_CHUNK`` tokens.
+
+    A quarter leaves three quarters of every step to the others while a long prompt prefills, so a
+    short request's first token comes one step after it arrives, in a step about a quarter as long;
+    and since the cap holds only while others wait or run, a lone prompt keeps the whole budget. The
+    floor keeps chunks thick enough for fast matrix products, and leaves tiny budgets (a lesson's 8
+    tokens a step) with plain chunked prefill. vLLM's own default is off (4% of max_model_len when
+    ``max_num_partial_prefills`` > 1).
+    """
+    if requested is not None:
+        if requested < 0:
+            raise ConfigError(f"long_prefill_token_threshold must be >= 0 (0 = off), got {requested}")
+        return requested or None
+    threshold = max(max_num_batched_tokens // 4, MIN_FAIR_CHUNK)
+    return threshold if threshold < max_num_batched_tokens else None
+
+
 # ----------------------------------------------------------------------------- text, a token at a time
 
 
@@ -138,7 +160,8 @@ class LLMEngine:
                  enforce_eager: bool = False, gpu_memory_utilization: float = 0.9,
                  max_waiting: int | None = None, check_invariants: bool = False,
                  max_step_records: int = 10_000, log_stats: bool = True, clock=time.monotonic,
-                 prepack_cpu_weights: bool = True, cpu_linear: str | None = None):
+                 prepack_cpu_weights: bool = True, cpu_linear: str | None = None,
+                 long_prefill_token_threshold: int | None = None):
         if isinstance(model, str):
             from ..model.loader import load_model
             self.model, self.tokenizer = load_model(model, dtype=dtype, device=device)
@@ -166,7 +189,8 @@ class LLMEngine:
                                   prepack_cpu_weights=prepack_cpu_weights, cpu_linear=cpu_linear)
         self.num_kv_blocks = self.runner.kv_cache.num_blocks
         self.block_manager = BlockManager(self.num_kv_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, context_len)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, context_len,
+                                   fair_prefill_threshold(long_prefill_token_threshold, max_num_batched_tokens))
         self.max_model_len = self.scheduler.max_model_len
         self.eos_token_ids = set(self.config.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:

@@ -114,11 +114,15 @@ class PromptTokenizer:
 
     def __init__(self, tokenizer):
         self.tokenizer = copy.deepcopy(tokenizer)
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lifeofprompt-tokenize")
+        self.executor: ThreadPoolExecutor | None = None
 
     async def run(self, fn, *args):
-        """``fn(tokenizer, *args)`` in the worker thread."""
+        """``fn(tokenizer, *args)`` in the worker thread (started at first use, again after ``close``)."""
+        if self.executor is None:
+            self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lifeofprompt-tokenize")
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, self.tokenizer, *args)
 
     def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        executor, self.executor = self.executor, None
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)

@@ -156,12 +156,12 @@ class LLMEngine:
     def __init__(self, model="smollm2-135m", *, tokenizer=None, dtype=None, device=None, block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                 long_prefill_token_threshold: int | None = None,
                  enable_prefix_caching: bool = True, attention_backend: str | None = None,
                  enforce_eager: bool = False, gpu_memory_utilization: float = 0.9,
                  max_waiting: int | None = None, check_invariants: bool = False,
                  max_step_records: int = 10_000, log_stats: bool = True, clock=time.monotonic,
-                 prepack_cpu_weights: bool = True, cpu_linear: str | None = None,
-                 long_prefill_token_threshold: int | None = None):
+                 prepack_cpu_weights: bool = True, cpu_linear: str | None = None):
         if isinstance(model, str):
             from ..model.loader import load_model
             self.model, self.tokenizer = load_model(model, dtype=dtype, device=device)

@@ -169,8 +169,9 @@ def test_prompts_are_tokenized_off_the_event_loop(http, monkeypatch):
     assert threads and all(name.startswith("lifeofprompt-tokenize") for name in threads)
 
 
-def test_prompts_per_request_are_capped(http):
+def test_prompts_per_request_and_stop_strings_are_capped(http):
     assert_openai_error(post(http, "/v1/completions", {**COMPLETION, "prompt": ["a"] * 65}), 400, "prompt")
+    assert_openai_error(post(http, "/v1/completions", {**COMPLETION, "stop": ["x"] * 17}), 400, "stop")
 
 
 # ----------------------------------------------------------------------------- the door

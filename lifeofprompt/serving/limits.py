@@ -6,7 +6,8 @@ In the order a request meets them:
    byte of JSON is parsed, from ``Content-Length`` when the client sends one, else while the body
    streams in;
 2. **the counts**: at most ``MAX_N`` answers, ``MAX_PROMPTS_PER_REQUEST`` prompts,
-   ``MAX_TOP_LOGPROBS`` (20, as OpenAI) and ``MAX_LOGIT_BIAS_ENTRIES`` (300, as OpenAI);
+   ``MAX_TOP_LOGPROBS`` (20, as OpenAI), ``MAX_LOGIT_BIAS_ENTRIES`` (300, as OpenAI) and
+   ``MAX_STOP_STRINGS`` (16; each is searched for in the text after every token);
 3. **the characters** (``check_prompt_chars``): no token of the vocabulary is longer than
    ``longest_token_chars`` characters, so a prompt with more than that many times
    ``max_model_len`` characters cannot fit and is refused without being tokenized;
@@ -32,6 +33,7 @@ MAX_N = 16
 MAX_PROMPTS_PER_REQUEST = 64
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_STOP_STRINGS = 16                          # OpenAI takes 4; every one is searched for after every token
 WAITING_PER_SEQ = 4                            # the default max_waiting: four full batches of work queued
 
 

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import InvalidRequestError
 from ..engine.sampling_params import SamplingParams
-from .limits import MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_TOP_LOGPROBS
+from .limits import MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 
 
 class _Body(BaseModel):
@@ -123,7 +123,7 @@ UNSUPPORTED = {
 
 
 def check_supported(body: _Body) -> None:
-    """Caps first (n, top_logprobs, logit_bias: the next issue serves them, within these), then a 400
+    """Caps first (n, top_logprobs, logit_bias: served later within these; stop), then a 400
     naming the first field that asks for something we do not do."""
     if body.n > MAX_N or body.n < 1:
         raise InvalidRequestError(f"n must be between 1 and {MAX_N}, got {body.n}", param="n")
@@ -131,6 +131,8 @@ def check_supported(body: _Body) -> None:
         raise InvalidRequestError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", param="top_logprobs")
     if body.logit_bias is not None and len(body.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
         raise InvalidRequestError(f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries", param="logit_bias")
+    if isinstance(body.stop, list) and len(body.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(f"stop may hold at most {MAX_STOP_STRINGS} strings", param="stop")
     for name, asks_nothing in UNSUPPORTED.items():
         if name in type(body).model_fields and not asks_nothing(getattr(body, name)):
             raise InvalidRequestError(f"{name}={getattr(body, name)!r} is not supported by this server yet",

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .block_manager import BlockManager
-from ..errors import ConfigError, InvalidRequestError, QueueFullError
+from ..errors import ConfigError, InvalidRequestError, LifeOfPromptError, QueueFullError, RequestFailedError
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, StepRecord, format_steps
@@ -44,6 +44,28 @@ if not logger.handlers:                     # like vLLM: the start-up lines show
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
 DETOKENIZE_CONTEXT = 5        # prompt tokens kept as context so the first output token decodes with its space
+
+
+MIN_FAIR_CHUNK = 64          # fair prefill never cuts a prompt's chunk thinner than this (see below)
+
+
+def fair_prefill_threshold(requested: int | None, max_num_batched_tokens: int) -> int | None:
+    """The scheduler's ``long_prefill_token_threshold``: ``requested`` if given (0 = off), else a
+    quarter of the step's budget (512 of 2,048), never under ``MIN_FAIR_CHUNK`` tokens.
+
+    A quarter leaves three quarters of every step to the others while a long prompt prefills, so a
+    short request's first token comes one step after it arrives, in a step about a quarter as long;
+    and since the cap holds only while others wait or run, a lone prompt keeps the whole budget. The
+    floor keeps chunks thick enough for fast matrix products, and leaves tiny budgets (a lesson's 8
+    tokens a step) with plain chunked prefill. vLLM's own default is off (4% of max_model_len when
+    ``max_num_partial_prefills`` > 1).
+    """
+    if requested is not None:
+        if requested < 0:
+            raise ConfigError(f"long_prefill_token_threshold must be >= 0 (0 = off), got {requested}")
+        return requested or None
+    threshold = max(max_num_batched_tokens // 4, MIN_FAIR_CHUNK)
+    return threshold if threshold < max_num_batched_tokens else None
 
 
 # ----------------------------------------------------------------------------- text, a token at a time
@@ -111,6 +133,7 @@ class _Request:
     metrics: RequestMetrics
     completions: list[_Completion]
     pending: list[_Completion] = field(default_factory=list)   # n > 1: waiting for the first one's prompt
+    error: LifeOfPromptError | None = None                    # set when this request alone failed in a step
 
     @property
     def finished(self) -> bool:
@@ -133,6 +156,7 @@ class LLMEngine:
     def __init__(self, model="smollm2-135m", *, tokenizer=None, dtype=None, device=None, block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                 long_prefill_token_threshold: int | None = None,
                  enable_prefix_caching: bool = True, attention_backend: str | None = None,
                  enforce_eager: bool = False, gpu_memory_utilization: float = 0.9,
                  max_waiting: int | None = None, check_invariants: bool = False,
@@ -167,7 +191,8 @@ class LLMEngine:
                                   cpu_decode=cpu_decode)
         self.num_kv_blocks = self.runner.kv_cache.num_blocks
         self.block_manager = BlockManager(self.num_kv_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, context_len)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, context_len,
+                                   fair_prefill_threshold(long_prefill_token_threshold, max_num_batched_tokens))
         self.max_model_len = self.scheduler.max_model_len
         self.eos_token_ids = set(self.config.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
@@ -284,14 +309,29 @@ class LLMEngine:
         with self._lock:
             if request_id in self.requests:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-            if self.max_waiting is not None:
-                queued = len(self.scheduler.waiting) + sum(1 for kind, _ in self._inbox if kind == "add")
-                if queued >= self.max_waiting:
-                    raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests): retry later")
+            if self.max_waiting is not None and self._num_queued() >= self.max_waiting + self._free_seats():
+                raise QueueFullError(f"the engine is full: {self.scheduler.max_num_seqs} requests running and "
+                                     f"{self.max_waiting} waiting (max_waiting); retry later")
             self.requests[request_id] = request
             for c in completions:
                 self._owner[c.seq.seq_id] = (request, c)
             self._inbox.append(("add", request))
+
+    def _num_queued(self) -> int:
+        """Requests not running yet: waiting in the scheduler, or still in the inbox (under ``_lock``)."""
+        return len(self.scheduler.waiting) + sum(1 for kind, _ in self._inbox if kind == "add")
+
+    def _free_seats(self) -> int:
+        """Running slots the next step can fill: a burst that arrives between two steps takes them
+        first, so ``max_num_seqs + max_waiting`` requests are admitted, as documented."""
+        return max(0, self.scheduler.max_num_seqs - len(self.scheduler.running))
+
+    def queued_request_ids(self) -> list[str]:
+        """Requests none of whose answers has started (a shutdown aborts these at once)."""
+        with self._lock:
+            return [rid for rid, r in self.requests.items()
+                    if all(c.seq.status == SequenceStatus.WAITING and not c.seq.output_token_ids
+                           and c.seq.num_computed_tokens == 0 for c in r.completions)]
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks (now if no step is running, else at the next step)."""
@@ -358,12 +398,21 @@ class LLMEngine:
                 metrics.num_preemptions = sum(c.seq.num_preemptions for c in request.completions)
             sampled = self.runner.execute(record.seqs, record.num_scheduled_tokens)
             logprob_rows = getattr(self.runner, "last_logprobs", None) or [None] * len(record.seqs)
+            failures = getattr(self.runner, "last_failures", None) or {}
+            sampled = [None if seq.seq_id in failures else token for seq, token in zip(record.seqs, sampled)]
             now = record.end_time = self.clock()
             entries = {seq.seq_id: lp for seq, lp in zip(record.seqs, logprob_rows)}
             changed: dict[str, _Request] = {}
             for seq in self.scheduler.update(record, sampled):
                 request, completion = self._owner[seq.seq_id]
-                self._on_token(request, completion, seq.output_token_ids[-1], entries.get(seq.seq_id), now)
+                if request.error is not None:
+                    continue
+                try:
+                    self._on_token(request, completion, seq.output_token_ids[-1], entries.get(seq.seq_id), now)
+                except Exception as exc:     # this request's detokenizer or stop check: it alone ends
+                    self._fail(request, exc, "while turning its token into text", now)
+                    changed[request.request_id] = request
+                    continue
                 if completion.finished:
                     record.finished.append(seq.request_id)
                 if request.pending and completion.index == 0:
@@ -372,6 +421,11 @@ class LLMEngine:
                         self.scheduler.add(sibling.seq, front=True)
                     request.pending.clear()
                 changed[request.request_id] = request
+            for seq_id, exc in failures.items():
+                if seq_id in self._owner:
+                    request, _ = self._owner[seq_id]
+                    self._fail(request, exc, "in the sampler", now)
+                    changed[request.request_id] = request
             for request in changed.values():
                 outputs.append(self._make_output(request))
                 if request.finished:
@@ -380,6 +434,22 @@ class LLMEngine:
             if self.check_invariants:
                 self.block_manager.check_invariants(self.scheduler.seqs)
             return outputs
+
+    def _fail(self, request: _Request, exc: BaseException, where: str, now: float) -> None:
+        """End one request with a typed error (its own input's fault: 4xx; else a 500); free its blocks."""
+        if request.error is None:
+            request.error = exc if isinstance(exc, LifeOfPromptError) else RequestFailedError(
+                f"request {request.request_id!r} failed {where}: {type(exc).__name__}: {exc}")
+            logger.warning("request %s failed %s: %r", request.request_id, where, exc)
+        for c in request.completions:
+            if c.finished:
+                continue
+            if any(c is p for p in request.pending):
+                c.seq.status, c.seq.finish_reason = SequenceStatus.FINISHED, "error"
+            else:
+                self.scheduler.finish(c.seq, "error")
+        request.pending.clear()
+        request.metrics.finished_time = now
 
     def _on_token(self, request: _Request, completion: _Completion, token: int, logprob_entry, now: float) -> None:
         seq, params, metrics = completion.seq, completion.seq.sampling_params, request.metrics
@@ -433,7 +503,7 @@ class LLMEngine:
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
                              request.finished, request.metrics,
                              num_cached_tokens=request.completions[0].seq.num_cached_tokens,
-                             random_weights=getattr(self.model, "is_random", False))
+                             random_weights=getattr(self.model, "is_random", False), error=request.error)
 
     # ---------------------------------------------------------------- looking inside
     @property

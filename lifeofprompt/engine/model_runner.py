@@ -29,7 +29,7 @@ import time
 import torch
 
 from ..model.attention import PagedCacheMetadata, PagedKVCache
-from ..errors import ConfigError, OutOfMemoryError
+from ..errors import ConfigError, InvalidRequestError, OutOfMemoryError
 from .memory import kv_bytes_per_block, plan_memory
 from ..model.cpu_decode import decode_attention_faster, layer_shapes, supports as cpu_decode_supports, usable_rows as cpu_decode_rows
 from ..model.huge_pages import move_weights_to_huge_pages
@@ -118,6 +118,7 @@ class ModelRunner:
         self.decode_attention_in_c, self.decode_attention_reason = self.choose_decode_attention(cpu_decode)
         self.last_output: SamplerOutput | None = None
         self.last_logprobs: list | None = None     # per seq: None or (logprob, {token_id: logprob, ...})
+        self.last_failures: dict[str, BaseException] = {}   # seq_id -> why its row could not be sampled
         self.last_launch: dict = {}               # how the last step ran (eager / graph replay, padding), for traces
         # Static decode buffers: used by CUDA graphs, and by the CPU tests that check the padding.
         self._alloc_static_buffers()
@@ -286,11 +287,14 @@ class ModelRunner:
         """Run one step; the sampled token for each sequence that reached its end, else None.
 
         ``self.last_logprobs`` then holds, per sequence, None or ``(logprob of the sampled token,
-        {token_id: logprob} of the top N)`` for requests that asked for logprobs.
+        {token_id: logprob} of the top N)`` for requests that asked for logprobs, and
+        ``self.last_failures`` maps the seq_id of each row that could not be sampled to why (its
+        token is meaningless: the engine ends that request alone).
         """
         logits = self.forward(seqs, num_scheduled_tokens)
         sampling = [s for s, n in zip(seqs, num_scheduled_tokens) if s.num_computed_tokens + n == len(s)]
         out = self.sample(logits, sampling)
+        self.last_failures = {sampling[row].seq_id: exc for row, exc in out.failed.items()}
         sampled = out.token_ids.tolist()                 # the step's one host synchronisation
         logprob_rows = self.read_logprobs(out, sampling)
         tokens = iter(sampled)
@@ -304,12 +308,17 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """Sample one token per row on the device; each seeded request keeps its own generator on the sequence."""
-        generators = []
-        for seq in seqs:
+        generators, failed = [], {}
+        for row, seq in enumerate(seqs):
             if seq.sampling_params.seed is not None and getattr(seq, "generator", None) is None:
-                seq.generator = make_generator(seq.sampling_params.seed, logits.device)
+                try:
+                    seq.generator = make_generator(seq.sampling_params.seed, logits.device)
+                except Exception as exc:     # this request's seed alone: the others still sample
+                    failed[row] = InvalidRequestError(f"seed {seq.sampling_params.seed!r} cannot seed a generator: {exc}",
+                                                      param="seed")
             generators.append(getattr(seq, "generator", None))
         self.last_output = out = self.sampler(logits, [s.sampling_params for s in seqs], generators)
+        out.failed.update(failed)
         return out
 
     @staticmethod

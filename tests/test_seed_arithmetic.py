@@ -1,0 +1,24 @@
+"""The second seed's figures follow from its own inputs (and a wrong input would show)."""
+
+import numpy as np
+
+from lifeofprompt.lessons import seed_arithmetic as seed
+
+
+def test_every_figure_of_the_seed_follows_from_its_inputs():
+    rows = seed.checks()
+    assert len(rows) == 18
+    assert all(row.agrees for row in rows), "\n".join(row.line() for row in rows if not row.agrees)
+
+
+def test_p99_of_60_is_interpolated_between_the_two_slowest():
+    low, high, frac = seed.p99_position(60)
+    assert (low, high) == (58, 59) and abs(frac - 0.41) < 1e-9
+    values = np.arange(60.0)                       # sorted samples 0..59: the percentile is the index itself
+    assert np.percentile(values, 99) == low + frac
+
+
+def test_a_wrong_input_is_caught(monkeypatch):
+    monkeypatch.setattr(seed, "READ_BANDWIDTH", 300e9)
+    floor = next(row for row in seed.checks() if row.claim.startswith("decode floor"))
+    assert not floor.agrees and "DIFFERS" in floor.line()

@@ -9,6 +9,7 @@ come from ``roofline`` and the benchmarks.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,9 +79,9 @@ def cache_left_bytes() -> float:
     return H100_REPORTED_BYTES * GPU_MEMORY_UTILIZATION - LLAMA8B_ALL_WEIGHTS
 
 
-def h100_requests() -> float:
-    """What an H100 holds of 4,096-token requests: the claimed memory less the weights, over one request's cache."""
-    return cache_left_bytes() / (llama8b_kv_per_token() * CONTEXT)
+def h100_requests() -> int:
+    """Whole 4,096-token requests an H100 holds: the claimed memory less the weights, over one request's cache."""
+    return math.floor(cache_left_bytes() / (llama8b_kv_per_token() * CONTEXT))
 
 
 def p99_position(samples: int = P99_SAMPLES) -> tuple[int, int, float]:

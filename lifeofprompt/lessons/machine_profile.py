@@ -1,0 +1,99 @@
+"""One measurement of this machine, shared by every notebook that quotes it.
+
+Notebooks 03, 04, 05, 08 and 09 all talk about the same few numbers: how fast this machine reads
+memory, how fast it multiplies matrices, and how long the real engine's decode step takes. If
+each measured them itself, at its own moment and under its own load, they would disagree with
+each other. So ``machine_profile()`` measures them once, on first call, and caches the result
+under ``$LIFEOFPROMPT_CACHE/machine/``, keyed by the CPU (or GPU), the thread count and torch's
+version. Every notebook reads the same file and still runs on its own: the first one to ask
+measures. ``refresh=True`` measures again (do it on a quiet machine; the profile records the load
+average it was taken under, and ``footer`` prints it under each figure).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..env import cache_dir, cpu_model
+from . import roofline
+
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class MachineProfile:
+    """The machine's numbers, measured together."""
+
+    name: str                     # e.g. "AMD EPYC, 1 thread"
+    read_bandwidth: float         # bytes/s a sum() reads (2 MiB pages on the CPU)
+    copy_bandwidth: float         # bytes/s read + written by a copy
+    matmul_flops: float           # operations/s of a square fp32 (CPU) or bf16 (GPU) product
+    decode_step_s: float          # the engine's batch-1 decode step, SmolLM2-135M fp32, 128 tokens of context
+    measured_at: str
+    load_average: float           # 1-minute load average when measured
+
+    @property
+    def machine(self) -> roofline.Machine:
+        """The roofline's view: copy bandwidth and matmul rate."""
+        return roofline.Machine(self.name, self.copy_bandwidth, self.matmul_flops)
+
+    def footer(self) -> str:
+        """One line for under a figure: which machine, when, and how busy it was."""
+        return (f"{self.name}; measured {self.measured_at}, load average {self.load_average:.2f}; "
+                f"read {self.read_bandwidth / 1e9:.1f} GB/s, batch-1 step {self.decode_step_s * 1e3:.1f} ms")
+
+
+def profile_key(device: str = "cpu") -> dict:
+    """What the numbers depend on: a change in any of it means measuring again."""
+    if device == "cuda":
+        what = torch.cuda.get_device_name()
+    else:
+        what = cpu_model()
+    return dict(version=VERSION, device=device, what=what, threads=torch.get_num_threads(), torch=torch.__version__)
+
+
+def profile_path(key: dict):
+    slug = "".join(c if c.isalnum() else "-" for c in f"{key['device']}-{key['what']}-{key['threads']}t-{key['torch']}")
+    return cache_dir() / "machine" / f"{slug.lower()}-v{key['version']}.json"
+
+
+def measure_decode_step(context: int = 128) -> float:
+    """The engine's batch-1 decode step on the embedded model in fp32 (fastest of a few steps)."""
+    from ..engine.llm_engine import LLMEngine
+    from .serving_study import time_decode_steps
+
+    engine = LLMEngine("smollm2-135m", dtype=torch.float32, device="cpu", num_kv_blocks=64, max_num_seqs=1,
+                       log_stats=False)
+    time_decode_steps(engine, 1, prompt_len=16, decode_steps=2)                 # warm-up
+    return time_decode_steps(engine, 1, prompt_len=context, decode_steps=8).step_s
+
+
+def machine_profile(device: str = "cpu", refresh: bool = False) -> MachineProfile:
+    """This machine's profile: read from the cache, or measured now (a few seconds) and cached."""
+    key = profile_key(device)
+    path = profile_path(key)
+    if not refresh:
+        try:
+            stored = json.loads(path.read_text())
+            if stored.get("key") == key:
+                return MachineProfile(**stored["profile"])
+        except (OSError, ValueError, TypeError, KeyError):
+            pass
+    threads = torch.get_num_threads()
+    name = f"{key['what']}, {threads} thread{'s' if threads != 1 else ''}" if device == "cpu" else key["what"]
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    machine = roofline.measure_machine(device)
+    profile = MachineProfile(name=name, read_bandwidth=roofline.measure_read_bandwidth(device),
+                             copy_bandwidth=machine.bandwidth, matmul_flops=machine.flops,
+                             decode_step_s=measure_decode_step() if device == "cpu" else float("nan"),
+                             measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), load_average=load)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_suffix(".part")
+    staging.write_text(json.dumps(dict(key=key, profile=asdict(profile)), indent=1))
+    os.replace(staging, path)
+    return profile

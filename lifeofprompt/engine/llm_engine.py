@@ -197,6 +197,7 @@ class LLMEngine:
         self.eos_token_ids = set(self.config.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.runner.eos_token_ids = tuple(sorted(self.eos_token_ids))       # what min_tokens holds back
         self.requests: dict[str, _Request] = {}
         self._owner: dict[int, tuple[_Request, _Completion]] = {}   # seq_id -> its request and answer
         self.step_records: deque[StepRecord] = deque(maxlen=max_step_records)
@@ -465,14 +466,15 @@ class LLMEngine:
         with self._tokenizer_lock:
             completion.detokenizer.add(token)
         reason, stop_reason = None, None
+        may_stop = len(seq.output_token_ids) >= params.min_tokens      # min_tokens holds every stop back
         if len(seq.output_token_ids) >= (params.max_tokens or self.max_model_len) or len(seq) >= self.max_model_len:
             reason = "length"
-        elif not params.ignore_eos and token in self.eos_token_ids:
+        elif may_stop and not params.ignore_eos and token in self.eos_token_ids:
             reason, stop_reason = "stop", None
-        elif token in params.stop_token_ids:
+        elif may_stop and token in params.stop_token_ids:
             reason, stop_reason = "stop", token
         text = completion.detokenizer.text
-        for stop in params.stop:
+        for stop in params.stop if may_stop else ():
             at = text.find(stop, max(0, len(completion.text) - len(stop) + 1))
             if at != -1:
                 text, reason, stop_reason = text[:at], "stop", stop

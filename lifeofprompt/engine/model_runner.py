@@ -98,6 +98,7 @@ class ModelRunner:
         self.max_blocks_per_seq = math.ceil(self.max_model_len / block_size)
         self.gpu_memory_utilization = gpu_memory_utilization
         self.sampler = Sampler()
+        self.eos_token_ids: tuple[int, ...] = tuple(self.config.eos_token_ids)   # min_tokens holds these back (the engine adds the tokenizer's)
         self.memory_report: dict = {}
         if num_blocks is None:
             num_blocks = (self.profile_num_blocks() if self.device.type == "cuda"
@@ -317,7 +318,10 @@ class ModelRunner:
                     failed[row] = InvalidRequestError(f"seed {seq.sampling_params.seed!r} cannot seed a generator: {exc}",
                                                       param="seed")
             generators.append(getattr(seq, "generator", None))
-        self.last_output = out = self.sampler(logits, [s.sampling_params for s in seqs], generators)
+        history = None
+        if any(s.sampling_params.needs_history for s in seqs):       # penalties, min_tokens, logit_bias
+            history = ([s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs], self.eos_token_ids)
+        self.last_output = out = self.sampler(logits, [s.sampling_params for s in seqs], generators, history)
         out.failed.update(failed)
         return out
 

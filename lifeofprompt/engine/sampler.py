@@ -6,7 +6,9 @@ copies to the host; the model runner reads the chosen ids back once per step.
 
 Order of operations (as in vLLM):
 
-1. greedy rows (temperature 0) take the argmax of the raw logits;
+0. rows whose request asks for min_tokens, logit_bias or penalties get them first
+   (``logits_processors.py``; they need the request's prompt and output ids);
+1. greedy rows (temperature 0) take the argmax of those logits;
 2. the other rows divide by their temperature, then drop tokens outside the top_k, outside the
    smallest set whose probability reaches top_p, and below min_p × the top probability;
 3. a draw from what is left. Each seeded request owns a ``torch.Generator``, so its draws depend
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .logits_processors import process_logits
 from .sampling_params import SamplingParams
 
 
@@ -87,27 +90,30 @@ class Sampler:
     """Batched sampling for a list of requests' ``SamplingParams`` (one logits row each)."""
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None] | None = None) -> SamplerOutput:
+                 generators: list[torch.Generator | None] | None = None, history=None) -> SamplerOutput:
+        """``history``: ``(prompts, outputs, eos_token_ids)`` per row, for the requests with penalties,
+        min_tokens or logit_bias (``logits_processors.py``); None when no row needs it."""
         generators = generators or [None] * logits.shape[0]
         states = [None if g is None else g.get_state() for g in generators]
         try:
-            return self.sample(logits, params, generators)
+            return self.sample(logits, params, generators, history=history)
         except Exception:
             for generator, state in zip(generators, states):    # undo the draws of the failed attempt
                 if generator is not None:
                     generator.set_state(state)
-            return self.sample_row_by_row(logits, params, generators)
+            return self.sample_row_by_row(logits, params, generators, history)
 
     def sample_row_by_row(self, logits: torch.Tensor, params: list[SamplingParams],
-                          generators: list[torch.Generator | None]) -> SamplerOutput:
+                          generators: list[torch.Generator | None], history=None) -> SamplerOutput:
         """One row at a time, so that a failing row is found and the others still get their token."""
         num_logprobs = max((p.logprobs or 0) for p in params)
         wants_logprobs = any(p.logprobs is not None for p in params)
         rows, failed = [], {}
         for b in range(logits.shape[0]):
             try:
+                one = None if history is None else (history[0][b:b + 1], history[1][b:b + 1], history[2])
                 rows.append(self.sample(logits[b:b + 1], params[b:b + 1], generators[b:b + 1],
-                                        num_logprobs, wants_logprobs))
+                                        num_logprobs, wants_logprobs, one))
             except Exception as exc:
                 failed[b] = exc
                 rows.append(None)
@@ -126,9 +132,12 @@ class Sampler:
                              top_logprobs=stack("top_logprobs"), failed=failed)
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-               num_logprobs: int | None = None, wants_logprobs: bool | None = None) -> SamplerOutput:
+               num_logprobs: int | None = None, wants_logprobs: bool | None = None, history=None) -> SamplerOutput:
         """The batched computation (``num_logprobs``/``wants_logprobs``: the whole batch's, when sampling one row)."""
-        logits = logits.float()
+        raw = logits = logits.float()
+        if history is not None or any(p.needs_history for p in params):
+            prompts, outputs, eos = history if history is not None else (None, None, ())
+            logits = process_logits(logits, params, prompts, outputs, eos)
         batch, vocab = logits.shape
         if batch == 0:                                   # a step of prompt chunks only: nothing to sample
             return SamplerOutput(token_ids=torch.empty(0, dtype=torch.long, device=logits.device))
@@ -159,7 +168,7 @@ class Sampler:
 
         out = SamplerOutput(token_ids=token_ids)
         if wants_logprobs:
-            logprobs = torch.log_softmax(logits, dim=-1)
+            logprobs = torch.log_softmax(raw, dim=-1)
             out.logprobs = logprobs.gather(-1, token_ids[:, None])[:, 0]
             if num_logprobs > 0:
                 out.top_logprobs, out.top_ids = logprobs.topk(num_logprobs, dim=-1)

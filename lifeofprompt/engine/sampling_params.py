@@ -29,6 +29,11 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None  # extra token ids that end generation
     ignore_eos: bool = False                 # keep going past EOS (benchmarks)
     logprobs: int | None = None              # top-N log-probabilities per generated token
+    presence_penalty: float = 0.0            # minus this from every token already in the output, in [-2, 2]
+    frequency_penalty: float = 0.0           # minus this × its count in the output, in [-2, 2]
+    repetition_penalty: float = 1.0          # tokens in prompt or output: positive logits ÷ it, negative × it
+    min_tokens: int = 0                      # EOS, stop ids and stop strings wait until this many tokens
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit, in [-100, 100]
     skip_special_tokens: bool = True
     extra: dict = field(default_factory=dict, repr=False)
 
@@ -69,6 +74,28 @@ class SamplingParams:
                         f"seeds its own generator with seed + i), got {self.seed}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "stop must be a non-empty string or a list of them")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2 <= value <= 2:
+                bad(name, f"{name} must be a number in [-2, 2], got {value!r}")
+        rp = self.repetition_penalty
+        if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not math.isfinite(rp) or rp <= 0:
+            bad("repetition_penalty", f"repetition_penalty must be a finite number > 0 (1 = off), got {rp!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad("min_tokens", f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for token, bias in (self.logit_bias or {}).items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                bad("logit_bias", f"logit_bias keys are token ids (integers >= 0), got {token!r}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                bad("logit_bias", f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether sampling this request reads its tokens so far (penalties, min_tokens) or edits logits (logit_bias)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.min_tokens or self.logit_bias)
 
     @property
     def greedy(self) -> bool:

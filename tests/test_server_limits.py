@@ -65,18 +65,28 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "ma
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
     ("/v1/chat/completions", {"top_logprobs": 21}, "top_logprobs"),
-    ("/v1/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"x": 1}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"300": 1}}, "logit_bias"),
     ("/v1/completions", {"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
     ("/v1/completions", {"logprobs": 0}, "logprobs"),
     ("/v1/completions", {"n": 2}, "n"),
     ("/v1/completions", {"n": 100}, "n"),
-    ("/v1/completions", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/completions", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/completions", {"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
     ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
     ("/v1/completions", {"echo": True}, "echo"),
 ])
-def test_unsupported_fields_are_refused_by_name(http, path, extra, param):
+def test_unsupported_fields_and_bad_values_are_refused_by_name(http, path, extra, param):
     base = CHAT if "chat" in path else COMPLETION
     assert_openai_error(post(http, path, {**base, **extra}), 400, param)
+
+
+def test_penalties_logit_bias_and_min_tokens_are_served(http):
+    ids = lambda extra: post(http, "/v1/completions", {**COMPLETION, "max_tokens": 6, "temperature": 0,  # noqa: E731
+                                                       "return_token_ids": True, **extra}).json()["choices"][0]["token_ids"]
+    assert ids({"logit_bias": {"7": 100}}) == [7] * 6
+    assert len(ids({"presence_penalty": 1.5, "frequency_penalty": 1.0, "repetition_penalty": 1.2, "min_tokens": 6})) == 6
 
 
 def test_neutral_values_of_unsupported_fields_are_fine(http):

@@ -282,6 +282,11 @@ class LLMEngine:
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise InvalidRequestError(f"token id {t!r} is outside the vocabulary [0, {vocab})", param="prompt", index=index)
+        for field_name, tokens in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+            outside = [t for t in tokens if not 0 <= t < vocab]
+            if outside:
+                raise InvalidRequestError(f"token id {outside[0]!r} is outside the vocabulary [0, {vocab})",
+                                          param=field_name, index=index)
         probe = Sequence("probe", ids, params)
         try:
             self.scheduler.check_fits(probe)

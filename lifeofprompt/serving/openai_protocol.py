@@ -43,11 +43,12 @@ class _Body(BaseModel):
     ignore_eos: bool = False                 # vLLM's extension, for benchmarks
     return_token_ids: bool = False           # vLLM's extension: choices carry the generated token ids
     user: str | None = None
-    # declared so that they are refused by name (UNSUPPORTED), never ignored
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None   # token id (as a string, JSON's keys) -> bias in [-100, 100]
+    min_tokens: int | None = None            # vLLM's
+    # declared so that they are refused by name (UNSUPPORTED), never ignored
     logprobs: Any = None
     top_logprobs: int | None = None
     response_format: Any = None
@@ -56,7 +57,6 @@ class _Body(BaseModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
-    min_tokens: int | None = None            # vLLM's
     use_beam_search: bool | None = None      # vLLM's
 
 
@@ -97,10 +97,6 @@ UNSUPPORTED = {
     "best_of": lambda v: v in (None, 1),
     "echo": lambda v: not v,
     "suffix": lambda v: not v,
-    "presence_penalty": lambda v: v in (None, 0),
-    "frequency_penalty": lambda v: v in (None, 0),
-    "repetition_penalty": lambda v: v in (None, 1),
-    "logit_bias": lambda v: not v,
     "logprobs": lambda v: v is None or v is False,       # logprobs: 0 asks for the chosen token's: refused too
     "top_logprobs": lambda v: v in (None, 0),
     "response_format": lambda v: v is None or _is_text_format(v),
@@ -117,7 +113,6 @@ UNSUPPORTED = {
     "guided_choice": lambda v: v is None,
     "guided_grammar": lambda v: v is None,
     "structured_outputs": lambda v: v is None,
-    "min_tokens": lambda v: v in (None, 0),
     "use_beam_search": lambda v: not v,
 }
 
@@ -168,10 +163,25 @@ def sampling_params_from(body: _Body, default_max_tokens: int | None) -> Samplin
         max_tokens = body.max_completion_tokens
     kwargs = dict(max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
                   stop=body.stop, seed=body.seed, ignore_eos=body.ignore_eos)
-    for name in ("temperature", "top_p", "top_k", "min_p"):
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "min_tokens"):
         if getattr(body, name) is not None:
             kwargs[name] = getattr(body, name)
+    if body.logit_bias:
+        kwargs["logit_bias"] = logit_bias_from(body.logit_bias)
     return SamplingParams(**kwargs)
+
+
+def logit_bias_from(value: dict[str, float]) -> dict[int, float]:
+    """OpenAI's ``{"token id": bias}`` (JSON keys are strings) as ``{int: float}``; a 400 for a key that is no id."""
+    out = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise InvalidRequestError(f"logit_bias keys are token ids, got {key!r}", param="logit_bias") from None
+        out[token] = bias
+    return out
 
 
 def completion_prompts(prompt) -> list:

@@ -10,6 +10,7 @@ and there was no key.
 from __future__ import annotations
 
 import json
+import re
 import logging
 import threading
 
@@ -59,7 +60,7 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "ma
 
 
 @pytest.mark.parametrize("path, extra, param", [
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
@@ -74,7 +75,8 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "ma
     ("/v1/completions", {"n": 100}, "n"),
     ("/v1/completions", {"presence_penalty": 2.5}, "presence_penalty"),
     ("/v1/completions", {"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
-    ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/completions", {"guided_json": {"type": "object"}, "guided_regex": "a+"}, "guided_regex"),
+    ("/v1/completions", {"structured_outputs": {"regex": "(", }}, "structured_outputs.regex"),
     ("/v1/completions", {"echo": True}, "echo"),
 ])
 def test_unsupported_fields_and_bad_values_are_refused_by_name(http, path, extra, param):
@@ -239,3 +241,18 @@ def test_binding_beyond_loopback_without_a_key_warns(tiny_model, monkeypatch, ca
         serve(engine, host="0.0.0.0", port=1, config=ServerConfig(api_key="k"))
     warnings = [r for r in caplog.records if "without an API key" in r.getMessage()]
     assert len(warnings) == 1 and "0.0.0.0" in warnings[0].getMessage()
+
+
+def test_response_format_json_schema_gives_json_that_validates(http):
+    import jsonschema
+
+    schema = {"type": "object", "required": ["word"], "additionalProperties": False,
+              "properties": {"word": {"type": "string", "maxLength": 6}}}
+    for seed in range(5):
+        reply = post(http, "/v1/chat/completions", {**CHAT, "max_tokens": 200, "temperature": 1.0, "seed": seed,
+                                                    "response_format": {"type": "json_schema",
+                                                                        "json_schema": {"name": "w", "schema": schema}}})
+        assert reply.status_code == 200, reply.text
+        jsonschema.validate(json.loads(reply.json()["choices"][0]["message"]["content"]), schema)
+    regex = post(http, "/v1/completions", {**COMPLETION, "max_tokens": 20, "structured_outputs": {"regex": "[0-9]{4}"}})
+    assert re.fullmatch("[0-9]{4}", regex.json()["choices"][0]["text"])

@@ -198,6 +198,7 @@ class LLMEngine:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.runner.eos_token_ids = tuple(sorted(self.eos_token_ids))       # what min_tokens holds back
+        self._grammar_backend = None
         self.requests: dict[str, _Request] = {}
         self._owner: dict[int, tuple[_Request, _Completion]] = {}   # seq_id -> its request and answer
         self.step_records: deque[StepRecord] = deque(maxlen=max_step_records)
@@ -287,12 +288,24 @@ class LLMEngine:
             if outside:
                 raise InvalidRequestError(f"token id {outside[0]!r} is outside the vocabulary [0, {vocab})",
                                           param=field_name, index=index)
+        if params.structured_outputs is not None:
+            try:
+                self.grammar_backend().compile(params.structured_outputs)
+            except InvalidRequestError as exc:
+                raise InvalidRequestError(str(exc), param=exc.param, index=index) from None
         probe = Sequence("probe", ids, params)
         try:
             self.scheduler.check_fits(probe)
         except InvalidRequestError as exc:
             raise type(exc)(str(exc), param=exc.param, index=index) from None
         return text, ids
+
+    def grammar_backend(self):
+        """The structured-output compiler for this engine's tokenizer, made on first use (``structured_output.py``)."""
+        if self._grammar_backend is None:
+            from .structured_output import GrammarBackend
+            self._grammar_backend = GrammarBackend(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
+        return self._grammar_backend
 
     def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
@@ -307,6 +320,8 @@ class LLMEngine:
             child = replace(params, n=1, seed=None if params.seed is None else params.seed + i)
             seq_id = request_id if params.n == 1 else f"{request_id}/{i}"
             seq = Sequence(seq_id, ids, child, prompt=text, arrival_time=arrival)
+            if params.structured_outputs is not None:       # each answer walks the grammar on its own
+                seq.grammar = self.grammar_backend().matcher(params.structured_outputs)
             completions.append(_Completion(i, seq, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
                                            logprobs=[] if params.logprobs is not None else None,
                                            cumulative_logprob=0.0 if params.logprobs is not None else None))

@@ -29,13 +29,14 @@ import time
 import torch
 
 from ..model.attention import PagedCacheMetadata, PagedKVCache
-from ..errors import ConfigError, InvalidRequestError, OutOfMemoryError
+from ..errors import ConfigError, InvalidRequestError, OutOfMemoryError, RequestFailedError
 from .memory import kv_bytes_per_block, plan_memory
 from ..model.cpu_decode import decode_attention_faster, layer_shapes, supports as cpu_decode_supports, usable_rows as cpu_decode_rows
 from ..model.huge_pages import move_weights_to_huge_pages
 from ..model.linear import apply_plans
 from ..model.linear_calibration import choose_cpu_linear
 from .sampler import Sampler, SamplerOutput, make_generator
+from .structured_output import grammar_bitmask
 from .sequence import Sequence
 
 
@@ -297,6 +298,7 @@ class ModelRunner:
         out = self.sample(logits, sampling)
         self.last_failures = {sampling[row].seq_id: exc for row, exc in out.failed.items()}
         sampled = out.token_ids.tolist()                 # the step's one host synchronisation
+        self.advance_grammars(sampling, sampled)
         logprob_rows = self.read_logprobs(out, sampling)
         tokens = iter(sampled)
         logprobs = iter(logprob_rows)
@@ -321,9 +323,22 @@ class ModelRunner:
         history = None
         if any(s.sampling_params.needs_history for s in seqs):       # penalties, min_tokens, logit_bias
             history = ([s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs], self.eos_token_ids)
-        self.last_output = out = self.sampler(logits, [s.sampling_params for s in seqs], generators, history)
+        states = [getattr(s, "grammar", None) for s in seqs]
+        bitmask = grammar_bitmask(states)
+        grammar = None if bitmask is None else (next(g for g in states if g is not None).backend.apply, bitmask)
+        self.last_output = out = self.sampler(logits, [s.sampling_params for s in seqs], generators, history, grammar)
         out.failed.update(failed)
         return out
+
+    def advance_grammars(self, seqs: list[Sequence], tokens: list[int]) -> None:
+        """Feed each sampled token to its sequence's grammar; one the grammar refuses fails that request alone."""
+        for seq, token in zip(seqs, tokens):
+            state = getattr(seq, "grammar", None)
+            if state is None or seq.seq_id in self.last_failures:
+                continue
+            if not state.accept(token):
+                self.last_failures[seq.seq_id] = RequestFailedError(
+                    f"request {seq.request_id!r}: token {token} breaks its structured_outputs grammar")
 
     @staticmethod
     def read_logprobs(out: SamplerOutput, seqs: list[Sequence]) -> list:

@@ -7,7 +7,8 @@ copies to the host; the model runner reads the chosen ids back once per step.
 Order of operations (as in vLLM):
 
 0. rows whose request asks for min_tokens, logit_bias or penalties get them first
-   (``logits_processors.py``; they need the request's prompt and output ids);
+   (``logits_processors.py``; they need the request's prompt and output ids), and rows that
+   follow a grammar lose every token it does not allow (``structured_output.py``);
 1. greedy rows (temperature 0) take the argmax of those logits;
 2. the other rows divide by their temperature, then drop tokens outside the top_k, outside the
    smallest set whose probability reaches top_p, and below min_p × the top probability;
@@ -90,21 +91,23 @@ class Sampler:
     """Batched sampling for a list of requests' ``SamplingParams`` (one logits row each)."""
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None] | None = None, history=None) -> SamplerOutput:
+                 generators: list[torch.Generator | None] | None = None, history=None,
+                 grammar=None) -> SamplerOutput:
         """``history``: ``(prompts, outputs, eos_token_ids)`` per row, for the requests with penalties,
-        min_tokens or logit_bias (``logits_processors.py``); None when no row needs it."""
+        min_tokens or logit_bias (``logits_processors.py``); None when no row needs it. ``grammar``:
+        ``(apply, bitmask)``, the step's allowed-token bitmask and the function that applies it."""
         generators = generators or [None] * logits.shape[0]
         states = [None if g is None else g.get_state() for g in generators]
         try:
-            return self.sample(logits, params, generators, history=history)
+            return self.sample(logits, params, generators, history=history, grammar=grammar)
         except Exception:
             for generator, state in zip(generators, states):    # undo the draws of the failed attempt
                 if generator is not None:
                     generator.set_state(state)
-            return self.sample_row_by_row(logits, params, generators, history)
+            return self.sample_row_by_row(logits, params, generators, history, grammar)
 
     def sample_row_by_row(self, logits: torch.Tensor, params: list[SamplingParams],
-                          generators: list[torch.Generator | None], history=None) -> SamplerOutput:
+                          generators: list[torch.Generator | None], history=None, grammar=None) -> SamplerOutput:
         """One row at a time, so that a failing row is found and the others still get their token."""
         num_logprobs = max((p.logprobs or 0) for p in params)
         wants_logprobs = any(p.logprobs is not None for p in params)
@@ -112,8 +115,9 @@ class Sampler:
         for b in range(logits.shape[0]):
             try:
                 one = None if history is None else (history[0][b:b + 1], history[1][b:b + 1], history[2])
+                mask = None if grammar is None else (grammar[0], grammar[1][b:b + 1])
                 rows.append(self.sample(logits[b:b + 1], params[b:b + 1], generators[b:b + 1],
-                                        num_logprobs, wants_logprobs, one))
+                                        num_logprobs, wants_logprobs, one, mask))
             except Exception as exc:
                 failed[b] = exc
                 rows.append(None)
@@ -132,12 +136,17 @@ class Sampler:
                              top_logprobs=stack("top_logprobs"), failed=failed)
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-               num_logprobs: int | None = None, wants_logprobs: bool | None = None, history=None) -> SamplerOutput:
+               num_logprobs: int | None = None, wants_logprobs: bool | None = None, history=None,
+               grammar=None) -> SamplerOutput:
         """The batched computation (``num_logprobs``/``wants_logprobs``: the whole batch's, when sampling one row)."""
         raw = logits = logits.float()
         if history is not None or any(p.needs_history for p in params):
             prompts, outputs, eos = history if history is not None else (None, None, ())
             logits = process_logits(logits, params, prompts, outputs, eos)
+        if grammar is not None:
+            apply, bitmask = grammar
+            logits = logits.clone() if logits is raw else logits
+            apply(logits, bitmask)
         batch, vocab = logits.shape
         if batch == 0:                                   # a step of prompt chunks only: nothing to sample
             return SamplerOutput(token_ids=torch.empty(0, dtype=torch.long, device=logits.device))

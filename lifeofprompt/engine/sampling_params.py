@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..errors import InvalidRequestError
+from .structured_output import StructuredOutputsParams
 
 # torch.Generator.manual_seed takes any integer in [-2**63, 2**64): a request's n answers use seed ... seed + n - 1
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
@@ -34,6 +35,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0          # tokens in prompt or output: positive logits ÷ it, negative × it
     min_tokens: int = 0                      # EOS, stop ids and stop strings wait until this many tokens
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit, in [-100, 100]
+    structured_outputs: StructuredOutputsParams | None = None   # a grammar the output must follow (structured_output.py)
     skip_special_tokens: bool = True
     extra: dict = field(default_factory=dict, repr=False)
 
@@ -47,6 +49,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
@@ -85,6 +89,8 @@ class SamplingParams:
             bad("min_tokens", f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "structured_outputs must be a StructuredOutputsParams (or a dict of its fields)")
         for token, bias in (self.logit_bias or {}).items():
             if isinstance(token, bool) or not isinstance(token, int) or token < 0:
                 bad("logit_bias", f"logit_bias keys are token ids (integers >= 0), got {token!r}")

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import InvalidRequestError
 from ..engine.sampling_params import SamplingParams
+from ..engine.structured_output import StructuredOutputsParams
 from .limits import MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 
 
@@ -99,7 +100,6 @@ UNSUPPORTED = {
     "suffix": lambda v: not v,
     "logprobs": lambda v: v is None or v is False,       # logprobs: 0 asks for the chosen token's: refused too
     "top_logprobs": lambda v: v in (None, 0),
-    "response_format": lambda v: v is None or _is_text_format(v),
     "tools": lambda v: not v,
     "tool_choice": lambda v: v in (None, "none"),
     "functions": lambda v: not v,
@@ -108,11 +108,6 @@ UNSUPPORTED = {
     "modalities": lambda v: v in (None, ["text"]),
     "prediction": lambda v: v is None,
     "web_search_options": lambda v: v is None,
-    "guided_json": lambda v: v is None,
-    "guided_regex": lambda v: v is None,
-    "guided_choice": lambda v: v is None,
-    "guided_grammar": lambda v: v is None,
-    "structured_outputs": lambda v: v is None,
     "use_beam_search": lambda v: not v,
 }
 
@@ -169,7 +164,48 @@ def sampling_params_from(body: _Body, default_max_tokens: int | None) -> Samplin
             kwargs[name] = getattr(body, name)
     if body.logit_bias:
         kwargs["logit_bias"] = logit_bias_from(body.logit_bias)
+    structured = structured_outputs_from(body)
+    if structured is not None:
+        kwargs["structured_outputs"] = structured
     return SamplingParams(**kwargs)
+
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def structured_outputs_from(body: _Body) -> StructuredOutputsParams | None:
+    """``response_format`` (OpenAI), ``structured_outputs`` (vLLM's extra body field) or vLLM's older
+    ``guided_*`` fields as one ``StructuredOutputsParams``; a 400 naming the field for anything else."""
+    asked = []
+    fmt = body.response_format
+    if fmt is not None and not _is_text_format(fmt):
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            asked.append(("response_format", dict(json_object=True)))
+        elif kind == "json_schema" and isinstance(fmt.get("json_schema"), dict) \
+                and isinstance(fmt["json_schema"].get("schema"), dict):
+            asked.append(("response_format", dict(json=fmt["json_schema"]["schema"])))
+        else:
+            raise InvalidRequestError("response_format must be {'type': 'text'}, {'type': 'json_object'} or "
+                                      "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}",
+                                      param="response_format")
+    if body.structured_outputs is not None:
+        if not isinstance(body.structured_outputs, dict):
+            raise InvalidRequestError("structured_outputs must be an object such as {'json': {...}} or {'regex': '...'}",
+                                      param="structured_outputs")
+        asked.append(("structured_outputs", dict(body.structured_outputs)))
+    for name, kind in GUIDED.items():
+        if getattr(body, name) is not None:
+            asked.append((name, {kind: getattr(body, name)}))
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise InvalidRequestError(f"ask for one structure only, got {', '.join(n for n, _ in asked)}", param=asked[1][0])
+    name, fields = asked[0]
+    try:
+        return StructuredOutputsParams(**fields)
+    except TypeError:
+        raise InvalidRequestError(f"{name} has unknown fields: {sorted(fields)}", param=name) from None
 
 
 def logit_bias_from(value: dict[str, float]) -> dict[int, float]:

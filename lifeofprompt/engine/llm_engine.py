@@ -14,6 +14,11 @@ that arrives while no step is running is applied immediately, so its blocks are 
 
 Every time is ``time.monotonic()``: arrival, first scheduled, first token, each token, finish
 (``RequestMetrics``), so ``lifeofprompt.serving.metrics`` can read TTFT and TPOT straight off them.
+
+With ``speculative_config`` (``speculative.py``) each step ends by asking the drafter for the next
+tokens of every decoding request; the next step verifies them, and the tokens a verify keeps are
+then taken one by one, exactly as single tokens are, so a stop inside an accepted run ends the
+output there and streaming hands out each step's kept tokens together.
 """
 
 from __future__ import annotations
@@ -29,10 +34,11 @@ import torch
 
 from .block_manager import BlockManager
 from ..errors import ConfigError, InvalidRequestError, QueueFullError
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecStep
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, StepRecord, format_steps
 from .sequence import Sequence, SequenceStatus
+from .speculative import NgramProposer, SpecDecodeStats, SpeculativeConfig
 
 logger = logging.getLogger("lifeofprompt.engine")
 if not logger.handlers:                     # like vLLM: the start-up lines show without any logging set-up
@@ -137,7 +143,7 @@ class LLMEngine:
                  enforce_eager: bool = False, gpu_memory_utilization: float = 0.9,
                  max_waiting: int | None = None, check_invariants: bool = False,
                  max_step_records: int = 10_000, log_stats: bool = True, clock=time.monotonic,
-                 prepack_cpu_weights: bool = True, cpu_linear: str | None = None):
+                 prepack_cpu_weights: bool = True, cpu_linear: str | None = None, speculative_config=None):
         if isinstance(model, str):
             from ..model.loader import load_model
             self.model, self.tokenizer = load_model(model, dtype=dtype, device=device)
@@ -151,6 +157,7 @@ class LLMEngine:
             raise ConfigError(f"max_waiting must be >= 1 (or None for unbounded), got {max_waiting}")
         self.config = self.model.config
         self.clock = clock
+        self.spec_config = SpeculativeConfig.from_user(speculative_config)
         self.block_size = block_size
         self.max_waiting = max_waiting
         self.check_invariants = check_invariants
@@ -167,6 +174,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_kv_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, context_len)
         self.max_model_len = self.scheduler.max_model_len
+        self.proposer = NgramProposer(self.spec_config) if self.spec_config else None
+        self.spec_stats = SpecDecodeStats(self.spec_config.k) if self.spec_config else None
         self.eos_token_ids = set(self.config.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -214,6 +223,8 @@ class LLMEngine:
         ]
         if self.runner.linear_choice is not None:
             lines += self.runner.linear_choice.describe()
+        if self.spec_config is not None:
+            lines.append(self.spec_config.describe() + "; verify steps run eagerly (no CUDA graph)")
         if getattr(self.model, "is_random", False):
             lines.append("NOTE: random weights - generated text is meaningless (speed and memory work only)")
         return lines
@@ -269,8 +280,9 @@ class LLMEngine:
             completions.append(_Completion(i, seq, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
                                            logprobs=[] if params.logprobs is not None else None,
                                            cumulative_logprob=0.0 if params.logprobs is not None else None))
-        request = _Request(request_id, text, ids, params, RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(ids)),
-                           completions, pending=completions[1:])
+        metrics = RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(ids),
+                                 spec_decode=SpecDecodeStats(self.spec_config.k) if self.spec_config else None)
+        request = _Request(request_id, text, ids, params, metrics, completions, pending=completions[1:])
         with self._lock:
             if request_id in self.requests:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
@@ -346,14 +358,23 @@ class LLMEngine:
                     metrics.first_scheduled_time = record.start_time
                     metrics.num_cached_tokens = seq.num_cached_tokens
                 metrics.num_preemptions = sum(c.seq.num_preemptions for c in request.completions)
+            drafts = {seq.seq_id: list(seq.spec_token_ids) for seq in record.seqs if seq.spec_token_ids}
             sampled = self.runner.execute(record.seqs, record.num_scheduled_tokens)
             logprob_rows = getattr(self.runner, "last_logprobs", None) or [None] * len(record.seqs)
             now = record.end_time = self.clock()
+            if drafts:
+                self.spec_stats.verify_time += now - record.start_time
             entries = {seq.seq_id: lp for seq, lp in zip(record.seqs, logprob_rows)}
+            new_tokens = {seq.seq_id: (t if isinstance(t, list) else [t]) for seq, t in zip(record.seqs, sampled)
+                          if t is not None}
+            starts = {seq.seq_id: seq.num_computed_tokens for seq in record.seqs}
             changed: dict[str, _Request] = {}
             for seq in self.scheduler.update(record, sampled):
                 request, completion = self._owner[seq.seq_id]
-                self._on_token(request, completion, seq.output_token_ids[-1], entries.get(seq.seq_id), now)
+                tokens = new_tokens[seq.seq_id]
+                if seq.seq_id in drafts:
+                    self._observe_verify(request, starts[seq.seq_id], drafts[seq.seq_id], tokens)
+                self._on_tokens(request, completion, tokens, entries.get(seq.seq_id), now)
                 if completion.finished:
                     record.finished.append(seq.request_id)
                 if request.pending and completion.index == 0:
@@ -367,12 +388,52 @@ class LLMEngine:
                 if request.finished:
                     self._forget(request)
             self.step_records.append(record)
+            if self.proposer is not None:
+                self._propose()
             if self.check_invariants:
                 self.block_manager.check_invariants(self.scheduler.seqs)
             return outputs
 
-    def _on_token(self, request: _Request, completion: _Completion, token: int, logprob_entry, now: float) -> None:
+    # ---------------------------------------------------------------- speculative decoding
+    def _propose(self) -> None:
+        """Drafts for the next step, for every running request that is decoding (its prompt done).
+
+        Requests that asked for logprobs decode plainly: a verify reports no logprobs.
+        """
+        start = self.clock()
+        for seq in self.scheduler.running:
+            if seq.num_computed_tokens != len(seq) - 1 or seq.sampling_params.logprobs is not None:
+                continue
+            limit = self.scheduler.max_num_drafts(seq)
+            seq.set_spec(self.proposer.propose(seq.token_ids, limit) if limit > 0 else [])
+        self.spec_stats.draft_time += self.clock() - start
+
+    def _observe_verify(self, request: _Request, position: int, draft: list[int], tokens: list[int]) -> None:
+        """Count one verify (engine-wide and for the request) and keep its story for the notebook."""
+        accepted = len(tokens) - 1
+        self.spec_stats.observe(len(draft), accepted)
+        request.metrics.spec_decode.observe(len(draft), accepted)
+        request.metrics.spec_steps.append(SpecStep(position, draft, accepted, list(tokens)))
+
+    def _on_tokens(self, request: _Request, completion: _Completion, tokens: list[int], logprob_entry, now: float) -> None:
+        """A step's new tokens, one by one; a stop among them ends the output there and drops the rest."""
+        seq = completion.seq
+        base = len(seq.output_token_ids) - len(tokens)
+        for j, token in enumerate(tokens):
+            last = j == len(tokens) - 1
+            self._on_token(request, completion, token, logprob_entry if last else None, now, base + j + 1)
+            if completion.finished and not last:
+                del seq.output_token_ids[base + j + 1:]
+                break
+
+    def _on_token(self, request: _Request, completion: _Completion, token: int, logprob_entry, now: float,
+                  num_output: int | None = None) -> None:
+        """One new token: its time, text and logprobs, and whether it ends the request.
+
+        ``num_output``: the output's length counting this token (a verify appends several at once).
+        """
         seq, params, metrics = completion.seq, completion.seq.sampling_params, request.metrics
+        num_output = len(seq.output_token_ids) if num_output is None else num_output
         metrics.token_times.append(now)
         if metrics.first_token_time is None:
             metrics.first_token_time = now
@@ -385,7 +446,7 @@ class LLMEngine:
         with self._tokenizer_lock:
             completion.detokenizer.add(token)
         reason, stop_reason = None, None
-        if len(seq.output_token_ids) >= (params.max_tokens or self.max_model_len) or len(seq) >= self.max_model_len:
+        if num_output >= (params.max_tokens or self.max_model_len) or seq.num_prompt_tokens + num_output >= self.max_model_len:
             reason = "length"
         elif not params.ignore_eos and token in self.eos_token_ids:
             reason, stop_reason = "stop", None
@@ -433,7 +494,8 @@ class LLMEngine:
         return dict(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
                     num_kv_blocks=bm.num_blocks, num_used_blocks=bm.num_used_blocks, num_free_blocks=bm.num_free_blocks,
                     kv_cache_usage=bm.num_used_blocks / bm.num_blocks, prefix_cache_hit_rate=bm.stats["hit_rate"],
-                    num_preemptions=self.scheduler.num_preemptions, num_steps=self.scheduler.num_steps)
+                    num_preemptions=self.scheduler.num_preemptions, num_steps=self.scheduler.num_steps,
+                    spec_decode=self.spec_stats.as_dict() if self.spec_stats is not None else None)
 
     def format_trace(self, records=None, fold_quiet: bool = False) -> str:
         """The step-by-step schedule: who ran, how many tokens, which blocks (``scheduler.format_steps``)."""

@@ -33,6 +33,7 @@ from ..errors import ConfigError, OutOfMemoryError
 from .memory import kv_bytes_per_block, plan_memory
 from ..model.linear import apply_plans
 from ..model.linear_calibration import choose_cpu_linear
+from . import rejection_sampler
 from .sampler import Sampler, SamplerOutput, make_generator
 from .sequence import Sequence
 
@@ -191,13 +192,14 @@ class ModelRunner:
         ids, positions, query_lens, seq_lens, logits_rows, seq_of_row = [], [], [], [], [], []
         for b, (seq, n) in enumerate(zip(seqs, num_scheduled_tokens)):
             start = seq.num_computed_tokens
-            ids.extend(seq.token_ids[start:start + n])
+            tokens = seq.tokens_with_spec()
+            ids.extend(tokens[start:start + n])
             positions.extend(range(start, start + n))
             seq_of_row.extend([b] * n)
             query_lens.append(n)
             seq_lens.append(start + n)
-            if start + n == len(seq):
-                logits_rows.append(len(ids) - 1)
+            if start + n == len(tokens):          # a verify wants every row it checks: the last 1 + k
+                logits_rows.extend(range(len(ids) - 1 - len(seq.spec_token_ids), len(ids)))
         width = max(len(s.block_table) for s in seqs)
         block_tables = torch.tensor([s.block_table + [-1] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32)
         pos = torch.tensor(positions, dtype=torch.long)
@@ -245,6 +247,8 @@ class ModelRunner:
         {token_id: logprob} of the top N)`` for requests that asked for logprobs.
         """
         logits = self.forward(seqs, num_scheduled_tokens)
+        if any(s.spec_token_ids for s in seqs):
+            return self.execute_verify(seqs, num_scheduled_tokens, logits)
         sampling = [s for s, n in zip(seqs, num_scheduled_tokens) if s.num_computed_tokens + n == len(s)]
         out = self.sample(logits, sampling)
         sampled = out.token_ids.tolist()                 # the step's one host synchronisation
@@ -257,6 +261,37 @@ class ModelRunner:
             result.append(next(tokens) if reached else None)
             self.last_logprobs.append(next(logprobs) if reached else None)
         return result
+
+    def execute_verify(self, seqs: list[Sequence], num_scheduled_tokens: list[int], logits: torch.Tensor) -> list:
+        """A step holding verifies: plain rows sample as usual, each verify keeps what
+        ``rejection_sampler.verify`` accepts. A verify's entry is the list of its kept tokens."""
+        plain_rows, plain, verifies, row = [], [], [], 0
+        for s, n in zip(seqs, num_scheduled_tokens):
+            if s.num_computed_tokens + n != len(s) + len(s.spec_token_ids):
+                continue                                   # a prompt chunk: no logits
+            if s.spec_token_ids:
+                verifies.append((s, row))
+                row += 1 + len(s.spec_token_ids)
+            else:
+                plain_rows.append(row)
+                plain.append(s)
+                row += 1
+        result = dict()
+        if plain:
+            out = self.sample(logits[plain_rows], plain)
+            for s, token, lp in zip(plain, out.token_ids.tolist(), self.read_logprobs(out, plain)):
+                result[s.seq_id] = (token, lp)
+        argmax = logits.argmax(dim=-1).tolist()            # greedy verifies read theirs from here: one copy
+        for s, start in verifies:
+            k = len(s.spec_token_ids)
+            params = s.sampling_params
+            if params.seed is not None and getattr(s, "generator", None) is None:
+                s.generator = make_generator(params.seed, logits.device)
+            kept = rejection_sampler.verify(logits[start:start + k + 1], s.spec_token_ids, params,
+                                            getattr(s, "generator", None), s.spec_probs, argmax[start:start + k + 1])
+            result[s.seq_id] = (kept, None)
+        self.last_logprobs = [result.get(s.seq_id, (None, None))[1] for s in seqs]
+        return [result.get(s.seq_id, (None, None))[0] for s in seqs]
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """Sample one token per row on the device; each seeded request keeps its own generator on the sequence."""

@@ -275,6 +275,12 @@ class BlockManager:
                 f"{seq.request_id}: computed tokens outside its blocks"
             for i, block_id in enumerate(seq.block_table):
                 owners.setdefault(block_id, []).append((seq, i))
+                block = self.blocks[block_id]
+                if block.hash is not None:      # a cached block holds computed tokens of this sequence, never drafts
+                    assert (i + 1) * self.block_size <= seq.num_computed_tokens <= len(seq), \
+                        f"{seq.request_id}: cached block {block_id} holds tokens not (yet) computed"
+                    assert tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size]) == block.token_ids, \
+                        f"{seq.request_id}: cached block {block_id} holds other tokens than its own"
         for block_id, holders in owners.items():
             block = self.blocks[block_id]
             assert block.ref_count == len(holders), f"block {block_id}: ref_count {block.ref_count}, {len(holders)} owners"

@@ -1,0 +1,286 @@
+"""Speculative decoding on the real embedded model (CPU, fp32): the same greedy tokens as without it
+(alone, batched, preempted), one target forward per verify step, the budget's share, stops inside an
+accepted run, streaming, the counters and the typed errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lifeofprompt.engine.llm_engine import LLMEngine
+from lifeofprompt.engine.model_runner import ModelRunner
+from lifeofprompt.engine.sampling_params import SamplingParams
+from lifeofprompt.engine.sequence import Sequence
+from lifeofprompt.engine.speculative import NgramProposer, SpeculativeConfig
+from lifeofprompt.errors import SpeculativeConfigError
+from lifeofprompt.lessons.agreement import FP32_TOLERANCE, assert_greedy_agrees, teacher_forced_logits, top2_margins
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+K = 4
+NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+# A code-editing prompt: the answer repeats most of it, so prompt lookup has something to find.
+CODE = ("def area(width, height):\n    return width * height\n\n"
+        "def perimeter(width, height):\n    return 2 * (width + height)\n\n"
+        "Rewrite both functions with type hints:\n")
+DAY_GREEDY = [281, 260, 216, 34, 33, 302, 2070, 30, 2]     # "today is a beautiful summer day" -> " in the 21st century." EOS
+
+
+def make_engine(smollm2, spec=None, **kwargs):
+    model, tokenizer = smollm2
+    kwargs.setdefault("num_kv_blocks", 64)
+    return LLMEngine(model, tokenizer=tokenizer, log_stats=False, check_invariants=True, speculative_config=spec, **kwargs)
+
+
+def greedy(n, **kwargs):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kwargs)
+
+
+def run(engine, requests):
+    for rid, ids, params in requests:
+        engine.add_request(rid, ids, params)
+    outs = {o.request_id: o for o in engine.run_until_done()}
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks, "a block leaked"
+    return outs
+
+
+class OracleProposer:
+    """Drafts the known continuation of each prompt (so every draft is right), optionally wrong from ``wrong_at``."""
+
+    def __init__(self, continuations: dict[tuple, list[int]], k: int = K, wrong_at: int | None = None):
+        self.continuations, self.k, self.wrong_at = continuations, k, wrong_at
+
+    def propose(self, token_ids, max_draft=None):
+        for prompt, cont in self.continuations.items():
+            if tuple(token_ids[:len(prompt)]) == prompt:
+                done = len(token_ids) - len(prompt)
+                draft = list(cont[done:done + min(self.k, max_draft or self.k)])
+                if self.wrong_at is not None and self.wrong_at < len(draft):
+                    draft[self.wrong_at] += 1
+                return draft
+        return []
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2):
+    _, tokenizer = smollm2
+    from lifeofprompt.story import STORY_PROMPTS
+    return [tokenizer.encode(CODE)] + [tokenizer.encode(p) for p in STORY_PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2, prompts):
+    """Greedy tokens without speculation, and the top-2 margins of the logits that chose them."""
+    model, _ = smollm2
+    outs = run(make_engine(smollm2), [(str(i), p, greedy(24)) for i, p in enumerate(prompts)])
+    tokens = [outs[str(i)].outputs[0].token_ids for i in range(len(prompts))]
+    margins = [top2_margins(teacher_forced_logits(model, p, t)).tolist() for p, t in zip(prompts, tokens)]
+    return tokens, margins
+
+
+@pytest.fixture(scope="module")
+def verify_tolerance(smollm2, prompts, reference):
+    """The largest change of a top-2 margin between a 1-row decode and a (k + 1)-row verify of the same
+    positions (measured here, on this machine's kernels), times 4, and never below the fp32 tolerance."""
+    model, _ = smollm2
+    runner = ModelRunner(model, num_blocks=16, block_size=16, backend="torch", max_num_seqs=4)
+    worst = 0.0
+    for prompt, tokens in zip(prompts, reference[0]):
+        seq = Sequence("m", prompt + tokens, greedy(1))
+        seq.block_table = list(range(8))
+        for start in range(len(prompt), len(prompt) + len(tokens) - K - 1, 5):
+            seq.num_computed_tokens = 0
+            seq.prompt_token_ids, seq.spec_token_ids = (prompt + tokens)[:start], []
+            runner.forward([seq], [start - 1])                              # the prefix, up to the last token
+            seq.num_computed_tokens = start - 1
+            seq.spec_token_ids = (prompt + tokens)[start:start + K]
+            verify = runner.forward([seq], [K + 1])                         # [last, d1..dk]: k + 1 rows
+            seq.spec_token_ids = []
+            decodes = []
+            for j in range(K + 1):
+                seq.prompt_token_ids = (prompt + tokens)[:start + j]
+                seq.num_computed_tokens = start + j - 1
+                decodes.append(runner.forward([seq], [1])[0])
+            worst = max(worst, (top2_margins(verify) - top2_margins(torch.stack(decodes))).abs().max().item())
+    return max(FP32_TOLERANCE, 4 * worst)
+
+
+def assert_same_greedy(outs, reference, tolerance):
+    tokens, margins = reference
+    got = [outs[str(i)].outputs[0].token_ids for i in range(len(tokens))]
+    decided = sum(sum(m > tolerance for m in ms[:len(t)]) for ms, t in zip(margins, tokens))
+    total = sum(len(t) for t in tokens)
+    assert decided >= 0.9 * total, f"only {decided} of {total} steps decided beyond {tolerance}"
+    assert_greedy_agrees(got, tokens, margins, tolerance, min_steps=int(0.9 * total))
+
+
+# ----------------------------------------------------------------------------- greedy identity
+
+
+@pytest.mark.numerics
+def test_greedy_tokens_unchanged_alone(smollm2, prompts, reference, verify_tolerance):
+    engine = make_engine(smollm2, NGRAM)
+    outs = {}
+    for i, p in enumerate(prompts):
+        outs |= run(engine, [(str(i), p, greedy(24))])
+    assert_same_greedy(outs, reference, verify_tolerance)
+    assert engine.spec_stats.num_accepted_tokens > 10, "the code prompt should have let prompt lookup fire"
+    assert engine.scheduler.num_steps < sum(len(t) for t in reference[0]) + len(prompts)   # fewer steps than tokens
+
+
+@pytest.mark.numerics
+def test_greedy_tokens_unchanged_batched_and_preempted(smollm2, prompts, reference, verify_tolerance):
+    batched = make_engine(smollm2, NGRAM)
+    assert_same_greedy(run(batched, [(str(i), p, greedy(24)) for i, p in enumerate(prompts)]), reference,
+                       verify_tolerance)
+    assert batched.spec_stats.num_drafts > 0
+    small = make_engine(smollm2, NGRAM, num_kv_blocks=22, block_size=4, max_num_batched_tokens=16)
+    assert_same_greedy(run(small, [(str(i), p, greedy(24)) for i, p in enumerate(prompts)]), reference,
+                       verify_tolerance)
+    assert small.scheduler.num_preemptions > 0 and small.spec_stats.num_accepted_tokens > 0
+    verifies = [r for rec in small.step_records for r in rec.scheduled if r.kind == "verify"]
+    assert verifies and all(r.num_tokens == 1 + r.num_draft_tokens for r in verifies)
+    assert all(rec.num_batched_tokens <= 16 for rec in small.step_records)
+
+
+# ----------------------------------------------------------------------------- one forward, the budget
+
+
+@pytest.mark.numerics
+def test_one_target_forward_per_verify_step_with_all_rows(smollm2, prompts, reference):
+    engine = make_engine(smollm2, NGRAM)
+    engine.proposer = OracleProposer({tuple(prompts[0]): reference[0][0]})
+    calls = []
+    run_model = engine.runner.run_model
+
+    def counted(input_ids, positions, meta):
+        calls.append((len(input_ids), len(meta.logits_indices)))
+        return run_model(input_ids, positions, meta)
+
+    engine.runner.run_model = counted
+    out = run(engine, [("code", prompts[0], greedy(24))])["code"]
+    assert out.outputs[0].token_ids == reference[0][0]
+    assert len(calls) == engine.scheduler.num_steps == 6                 # the prefill's token, then 23 at 5 a step
+    assert calls[1] == (K + 1, K + 1)                                    # a verify: k + 1 rows in, k + 1 logits out
+    steps = out.metrics.spec_steps
+    assert all(s.num_accepted == len(s.draft_token_ids) for s in steps)  # the oracle is always right
+    assert sum(len(s.token_ids) for s in steps) + 1 == 24
+
+
+@pytest.mark.numerics
+def test_short_budget_drafts_fewer_and_mixes_with_prefill_chunks(smollm2, prompts, reference):
+    """A budget of 9: one verify of 1 + 4 leaves 4 tokens, for another prompt's chunk or a verify of 1 + 3."""
+    engine = make_engine(smollm2, NGRAM, max_num_batched_tokens=9)
+    engine.proposer = OracleProposer({tuple(prompts[0]): reference[0][0]})
+    engine.add_request("code", prompts[0], greedy(40))
+    while not engine.scheduler.running or engine.scheduler.running[0].num_computed_tokens < len(prompts[0]):
+        engine.step()
+    engine.add_request("twin", prompts[0], greedy(12))
+    outs = {o.request_id: o for o in engine.run_until_done()}
+    assert outs["code"].outputs[0].token_ids[:24] == reference[0][0]
+    assert outs["twin"].outputs[0].token_ids == reference[0][0][:12]
+    assert all(rec.num_batched_tokens <= 9 for rec in engine.step_records)
+    shares = [sorted((r.kind, r.num_tokens) for r in rec.scheduled) for rec in engine.step_records]
+    assert [("prefill chunk", 4), ("verify", 5)] in shares                # a verify beside another's prompt chunk
+    assert [("verify", 4), ("verify", 5)] in shares                       # the second verify gets 3 drafts, not 4
+    assert engine.block_manager.stats["hits"] > 0                         # the twin's prompt came from the cache
+
+
+# ----------------------------------------------------------------------------- stops and streaming
+
+
+@pytest.mark.numerics
+def test_stops_inside_an_accepted_run(smollm2, story_ids):
+    day = story_ids[1]
+    engine = make_engine(smollm2, NGRAM)
+    engine.proposer = OracleProposer({tuple(day): DAY_GREEDY + [0] * 8})
+    outs = run(engine, [
+        ("eos", day, SamplingParams(temperature=0, max_tokens=12)),
+        ("token", day, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[216])),
+        ("string", day, SamplingParams(temperature=0, max_tokens=12, stop=["21st"])),
+        ("length", day, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)),
+    ])
+    eos = outs["eos"].outputs[0]
+    assert (eos.token_ids, eos.text, eos.finish_reason) == (DAY_GREEDY, " in the 21st century.", "stop")
+    token = outs["token"].outputs[0]
+    assert (token.token_ids, token.finish_reason, token.stop_reason) == ([281, 260, 216], "stop", 216)
+    string = outs["string"].outputs[0]
+    assert (string.text, string.finish_reason, string.token_ids) == (" in the ", "stop", [281, 260, 216, 34, 33, 302])
+    length = outs["length"].outputs[0]
+    assert (length.token_ids, length.finish_reason) == (DAY_GREEDY[:4], "length")
+    assert len(outs["token"].metrics.token_times) == 3
+    assert outs["eos"].metrics.spec_steps[0].num_accepted == K      # the stop fell inside accepted runs
+
+
+@pytest.mark.numerics
+def test_streaming_yields_each_steps_accepted_tokens(smollm2, story_ids):
+    day = story_ids[1]
+    engine = make_engine(smollm2, NGRAM)
+    engine.proposer = OracleProposer({tuple(day): DAY_GREEDY}, wrong_at=2)   # 2 drafts kept per verify
+    engine.add_request("s", day, SamplingParams(temperature=0, max_tokens=12))
+    deltas = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deltas.append(out.outputs[0].new_token_ids)
+    assert deltas[0] == [281] and deltas[1] == [260, 216, 34]             # 2 accepted + the model's own
+    assert sum(deltas, []) == DAY_GREEDY == out.outputs[0].token_ids
+    assert [s.num_accepted for s in out.metrics.spec_steps][:2] == [2, 2]
+
+
+# ----------------------------------------------------------------------------- counters and errors
+
+
+@pytest.mark.numerics
+def test_counters_in_outputs_stats_metrics_and_the_startup_log(smollm2, story_ids):
+    from lifeofprompt.serving.server_metrics import ServerStats, render_metrics
+
+    day = story_ids[1]
+    engine = make_engine(smollm2, NGRAM)
+    engine.proposer = OracleProposer({tuple(day): DAY_GREEDY}, wrong_at=1)
+    out = run(engine, [("d", day, SamplingParams(temperature=0, max_tokens=9))])["d"]
+    spec = out.metrics.spec_decode
+    assert spec.num_drafts == len(out.metrics.spec_steps) > 0
+    assert spec.num_accepted_tokens == spec.num_drafts and spec.num_accepted_tokens_per_pos[:2] == [spec.num_drafts, 0]
+    stats = engine.stats["spec_decode"]
+    assert stats["num_draft_tokens"] == spec.num_draft_tokens and stats["num_accepted_tokens"] == spec.num_drafts
+    text = render_metrics(engine, ServerStats(), "smollm2")
+    assert f"lifeofprompt_spec_decode_num_drafts_total {spec.num_drafts}" in text
+    assert f'lifeofprompt_spec_decode_num_accepted_tokens_per_pos_total{{position="0"}} {spec.num_drafts}' in text
+    assert "lifeofprompt_spec_decode_verify_seconds_total" in text
+    parser = pytest.importorskip("prometheus_client.parser")
+    names = {f.name for f in parser.text_string_to_metric_families(text)}
+    assert "lifeofprompt_spec_decode_num_accepted_tokens_per_pos" in names
+    assert "speculative decoding: n-gram" in "\n".join(make_engine(smollm2, NGRAM).startup_log)
+    assert "spec_decode" not in render_metrics(make_engine(smollm2), ServerStats(), "smollm2")
+
+
+@pytest.mark.parametrize("config, field", [
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2.5}, "num_speculative_tokens"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
+    ({"num_speculative_tokens": 2}, "method"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0}, "prompt_lookup_max"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "lookahead"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+])
+def test_bad_speculative_config_names_the_field(config, field):
+    with pytest.raises(SpeculativeConfigError) as info:
+        SpeculativeConfig.from_user(config)
+    assert info.value.param == field and repr(field) in str(info.value)
+
+
+def test_ngram_proposer_takes_the_longest_suffix_and_its_earliest_match():
+    config = SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 3,
+                                          "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    propose = NgramProposer(config).propose
+    assert propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3]) == [9, 1, 2]          # 3-gram: the earliest of two
+    assert propose([5, 1, 2, 8, 8, 4, 2]) == [8, 8, 4]                          # only a 1-gram matches
+    assert propose([7, 1, 2, 3, 7, 4, 2, 3]) == [7, 4, 2]                       # 2-gram "2 3" beats 1-gram "3"
+    assert propose([1, 2, 3, 4]) == []                                          # nothing earlier: no draft
+    assert propose([1, 2, 1, 2]) == [1, 2]                                       # the run stops at the end
+    assert propose([4, 5, 4, 5, 4], max_draft=1) == [5]
+    assert propose([1 << 40, 3, 1 << 40]) == [3, 1 << 40]                              # ids wider than 32 bits
+    assert propose([256, 0, 1]) == []                     # the bytes of 1 start inside those of 256: not a match
+    defaults = SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
+    assert (defaults.prompt_lookup_min, defaults.prompt_lookup_max) == (3, 3)    # one bound given: the other follows

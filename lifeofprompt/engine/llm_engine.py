@@ -158,6 +158,11 @@ class LLMEngine:
         self.config = self.model.config
         self.clock = clock
         self.spec_config = SpeculativeConfig.from_user(speculative_config)
+        self.draft_model = None
+        if self.spec_config is not None and self.spec_config.method == "draft_model":
+            from .draft_model import load_draft
+            self.draft_model = load_draft(self.spec_config, self.model, self.tokenizer)
+            enforce_eager = True               # a graph replay of a decode would skip the draft's mirror
         self.block_size = block_size
         self.max_waiting = max_waiting
         self.check_invariants = check_invariants
@@ -169,12 +174,20 @@ class LLMEngine:
                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   max_model_len=context_len, enforce_eager=enforce_eager or None,
                                   gpu_memory_utilization=gpu_memory_utilization,
-                                  prepack_cpu_weights=prepack_cpu_weights, cpu_linear=cpu_linear)
+                                  prepack_cpu_weights=prepack_cpu_weights, cpu_linear=cpu_linear,
+                                  extra_kv_bytes_per_block=self._draft_bytes_per_block())
         self.num_kv_blocks = self.runner.kv_cache.num_blocks
         self.block_manager = BlockManager(self.num_kv_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, context_len)
         self.max_model_len = self.scheduler.max_model_len
-        self.proposer = NgramProposer(self.spec_config) if self.spec_config else None
+        self.proposer = None
+        if self.draft_model is not None:
+            from .draft_model import DraftModelProposer
+            self.proposer = DraftModelProposer(self.spec_config, self.draft_model, self.num_kv_blocks, block_size,
+                                               self.runner.backend)
+            self.runner.draft = self.proposer
+        elif self.spec_config is not None:
+            self.proposer = NgramProposer(self.spec_config)
         self.spec_stats = SpecDecodeStats(self.spec_config.k) if self.spec_config else None
         self.eos_token_ids = set(self.config.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
@@ -193,11 +206,23 @@ class LLMEngine:
                 logger.info(line)
 
     # ---------------------------------------------------------------- set-up
+    def _draft_bytes_per_block(self) -> int:
+        """KV bytes the draft model adds to every block (its pool shares the target's block tables)."""
+        if self.draft_model is None:
+            return 0
+        from .memory import kv_bytes_per_block
+        return kv_bytes_per_block(self.draft_model.config, self.draft_model.dtype, self.block_size)
+
     def _blocks_for_memory(self, kv_bytes: int) -> int:
-        from .memory import num_blocks_for_bytes
-        blocks = num_blocks_for_bytes(kv_bytes, self.config, self.model.dtype, self.block_size)
+        """Blocks that fit ``kv_bytes``; with a draft model a block is the target's bytes plus the draft's."""
+        from .memory import kv_bytes_per_block
+        blocks = int(kv_bytes) // (kv_bytes_per_block(self.config, self.model.dtype, self.block_size)
+                                   + self._draft_bytes_per_block())
         if blocks < 1:
             from ..errors import OutOfMemoryError
+            if self.draft_model is not None:
+                raise OutOfMemoryError(f"speculative_config['model']: with the draft's KV beside the model's, "
+                                       f"kv_cache_memory={kv_bytes} bytes holds not one block of {self.block_size} tokens")
             raise OutOfMemoryError(f"kv_cache_memory={kv_bytes} bytes holds not one block of {self.block_size} tokens")
         return blocks
 
@@ -225,6 +250,12 @@ class LLMEngine:
             lines += self.runner.linear_choice.describe()
         if self.spec_config is not None:
             lines.append(self.spec_config.describe() + "; verify steps run eagerly (no CUDA graph)")
+        if self.draft_model is not None:
+            draft_kv = self.proposer.kv_cache.nbytes
+            lines.append(f"draft model {getattr(self.draft_model, 'source', self.draft_model.config.name)}: "
+                         f"{self.draft_model.config.num_layers} layers; its KV cache {format_bytes(draft_kv)} on the same "
+                         f"{self.num_kv_blocks} block tables (memory split by bytes per block: "
+                         f"{format_bytes(kv)} target, {format_bytes(draft_kv)} draft); every step runs eagerly")
         if getattr(self.model, "is_random", False):
             lines.append("NOTE: random weights - generated text is meaningless (speed and memory work only)")
         return lines
@@ -350,6 +381,12 @@ class LLMEngine:
             record = self.scheduler.schedule()
             if record.is_empty:
                 return outputs
+            if hasattr(self.proposer, "fill"):             # a draft model drafts now, into the slots just given
+                verifying = [seq for seq in record.seqs if seq.spec_token_ids]
+                if verifying:
+                    start = self.clock()
+                    self.proposer.fill(verifying)
+                    self.spec_stats.draft_time += self.clock() - start
             record.start_time = self.clock()
             for seq in record.seqs:
                 request, _ = self._owner[seq.seq_id]
@@ -405,7 +442,12 @@ class LLMEngine:
             if seq.num_computed_tokens != len(seq) - 1 or seq.sampling_params.logprobs is not None:
                 continue
             limit = self.scheduler.max_num_drafts(seq)
-            seq.set_spec(self.proposer.propose(seq.token_ids, limit) if limit > 0 else [])
+            if limit <= 0:
+                seq.set_spec([])
+            elif hasattr(self.proposer, "placeholders"):   # a draft model drafts after scheduling
+                seq.set_spec(self.proposer.placeholders(seq, limit))
+            else:
+                seq.set_spec(self.proposer.propose(seq.token_ids, limit))
         self.spec_stats.draft_time += self.clock() - start
 
     def _observe_verify(self, request: _Request, position: int, draft: list[int], tokens: list[int]) -> None:

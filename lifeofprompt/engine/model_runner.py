@@ -77,7 +77,7 @@ class ModelRunner:
                  max_model_len: int | None = None, enforce_eager: bool | None = None,
                  gpu_memory_utilization: float = 0.9, cpu_kv_bytes: int = 2 << 30,
                  fused_kernels: bool | None = None, prepack_cpu_weights: bool = True,
-                 cpu_linear: str | None = None):
+                 cpu_linear: str | None = None, extra_kv_bytes_per_block: int = 0):
         if block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size}")
         self.model = model
@@ -98,6 +98,8 @@ class ModelRunner:
         self.gpu_memory_utilization = gpu_memory_utilization
         self.sampler = Sampler()
         self.memory_report: dict = {}
+        self.extra_kv_bytes_per_block = extra_kv_bytes_per_block   # a draft model's KV share of every block
+        self.draft = None                                        # a DraftModelProposer mirrors every eager forward
         if num_blocks is None:
             num_blocks = (self.profile_num_blocks() if self.device.type == "cuda"
                           else self.cpu_num_blocks(cpu_kv_bytes))
@@ -130,7 +132,7 @@ class ModelRunner:
 
     def cpu_num_blocks(self, kv_bytes: int) -> int:
         """Blocks that fit ``kv_bytes`` (at most what max_num_seqs full-length sequences use)."""
-        per_block = self.kv_bytes_per_block()
+        per_block = self.kv_bytes_per_block() + self.extra_kv_bytes_per_block
         return max(1, min(kv_bytes // per_block, self.max_num_seqs * self.max_blocks_per_seq + 1))
 
     def kv_bytes_per_block(self) -> int:
@@ -181,6 +183,12 @@ class ModelRunner:
         plan = plan_memory(self.config, self.model.dtype, total, self.gpu_memory_utilization, self.block_size,
                            weights=weights, activations=activations + non_torch, activations_measured=True)
         self.memory_plan = plan
+        if self.extra_kv_bytes_per_block:          # the draft's pool takes its share of every block
+            per_block = self.kv_bytes_per_block()
+            blocks = plan.num_gpu_blocks * per_block // (per_block + self.extra_kv_bytes_per_block)
+            if blocks < 1:
+                raise OutOfMemoryError("speculative_config['model']: the draft leaves no room for one KV block")
+            return blocks
         self.memory_report = dict(plan.as_dict(), activation_bytes_torch=activations, non_torch_bytes=non_torch,
                                   profiled_tokens=tokens, profiled_seqs=self.max_num_seqs)
         return plan.num_gpu_blocks
@@ -237,7 +245,10 @@ class ModelRunner:
         self.last_launch = dict(mode="eager", rows=sum(num_scheduled_tokens), padded_to=None, backend=self.backend,
                                 fused=self.fused_kernels)
         input_ids, positions, meta = self.prepare(seqs, num_scheduled_tokens)
-        return self.run_model(input_ids, positions, meta)
+        logits = self.run_model(input_ids, positions, meta)
+        if self.draft is not None:
+            self.draft.mirror(input_ids, positions, meta)
+        return logits
 
     @torch.no_grad()
     def execute(self, seqs: list[Sequence], num_scheduled_tokens: list[int]) -> list[int | None]:

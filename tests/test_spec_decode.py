@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lifeofprompt.engine.draft_model import first_layers
 from lifeofprompt.engine.llm_engine import LLMEngine
 from lifeofprompt.engine.model_runner import ModelRunner
 from lifeofprompt.engine.sampling_params import SamplingParams
@@ -284,3 +285,85 @@ def test_ngram_proposer_takes_the_longest_suffix_and_its_earliest_match():
     assert propose([256, 0, 1]) == []                     # the bytes of 1 start inside those of 256: not a match
     defaults = SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
     assert (defaults.prompt_lookup_min, defaults.prompt_lookup_max) == (3, 3)    # one bound given: the other follows
+
+
+# ----------------------------------------------------------------------------- a draft model
+
+SELF_DRAFT_LAYERS = 8
+
+
+@pytest.mark.numerics
+def test_self_speculation_first_layers_gives_the_same_greedy_tokens(smollm2, prompts, reference, verify_tolerance):
+    """The model's first 8 of 30 layers as its draft: alone, batched, and in a pool small enough to preempt.
+    Its acceptance is reported, whatever it is (it is low: 8 layers predict the 30-layer model poorly)."""
+    model, _ = smollm2
+    spec = {"model": first_layers(model, SELF_DRAFT_LAYERS), "num_speculative_tokens": 3}
+    alone = make_engine(smollm2, spec)
+    outs = {}
+    for i, p in enumerate(prompts):
+        outs |= run(alone, [(str(i), p, greedy(24))])
+    assert_same_greedy(outs, reference, verify_tolerance)
+    small = make_engine(smollm2, spec, num_kv_blocks=22, block_size=4, max_num_batched_tokens=16)
+    assert_same_greedy(run(small, [(str(i), p, greedy(24)) for i, p in enumerate(prompts)]), reference,
+                       verify_tolerance)
+    assert small.scheduler.num_preemptions > 0
+    stats = alone.spec_stats
+    assert stats.num_drafts > 0 and stats.draft_time > 0
+    print(f"\nself-speculation, first {SELF_DRAFT_LAYERS} layers: {stats.num_accepted_tokens} of "
+          f"{stats.num_draft_tokens} draft tokens accepted ({stats.acceptance_rate:.1%}), per position "
+          f"{stats.num_accepted_tokens_per_pos}")
+
+
+@pytest.mark.numerics
+def test_the_model_as_its_own_draft_accepts_almost_everything(smollm2, prompts, reference, verify_tolerance):
+    """Acceptance ≈ 1 checks the bookkeeping: the draft's K/V sit in the right slots of its own pool, in
+    blocks shared with the target's tables, through rollbacks and prefix-cache hits."""
+    model, _ = smollm2
+    engine = make_engine(smollm2, {"model": model, "num_speculative_tokens": 3})
+    outs = run(engine, [(str(i), p, greedy(24)) for i, p in enumerate(prompts)])
+    assert_same_greedy(outs, reference, verify_tolerance)
+    first = engine.spec_stats.acceptance_rate
+    again = run(engine, [("again", prompts[0], greedy(24))])["again"]          # its prompt's blocks: cache hits
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == reference[0][0]
+    assert first > 0.95 and again.metrics.spec_decode.acceptance_rate > 0.95
+    assert engine.proposer.kv_cache.kv.abs().sum() > 0
+
+
+def test_memory_is_split_by_bytes_per_block_and_a_draft_must_fit(smollm2):
+    from lifeofprompt.engine.memory import kv_bytes_per_block
+    from lifeofprompt.errors import OutOfMemoryError
+
+    model, _ = smollm2
+    draft = first_layers(model, 6)
+    target_block = kv_bytes_per_block(model.config, model.dtype, 16)
+    draft_block = kv_bytes_per_block(draft.config, draft.dtype, 16)
+    memory = 10 * target_block
+    engine = make_engine(smollm2, {"model": draft, "num_speculative_tokens": 2}, num_kv_blocks=None,
+                         kv_cache_memory=memory)
+    assert engine.num_kv_blocks == memory // (target_block + draft_block) == 8
+    assert engine.proposer.kv_cache.num_blocks == engine.num_kv_blocks
+    assert engine.proposer.kv_cache.nbytes == 8 * draft_block
+    assert any("draft model" in line and "split by bytes per block" in line for line in engine.startup_log)
+    with pytest.raises(OutOfMemoryError, match=r"speculative_config\['model'\]"):
+        make_engine(smollm2, {"model": draft, "num_speculative_tokens": 2}, num_kv_blocks=None,
+                    kv_cache_memory=target_block)          # one block without the draft, none with it
+
+
+def test_a_draft_with_another_vocabulary_or_tokenizer_is_refused(smollm2):
+    from dataclasses import replace
+
+    from lifeofprompt.model.llama import LlamaForCausalLM
+    from lifeofprompt.model.loader import ByteTokenizer
+
+    model, _ = smollm2
+    other = LlamaForCausalLM(replace(model.config, vocab_size=512, num_layers=1, hidden_size=64, intermediate_size=64,
+                                     num_heads=2, num_kv_heads=1, head_dim=32)).eval()
+    with pytest.raises(SpeculativeConfigError, match="vocabulary") as info:
+        make_engine(smollm2, {"model": other, "num_speculative_tokens": 2})
+    assert info.value.param == "model"
+    with pytest.raises(SpeculativeConfigError, match="tokenizer") as info:
+        make_engine(smollm2, {"model": first_layers(model, 2), "num_speculative_tokens": 2,
+                              "draft_tokenizer": ByteTokenizer(model.config.vocab_size)})
+    assert info.value.param == "model"
+    with pytest.raises(SpeculativeConfigError, match="LlamaForCausalLM"):
+        make_engine(smollm2, {"model": 3, "num_speculative_tokens": 2})

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from lifeofprompt.engine import rejection_sampler
+from lifeofprompt.engine.draft_model import first_layers
 from lifeofprompt.engine.llm_engine import LLMEngine
 from lifeofprompt.engine.sampling_params import SamplingParams
 from lifeofprompt.model.config import TINYLLAMA_1_1B
@@ -77,9 +78,9 @@ class GreedyOracle:
         return self.memo[key][:max_draft]
 
 
-def sample_first_three(model, tokenizer, params: dict, proposer=None, num: int = NUM_SAMPLES):
+def sample_first_three(model, tokenizer, params: dict, proposer=None, num: int = NUM_SAMPLES, spec=NGRAM):
     engine = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=num + 8, block_size=16, max_num_seqs=256,
-                       log_stats=False, speculative_config=NGRAM)
+                       log_stats=False, speculative_config=spec)
     if proposer is not None:
         engine.proposer = proposer
     for i in range(num):
@@ -116,11 +117,13 @@ def p_values(samples: torch.Tensor, joint: torch.Tensor) -> dict[str, float]:
     return result
 
 
-@pytest.mark.parametrize("drafter, case", [("ngram", "plain"), ("greedy oracle", "filtered")])
+@pytest.mark.parametrize("drafter, case", [("ngram", "plain"), ("greedy oracle", "filtered"), ("draft model", "filtered")])
 def test_speculation_keeps_the_distribution_of_the_first_three_tokens(tiny, drafter, case):
+    """The draft model (the tiny model's first layer, norm and head) has a q of its own, not one-hot."""
     model, tokenizer = tiny
+    spec = {"model": first_layers(model, 1), "num_speculative_tokens": 3} if drafter == "draft model" else NGRAM
     samples, engine = sample_first_three(model, tokenizer, PARAMS[case],
-                                         GreedyOracle(model) if drafter == "greedy oracle" else None)
+                                         GreedyOracle(model) if drafter == "greedy oracle" else None, spec=spec)
     spec = engine.spec_stats
     rejected = spec.num_draft_tokens - spec.num_accepted_tokens
     assert spec.num_accepted_tokens > 200 and rejected > 200, "the rule must both accept and reject to be tested"
@@ -129,11 +132,17 @@ def test_speculation_keeps_the_distribution_of_the_first_three_tokens(tiny, draf
     assert min(pvals.values()) >= 1e-3, pvals
 
 
-def test_a_broken_rule_fails_the_same_test(tiny, monkeypatch):
+@pytest.mark.parametrize("broken", ["accept whenever p(x) > 0", "on a rejection draw from p, not p - q"])
+def test_a_broken_rule_fails_the_same_test(tiny, monkeypatch, broken):
     model, tokenizer = tiny
-    monkeypatch.setattr(rejection_sampler, "accept_probability", lambda p_x, q_x: (p_x > 0).to(p_x.dtype))
-    samples, _ = sample_first_three(model, tokenizer, PARAMS["plain"])
-    pvals = p_values(samples, exact_joint(model, SamplingParams(**PARAMS["plain"])))
+    if broken == "accept whenever p(x) > 0":
+        monkeypatch.setattr(rejection_sampler, "accept_probability", lambda p_x, q_x: (p_x > 0).to(p_x.dtype))
+        spec, case = NGRAM, "plain"
+    else:                                   # subtler: right only where q is one-hot or the draft is accepted
+        monkeypatch.setattr(rejection_sampler, "residual_distribution", lambda p, q, rejected: p)
+        spec, case = {"model": first_layers(model, 1), "num_speculative_tokens": 3}, "filtered"
+    samples, _ = sample_first_three(model, tokenizer, PARAMS[case], spec=spec)
+    pvals = p_values(samples, exact_joint(model, SamplingParams(**PARAMS[case])))
     assert pvals["t1"] >= 1e-3                  # the first token comes from the prefill: no draft touches it
     assert min(pvals.values()) < 1e-6, pvals
 

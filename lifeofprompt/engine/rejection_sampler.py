@@ -75,14 +75,20 @@ def rejection_verify(probs: torch.Tensor, draft: list[int], draft_probs: torch.T
     n = accepted.index(False) if False in accepted else k
     if n == k:
         return list(draft) + [draw(probs[k], generator)]
-    if draft_probs is not None:
-        residual = (probs[n] - draft_probs[n]).clamp(min=0)
+    residual = residual_distribution(probs[n], None if draft_probs is None else draft_probs[n], draft[n])
+    return list(draft[:n]) + [draw(residual, generator)]
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor | None, rejected: int) -> torch.Tensor:
+    """``norm(max(0, p - q))``: what a rejection draws from (``q`` None: one-hot at the rejected token)."""
+    if q is not None:
+        residual = (p - q).clamp(min=0)
     else:
-        residual = probs[n].clone()
-        residual[draft[n]] = 0.0
+        residual = p.clone()
+        residual[rejected] = 0.0
     if float(residual.sum()) <= 0:          # p == q up to rounding: nothing is left to correct; draw from p
-        residual = probs[n]
-    return list(draft[:n]) + [draw(residual / residual.sum(), generator)]
+        residual = p
+    return residual / residual.sum()
 
 
 def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams, generator: torch.Generator | None = None,

@@ -367,3 +367,28 @@ def test_a_draft_with_another_vocabulary_or_tokenizer_is_refused(smollm2):
     assert info.value.param == "model"
     with pytest.raises(SpeculativeConfigError, match="LlamaForCausalLM"):
         make_engine(smollm2, {"model": 3, "num_speculative_tokens": 2})
+
+
+@pytest.mark.numerics
+def test_llm_front_door_logprobs_and_notebook_readable_metrics(smollm2, story_ids):
+    from lifeofprompt import LLM
+
+    model, tokenizer = smollm2
+    day = story_ids[1]
+    plain = LLM(model, tokenizer=tokenizer, num_kv_blocks=32, log_stats=False)
+    llm = LLM(model, tokenizer=tokenizer, num_kv_blocks=32, log_stats=False, speculative_config=NGRAM)
+    llm.engine.proposer = OracleProposer({tuple(day): DAY_GREEDY}, wrong_at=3)
+    params = SamplingParams(temperature=0, max_tokens=9, logprobs=2)
+    want = plain.generate([day], params, use_tqdm=False)[0].outputs[0]
+    out = llm.generate([day], params, use_tqdm=False)[0]
+    got = out.outputs[0]
+    assert got.token_ids == want.token_ids == DAY_GREEDY
+    assert len(got.logprobs) == 9 and all(len(top) in (2, 3) and t in top for t, top in zip(got.token_ids, got.logprobs))
+    for mine, theirs in zip(got.logprobs, want.logprobs):
+        assert mine.keys() == theirs.keys()
+        assert all(abs(mine[t] - theirs[t]) < 1e-3 for t in mine)
+    assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-3)
+    steps = out.metrics.spec_steps                          # what a notebook draws: drafts, kept, rolled back
+    assert [s.num_accepted for s in steps] == [3, 3]
+    assert steps[0].token_ids == DAY_GREEDY[1:5] and steps[0].num_rejected == 1
+    assert out.metrics.spec_decode.per_token_acceptance()[:3] == [1.0, 1.0, 1.0]

@@ -433,13 +433,10 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- speculative decoding
     def _propose(self) -> None:
-        """Drafts for the next step, for every running request that is decoding (its prompt done).
-
-        Requests that asked for logprobs decode plainly: a verify reports no logprobs.
-        """
+        """Drafts for the next step, for every running request that is decoding (its prompt done)."""
         start = self.clock()
         for seq in self.scheduler.running:
-            if seq.num_computed_tokens != len(seq) - 1 or seq.sampling_params.logprobs is not None:
+            if seq.num_computed_tokens != len(seq) - 1:
                 continue
             limit = self.scheduler.max_num_drafts(seq)
             if limit <= 0:
@@ -463,7 +460,8 @@ class LLMEngine:
         base = len(seq.output_token_ids) - len(tokens)
         for j, token in enumerate(tokens):
             last = j == len(tokens) - 1
-            self._on_token(request, completion, token, logprob_entry if last else None, now, base + j + 1)
+            entry = logprob_entry[j] if isinstance(logprob_entry, list) else (logprob_entry if last else None)
+            self._on_token(request, completion, token, entry, now, base + j + 1)
             if completion.finished and not last:
                 del seq.output_token_ids[base + j + 1:]
                 break

@@ -392,3 +392,15 @@ def test_llm_front_door_logprobs_and_notebook_readable_metrics(smollm2, story_id
     assert [s.num_accepted for s in steps] == [3, 3]
     assert steps[0].token_ids == DAY_GREEDY[1:5] and steps[0].num_rejected == 1
     assert out.metrics.spec_decode.per_token_acceptance()[:3] == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.numerics
+def test_the_trace_shows_drafts_kept_and_rolled_back(smollm2, story_ids):
+    day = story_ids[1]
+    engine = make_engine(smollm2, NGRAM, block_size=4)
+    engine.proposer = OracleProposer({tuple(day): DAY_GREEDY}, wrong_at=1)
+    run(engine, [("d", day, SamplingParams(temperature=0, max_tokens=9))])
+    trace = engine.format_trace()
+    assert "d verify        tokens   6..10  (5, 4 drafts, 1 kept)  blocks [0, 1, 2]" in trace, trace
+    # the rollback kept 8 verified tokens (2 blocks) and gave block 2 back; the next verify takes it again
+    assert "d verify        tokens   8..12  (5, 4 drafts, 1 kept)  blocks [0, 1, 2, 3]" in trace, trace

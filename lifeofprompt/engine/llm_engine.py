@@ -405,6 +405,9 @@ class LLMEngine:
             new_tokens = {seq.seq_id: (t if isinstance(t, list) else [t]) for seq, t in zip(record.seqs, sampled)
                           if t is not None}
             starts = {seq.seq_id: seq.num_computed_tokens for seq in record.seqs}
+            for seq, share in zip(record.seqs, record.scheduled):
+                if seq.seq_id in drafts and seq.seq_id in new_tokens:
+                    share.num_accepted_tokens = len(new_tokens[seq.seq_id]) - 1
             changed: dict[str, _Request] = {}
             for seq in self.scheduler.update(record, sampled):
                 request, completion = self._owner[seq.seq_id]

@@ -51,6 +51,7 @@ class ScheduledRequest:
     num_cached_tokens: int    # tokens claimed from the prefix cache when admitted this step (else 0)
     block_table: list[int]    # the block table after this step's allocation
     num_draft_tokens: int = 0  # a verify: the drafts checked (num_tokens = 1 + num_draft_tokens)
+    num_accepted_tokens: int | None = None   # a verify, after the step: drafts kept (the rest rolled back)
 
     @property
     def end(self) -> int:
@@ -90,6 +91,7 @@ class StepRecord:
         for r in self.scheduled:
             cached = f", {r.num_cached_tokens} cached" if r.num_cached_tokens else ""
             cached += f", {r.num_draft_tokens} drafts" if r.num_draft_tokens else ""
+            cached += f", {r.num_accepted_tokens} kept" if r.num_accepted_tokens is not None else ""
             lines.append(f"    {r.request_id:>10} {r.kind:13} tokens {r.start:3d}..{r.end - 1:<3d} "
                          f"({r.num_tokens}{cached})  blocks {r.block_table}")
         for rid in self.preempted:

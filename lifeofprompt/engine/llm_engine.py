@@ -28,17 +28,18 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
 from .block_manager import BlockManager
 from ..errors import ConfigError, InvalidRequestError, QueueFullError
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecStep
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, StepRecord, format_steps
 from .sequence import Sequence, SequenceStatus
-from .speculative import NgramProposer, SpecDecodeStats, SpeculativeConfig
+from .request_state import IncrementalDetokenizer, _Completion, _Request, _unpack_logprobs
+from .speculative import SpeculativeConfig
 
 logger = logging.getLogger("lifeofprompt.engine")
 if not logger.handlers:                     # like vLLM: the start-up lines show without any logging set-up
@@ -49,87 +50,6 @@ if not logger.handlers:                     # like vLLM: the start-up lines show
     logger.propagate = False
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
-DETOKENIZE_CONTEXT = 5        # prompt tokens kept as context so the first output token decodes with its space
-
-
-# ----------------------------------------------------------------------------- text, a token at a time
-
-
-class IncrementalDetokenizer:
-    """Turns one new token id at a time into the text it adds (vLLM's prefix/read offsets).
-
-    Decoding a growing list from scratch each step costs O(n²); decoding only the new token
-    breaks words that span tokens and multi-byte characters. So we decode a short window twice,
-    with and without the new tokens, and emit the difference — holding it back while it ends in
-    an incomplete UTF-8 character ("\\ufffd").
-    """
-
-    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.ids = list(prompt_token_ids[-DETOKENIZE_CONTEXT:])
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
-        self.text = ""
-
-    def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
-    def add(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.ids[self.prefix_offset:])
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-            return ""
-        delta = new_text[len(prefix_text):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        self.text += delta
-        return delta
-
-
-# ----------------------------------------------------------------------------- one request's state
-
-
-@dataclass
-class _Completion:
-    """One of the ``n`` answers of a request: its sequence and the text made from it so far."""
-
-    index: int
-    seq: Sequence
-    detokenizer: IncrementalDetokenizer
-    text: str = ""                  # the output text (stop strings cut off)
-    emitted_text_len: int = 0       # how much of ``text`` earlier outputs already carried
-    logprobs: list | None = None
-    cumulative_logprob: float | None = None
-    new_token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def finished(self) -> bool:
-        return self.seq.status == SequenceStatus.FINISHED
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    metrics: RequestMetrics
-    completions: list[_Completion]
-    pending: list[_Completion] = field(default_factory=list)   # n > 1: waiting for the first one's prompt
-
-    @property
-    def finished(self) -> bool:
-        return not self.pending and all(c.finished for c in self.completions)
-
-
-def _unpack_logprobs(entry):
-    """The runner's per-token logprob entry: ``(logprob, {id: logprob})`` or None."""
-    if entry is None:
-        return None, None
-    if isinstance(entry, tuple) and len(entry) == 2:
-        return entry
-    return None, entry
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -158,11 +78,11 @@ class LLMEngine:
         self.config = self.model.config
         self.clock = clock
         self.spec_config = SpeculativeConfig.from_user(speculative_config)
-        self.draft_model = None
-        if self.spec_config is not None and self.spec_config.method == "draft_model":
-            from .draft_model import load_draft
-            self.draft_model = load_draft(self.spec_config, self.model, self.tokenizer)
-            enforce_eager = True               # a graph replay of a decode would skip the draft's mirror
+        self.spec = None                       # speculative decoding's drafter and counters (spec_decode.py)
+        if self.spec_config is not None:
+            from .spec_decode import SpecDecoder
+            self.spec = SpecDecoder(self.spec_config, self.model, self.tokenizer, block_size)
+            enforce_eager = enforce_eager or self.spec.needs_eager
         self.block_size = block_size
         self.max_waiting = max_waiting
         self.check_invariants = check_invariants
@@ -176,19 +96,12 @@ class LLMEngine:
                                   gpu_memory_utilization=gpu_memory_utilization,
                                   prepack_cpu_weights=prepack_cpu_weights, cpu_linear=cpu_linear,
                                   extra_kv_bytes_per_block=self._draft_bytes_per_block())
+        if self.spec is not None:
+            self.spec.attach(self.runner, self.runner.kv_cache.num_blocks)
         self.num_kv_blocks = self.runner.kv_cache.num_blocks
         self.block_manager = BlockManager(self.num_kv_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, context_len)
         self.max_model_len = self.scheduler.max_model_len
-        self.proposer = None
-        if self.draft_model is not None:
-            from .draft_model import DraftModelProposer
-            self.proposer = DraftModelProposer(self.spec_config, self.draft_model, self.num_kv_blocks, block_size,
-                                               self.runner.backend)
-            self.runner.draft = self.proposer
-        elif self.spec_config is not None:
-            self.proposer = NgramProposer(self.spec_config)
-        self.spec_stats = SpecDecodeStats(self.spec_config.k) if self.spec_config else None
         self.eos_token_ids = set(self.config.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -207,11 +120,21 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- set-up
     def _draft_bytes_per_block(self) -> int:
-        """KV bytes the draft model adds to every block (its pool shares the target's block tables)."""
-        if self.draft_model is None:
-            return 0
-        from .memory import kv_bytes_per_block
-        return kv_bytes_per_block(self.draft_model.config, self.draft_model.dtype, self.block_size)
+        return self.spec.draft_bytes_per_block() if self.spec is not None else 0
+
+    @property
+    def spec_stats(self):
+        """Speculative decoding's counters since start (``speculative.SpecDecodeStats``), or None."""
+        return self.spec.stats if self.spec is not None else None
+
+    @property
+    def proposer(self):
+        """The drafter (tests and notebooks may put their own in its place)."""
+        return self.spec.proposer if self.spec is not None else None
+
+    @proposer.setter
+    def proposer(self, value) -> None:
+        self.spec.proposer = value
 
     def _blocks_for_memory(self, kv_bytes: int) -> int:
         """Blocks that fit ``kv_bytes``; with a draft model a block is the target's bytes plus the draft's."""
@@ -220,7 +143,7 @@ class LLMEngine:
                                    + self._draft_bytes_per_block())
         if blocks < 1:
             from ..errors import OutOfMemoryError
-            if self.draft_model is not None:
+            if self._draft_bytes_per_block():
                 raise OutOfMemoryError(f"speculative_config['model']: with the draft's KV beside the model's, "
                                        f"kv_cache_memory={kv_bytes} bytes holds not one block of {self.block_size} tokens")
             raise OutOfMemoryError(f"kv_cache_memory={kv_bytes} bytes holds not one block of {self.block_size} tokens")
@@ -248,14 +171,8 @@ class LLMEngine:
         ]
         if self.runner.linear_choice is not None:
             lines += self.runner.linear_choice.describe()
-        if self.spec_config is not None:
-            lines.append(self.spec_config.describe() + "; verify steps run eagerly (no CUDA graph)")
-        if self.draft_model is not None:
-            draft_kv = self.proposer.kv_cache.nbytes
-            lines.append(f"draft model {getattr(self.draft_model, 'source', self.draft_model.config.name)}: "
-                         f"{self.draft_model.config.num_layers} layers; its KV cache {format_bytes(draft_kv)} on the same "
-                         f"{self.num_kv_blocks} block tables (memory split by bytes per block: "
-                         f"{format_bytes(kv)} target, {format_bytes(draft_kv)} draft); every step runs eagerly")
+        if self.spec is not None:
+            lines += self.spec.startup_lines(kv, self.num_kv_blocks)
         if getattr(self.model, "is_random", False):
             lines.append("NOTE: random weights - generated text is meaningless (speed and memory work only)")
         return lines
@@ -312,7 +229,7 @@ class LLMEngine:
                                            logprobs=[] if params.logprobs is not None else None,
                                            cumulative_logprob=0.0 if params.logprobs is not None else None))
         metrics = RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(ids),
-                                 spec_decode=SpecDecodeStats(self.spec_config.k) if self.spec_config else None)
+                                 spec_decode=self.spec.new_request_stats() if self.spec is not None else None)
         request = _Request(request_id, text, ids, params, metrics, completions, pending=completions[1:])
         with self._lock:
             if request_id in self.requests:
@@ -381,12 +298,8 @@ class LLMEngine:
             record = self.scheduler.schedule()
             if record.is_empty:
                 return outputs
-            if hasattr(self.proposer, "fill"):             # a draft model drafts now, into the slots just given
-                verifying = [seq for seq in record.seqs if seq.spec_token_ids]
-                if verifying:
-                    start = self.clock()
-                    self.proposer.fill(verifying)
-                    self.spec_stats.draft_time += self.clock() - start
+            if self.spec is not None:
+                self.spec.fill(record.seqs, self.clock)    # a draft model drafts now, into the slots just given
             record.start_time = self.clock()
             for seq in record.seqs:
                 request, _ = self._owner[seq.seq_id]
@@ -405,15 +318,14 @@ class LLMEngine:
             new_tokens = {seq.seq_id: (t if isinstance(t, list) else [t]) for seq, t in zip(record.seqs, sampled)
                           if t is not None}
             starts = {seq.seq_id: seq.num_computed_tokens for seq in record.seqs}
-            for seq, share in zip(record.seqs, record.scheduled):
-                if seq.seq_id in drafts and seq.seq_id in new_tokens:
-                    share.num_accepted_tokens = len(new_tokens[seq.seq_id]) - 1
             changed: dict[str, _Request] = {}
             for seq in self.scheduler.update(record, sampled):
                 request, completion = self._owner[seq.seq_id]
                 tokens = new_tokens[seq.seq_id]
                 if seq.seq_id in drafts:
-                    self._observe_verify(request, starts[seq.seq_id], drafts[seq.seq_id], tokens)
+                    share = record.scheduled[record.seqs.index(seq)]
+                    share.num_accepted_tokens = self.spec.observe(request.metrics, starts[seq.seq_id],
+                                                                  drafts[seq.seq_id], tokens)
                 self._on_tokens(request, completion, tokens, entries.get(seq.seq_id), now)
                 if completion.finished:
                     record.finished.append(seq.request_id)
@@ -428,34 +340,11 @@ class LLMEngine:
                 if request.finished:
                     self._forget(request)
             self.step_records.append(record)
-            if self.proposer is not None:
-                self._propose()
+            if self.spec is not None:
+                self.spec.propose(self.scheduler.running, self.scheduler.max_num_drafts, self.clock)
             if self.check_invariants:
                 self.block_manager.check_invariants(self.scheduler.seqs)
             return outputs
-
-    # ---------------------------------------------------------------- speculative decoding
-    def _propose(self) -> None:
-        """Drafts for the next step, for every running request that is decoding (its prompt done)."""
-        start = self.clock()
-        for seq in self.scheduler.running:
-            if seq.num_computed_tokens != len(seq) - 1:
-                continue
-            limit = self.scheduler.max_num_drafts(seq)
-            if limit <= 0:
-                seq.set_spec([])
-            elif hasattr(self.proposer, "placeholders"):   # a draft model drafts after scheduling
-                seq.set_spec(self.proposer.placeholders(seq, limit))
-            else:
-                seq.set_spec(self.proposer.propose(seq.token_ids, limit))
-        self.spec_stats.draft_time += self.clock() - start
-
-    def _observe_verify(self, request: _Request, position: int, draft: list[int], tokens: list[int]) -> None:
-        """Count one verify (engine-wide and for the request) and keep its story for the notebook."""
-        accepted = len(tokens) - 1
-        self.spec_stats.observe(len(draft), accepted)
-        request.metrics.spec_decode.observe(len(draft), accepted)
-        request.metrics.spec_steps.append(SpecStep(position, draft, accepted, list(tokens)))
 
     def _on_tokens(self, request: _Request, completion: _Completion, tokens: list[int], logprob_entry, now: float) -> None:
         """A step's new tokens, one by one; a stop among them ends the output there and drops the rest."""

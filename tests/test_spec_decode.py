@@ -86,10 +86,10 @@ def verify_tolerance(smollm2, prompts, reference):
     model, _ = smollm2
     runner = ModelRunner(model, num_blocks=16, block_size=16, backend="torch", max_num_seqs=4)
     worst = 0.0
-    for prompt, tokens in zip(prompts, reference[0]):
+    for prompt, tokens in list(zip(prompts, reference[0]))[:2]:            # the code prompt and a story's
         seq = Sequence("m", prompt + tokens, greedy(1))
         seq.block_table = list(range(8))
-        for start in range(len(prompt), len(prompt) + len(tokens) - K - 1, 5):
+        for start in range(len(prompt), len(prompt) + len(tokens) - K - 1, 6):
             seq.num_computed_tokens = 0
             seq.prompt_token_ids, seq.spec_token_ids = (prompt + tokens)[:start], []
             runner.forward([seq], [start - 1])                              # the prefix, up to the last token
@@ -103,6 +103,7 @@ def verify_tolerance(smollm2, prompts, reference):
                 seq.num_computed_tokens = start + j - 1
                 decodes.append(runner.forward([seq], [1])[0])
             worst = max(worst, (top2_margins(verify) - top2_margins(torch.stack(decodes))).abs().max().item())
+    print(f"\nmeasured margin change, 1-row decode vs {K + 1}-row verify: {worst:.3g}")
     return max(FP32_TOLERANCE, 4 * worst)
 
 
@@ -297,12 +298,12 @@ def test_self_speculation_first_layers_gives_the_same_greedy_tokens(smollm2, pro
     """The model's first 8 of 30 layers as its draft: alone, batched, and in a pool small enough to preempt.
     Its acceptance is reported, whatever it is (it is low: 8 layers predict the 30-layer model poorly)."""
     model, _ = smollm2
-    spec = {"model": first_layers(model, SELF_DRAFT_LAYERS), "num_speculative_tokens": 3}
+    spec = {"model": first_layers(model, SELF_DRAFT_LAYERS), "num_speculative_tokens": 2}
     alone = make_engine(smollm2, spec)
     outs = {}
-    for i, p in enumerate(prompts):
+    for i, p in enumerate(prompts[:2]):
         outs |= run(alone, [(str(i), p, greedy(24))])
-    assert_same_greedy(outs, reference, verify_tolerance)
+    assert_same_greedy(outs, [r[:2] for r in reference], verify_tolerance)
     small = make_engine(smollm2, spec, num_kv_blocks=22, block_size=4, max_num_batched_tokens=16)
     assert_same_greedy(run(small, [(str(i), p, greedy(24)) for i, p in enumerate(prompts)]), reference,
                        verify_tolerance)

@@ -405,3 +405,15 @@ def test_the_trace_shows_drafts_kept_and_rolled_back(smollm2, story_ids):
     assert "d verify        tokens   6..10  (5, 4 drafts, 1 kept)  blocks [0, 1, 2]" in trace, trace
     # the rollback kept 8 verified tokens (2 blocks) and gave block 2 back; the next verify takes it again
     assert "d verify        tokens   8..12  (5, 4 drafts, 1 kept)  blocks [0, 1, 2, 3]" in trace, trace
+
+
+def test_serve_takes_a_speculative_config_as_json(capsys):
+    from lifeofprompt.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
+    assert parser.parse_args(["serve"]).speculative_config is None
+    for bad in ("{method: ngram}", "[3]"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--speculative-config", bad])

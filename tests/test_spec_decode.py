@@ -417,3 +417,23 @@ def test_serve_takes_a_speculative_config_as_json(capsys):
     for bad in ("{method: ngram}", "[3]"):
         with pytest.raises(SystemExit):
             parser.parse_args(["serve", "--speculative-config", bad])
+
+
+def test_alpha_is_estimated_from_the_per_position_counts():
+    """Simulated drafts with a known α: accepted/reached recovers it, accepted/drafted is the smaller
+    (α − α^(k+1)) / (k(1 − α)), and the per-position rates are each about α."""
+    import random
+
+    from lifeofprompt.engine.speculative import SpecDecodeStats
+
+    rng, alpha, k = random.Random(0), 0.7, 4
+    stats = SpecDecodeStats(k)
+    for _ in range(20_000):
+        accepted = 0
+        while accepted < k and rng.random() < alpha:
+            accepted += 1
+        stats.observe(k, accepted)
+    assert stats.alpha == pytest.approx(alpha, abs=0.01)
+    assert stats.acceptance_rate == pytest.approx((alpha - alpha ** (k + 1)) / (k * (1 - alpha)), abs=0.01)
+    assert all(r == pytest.approx(alpha, abs=0.02) for r in stats.per_token_acceptance())
+    assert stats.mean_tokens_per_verify == pytest.approx((1 - alpha ** (k + 1)) / (1 - alpha), abs=0.03)

@@ -190,6 +190,17 @@ class SpecDecodeStats:
         """Tokens each verify step produced on average (accepted + the model's own one)."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
+    @property
+    def alpha(self) -> float:
+        """One per-token acceptance rate α for all positions: accepted over *reached* draft positions.
+
+        If each draft token is accepted with the same probability α once the ones before it were,
+        every reached position is one trial of it, so this ratio is α's estimate. (Accepted over
+        drafted tokens, ``acceptance_rate``, is smaller: (α − α^(k+1)) / (k(1 − α)) for full drafts.)
+        """
+        reached = sum(self.num_reached_per_pos)
+        return self.num_accepted_tokens / reached if reached else float("nan")
+
     def per_token_acceptance(self) -> list[float]:
         """P(draft token i accepted | tokens before it accepted), per position (NaN where never reached)."""
         return [a / r if r else float("nan") for a, r in zip(self.num_accepted_tokens_per_pos, self.num_reached_per_pos)]
@@ -199,4 +210,4 @@ class SpecDecodeStats:
                     num_accepted_tokens=self.num_accepted_tokens,
                     num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos),
                     draft_time=self.draft_time, verify_time=self.verify_time,
-                    acceptance_rate=self.acceptance_rate)
+                    acceptance_rate=self.acceptance_rate, alpha=self.alpha)

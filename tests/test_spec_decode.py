@@ -437,3 +437,12 @@ def test_alpha_is_estimated_from_the_per_position_counts():
     assert stats.acceptance_rate == pytest.approx((alpha - alpha ** (k + 1)) / (k * (1 - alpha)), abs=0.01)
     assert all(r == pytest.approx(alpha, abs=0.02) for r in stats.per_token_acceptance())
     assert stats.mean_tokens_per_verify == pytest.approx((1 - alpha ** (k + 1)) / (1 - alpha), abs=0.03)
+
+
+def test_ngram_proposer_can_take_the_latest_match_instead():
+    config = SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 3,
+                                          "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    latest = NgramProposer(config, latest=True).propose
+    assert latest([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3]) == [7, 8, 1]
+    assert latest([5, 1, 2, 8, 2, 4, 2]) == [4, 2]
+    assert latest([256, 0, 1]) == [] and latest([1, 256, 0, 1]) == [256, 0, 1]   # misaligned bytes skipped

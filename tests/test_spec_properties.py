@@ -158,3 +158,41 @@ def test_random_accept_reject_stops_aborts_and_preemption_keep_the_books(tiny, r
     spec = engine.spec_stats
     assert spec.num_accepted_tokens <= spec.num_draft_tokens
     assert sum(spec.num_accepted_tokens_per_pos) == spec.num_accepted_tokens
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(requests=requests, extra_blocks=st.integers(0, 4), block_size=st.sampled_from([2, 4]),
+       budget=st.sampled_from([4, 8, 64]), caching=st.booleans(), k=st.integers(1, 4))
+def test_the_model_as_its_own_draft_through_preemption_aborts_and_cache_hits(tiny, requests, extra_blocks, block_size,
+                                                                             budget, caching, k):
+    """The draft's K/V live in its own pool under the target's block tables. If any slot were wrong after a
+    rollback, a preemption or a prefix-cache hit, the model as its own draft would start to disagree with
+    itself: nearly every draft must be accepted."""
+    model, tokenizer = tiny
+    refs = {p: reference(model, tokenizer, p) for p, *_ in requests}
+    num_blocks = max(-(-(len(p) + n) // block_size) for p, n, *_ in requests) + extra_blocks
+    engine = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=num_blocks, block_size=block_size,
+                       max_num_batched_tokens=budget, enable_prefix_caching=caching, log_stats=False,
+                       check_invariants=True, speculative_config={"model": model, "num_speculative_tokens": k})
+    for i, (prompt, max_tokens, _, abort_at) in enumerate(requests):
+        engine.add_request(str(i), list(prompt), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    outs, step = {}, 0
+    while engine.has_unfinished_requests():
+        for i, (_, _, _, abort_at) in enumerate(requests):
+            if abort_at == step:
+                engine.abort(str(i))
+        outs |= {o.request_id: o for o in engine.step() if o.finished}
+        step += 1
+        assert step < 400
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    spec = engine.spec_stats
+    assert spec.num_draft_tokens == 0 or spec.acceptance_rate >= 0.95, spec
+    got, want, margins = [], [], []
+    for i, (prompt, *_) in enumerate(requests):
+        out = outs[str(i)].outputs[0]
+        if out.finish_reason != "abort":
+            got.append(out.token_ids)
+            want.append(refs[prompt][:len(out.token_ids)])
+            margins.append(top2_margins(teacher_forced_logits(model, list(prompt), want[-1])).tolist())
+    assert_greedy_agrees(got, want, margins, FP32_TOLERANCE, min_steps=0)

@@ -446,3 +446,12 @@ def test_ngram_proposer_can_take_the_latest_match_instead():
     assert latest([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3]) == [7, 8, 1]
     assert latest([5, 1, 2, 8, 2, 4, 2]) == [4, 2]
     assert latest([256, 0, 1]) == [] and latest([1, 256, 0, 1]) == [256, 0, 1]   # misaligned bytes skipped
+
+
+@pytest.mark.numerics
+def test_a_draft_loaded_by_name_with_the_same_tokenizer(smollm2, story_ids):
+    engine = make_engine(smollm2, {"model": "smollm2-135m", "num_speculative_tokens": 2})
+    assert engine.proposer.model is not smollm2[0] and engine.proposer.model.dtype == torch.float32
+    out = run(engine, [("d", story_ids[1], SamplingParams(temperature=0, max_tokens=6))])["d"]
+    assert out.outputs[0].token_ids == DAY_GREEDY[:6]
+    assert engine.spec_stats.acceptance_rate > 0.9

@@ -318,14 +318,14 @@ class LLMEngine:
             new_tokens = {seq.seq_id: (t if isinstance(t, list) else [t]) for seq, t in zip(record.seqs, sampled)
                           if t is not None}
             starts = {seq.seq_id: seq.num_computed_tokens for seq in record.seqs}
+            shares = {seq.seq_id: share for seq, share in zip(record.seqs, record.scheduled)}
             changed: dict[str, _Request] = {}
             for seq in self.scheduler.update(record, sampled):
                 request, completion = self._owner[seq.seq_id]
                 tokens = new_tokens[seq.seq_id]
                 if seq.seq_id in drafts:
-                    share = record.scheduled[record.seqs.index(seq)]
-                    share.num_accepted_tokens = self.spec.observe(request.metrics, starts[seq.seq_id],
-                                                                  drafts[seq.seq_id], tokens)
+                    kept = self.spec.observe(request.metrics, starts[seq.seq_id], drafts[seq.seq_id], tokens)
+                    shares[seq.seq_id].num_accepted_tokens = kept
                 self._on_tokens(request, completion, tokens, entries.get(seq.seq_id), now)
                 if completion.finished:
                     record.finished.append(seq.request_id)

@@ -392,6 +392,7 @@ def test_llm_front_door_logprobs_and_notebook_readable_metrics(smollm2, story_id
     steps = out.metrics.spec_steps                          # what a notebook draws: drafts, kept, rolled back
     assert [s.num_accepted for s in steps] == [3, 3]
     assert steps[0].token_ids == DAY_GREEDY[1:5] and steps[0].num_rejected == 1
+    assert list(steps[0].kept_positions) == [6, 7, 8, 9] and list(steps[0].rolled_back_positions) == [10]
     assert out.metrics.spec_decode.per_token_acceptance()[:3] == [1.0, 1.0, 1.0]
 
 

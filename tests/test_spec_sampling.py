@@ -153,3 +153,15 @@ def test_seeded_speculative_runs_repeat_themselves(tiny):
     again, _ = sample_first_three(model, tokenizer, PARAMS["filtered"], num=64)
     assert torch.equal(first, again)
     assert len({tuple(r) for r in first.tolist()}) > 8              # and the seeds do differ
+
+
+def test_n_answers_speculate_apart(tiny):
+    model, tokenizer = tiny
+    engine = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=16, log_stats=False, check_invariants=True,
+                       speculative_config=NGRAM)
+    engine.add_request("n", PROMPT, SamplingParams(n=3, max_tokens=8, seed=5, ignore_eos=True, **PARAMS["plain"]))
+    out = engine.run_until_done()[0]
+    answers = [c.token_ids for c in out.outputs]
+    assert len(answers) == 3 and all(len(a) == 8 for a in answers) and len({tuple(a) for a in answers}) == 3
+    assert out.metrics.spec_decode.num_drafts > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -228,7 +228,7 @@ class ModelRunner:
     @torch.no_grad()
     def forward(self, seqs: list[Sequence], num_scheduled_tokens: list[int]) -> torch.Tensor:
         """Logits ``[sequences that sample, vocab]`` of one step: graph replay for decode, else eager."""
-        if self.is_decode(seqs, num_scheduled_tokens):
+        if self.draft is None and self.is_decode(seqs, num_scheduled_tokens):   # a draft mirrors eager steps only
             padded = self.graphs or self.pad_decode_eagerly
             size = padded_batch_size(len(seqs), self.graph_sizes) if padded else None
             if size is not None and not self.graphs:

@@ -1,6 +1,6 @@
 """Speculative decoding against plain decoding, on the CPU: the same engine, the same greedy tokens.
 
-Workloads (fixed, written out below):
+Workloads (fixed, in ``lifeofprompt.lessons.speculation``, shared with notebook 10):
   * ``code``: repetitive code editing. A function is in the prompt and the answer repeats most of it
     (add type hints, rename a variable, add a docstring, convert a loop). Prompt lookup should fire.
   * ``open``: open-ended text (a story, an explanation). Prompt lookup rarely fires; what speculation
@@ -35,41 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SNIPPETS = [
-    "def total_price(items, tax):\n    total = 0\n    for item in items:\n        total = total + item.price * item.count\n"
-    "    return total * (1 + tax)\n",
-    "def find_user(users, name):\n    for user in users:\n        if user.name == name:\n            return user\n"
-    "    return None\n",
-    "class Counter:\n    def __init__(self):\n        self.counts = {}\n\n    def add(self, word):\n"
-    "        self.counts[word] = self.counts.get(word, 0) + 1\n\n    def top(self, n):\n"
-    "        return sorted(self.counts.items(), key=lambda kv: -kv[1])[:n]\n",
-    "def read_lines(path):\n    lines = []\n    with open(path) as f:\n        for line in f:\n"
-    "            lines.append(line.strip())\n    return lines\n",
-]
-EDITS = [
-    "Add type hints to this Python code. Reply with the full code only.",
-    "Rename every variable to a longer, clearer name. Reply with the full code only.",
-    "Add a docstring to each function. Reply with the full code only.",
-    "Rewrite this code so that it uses snake_case and four-space indentation. Reply with the full code only.",
-]
-OPEN = [
-    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-    "Explain why the sky is blue to a ten-year-old.",
-    "Describe a perfect autumn day in a small mountain village.",
-    "What are three good habits for learning a new language, and why?",
-    "Write a poem about the sea at night.",
-    "Tell me about the history of the bicycle.",
-    "Give advice to someone starting their first job.",
-    "Describe how bread is made, step by step.",
-]
-
-
-def workloads() -> dict[str, list[list[dict]]]:
-    """Chat conversations: 8 code edits (4 snippets x 2 edits) and 8 open-ended requests."""
-    code = [[{"role": "user", "content": f"{EDITS[(i + j) % len(EDITS)]}\n\n```python\n{s}```"}]
-            for i, s in enumerate(SNIPPETS) for j in range(2)]
-    return {"code": code, "open": [[{"role": "user", "content": q}] for q in OPEN]}
-
+from lifeofprompt.lessons.speculation import workloads  # noqa: E402  (the same conversations as notebook 10)
 
 def make_llm(mode: str, args, model, tokenizer):
     from lifeofprompt.engine.draft_model import first_layers

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
-import hashlib
 import json
 import os
 import platform
@@ -39,16 +37,14 @@ import signal
 import socket
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
-LLAMA_CPP_PYTHON_VERSION = "0.3.36"
-SDIST_NAME = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
-SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+# The pinned sdist and its download live in the package, which also takes TinyLlama's vocabulary from it.
+from lifeofprompt.model.llama_cpp_sdist import LLAMA_CPP_PYTHON_VERSION, SDIST_SHA256, cache_root, file_lock, source_dir
 
 # ggml's cmake option -> the /proc/cpuinfo flags it needs (all of them). ggml's AVX512 option
 # compiles with -mavx512f/cd/vl/dq/bw together, so it asks for all five.
@@ -91,75 +87,6 @@ FIXED_CMAKE_OPTIONS = {
 }
 
 HOST = "127.0.0.1"
-
-
-# ----------------------------------------------------------------------------- folders and locks
-
-
-def cache_root() -> Path:
-    """``<lifeofprompt cache>/llama.cpp``: downloads, the extracted source and one build per flag set."""
-    from lifeofprompt.model.loader import cache_dir
-
-    return cache_dir() / "llama.cpp"
-
-
-@contextlib.contextmanager
-def file_lock(path: Path):
-    """An exclusive lock on ``path``: two benchmarks starting together download and build once."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-# ----------------------------------------------------------------------------- the source
-
-
-def sdist_path() -> Path:
-    """The pinned sdist, downloaded once; a copy whose sha256 differs is replaced, never trusted."""
-    downloads = cache_root() / "downloads"
-    path = downloads / SDIST_NAME
-    with file_lock(downloads / ".lock"):
-        if path.exists() and sha256_of(path) == SDIST_SHA256:
-            return path
-        path.unlink(missing_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-                        f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(downloads)], check=True)
-        got = sha256_of(path)
-        if got != SDIST_SHA256:
-            path.unlink()
-            raise RuntimeError(f"{SDIST_NAME}: sha256 {got}, expected {SDIST_SHA256}; the download was removed")
-    return path
-
-
-def source_dir() -> Path:
-    """The sdist's ``vendor/llama.cpp``, extracted once (into a temporary folder, then renamed, so a
-    half-written tree is never mistaken for a whole one). The sdist root is ``source_dir().parents[1]``."""
-    root = cache_root() / "src"
-    tree = root / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}"
-    vendor = tree / "vendor" / "llama.cpp"
-    if (vendor / "CMakeLists.txt").exists():
-        return vendor
-    archive = sdist_path()
-    with file_lock(root / ".lock"):
-        if not (vendor / "CMakeLists.txt").exists():
-            with tempfile.TemporaryDirectory(dir=root) as scratch:
-                with tarfile.open(archive) as tar:
-                    tar.extractall(scratch, filter="data")
-                shutil.rmtree(tree, ignore_errors=True)
-                os.replace(Path(scratch) / tree.name, tree)
-    return vendor
 
 
 # ----------------------------------------------------------------------------- the CPU and the flags

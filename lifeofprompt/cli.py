@@ -72,7 +72,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: sized from memory)")
     serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     serve.add_argument("--max-waiting", type=int, default=None,
-                       help="waiting-queue bound: requests beyond it get HTTP 503 (default: the engine's)")
+                       help="waiting-queue bound: beyond max-num-seqs running and this many waiting, requests get "
+                            "HTTP 503 with Retry-After (default: 4 x max-num-seqs)")
+    serve.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                       help="fair chunked prefill: while other requests wait or run, one prompt's chunk takes at "
+                            "most this many of a step's tokens (default: max-num-batched-tokens / 4; 0 turns it off)")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1/* (default: $LIFEOFPROMPT_API_KEY, else "
+                            "no key); /health and /metrics stay open")
+    serve.add_argument("--max-request-bytes", type=int, default=None,
+                       help="request bodies larger than this get HTTP 413 before parsing (default: 4 MiB)")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="on SIGTERM: queued requests are aborted at once, running ones get this many seconds "
+                            "to finish, then are aborted (finish_reason 'abort') (default: 30)")
+    serve.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json (default: off)")
+    serve.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                       help="turn CORS on for these browser origins (default: off)")
     serve.add_argument("--speculative-config", type=_json_object, default=None, dest="speculative_config",
                        help='speculative decoding, as JSON (vLLM\'s), e.g. \'{"method": "ngram", '
                             '"num_speculative_tokens": 4}\' or \'{"model": "smollm2-135m", "num_speculative_tokens": 3}\'')

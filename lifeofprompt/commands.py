@@ -80,21 +80,26 @@ def _engine_for_serving(args):
     """An ``LLMEngine`` from the serve flags (unset flags keep the engine's defaults)."""
     from .engine.llm_engine import LLMEngine
 
-    options = {name: getattr(args, name) for name in
+    options = {name: getattr(args, name, None) for name in
                ("dtype", "device", "cpu_linear", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_waiting",
-                "speculative_config")
-               if getattr(args, name) is not None}
+                "long_prefill_token_threshold", "speculative_config")
+               if getattr(args, name, None) is not None}
     return LLMEngine(args.model, block_size=args.block_size, **options)
 
 
 def serve(args) -> int:
     """Load the model, build the engine, serve it over HTTP until Ctrl-C."""
-    from .serving.server import serve as run_server
+    from .serving.auth import api_key_from
+    from .serving.limits import ServerLimits
+    from .serving.server import ServerConfig, serve as run_server
 
+    limits = ServerLimits() if args.max_request_bytes is None else ServerLimits(max_request_bytes=args.max_request_bytes)
+    config = ServerConfig(api_key=api_key_from(args.api_key), enable_docs=args.enable_docs,
+                          allowed_origins=args.allowed_origins, limits=limits, shutdown_timeout=args.shutdown_timeout)
     engine = _engine_for_serving(args)
     name = args.served_model_name or args.model
-    print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (Ctrl-C stops)")
-    run_server(engine, host=args.host, port=args.port, model_name=name)
+    print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (Ctrl-C or SIGTERM stops)")
+    run_server(engine, host=args.host, port=args.port, model_name=name, config=config)
     return 0
 
 

@@ -71,6 +71,28 @@ class QueueFullError(LifeOfPromptError):
     error_type = "server_overloaded"
 
 
+class ShuttingDownError(LifeOfPromptError):
+    """The server is draining after SIGTERM: no new requests (HTTP 503, with Retry-After)."""
+
+    http_status = 503
+    error_type = "server_shutting_down"
+
+
+class AuthenticationError(LifeOfPromptError):
+    """A missing or wrong API key (HTTP 401, as OpenAI answers it)."""
+
+    http_status = 401
+    error_type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class RequestFailedError(LifeOfPromptError):
+    """One request failed inside a step (its sampler row, its detokenizer): it alone ends, the step goes on."""
+
+    http_status = 500
+    error_type = "internal_error"
+
+
 class RequestNotFoundError(LifeOfPromptError, KeyError):
     """An abort or lookup named a request id the engine does not know."""
 

@@ -160,13 +160,14 @@ def test_requests_added_and_aborted_from_another_thread(smollm2, story_ids):
 
 
 def test_queue_bound_and_too_large_requests(smollm2, story_ids):
-    engine = make_engine(smollm2, num_kv_blocks=2, block_size=4, max_waiting=1)
+    engine = make_engine(smollm2, num_kv_blocks=2, block_size=4, max_num_seqs=1, max_waiting=1)
     with pytest.raises(RequestTooLargeError):
         engine.add_request("huge", story_ids[1], greedy(3))   # 6 + 3 tokens > 2 blocks × 4
-    engine.add_request("ok", story_ids[0], greedy(2))
+    engine.add_request("ok", story_ids[0], greedy(2))         # takes the free seat at the next step
+    engine.add_request("also", story_ids[0], greedy(2))       # waits: max_num_seqs + max_waiting = 2
     with pytest.raises(QueueFullError):
         engine.add_request("more", story_ids[2], greedy(2))
-    assert engine.get_num_unfinished_requests() == 1
+    assert engine.get_num_unfinished_requests() == 2
 
 
 def test_startup_log_names_memory_blocks_and_concurrency(smollm2):

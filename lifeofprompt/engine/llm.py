@@ -96,6 +96,8 @@ class LLM:
         try:
             while any(r is None for r in results):
                 for out in self.engine.step():
+                    if out.error is not None and out.request_id in position:
+                        raise out.error         # that request failed alone; the others are aborted below
                     if out.finished and out.request_id in position:
                         results[position[out.request_id]] = out
                         if bar is not None:

@@ -33,7 +33,7 @@ from dataclasses import replace
 import torch
 
 from .block_manager import BlockManager
-from ..errors import ConfigError, InvalidRequestError, QueueFullError
+from ..errors import ConfigError, InvalidRequestError, LifeOfPromptError, QueueFullError, RequestFailedError
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, StepRecord, format_steps
@@ -50,6 +50,28 @@ if not logger.handlers:                     # like vLLM: the start-up lines show
     logger.propagate = False
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
+MIN_FAIR_CHUNK = 64          # fair prefill never cuts a prompt's chunk thinner than this (see below)
+
+
+def fair_prefill_threshold(requested: int | None, max_num_batched_tokens: int) -> int | None:
+    """The scheduler's ``long_prefill_token_threshold``: ``requested`` if given (0 = off), else a
+    quarter of the step's budget (512 of 2,048), never under ``MIN_FAIR_CHUNK`` tokens.
+
+    A quarter leaves three quarters of every step to the others while a long prompt prefills, so a
+    short request's first token comes one step after it arrives, in a step about a quarter as long;
+    and since the cap holds only while others wait or run, a lone prompt keeps the whole budget. The
+    floor keeps chunks thick enough for fast matrix products, and leaves tiny budgets (a lesson's 8
+    tokens a step) with plain chunked prefill. vLLM's own default is off (4% of max_model_len when
+    ``max_num_partial_prefills`` > 1).
+    """
+    if requested is not None:
+        if requested < 0:
+            raise ConfigError(f"long_prefill_token_threshold must be >= 0 (0 = off), got {requested}")
+        return requested or None
+    threshold = max(max_num_batched_tokens // 4, MIN_FAIR_CHUNK)
+    return threshold if threshold < max_num_batched_tokens else None
+
+
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -59,11 +81,13 @@ class LLMEngine:
     def __init__(self, model="smollm2-135m", *, tokenizer=None, dtype=None, device=None, block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                 long_prefill_token_threshold: int | None = None,
                  enable_prefix_caching: bool = True, attention_backend: str | None = None,
                  enforce_eager: bool = False, gpu_memory_utilization: float = 0.9,
                  max_waiting: int | None = None, check_invariants: bool = False,
                  max_step_records: int = 10_000, log_stats: bool = True, clock=time.monotonic,
-                 prepack_cpu_weights: bool = True, cpu_linear: str | None = None, speculative_config=None):
+                 prepack_cpu_weights: bool = True, cpu_linear: str | None = None,
+                 cpu_decode: bool | None = None, speculative_config=None):
         if isinstance(model, str):
             from ..model.loader import load_model
             self.model, self.tokenizer = load_model(model, dtype=dtype, device=device)
@@ -95,12 +119,13 @@ class LLMEngine:
                                   max_model_len=context_len, enforce_eager=enforce_eager or None,
                                   gpu_memory_utilization=gpu_memory_utilization,
                                   prepack_cpu_weights=prepack_cpu_weights, cpu_linear=cpu_linear,
-                                  extra_kv_bytes_per_block=self._draft_bytes_per_block())
+                                  cpu_decode=cpu_decode, extra_kv_bytes_per_block=self._draft_bytes_per_block())
         if self.spec is not None:
             self.spec.attach(self.runner, self.runner.kv_cache.num_blocks)
         self.num_kv_blocks = self.runner.kv_cache.num_blocks
         self.block_manager = BlockManager(self.num_kv_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, context_len)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, context_len,
+                                   fair_prefill_threshold(long_prefill_token_threshold, max_num_batched_tokens))
         self.max_model_len = self.scheduler.max_model_len
         self.eos_token_ids = set(self.config.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
@@ -160,7 +185,8 @@ class LLMEngine:
             f"{self.model.dtype} on {self.model.device}"
             + (f" ({self.model.dtype_reason})" if getattr(self.model, "dtype_reason", "") else "")
             + f"; weights take {format_bytes(weights)}"
-            + (f" (+ {format_bytes(packed)} prepacked for oneDNN)" if packed else ""),
+            + (f" (+ {format_bytes(packed)} prepacked for oneDNN)" if packed else "")
+            + ("; in 2 MiB pages" if getattr(self.runner, "huge_page_bytes", 0) else ""),
             f"KV cache: {format_bytes(kv)} = {self.num_kv_blocks} blocks × {self.block_size} tokens "
             f"= {tokens} tokens ({format_bytes(kv / max(tokens, 1))} per token)",
             f"maximum concurrency for {self.config.max_position_embeddings} tokens per request: "
@@ -171,6 +197,13 @@ class LLMEngine:
         ]
         if self.runner.linear_choice is not None:
             lines += self.runner.linear_choice.describe()
+        rows = getattr(self.runner, "cpu_decode_rows", 0)
+        if rows:
+            lines.append(f"decode steps of {'1' if rows == 1 else f'1-{rows}'} rows: all layers in one C call "
+                         "(model/cpu_decode.c), where rowwise products were chosen")
+        if getattr(self.runner, "decode_attention_reason", ""):
+            how = "in C, from the pool" if self.runner.decode_attention_in_c else "gather + SDPA (torch)"
+            lines.append(f"decode attention: {how} ({self.runner.decode_attention_reason})")
         if self.spec is not None:
             lines += self.spec.startup_lines(kv, self.num_kv_blocks)
         if getattr(self.model, "is_random", False):
@@ -234,14 +267,29 @@ class LLMEngine:
         with self._lock:
             if request_id in self.requests:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-            if self.max_waiting is not None:
-                queued = len(self.scheduler.waiting) + sum(1 for kind, _ in self._inbox if kind == "add")
-                if queued >= self.max_waiting:
-                    raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests): retry later")
+            if self.max_waiting is not None and self._num_queued() >= self.max_waiting + self._free_seats():
+                raise QueueFullError(f"the engine is full: {self.scheduler.max_num_seqs} requests running and "
+                                     f"{self.max_waiting} waiting (max_waiting); retry later")
             self.requests[request_id] = request
             for c in completions:
                 self._owner[c.seq.seq_id] = (request, c)
             self._inbox.append(("add", request))
+
+    def _num_queued(self) -> int:
+        """Requests not running yet: waiting in the scheduler, or still in the inbox (under ``_lock``)."""
+        return len(self.scheduler.waiting) + sum(1 for kind, _ in self._inbox if kind == "add")
+
+    def _free_seats(self) -> int:
+        """Running slots the next step can fill: a burst that arrives between two steps takes them
+        first, so ``max_num_seqs + max_waiting`` requests are admitted, as documented."""
+        return max(0, self.scheduler.max_num_seqs - len(self.scheduler.running))
+
+    def queued_request_ids(self) -> list[str]:
+        """Requests none of whose answers has started (a shutdown aborts these at once)."""
+        with self._lock:
+            return [rid for rid, r in self.requests.items()
+                    if all(c.seq.status == SequenceStatus.WAITING and not c.seq.output_token_ids
+                           and c.seq.num_computed_tokens == 0 for c in r.completions)]
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks (now if no step is running, else at the next step)."""
@@ -311,6 +359,8 @@ class LLMEngine:
             drafts = {seq.seq_id: list(seq.spec_token_ids) for seq in record.seqs if seq.spec_token_ids}
             sampled = self.runner.execute(record.seqs, record.num_scheduled_tokens)
             logprob_rows = getattr(self.runner, "last_logprobs", None) or [None] * len(record.seqs)
+            failures = getattr(self.runner, "last_failures", None) or {}
+            sampled = [None if seq.seq_id in failures else token for seq, token in zip(record.seqs, sampled)]
             now = record.end_time = self.clock()
             if drafts:
                 self.spec_stats.verify_time += now - record.start_time
@@ -322,11 +372,18 @@ class LLMEngine:
             changed: dict[str, _Request] = {}
             for seq in self.scheduler.update(record, sampled):
                 request, completion = self._owner[seq.seq_id]
+                if request.error is not None:
+                    continue
                 tokens = new_tokens[seq.seq_id]
                 if seq.seq_id in drafts:
                     kept = self.spec.observe(request.metrics, starts[seq.seq_id], drafts[seq.seq_id], tokens)
                     shares[seq.seq_id].num_accepted_tokens = kept
-                self._on_tokens(request, completion, tokens, entries.get(seq.seq_id), now)
+                try:
+                    self._on_tokens(request, completion, tokens, entries.get(seq.seq_id), now)
+                except Exception as exc:     # this request's detokenizer or stop check: it alone ends
+                    self._fail(request, exc, "while turning its token into text", now)
+                    changed[request.request_id] = request
+                    continue
                 if completion.finished:
                     record.finished.append(seq.request_id)
                 if request.pending and completion.index == 0:
@@ -335,6 +392,11 @@ class LLMEngine:
                         self.scheduler.add(sibling.seq, front=True)
                     request.pending.clear()
                 changed[request.request_id] = request
+            for seq_id, exc in failures.items():
+                if seq_id in self._owner:
+                    request, _ = self._owner[seq_id]
+                    self._fail(request, exc, "in the sampler", now)
+                    changed[request.request_id] = request
             for request in changed.values():
                 outputs.append(self._make_output(request))
                 if request.finished:
@@ -345,6 +407,22 @@ class LLMEngine:
             if self.check_invariants:
                 self.block_manager.check_invariants(self.scheduler.seqs)
             return outputs
+
+    def _fail(self, request: _Request, exc: BaseException, where: str, now: float) -> None:
+        """End one request with a typed error (its own input's fault: 4xx; else a 500); free its blocks."""
+        if request.error is None:
+            request.error = exc if isinstance(exc, LifeOfPromptError) else RequestFailedError(
+                f"request {request.request_id!r} failed {where}: {type(exc).__name__}: {exc}")
+            logger.warning("request %s failed %s: %r", request.request_id, where, exc)
+        for c in request.completions:
+            if c.finished:
+                continue
+            if any(c is p for p in request.pending):
+                c.seq.status, c.seq.finish_reason = SequenceStatus.FINISHED, "error"
+            else:
+                self.scheduler.finish(c.seq, "error")
+        request.pending.clear()
+        request.metrics.finished_time = now
 
     def _on_tokens(self, request: _Request, completion: _Completion, tokens: list[int], logprob_entry, now: float) -> None:
         """A step's new tokens, one by one; a stop among them ends the output there and drops the rest."""
@@ -416,7 +494,7 @@ class LLMEngine:
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
                              request.finished, request.metrics,
                              num_cached_tokens=request.completions[0].seq.num_cached_tokens,
-                             random_weights=getattr(self.model, "is_random", False))
+                             random_weights=getattr(self.model, "is_random", False), error=request.error)
 
     # ---------------------------------------------------------------- looking inside
     @property

@@ -29,8 +29,10 @@ import time
 import torch
 
 from ..model.attention import PagedCacheMetadata, PagedKVCache
-from ..errors import ConfigError, OutOfMemoryError
+from ..errors import ConfigError, InvalidRequestError, OutOfMemoryError
 from .memory import kv_bytes_per_block, plan_memory
+from ..model.cpu_decode import decode_attention_faster, layer_shapes, supports as cpu_decode_supports, usable_rows as cpu_decode_rows
+from ..model.huge_pages import move_weights_to_huge_pages
 from ..model.linear import apply_plans
 from ..model.linear_calibration import choose_cpu_linear
 from . import rejection_sampler
@@ -77,7 +79,7 @@ class ModelRunner:
                  max_model_len: int | None = None, enforce_eager: bool | None = None,
                  gpu_memory_utilization: float = 0.9, cpu_kv_bytes: int = 2 << 30,
                  fused_kernels: bool | None = None, prepack_cpu_weights: bool = True,
-                 cpu_linear: str | None = None, extra_kv_bytes_per_block: int = 0):
+                 cpu_linear: str | None = None, cpu_decode: bool | None = None, extra_kv_bytes_per_block: int = 0):
         if block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size}")
         self.model = model
@@ -109,11 +111,17 @@ class ModelRunner:
         # shape and row count (model/linear_calibration.py); weights whose plan uses oneDNN get a packed
         # second copy (prepack_cpu_weights=False rules that path out: less memory).
         self.linear_choice = None
+        # On the CPU the weights move once into 2 MiB pages, which one core streams about a quarter
+        # faster than 4 KiB ones (model/huge_pages.py); before the timing, so it times them there.
+        self.huge_page_bytes = move_weights_to_huge_pages(model) if self.device.type == "cpu" else 0
         if self.device.type == "cpu" and model.dtype == torch.float32:
             self.linear_choice = choose_cpu_linear(model, cpu_linear, prepack=prepack_cpu_weights)
         self.prepacked_bytes = apply_plans(model, self.linear_choice.plans if self.linear_choice else None)
+        self.cpu_decode_rows = self.choose_cpu_decode_rows(cpu_decode)
+        self.decode_attention_in_c, self.decode_attention_reason = self.choose_decode_attention(cpu_decode)
         self.last_output: SamplerOutput | None = None
         self.last_logprobs: list | None = None     # per seq: None or (logprob, {token_id: logprob, ...})
+        self.last_failures: dict[str, BaseException] = {}   # seq_id -> why its row could not be sampled
         self.last_launch: dict = {}               # how the last step ran (eager / graph replay, padding), for traces
         # Static decode buffers: used by CUDA graphs, and by the CPU tests that check the padding.
         self._alloc_static_buffers()
@@ -154,9 +162,45 @@ class ModelRunner:
         input_ids, positions, meta = self.prepare(seqs, lengths, cache=cache)
         return self.run_model(input_ids, positions, meta)
 
+    def choose_cpu_decode_rows(self, cpu_decode: bool | None) -> int:
+        """Up to how many rows a decode step runs as one C call (``model/cpu_decode.py``); 0 for never.
+
+        ``None``: where the calibration chose the ``rowwise`` product for every layer matrix (the
+        C step multiplies the same way, and saves the eager ops around the products). ``True``:
+        every decode step of up to 16 rows (tests); ``False``: never.
+        """
+        if cpu_decode is False or self.backend != "torch" or not cpu_decode_supports(self.model):
+            return 0
+        if cpu_decode:
+            return 16
+        plans = self.linear_choice.plans if self.linear_choice else None
+        return cpu_decode_rows(plans, layer_shapes(self.model))
+
+    def choose_decode_attention(self, cpu_decode: bool | None) -> tuple[bool, str]:
+        """Whether the decode rows of every step attend in C, straight from the pool (``cpu_decode.decode_attention``).
+
+        Measured once per machine against the torch path (gather + SDPA); never timed when the
+        products are pinned (tests, checked notebook cells): then pinned ``rowwise`` means the C
+        paths and any other pinned path the torch ones, so no timing can move a token.
+        """
+        if cpu_decode is False or self.backend != "torch" or not cpu_decode_supports(self.model):
+            return False, ""
+        if cpu_decode:
+            return True, "asked for"
+        pinned = self.linear_choice.pinned if self.linear_choice else None
+        if pinned is not None:
+            return pinned == "rowwise", f"follows the pinned {pinned} path"
+        config = self.config
+        return decode_attention_faster(config.num_heads, config.num_kv_heads, config.head_dim, self.block_size)
+
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedCacheMetadata) -> torch.Tensor:
-        """The model's forward as this runner runs it (with the fused element-wise kernels or not)."""
-        return self.model(input_ids, positions, meta, fused_kernels=self.fused_kernels)
+        """The model's forward as this runner runs it: the fused C decode step, the fused Triton kernels, or plain."""
+        fused = self.fused_kernels
+        if 0 < meta.num_seqs <= self.cpu_decode_rows and meta.max_query_len == 1 and meta.cache.kv.dtype == torch.float32:
+            fused = "cpu"
+        if self.last_launch:
+            self.last_launch["fused"] = fused
+        return self.model(input_ids, positions, meta, fused_kernels=fused)
 
     @torch.no_grad()
     def profile_num_blocks(self) -> int:
@@ -217,7 +261,8 @@ class ModelRunner:
         fields = PagedCacheMetadata.describe_batch(query_lens, seq_lens, device)
         fields["logits_indices"] = torch.tensor(logits_rows, dtype=torch.long).to(device, non_blocking=True)
         meta = PagedCacheMetadata(**fields, cache=cache or self.kv_cache, block_tables=block_tables.to(device, non_blocking=True),
-                                  slot_mapping=slots.to(device, non_blocking=True), backend=self.backend)
+                                  slot_mapping=slots.to(device, non_blocking=True), backend=self.backend,
+                                  decode_in_c=self.decode_attention_in_c)
         return torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True), pos.to(device, non_blocking=True), meta
 
     @staticmethod
@@ -255,13 +300,16 @@ class ModelRunner:
         """Run one step; the sampled token for each sequence that reached its end, else None.
 
         ``self.last_logprobs`` then holds, per sequence, None or ``(logprob of the sampled token,
-        {token_id: logprob} of the top N)`` for requests that asked for logprobs.
+        {token_id: logprob} of the top N)`` for requests that asked for logprobs, and
+        ``self.last_failures`` maps the seq_id of each row that could not be sampled to why (its
+        token is meaningless: the engine ends that request alone).
         """
         logits = self.forward(seqs, num_scheduled_tokens)
         if any(s.spec_token_ids for s in seqs):
             return self.execute_verify(seqs, num_scheduled_tokens, logits)
         sampling = [s for s, n in zip(seqs, num_scheduled_tokens) if s.num_computed_tokens + n == len(s)]
         out = self.sample(logits, sampling)
+        self.last_failures = {sampling[row].seq_id: exc for row, exc in out.failed.items()}
         sampled = out.token_ids.tolist()                 # the step's one host synchronisation
         logprob_rows = self.read_logprobs(out, sampling)
         tokens = iter(sampled)
@@ -287,9 +335,10 @@ class ModelRunner:
                 plain_rows.append(row)
                 plain.append(s)
                 row += 1
-        result = dict()
+        result, self.last_failures = dict(), {}
         if plain:
             out = self.sample(logits[plain_rows], plain)
+            self.last_failures = {plain[row].seq_id: exc for row, exc in out.failed.items()}
             for s, token, lp in zip(plain, out.token_ids.tolist(), self.read_logprobs(out, plain)):
                 result[s.seq_id] = (token, lp)
         argmax = logits.argmax(dim=-1).tolist()            # greedy verifies read theirs from here: one copy
@@ -298,8 +347,12 @@ class ModelRunner:
             params = s.sampling_params
             if params.seed is not None and getattr(s, "generator", None) is None:
                 s.generator = make_generator(params.seed, logits.device)
-            kept = rejection_sampler.verify(logits[start:start + k + 1], s.spec_token_ids, params,
-                                            getattr(s, "generator", None), s.spec_probs, argmax[start:start + k + 1])
+            try:
+                kept = rejection_sampler.verify(logits[start:start + k + 1], s.spec_token_ids, params,
+                                                getattr(s, "generator", None), s.spec_probs, argmax[start:start + k + 1])
+            except Exception as exc:      # this request alone fails (the engine ends it); the others go on
+                self.last_failures[s.seq_id] = exc
+                continue
             result[s.seq_id] = (kept, self.verify_logprobs(logits[start:start + len(kept)], kept, params.logprobs))
         self.last_logprobs = [result.get(s.seq_id, (None, None))[1] for s in seqs]
         return [result.get(s.seq_id, (None, None))[0] for s in seqs]
@@ -318,12 +371,17 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """Sample one token per row on the device; each seeded request keeps its own generator on the sequence."""
-        generators = []
-        for seq in seqs:
+        generators, failed = [], {}
+        for row, seq in enumerate(seqs):
             if seq.sampling_params.seed is not None and getattr(seq, "generator", None) is None:
-                seq.generator = make_generator(seq.sampling_params.seed, logits.device)
+                try:
+                    seq.generator = make_generator(seq.sampling_params.seed, logits.device)
+                except Exception as exc:     # this request's seed alone: the others still sample
+                    failed[row] = InvalidRequestError(f"seed {seq.sampling_params.seed!r} cannot seed a generator: {exc}",
+                                                      param="seed")
             generators.append(getattr(seq, "generator", None))
         self.last_output = out = self.sampler(logits, [s.sampling_params for s in seqs], generators)
+        out.failed.update(failed)
         return out
 
     @staticmethod

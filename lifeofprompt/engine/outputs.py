@@ -70,7 +70,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None           # "stop" (EOS, stop string, stop token), "length", "abort"
+    finish_reason: str | None = None           # "stop" (EOS, stop string, stop token), "length", "abort", "error"
     stop_reason: str | int | None = None       # the stop string or stop token id that ended it
     logprobs: list[dict[int, float]] | None = None  # per generated token: {token_id: logprob} (top-N + the sampled one)
     cumulative_logprob: float | None = None
@@ -91,6 +91,7 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     random_weights: bool = False               # the model had seeded random weights: the text means nothing
+    error: Exception | None = None             # this request alone failed in a step (finish_reason "error")
 
     def __repr__(self) -> str:
         out = self.outputs[0] if self.outputs else None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..errors import LifeOfPromptError
 from .outputs import RequestMetrics
 from .sampling_params import SamplingParams
 from .sequence import Sequence, SequenceStatus
@@ -80,6 +81,7 @@ class _Request:
     metrics: RequestMetrics
     completions: list[_Completion]
     pending: list[_Completion] = field(default_factory=list)   # n > 1: waiting for the first one's prompt
+    error: LifeOfPromptError | None = None                    # set when this request alone failed in a step
 
     @property
     def finished(self) -> bool:

@@ -16,13 +16,18 @@ Order of operations (as in vLLM):
 The draw uses the "exponential race": ``argmax(p / E)`` with ``E ~ Exp(1)`` picks token ``i``
 with probability ``p_i`` and needs one noise vector per row, which a per-row generator can fill.
 
+One row must not fail the batch: if the batched call raises, every seeded generator is put back
+as it was and the rows are sampled one by one; a row that fails again is reported in
+``SamplerOutput.failed`` (the engine ends that request alone) and the others keep the very
+tokens the batched call would have given them.
+
 Log-probabilities (when asked) are those of the raw model distribution, before temperature and
 filtering (vLLM's default "raw_logprobs"): the chosen token's, and the top N.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +42,7 @@ class SamplerOutput:
     logprobs: torch.Tensor | None = None          # [B] float: log p(chosen token)
     top_ids: torch.Tensor | None = None           # [B, N] long
     top_logprobs: torch.Tensor | None = None      # [B, N] float
+    failed: dict[int, BaseException] = field(default_factory=dict)   # row -> why it could not be sampled
 
 
 def apply_filters(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
@@ -82,15 +88,56 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None] | None = None) -> SamplerOutput:
+        generators = generators or [None] * logits.shape[0]
+        states = [None if g is None else g.get_state() for g in generators]
+        try:
+            return self.sample(logits, params, generators)
+        except Exception:
+            for generator, state in zip(generators, states):    # undo the draws of the failed attempt
+                if generator is not None:
+                    generator.set_state(state)
+            return self.sample_row_by_row(logits, params, generators)
+
+    def sample_row_by_row(self, logits: torch.Tensor, params: list[SamplingParams],
+                          generators: list[torch.Generator | None]) -> SamplerOutput:
+        """One row at a time, so that a failing row is found and the others still get their token."""
+        num_logprobs = max((p.logprobs or 0) for p in params)
+        wants_logprobs = any(p.logprobs is not None for p in params)
+        rows, failed = [], {}
+        for b in range(logits.shape[0]):
+            try:
+                rows.append(self.sample(logits[b:b + 1], params[b:b + 1], generators[b:b + 1],
+                                        num_logprobs, wants_logprobs))
+            except Exception as exc:
+                failed[b] = exc
+                rows.append(None)
+        good = next((r for r in rows if r is not None), None)
+
+        def stack(name):
+            if good is None or getattr(good, name) is None:
+                return None
+            blank = torch.zeros_like(getattr(good, name))
+            return torch.cat([blank if r is None else getattr(r, name) for r in rows])
+
+        token_ids = stack("token_ids")
+        if token_ids is None:
+            token_ids = torch.zeros(len(rows), dtype=torch.long, device=logits.device)
+        return SamplerOutput(token_ids=token_ids, logprobs=stack("logprobs"), top_ids=stack("top_ids"),
+                             top_logprobs=stack("top_logprobs"), failed=failed)
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+               num_logprobs: int | None = None, wants_logprobs: bool | None = None) -> SamplerOutput:
+        """The batched computation (``num_logprobs``/``wants_logprobs``: the whole batch's, when sampling one row)."""
         logits = logits.float()
         batch, vocab = logits.shape
         if batch == 0:                                   # a step of prompt chunks only: nothing to sample
             return SamplerOutput(token_ids=torch.empty(0, dtype=torch.long, device=logits.device))
         device = logits.device
-        generators = generators or [None] * batch
         greedy_ids = logits.argmax(dim=-1)
-        num_logprobs = max((p.logprobs or 0) for p in params)
-        wants_logprobs = any(p.logprobs is not None for p in params)
+        if num_logprobs is None:
+            num_logprobs = max((p.logprobs or 0) for p in params)
+        if wants_logprobs is None:
+            wants_logprobs = any(p.logprobs is not None for p in params)
 
         if all(p.temperature == 0 for p in params):
             token_ids = greedy_ids

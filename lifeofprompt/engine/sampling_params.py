@@ -6,9 +6,14 @@ the field, before any work starts and without disturbing other requests.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..errors import InvalidRequestError
+
+# torch.Generator.manual_seed takes any integer in [-2**63, 2**64): a request's n answers use seed ... seed + n - 1
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
+GREEDY_BELOW, MIN_TEMPERATURE = 1e-5, 1e-2
 
 
 @dataclass
@@ -28,6 +33,11 @@ class SamplingParams:
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
+        if isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool) \
+                and math.isfinite(self.temperature) and 0 < self.temperature < MIN_TEMPERATURE:
+            # as vLLM: below 1e-5 is greedy (1/T would overflow the logits: temperature 1e-320 gave id-0 garbage),
+            # and up to 0.01 is clamped to 0.01 (sharper than that is greedy in all but rounding)
+            self.temperature = 0.0 if self.temperature < GREEDY_BELOW else MIN_TEMPERATURE
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -40,8 +50,8 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", f"n must be an integer >= 1, got {self.n!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            bad("temperature", f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+            bad("temperature", f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             bad("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
@@ -52,8 +62,11 @@ class SamplingParams:
             bad("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             bad("logprobs", f"logprobs must be an integer >= 0, got {self.logprobs!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             bad("seed", f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not MIN_SEED <= self.seed <= self.seed + self.n - 1 <= MAX_SEED:
+            bad("seed", f"seed must be in [{MIN_SEED}, {MAX_SEED - self.n + 1}] (each of the n={self.n} answers "
+                        f"seeds its own generator with seed + i), got {self.seed}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "stop must be a non-empty string or a list of them")
 

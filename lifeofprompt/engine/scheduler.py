@@ -128,12 +128,13 @@ def format_steps(records, fold_quiet: bool = False) -> str:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, long_prefill_token_threshold: int | None = None):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_seqs and max_num_batched_tokens must be >= 1, got {max_num_seqs}, {max_num_batched_tokens}")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold   # None or 0: off (see fair_chunk)
         pool_tokens = block_manager.num_blocks * block_manager.block_size
         self.max_model_len = min(max_model_len or pool_tokens, pool_tokens)
         self.waiting: deque[Sequence] = deque()
@@ -199,7 +200,8 @@ class Scheduler:
             seq = self.running[i]
             if seq.spec_token_ids:                  # a verify: 1 + k rows, k cut to what the budget leaves
                 seq.set_spec(seq.spec_token_ids[:budget - 1], seq.spec_probs)
-            n = 1 + len(seq.spec_token_ids) if seq.spec_token_ids else min(len(seq) - seq.num_computed_tokens, budget)
+            n = (1 + len(seq.spec_token_ids) if seq.spec_token_ids
+                 else self.fair_chunk(min(len(seq) - seq.num_computed_tokens, budget)))
             while not bm.allocate_slots(seq, n):
                 if seq.spec_token_ids:              # drafts never cost anyone their blocks: decode plainly
                     seq.set_spec([])
@@ -223,7 +225,7 @@ class Scheduler:
             seq = self.waiting[0]
             cached = bm.claim_cached_prefix(seq)
             seq.num_computed_tokens = cached
-            n = min(len(seq) - cached, budget)
+            n = self.fair_chunk(min(len(seq) - cached, budget))
             if not bm.allocate_slots(seq, n):
                 bm.cancel_claim(seq)                 # give the claimed prefix back; try again next step
                 seq.num_computed_tokens = 0
@@ -241,6 +243,16 @@ class Scheduler:
         record.num_running = len(self.running)
         record.num_free_blocks = bm.num_free_blocks
         return record
+
+    def fair_chunk(self, n: int) -> int:
+        """Fair chunked prefill (vLLM's ``long_prefill_token_threshold``): while anyone else waits or
+        runs, one prompt's chunk takes at most the threshold, so a long prompt no longer holds every
+        later request's first token and every later decode behind its whole prefill; alone, it takes
+        the whole budget, as before (the step count of a lone prompt, and its throughput, unchanged)."""
+        limit = self.long_prefill_token_threshold
+        if limit and n > limit and len(self.running) + len(self.waiting) > 1:
+            return limit
+        return n
 
     def admission_open(self) -> bool:
         """Whether this step may admit waiting requests (continuous batching: always)."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..model.config import ModelConfig
+from ..model.huge_pages import huge_page_buffer
 from .flops import forward_flops
 from ..engine.memory import dtype_bytes, kv_bytes_per_token, weight_bytes
 
@@ -85,7 +86,10 @@ def measure_read_bandwidth(device="cpu", nbytes: int | None = None, repeats: int
     """
     device = torch.device(device)
     nbytes = nbytes or (2**30 if device.type == "cuda" else 512 * 2**20)
-    data = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    if device.type == "cpu":            # the pages the engine keeps its weights in (model/huge_pages.py)
+        data = huge_page_buffer(nbytes // 4 * 4).view(torch.float32).fill_(1.0)
+    else:
+        data = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     return data.numel() * 4 / _best_time(data.sum, device, repeats)
 
 

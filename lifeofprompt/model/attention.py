@@ -185,6 +185,7 @@ class PagedCacheMetadata(AttentionMetadata):
     block_tables: torch.Tensor | None = None  # [B, max_blocks_per_seq] int32, unused entries -1
     slot_mapping: torch.Tensor | None = None  # [T] int64, negative = padding row (not stored)
     backend: str = "torch"
+    decode_in_c: bool = False                 # torch backend: decode rows by cpu_decode.decode_attention
 
     @cached_property
     def writes(self) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -198,6 +199,9 @@ class PagedCacheMetadata(AttentionMetadata):
         if self.backend == "torch":        # what every layer shares is worked out once per step
             write_rows(k, v, k_pool, v_pool, *self.writes)
             extra["plan"] = self.torch_plan(block_tables=self.block_tables, block_size=self.cache.block_size)
+            if self.decode_in_c:
+                from .cpu_decode import decode_attention
+                extra["decode_kernel"] = decode_attention
         else:
             store(k, v, k_pool, v_pool, self.slot_mapping)
         return attention(q, k_pool, v_pool, self.block_tables, self.seq_lens, self.query_start_loc,

@@ -33,9 +33,10 @@ from torch import nn
 
 from ..env import cache_dir, cpu_flags, cpu_model
 from ..errors import ConfigError
+from .huge_pages import huge_pages_setting, move_weights_to_huge_pages
 from .linear import MAX_PLANNED_ROWS, PATHS, Linear, RowPlan, available_paths, plannable, run_path
 
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2      # 2: weights timed where the engine keeps them (2 MiB pages, huge_pages.py)
 LARGE_ROWS = 64             # the row count that stands for "more than MAX_PLANNED_ROWS"
 BUDGET_SECONDS = 2.5        # past this, row counts not yet timed take the choice below them (~3 s in all)
 DROP_FACTOR = 2.0           # a row-by-row path this many times slower than the best is not timed for more rows
@@ -50,6 +51,11 @@ class LinearChoice:
     plans: dict[tuple[int, int], RowPlan]
     source: str                                   # "pinned: linear", "calibrated in 2.1 s", "cached (file)"
     timings: dict = field(default_factory=dict)   # "960x576" -> {rows: {path: seconds}}
+
+    @property
+    def pinned(self) -> str | None:
+        """The path every product was pinned to, or None where the choice was measured."""
+        return self.source.removeprefix("pinned: ") if self.source.startswith("pinned: ") else None
 
     def describe(self) -> list[str]:
         lines = [f"CPU matrix products ({self.source}):"]
@@ -201,7 +207,8 @@ def cache_key(model: nn.Module, paths: tuple[str, ...]) -> dict:
     """Everything the fastest path depends on; a change in any of it means timing again."""
     return dict(version=CALIBRATION_VERSION, cpu=cpu_model(), flags=" ".join(sorted(cpu_flags())),
                 torch=torch.__version__, threads=torch.get_num_threads(), dtype=str(model.dtype),
-                shapes=sorted(f"{o}x{i}" for o, i in weights_by_shape(model)), paths=list(paths))
+                shapes=sorted(f"{o}x{i}" for o, i in weights_by_shape(model)), paths=list(paths),
+                huge_pages=huge_pages_setting())
 
 
 def cache_file(key: dict) -> Path:
@@ -266,6 +273,8 @@ def time_dtype(dtype: torch.dtype, rows: int, path: str = "linear", shape=(3072,
     """Seconds for ``rows`` rows by ``path`` through enough ``shape`` matrices of ``dtype`` to exceed twice the cache."""
     count = max(2, -(-2 * last_level_cache_bytes() // (shape[0] * shape[1] * dtype.itemsize)))
     modules = [Linear(shape[1], shape[0], bias=False, dtype=dtype) for _ in range(count)]
+    for module in modules:                      # where the engine keeps its weights (huge_pages.py)
+        move_weights_to_huge_pages(module)
     if path == "onednn":
         for module in modules:
             module.prepack()
@@ -282,7 +291,7 @@ def bf16_decode_faster() -> tuple[bool, str]:
     choose); timed for 1 and 8 rows.
     """
     key = dict(version=CALIBRATION_VERSION, what="bf16 vs the fastest fp32 path", cpu=cpu_model(), flags=" ".join(sorted(cpu_flags())),
-               torch=torch.__version__, threads=torch.get_num_threads())
+               torch=torch.__version__, threads=torch.get_num_threads(), huge_pages=huge_pages_setting())
     path = cache_file(key)
     try:
         stored = json.loads(path.read_text())

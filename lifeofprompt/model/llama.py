@@ -151,8 +151,15 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                      fused_kernels: bool = False) -> torch.Tensor:
-        """Final normalised hidden state of every row ``[T, hidden]`` (``fused_kernels``: see below)."""
+                      fused_kernels: bool | str = False) -> torch.Tensor:
+        """Final normalised hidden state of every row ``[T, hidden]``.
+
+        ``fused_kernels``: True runs ``fused_hidden_states`` below (Triton); ``"cpu"`` runs a
+        decode step of the paged engine as one C call (``cpu_decode.py``, same layers, same weights).
+        """
+        if fused_kernels == "cpu":
+            from .cpu_decode import decode_hidden_states
+            return decode_hidden_states(self, input_ids, positions, meta)
         if fused_kernels:
             return self.fused_hidden_states(input_ids, positions, meta)
         hidden = self.embed_tokens(input_ids)
@@ -193,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
         return fused.add_rms_norm(sublayer_out, residual, self.norm.weight, self.norm.eps)[0]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                meta: AttentionMetadata | None = None, fused_kernels: bool = False) -> torch.Tensor:
+                meta: AttentionMetadata | None = None, fused_kernels: bool | str = False) -> torch.Tensor:
         """Flat form: logits ``[len(meta.logits_indices), vocab]`` (all rows when it is None).
         ``fused_kernels`` runs ``fused_hidden_states`` (Triton; the GPU engine's choice).
 

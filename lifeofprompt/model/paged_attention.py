@@ -58,17 +58,24 @@ def gather_slots(block_tables: torch.Tensor, max_seq_len: int, block_size: int) 
 
 def paged_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    max_query_len: int, max_seq_len: int, scale: float, plan: "AttentionPlan | None" = None) -> torch.Tensor:
+                    max_query_len: int, max_seq_len: int, scale: float, plan: "AttentionPlan | None" = None,
+                    decode_kernel=None) -> torch.Tensor:
     """Causal grouped-query attention of query rows ``[T, heads, head_dim]`` over the paged pool.
 
     Sequence ``b`` owns query rows ``query_start_loc[b]:query_start_loc[b+1]``; they are its
     *last* tokens, so its first ``seq_lens[b] - query_len`` tokens are a cached prefix that
     every one of its queries may see. ``plan`` (optional) carries what every layer of one step
-    shares (groups, masks, key slots), so a forward computes it once.
+    shares (groups, masks, key slots), so a forward computes it once. ``decode_kernel``: a
+    function like ``cpu_decode.decode_attention`` that takes the decode rows, reading the pool
+    through the block tables instead of copying each sequence's blocks out first (the engine's
+    choice on the CPU; without it this function is the torch reference).
     """
     if plan is None:
         plan = AttentionPlan.build(query_start_loc, seq_lens, block_tables=block_tables, block_size=k_pool.shape[1])
-    return attend_groups(query, plan, lambda g: (g.gather(k_pool), g.gather(v_pool)), scale)
+    decode = None
+    if decode_kernel is not None:
+        decode = lambda q, g: decode_kernel(q, k_pool, v_pool, block_tables[g.seq_index], seq_lens[g.seq_index], scale)
+    return attend_groups(query, plan, lambda g: (g.gather(k_pool), g.gather(v_pool)), scale, decode)
 
 
 def row_coordinates(query_start_loc: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,20 +174,24 @@ def _sdpa(q, k, v, mask, scale):
         return sdpa(q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), attn_mask=mask, scale=scale)
 
 
-def attend_groups(query: torch.Tensor, plan: AttentionPlan, fetch, scale: float) -> torch.Tensor:
+def attend_groups(query: torch.Tensor, plan: AttentionPlan, fetch, scale: float, decode=None) -> torch.Tensor:
     """Attention of flat query rows, group by group; ``fetch(group)`` gives its keys/values ``[b, L, kv, D]``.
 
-    Rows of sequences that see no key at all (padding, length 0) come out as zeros.
+    ``decode(q, group)`` (optional) computes the decode group (one query row per sequence) by
+    itself. Rows of sequences that see no key at all (padding, length 0) come out as zeros.
     """
     num_rows, num_heads, head_dim = query.shape
     out = None
     for group in plan.groups:
-        keys, values = fetch(group)
         b, q_len = len(group.seq_ids), group.num_queries
         q = query if group.all_rows else query[group.rows]
-        q = q.reshape(b, q_len, num_heads, head_dim).transpose(1, 2)
-        k, v = keys.to(query.dtype).transpose(1, 2), values.to(query.dtype).transpose(1, 2)
-        context = _sdpa(q, k, v, group.mask, scale).transpose(1, 2).reshape(b * q_len, num_heads, head_dim)
+        if decode is not None and q_len == 1:
+            context = decode(q, group)
+        else:
+            keys, values = fetch(group)
+            q = q.reshape(b, q_len, num_heads, head_dim).transpose(1, 2)
+            k, v = keys.to(query.dtype).transpose(1, 2), values.to(query.dtype).transpose(1, 2)
+            context = _sdpa(q, k, v, group.mask, scale).transpose(1, 2).reshape(b * q_len, num_heads, head_dim)
         if group.may_be_empty:
             context = torch.nan_to_num(context)                     # no key at all: softmax of nothing
         if group.all_rows:

@@ -24,9 +24,9 @@ from functools import lru_cache
 
 from ..story import STORY_PROMPTS
 
-# What the story's model, TinyLlama (SentencePiece, a BOS token first), gave for the three
-# prompts according to the story. We cannot run TinyLlama's tokenizer offline; notebook 01
-# explains the counts (and why the last one does not follow the BOS rule).
+# What the story's seed reports for its three prompts in TinyLlama's tokens (SentencePiece, <s>
+# first). load_llama_spm_tokenizer() computes them: 5, 7 and 3 with <s>; the seed's 2 for
+# "hello there" is the count without it.
 STORY_TINYLLAMA_COUNTS = {"hi my name is": 5, "today is a beautiful summer day": 7, "hello there": 2}
 
 # ----------------------------------------------------------------------------- bytes as characters
@@ -290,3 +290,24 @@ def chat_prompt(tokenizer, user_text: str, system: str | None = None) -> tuple[s
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user_text}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return text, tokenizer.encode(text)
+
+
+# ----------------------------------------------------------------------------- TinyLlama's tokenizer, offline
+
+
+def load_llama_spm_tokenizer(fetch: bool = False):
+    """TinyLlama's tokenizer (the LLaMA SentencePiece vocabulary), or None where it is not available.
+
+    It comes from a vocabulary-only GGUF inside the pinned llama-cpp-python sdist
+    (``llama_cpp_sdist.llama_spm_vocab``; set-up fetches it once), which transformers reads with
+    ``gguf_file=``. The story's seed counts its prompts in these tokens, not in SmolLM2's. With
+    ``fetch=False`` nothing is downloaded: a notebook without the file says so instead.
+    """
+    from .llama_cpp_sdist import SPM_VOCAB, llama_spm_vocab
+
+    folder = llama_spm_vocab(fetch=fetch)
+    if folder is None:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), gguf_file=SPM_VOCAB)

@@ -1,10 +1,17 @@
-"""OpenAI's wire format, as our server speaks it: request bodies in, responses and errors out.
+"""OpenAI's wire format, as our server speaks it: request bodies in, responses out.
 
 The bodies are pydantic models, so a missing field or a wrong type becomes a 400 naming the
 field; the values then go through ``SamplingParams``, whose own checks raise the typed errors of
 ``lifeofprompt.errors``. vLLM's extensions are accepted where benchmarks use them
-(``ignore_eos``, ``top_k``, ``min_p``, ``return_token_ids``); what we do not support
-(``n > 1``, ``logprobs``, penalties) is refused by name rather than silently ignored.
+(``ignore_eos``, ``top_k``, ``min_p``, ``return_token_ids``).
+
+Nothing is silently ignored: every field of OpenAI's (or vLLM's) API that we do not serve yet is
+declared here and refused by name (``UNSUPPORTED``) as soon as it asks for anything, so a client
+that asks for JSON never gets prose back without a word. Fields nobody has heard of are still
+accepted, as OpenAI-compatible servers do (clients send many).
+
+The response models are what ``/openapi.json`` documents and what the schemathesis suite checks
+every answer against (``tests/test_server_fuzz.py``).
 """
 
 from __future__ import annotations
@@ -12,17 +19,14 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import InvalidRequestError, LifeOfPromptError
-from ..engine.llm import render_chat
+from ..errors import InvalidRequestError
 from ..engine.sampling_params import SamplingParams
+from .limits import MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 
 
 class _Body(BaseModel):
-    """Unknown fields are ignored, as OpenAI-compatible servers do (clients send many)."""
-
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
@@ -38,15 +42,27 @@ class _Body(BaseModel):
     n: int = 1
     ignore_eos: bool = False                 # vLLM's extension, for benchmarks
     return_token_ids: bool = False           # vLLM's extension: choices carry the generated token ids
+    user: str | None = None
+    # declared so that they are refused by name (UNSUPPORTED), never ignored
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's
+    logit_bias: dict[str, float] | None = None
     logprobs: Any = None
-    user: str | None = None
+    top_logprobs: int | None = None
+    response_format: Any = None
+    guided_json: Any = None                  # vLLM's structured output
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    min_tokens: int | None = None            # vLLM's
+    use_beam_search: bool | None = None      # vLLM's
 
 
 class CompletionRequest(_Body):
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
+    echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
 
@@ -61,17 +77,92 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    tools: list | None = None
+    tool_choice: Any = None
+    functions: list | None = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    web_search_options: Any = None
+
+
+def _is_text_format(value) -> bool:
+    return isinstance(value, dict) and value.get("type") == "text" and len(value) == 1
+
+
+# field -> the values that ask for nothing (anything else is refused, naming the field)
+UNSUPPORTED = {
+    "n": lambda v: v == 1,
+    "best_of": lambda v: v in (None, 1),
+    "echo": lambda v: not v,
+    "suffix": lambda v: not v,
+    "presence_penalty": lambda v: v in (None, 0),
+    "frequency_penalty": lambda v: v in (None, 0),
+    "repetition_penalty": lambda v: v in (None, 1),
+    "logit_bias": lambda v: not v,
+    "logprobs": lambda v: v is None or v is False,       # logprobs: 0 asks for the chosen token's: refused too
+    "top_logprobs": lambda v: v in (None, 0),
+    "response_format": lambda v: v is None or _is_text_format(v),
+    "tools": lambda v: not v,
+    "tool_choice": lambda v: v in (None, "none"),
+    "functions": lambda v: not v,
+    "function_call": lambda v: v in (None, "none"),
+    "audio": lambda v: v is None,
+    "modalities": lambda v: v in (None, ["text"]),
+    "prediction": lambda v: v is None,
+    "web_search_options": lambda v: v is None,
+    "guided_json": lambda v: v is None,
+    "guided_regex": lambda v: v is None,
+    "guided_choice": lambda v: v is None,
+    "guided_grammar": lambda v: v is None,
+    "structured_outputs": lambda v: v is None,
+    "min_tokens": lambda v: v in (None, 0),
+    "use_beam_search": lambda v: not v,
+}
+
+
+def check_supported(body: _Body) -> None:
+    """Caps first (n, top_logprobs, logit_bias: served later within these; stop), then a 400
+    naming the first field that asks for something we do not do."""
+    if body.n > MAX_N or body.n < 1:
+        raise InvalidRequestError(f"n must be between 1 and {MAX_N}, got {body.n}", param="n")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequestError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", param="top_logprobs")
+    if body.logit_bias is not None and len(body.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequestError(f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries", param="logit_bias")
+    if isinstance(body.stop, list) and len(body.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(f"stop may hold at most {MAX_STOP_STRINGS} strings", param="stop")
+    for name, asks_nothing in UNSUPPORTED.items():
+        if name in type(body).model_fields and not asks_nothing(getattr(body, name)):
+            raise InvalidRequestError(f"{name}={getattr(body, name)!r} is not supported by this server yet",
+                                      param=name)
+    options = body.stream_options or {}
+    if set(options) - {"include_usage"}:
+        raise InvalidRequestError(f"stream_options supports only include_usage, got {sorted(options)}",
+                                  param="stream_options")
+
+
+def check_text(value, param: str) -> None:
+    """A 400 for text that is not Unicode a tokenizer can take: a lone surrogate (JSON's "\\ud800")."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidRequestError(f"{param} is not valid Unicode: a lone surrogate at character {exc.start}",
+                                      param=param) from None
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_text(item, f"{param}.{i}")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_text(key, param)
+            check_text(item, f"{param}.{key}")
 
 
 def sampling_params_from(body: _Body, default_max_tokens: int | None) -> SamplingParams:
     """OpenAI's fields → ``SamplingParams`` (its validation raises typed errors naming the field)."""
-    if body.n != 1:
-        raise InvalidRequestError("only n=1 is supported", param="n")
-    if body.logprobs not in (None, False):
-        raise InvalidRequestError("logprobs are not supported", param="logprobs")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) not in (None, 0, 0.0):
-            raise InvalidRequestError(f"{name} is not supported", param=name)
+    check_supported(body)
     max_tokens = body.max_tokens
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         max_tokens = body.max_completion_tokens
@@ -94,33 +185,100 @@ def completion_prompts(prompt) -> list:
     return list(prompt)
 
 
-def chat_prompt_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
-    """The model's own chat template, ending with the assistant's turn, as token ids."""
+def plain_messages(messages: list[ChatMessage]) -> list[dict]:
+    """``{"role", "content"}`` dicts with text content, as a chat template takes them."""
     plain = []
     for i, message in enumerate(messages):
         content = message.content
         if isinstance(content, list):       # [{"type": "text", "text": ...}, ...]
-            if any(part.get("type") != "text" for part in content):
+            if any(part.get("type") != "text" or not isinstance(part.get("text", ""), str) for part in content):
                 raise InvalidRequestError("only text content parts are supported", param=f"messages.{i}.content")
-            content = "".join(str(part.get("text", "")) for part in content)
+            content = "".join(part.get("text", "") for part in content)
         plain.append({"role": message.role, "content": content or ""})
-    return render_chat(tokenizer, plain)[1]
+    return plain
 
 
 # ----------------------------------------------------------------------------- responses
 
 
-def error_body(message: str, error_type: str, param: str | None = None, code: int | str | None = None) -> dict:
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
 
 
-def error_response(exc: Exception):
-    """A typed error → its HTTP status and OpenAI's error shape (anything else is a 500)."""
-    if isinstance(exc, LifeOfPromptError):
-        status, error_type = exc.http_status, exc.error_type
-    else:
-        status, error_type = 500, "internal_error"
-    return JSONResponse(error_body(str(exc), error_type, getattr(exc, "param", None), status), status_code=status)
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape: every error this server answers has it."""
+
+    error: ErrorDetail
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")      # token_ids with return_token_ids
+
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: str
 
 
 def usage_field(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -129,8 +287,9 @@ def usage_field(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def openai_finish_reason(completion) -> str | None:
-    reason = completion.finish_reason
-    return None if reason is None else ("stop" if reason == "abort" else reason)
+    """Ours → OpenAI's: an aborted request (a client gone, a server shutting down) says "abort", as vLLM does;
+    the official client accepts it (it does not validate the value)."""
+    return completion.finish_reason
 
 
 def sse_event(payload) -> str:

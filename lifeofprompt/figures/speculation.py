@@ -1,0 +1,116 @@
+"""Speculative decoding drawn (notebook 10): the verify steps of one request, and the yield curve.
+
+``verify_figure`` lays out a request's verify steps as rows of k + 1 cells: the drafts the model
+kept (their KV rows stay), the drafts it rejected (their KV rows are rolled back), and the
+model's own token that every step adds. ``yield_figure`` plots the expected tokens per verify
+step against k for several acceptance rates, with measured runs placed on it.
+``update_speculation(k, alpha, runs)`` is the widget's callback as a plain function, so tests call
+it directly; ``speculation_panel(runs)`` wires it to ipywidgets.
+"""
+
+from __future__ import annotations
+
+from ..lessons.speculation import SpeculationRun, expected_tokens_per_step
+
+KEPT, REJECTED, OWN = "#55a868", "#c44e52", "#4c72b0"
+ALPHAS = (0.3, 0.5, 0.7, 0.8, 0.9)
+
+
+def verify_cells(step) -> list[tuple[int, str]]:
+    """``(token_id, state)`` for one verify step: its drafts (kept / rejected), then the model's own token."""
+    drafts, n = list(step.draft_token_ids), step.num_accepted
+    kept = [(t, "kept") for t in drafts[:n]]
+    own = [(step.token_ids[n], "own")] if len(step.token_ids) > n else []    # none when a stop ended the run
+    return kept + own + [(t, "rejected") for t in drafts[n:]]
+
+
+def verify_figure(steps, token_text, title: str = "", max_steps: int = 12):
+    """One row per verify step: green drafts kept, red drafts rolled back, blue the model's own token.
+
+    ``steps``: ``SpecStep`` records (``RequestOutput.metrics.spec_steps``); ``token_text(id)``
+    gives a token's text. The rejected cells sit after the model's token, as they did in the
+    verify's query rows: the model's token replaces the first rejected draft.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    steps = list(steps)[:max_steps]
+    width = max((len(s.draft_token_ids) + 1 for s in steps), default=1)
+    fig, ax = plt.subplots(figsize=(1.25 * width + 2.2, 0.42 * len(steps) + 1.3))
+    colors = {"kept": KEPT, "rejected": REJECTED, "own": OWN}
+    for row, step in enumerate(steps):
+        for col, (token, state) in enumerate(verify_cells(step)):
+            ax.add_patch(plt.Rectangle((col, row), 0.94, 0.86, color=colors[state], alpha=0.85))
+            text = token_text(token).replace("\n", "⏎")
+            ax.text(col + 0.47, row + 0.43, text[:9], ha="center", va="center", fontsize=8, color="white")
+        ax.text(-0.15, row + 0.43, f"pos {step.position}", ha="right", va="center", fontsize=8)
+    ax.set_xlim(-1.6, width)
+    ax.set_ylim(len(steps), -0.2)
+    ax.axis("off")
+    ax.set_title(title or "verify steps: what was drafted, kept and rolled back", fontsize=10)
+    ax.legend(handles=[Patch(color=KEPT, label="draft kept (KV row stays)"),
+                       Patch(color=REJECTED, label="draft rejected (KV row rolled back)"),
+                       Patch(color=OWN, label="the model's own next token")],
+              loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def yield_figure(max_k: int = 8, alphas=ALPHAS, runs: list[SpeculationRun] = (), ax=None, highlight=None):
+    """Expected tokens per verify step against k, one curve per α; measured runs as labelled points."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7.5, 4.2))
+    ks = list(range(0, max_k + 1))
+    for alpha in alphas:
+        ax.plot(ks, [expected_tokens_per_step(alpha, k) for k in ks], marker=".", label=f"α = {alpha:g}")
+    for run in runs:
+        ax.plot([run.k], [run.tokens_per_step], marker="*", markersize=13, color="black", linestyle="none")
+        ax.annotate(f"{run.label}\n(α ≈ {run.alpha:.2f})", (run.k, run.tokens_per_step), textcoords="offset points",
+                    xytext=(8, -4), fontsize=8)
+    if highlight is not None:
+        k, alpha = highlight
+        ax.plot([k], [expected_tokens_per_step(alpha, k)], marker="o", markersize=11, markerfacecolor="none",
+                markeredgecolor="red", linestyle="none", label=f"k = {k}, α = {alpha:.2f}")
+    ax.set_xlabel("draft tokens per step, k")
+    ax.set_ylabel("tokens per verify step")
+    ax.set_title("What one verify step yields: (1 − α^(k+1)) / (1 − α)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    ax.figure.tight_layout()
+    return ax.figure
+
+
+def update_speculation(k: int, alpha: float, runs: list[SpeculationRun] = ()):
+    """The widget's callback: the curve with (k, α) marked, and predicted against measured tokens per step."""
+    fig = yield_figure(max(8, k), runs=runs, highlight=(k, alpha))
+    lines = [f"predicted at k = {k}, α = {alpha:.2f}: {expected_tokens_per_step(alpha, k):.2f} tokens per verify step"]
+    for run in runs:
+        lines.append(f"{run.label}: measured {run.tokens_per_step:.2f} at k = {run.k} (α ≈ {run.alpha:.2f}; "
+                     f"the formula gives {expected_tokens_per_step(run.alpha, run.k):.2f})")
+    return fig, "\n".join(lines)
+
+
+def speculation_panel(runs: list[SpeculationRun] = ()):
+    """Sliders for k and α over ``update_speculation`` (needs ipywidgets)."""
+    import ipywidgets as widgets
+    import matplotlib.pyplot as plt
+    from IPython.display import display
+
+    k = widgets.IntSlider(value=4, min=1, max=12, description="k")
+    alpha = widgets.FloatSlider(value=0.7, min=0.0, max=1.0, step=0.05, description="α")
+    out = widgets.Output()
+
+    def redraw(*_):
+        with out:
+            out.clear_output(wait=True)
+            fig, text = update_speculation(k.value, alpha.value, runs)
+            display(fig)
+            plt.close(fig)
+            print(text)
+
+    k.observe(redraw, names="value")
+    alpha.observe(redraw, names="value")
+    redraw()
+    return widgets.VBox([widgets.HBox([k, alpha]), out])

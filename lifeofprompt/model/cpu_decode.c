@@ -1,0 +1,222 @@
+/* A whole Llama decode step on the CPU in one call: every layer, for a few sequences of one new token each.
+ *
+ * Why a second implementation of the layers (the reference is lifeofprompt/model/llama.py):
+ * at batch 1 the torch path spends ~0.3 ms a layer outside the matrix products, in ~40 small
+ * eager ops (norms, rotary, the KV store and gather, attention, SiLU, residual adds), each
+ * costing microseconds of dispatch for nanoseconds of work. Here the same steps run in
+ * order, in C, inside one OpenMP parallel region, so a step costs the weight reads and little
+ * else. The numbers are those of the torch path up to fp32 summation order (tested in
+ * tests/test_cpu_decode.py against the torch forward).
+ *
+ * Per layer, for each of the m rows (one per sequence):
+ *   normed = rms_norm(residual) * w_in
+ *   q, k, v = normed @ w_qkv^T;      q, k rotated (RoPE, half-split), k and v stored at slot
+ *   context = softmax(q k^T * scale) v   over the sequence's keys, found through its block table
+ *   residual += context @ w_o^T
+ *   normed = rms_norm(residual) * w_post
+ *   residual += (silu(normed @ w_gate^T) * (normed @ w_up^T)) @ w_down^T
+ * and at the end hidden = rms_norm(residual) * w_final. The LM head stays with the caller.
+ *
+ * The products read each weight row once, front to back (the "rowwise" path of cpu_rows.c):
+ * one sequential stream per thread, which the prefetcher follows at close to the machine's read
+ * rate. Threads split the heads of the qkv product (each rotates and stores its own), the
+ * (row, head) pairs of attention and the output rows of the other products; SiLU x up is done
+ * as gate row i and up row I + i come out, and each thread normalises the residual for itself.
+ *
+ * Layouts (all fp32, row-major, contiguous):
+ *   weights[6 * layer + i]: in_norm [H], qkv [(NQ + 2 NKV) D, H], o [H, NQ D], post_norm [H],
+ *                            gate_up [2 I, H], down [H, I]
+ *   kv: [layers, 2, num_blocks, block_size, NKV, D]; token slot s of a sequence is
+ *       block_tables[r][j / block_size] * block_size + j % block_size for its position j
+ *   cos, sin: [max_positions, D / 2]
+ */
+#include <math.h>
+#include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static int omp_get_thread_num(void) { return 0; }
+#endif
+
+#define LANES 32
+
+typedef struct {
+    long hidden, num_heads, num_kv_heads, head_dim, intermediate, num_layers;
+    long num_blocks, block_size, max_blocks, max_seq_len;
+    float eps, scale;
+} Dims;
+
+/* sum_i a[i] * b[i], LANES partial sums wide (vector multiply-adds under -O3 -march=native). */
+static float dot(const float *a, const float *b, long n) {
+    float acc[LANES] = {0};
+    long i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; j++) acc[j] += a[i + j] * b[i + j];
+    float sum = 0;
+    for (int j = 0; j < LANES; j++) sum += acc[j];
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+static void rms_norm(const float *x, const float *weight, float *y, long m, long n, float eps) {
+    for (long r = 0; r < m; r++) {
+        const float *row = x + r * n;
+        float sq = 0;
+        for (long i = 0; i < n; i++) sq += row[i] * row[i];
+        float inv = 1.0f / sqrtf(sq / (float)n + eps);
+        for (long i = 0; i < n; i++) y[r * n + i] = row[i] * inv * weight[i];
+    }
+}
+
+/* Rotate heads [count, D] of one row by angle tables of its position (first half with second half). */
+static void rotate(float *heads, long count, long head_dim, const float *cos, const float *sin) {
+    long half = head_dim / 2;
+    for (long h = 0; h < count; h++) {
+        float *x = heads + h * head_dim;
+        for (long i = 0; i < half; i++) {
+            float first = x[i], second = x[i + half];
+            x[i] = first * cos[i] - second * sin[i];
+            x[i + half] = second * cos[i] + first * sin[i];
+        }
+    }
+}
+
+/* sum_i a[i] * b[i] for a short vector (a head, 64-128 floats): one vector accumulator, reduced
+ * in a tree (omp simd allows the reordering; without it the compiler must add in order). */
+static float short_dot(const float *a, const float *b, long n) {
+    float sum = 0;
+    #pragma omp simd reduction(+:sum)
+    for (long i = 0; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* Where token `j0`'s block starts in a pool (all KV heads of a token are one row of NKV * D floats). */
+static const float *block_start(const float *pool, const int32_t *block_table, long j0, const Dims *d) {
+    return pool + (long)block_table[j0 / d->block_size] * d->block_size * d->num_kv_heads * d->head_dim;
+}
+
+/* Query heads [first, first + count) of one row, over its sequence's cached keys and values.
+ * Keys and values are walked block by block, each token's row of all KV heads at once: a
+ * block is one contiguous stretch of the pool, which the prefetcher can follow, where a walk
+ * of one KV head at a time would stride through it. `q`, `out`: the row's [NQ, D];
+ * `scores`: [count, seq_len]. */
+static void attend_heads(const float *q, const float *k_pool, const float *v_pool, const int32_t *block_table,
+                         long seq_len, const Dims *d, long first, long count, float *scores, float *out) {
+    long D = d->head_dim, NKV = d->num_kv_heads, group = d->num_heads / NKV, stride = NKV * D;
+    for (long i = first * D; i < (first + count) * D; i++) out[i] = 0;
+    if (seq_len == 0) return;                     /* sees no key: zeros, as the torch path */
+    for (long j0 = 0; j0 < seq_len; j0 += d->block_size) {
+        const float *k = block_start(k_pool, block_table, j0, d);
+        if (j0 + d->block_size < seq_len) __builtin_prefetch(block_start(k_pool, block_table, j0 + d->block_size, d));
+        long end = j0 + d->block_size < seq_len ? j0 + d->block_size : seq_len;
+        for (long j = j0; j < end; j++, k += stride)
+            for (long h = first; h < first + count; h++)
+                scores[(h - first) * seq_len + j] = short_dot(q + h * D, k + (h / group) * D, D) * d->scale;
+    }
+    for (long h = 0; h < count; h++) {
+        float *s = scores + h * seq_len, best = -INFINITY, total = 0;
+        for (long j = 0; j < seq_len; j++) best = s[j] > best ? s[j] : best;
+        for (long j = 0; j < seq_len; j++) { s[j] = expf(s[j] - best); total += s[j]; }
+        for (long j = 0; j < seq_len; j++) s[j] /= total;
+    }
+    for (long j0 = 0; j0 < seq_len; j0 += d->block_size) {
+        const float *v = block_start(v_pool, block_table, j0, d);
+        if (j0 + d->block_size < seq_len) __builtin_prefetch(block_start(v_pool, block_table, j0 + d->block_size, d));
+        long end = j0 + d->block_size < seq_len ? j0 + d->block_size : seq_len;
+        for (long j = j0; j < end; j++, v += stride)
+            for (long h = first; h < first + count; h++) {
+                float p = scores[(h - first) * seq_len + j], *o = out + h * D;
+                const float *vh = v + (h / group) * D;
+                #pragma omp simd
+                for (long i = 0; i < D; i++) o[i] += p * vh[i];
+            }
+    }
+}
+
+/* Attention of m decode rows, inside a parallel region: a row per task, or with fewer rows than
+ * threads a (row, KV head) per task so every thread has work. `scores`: [m * NQ, max_seq_len]. */
+static void attend_rows(const float *q, long q_stride, const float *k_pool, const float *v_pool,
+                        const int32_t *block_tables, const int32_t *seq_lens, const Dims *d, long m,
+                        float *scores, float *out, long out_stride, int threads) {
+    long NQ = d->num_heads, NKV = d->num_kv_heads, group = NQ / NKV;
+    long split = m < threads ? NKV : 1, per_task = NQ / split;
+    #pragma omp for schedule(static)
+    for (long task = 0; task < m * split; task++) {
+        long r = task / split, first = (task % split) * per_task;
+        attend_heads(q + r * q_stride, k_pool, v_pool, block_tables + r * d->max_blocks, seq_lens[r], d,
+                     first, per_task, scores + (r * NQ + first) * d->max_seq_len, out + r * out_stride);
+    }
+    (void)group;
+}
+
+static float silu(float x) { return x / (1.0f + expf(-x)); }
+
+/* q, k and v of one head for every row (`head` counts q heads, then k heads, then v heads):
+ * its D rows of the qkv product, rotated if a q or k head, stored into the pool if a k or v head. */
+static void project_head(const float *normed, const float *w_qkv, float *qkv, long head, long m, const Dims *d,
+                         const int64_t *positions, const int64_t *slots, const float *cos_table,
+                         const float *sin_table, float *k_pool, float *v_pool) {
+    long H = d->hidden, D = d->head_dim, NQ = d->num_heads, NKV = d->num_kv_heads;
+    long width = (NQ + 2 * NKV) * D, half = D / 2;
+    for (long o = 0; o < D; o++)                       /* each weight row once, for every row of x */
+        for (long r = 0; r < m; r++) qkv[r * width + head * D + o] = dot(w_qkv + (head * D + o) * H, normed + r * H, H);
+    for (long r = 0; r < m; r++) {
+        float *out = qkv + r * width + head * D;
+        if (head < NQ + NKV)
+            rotate(out, 1, D, cos_table + positions[r] * half, sin_table + positions[r] * half);
+        if (head < NQ || slots[r] < 0) continue;
+        float *pool = head < NQ + NKV ? k_pool : v_pool;
+        long kv_head = (head - NQ) % NKV;
+        for (long i = 0; i < D; i++) pool[(slots[r] * NKV + kv_head) * D + i] = out[i];
+    }
+}
+
+/* The whole step. Scratch buffers (caller-owned): normed [threads, m, H] (each thread normalises
+ * for itself, which saves a barrier), qkv [m, (NQ + 2 NKV) D], context [m, NQ D], act [m, I],
+ * scores [m * NQ, max_seq_len]. `hidden` holds the embeddings on entry and the final
+ * normalised hidden states on return. Five barriers a layer, one after each step whose
+ * results every thread needs next. */
+void decode_step(const Dims *d, const int64_t *weights, const float *final_norm, float *hidden, long m,
+                 const int64_t *positions, const int64_t *slots, const int32_t *block_tables,
+                 const int32_t *seq_lens, float *kv, const float *cos_table, const float *sin_table,
+                 float *normed_all, float *qkv, float *context, float *act, float *scores, int threads) {
+    long H = d->hidden, D = d->head_dim, NQ = d->num_heads, NKV = d->num_kv_heads, I = d->intermediate;
+    long qkv_width = (NQ + 2 * NKV) * D, group = NQ / NKV;
+    long pool = d->num_blocks * d->block_size * NKV * D;           /* floats in one layer's K (or V) */
+    #pragma omp parallel num_threads(threads)
+    {
+        float *normed = normed_all + (long)omp_get_thread_num() * m * H;
+        for (long layer = 0; layer < d->num_layers; layer++) {
+            const float *const *w = (const float *const *)(weights + 6 * layer);
+            float *k_pool = kv + (2 * layer) * pool, *v_pool = kv + (2 * layer + 1) * pool;
+            rms_norm(hidden, w[0], normed, m, H, d->eps);
+            #pragma omp for schedule(static)
+            for (long head = 0; head < NQ + 2 * NKV; head++)
+                project_head(normed, w[1], qkv, head, m, d, positions, slots, cos_table, sin_table, k_pool, v_pool);
+            attend_rows(qkv, qkv_width, k_pool, v_pool, block_tables, seq_lens, d, m, scores, context, NQ * D, threads);
+            #pragma omp for schedule(static)
+            for (long o = 0; o < H; o++)
+                for (long r = 0; r < m; r++) hidden[r * H + o] += dot(w[2] + o * NQ * D, context + r * NQ * D, NQ * D);
+            rms_norm(hidden, w[3], normed, m, H, d->eps);
+            #pragma omp for schedule(static)
+            for (long i = 0; i < I; i++)                 /* gate row i and up row I + i, then SiLU(gate) * up */
+                for (long r = 0; r < m; r++)
+                    act[r * I + i] = silu(dot(w[4] + i * H, normed + r * H, H)) * dot(w[4] + (I + i) * H, normed + r * H, H);
+            #pragma omp for schedule(static)
+            for (long o = 0; o < H; o++)
+                for (long r = 0; r < m; r++) hidden[r * H + o] += dot(w[5] + o * I, act + r * I, I);
+        }
+    }
+    rms_norm(hidden, final_norm, hidden, m, H, d->eps);
+}
+
+/* Attention alone, for the decode rows of any step (one query row per sequence, q [m, NQ, D]),
+ * straight from the paged pool: the torch path would first copy every sequence's blocks into
+ * one padded tensor. Used by the engine's torch attention on the CPU (paged_attention.py). */
+void decode_attention(const Dims *d, const float *q, const float *k_pool, const float *v_pool,
+                      const int32_t *block_tables, const int32_t *seq_lens, float *out, float *scores, long m,
+                      int threads) {
+    long width = d->num_heads * d->head_dim;
+    #pragma omp parallel num_threads(threads)
+    attend_rows(q, width, k_pool, v_pool, block_tables, seq_lens, d, m, scores, out, width, threads);
+}

@@ -1,0 +1,199 @@
+"""A whole decode step in one C call (``cpu_decode.c``): the CPU's fused decode path.
+
+The torch forward (``llama.py``) is the reference and runs every step that is not this one.
+At batch 1 it spends about 0.3 ms a layer outside the matrix products, in dozens of tiny eager
+ops; that is a quarter of SmolLM2's step (``benchmarks/NOTES.md``). ``decode_hidden_states``
+does the same layers for a batch of one-token decode rows in C, reading each weight row once,
+front to back, as the ``rowwise`` product path does. So the engine uses it exactly where the
+calibration measured ``rowwise`` fastest for every matrix of the model (``usable_rows``).
+
+It serves fp32 Llama weights on the CPU, the engine's paged KV pool and plain decode steps
+(one new token per sequence); anything else goes the torch way. Its numbers equal the torch
+forward's up to fp32 summation order (tests/test_cpu_decode.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from .native_build import compiled
+
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+
+
+class Dims(ctypes.Structure):
+    """The ``Dims`` struct of ``cpu_decode.c``: the model's shape and the step's pool."""
+
+    _fields_ = [(name, ctypes.c_long) for name in
+                ("hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "num_layers",
+                 "num_blocks", "block_size", "max_blocks", "max_seq_len")] + [
+               ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+@functools.lru_cache(maxsize=None)
+def step_kernel():
+    """The compiled ``decode_step`` function, or None where it cannot be built here."""
+    library = compiled(SOURCE)
+    function = getattr(library, "decode_step", None) if library is not None else None
+    if function is None:
+        return None
+    function.argtypes = [ctypes.POINTER(Dims)] + [ctypes.c_void_p] * 3 + [ctypes.c_long] + \
+                        [ctypes.c_void_p] * 12 + [ctypes.c_int]
+    function.restype = None
+    return function
+
+
+def supports(model) -> bool:
+    """Whether ``model`` can run this path: fp32 weights on the CPU, each contiguous, and the kernel built."""
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        return False
+    if any(not p.is_contiguous() for p in model.parameters()):
+        return False
+    return step_kernel() is not None
+
+
+def usable_rows(plans: dict | None, shapes) -> int:
+    """Up to how many decode rows the fused step runs: while ``rowwise`` is every layer shape's choice.
+
+    ``plans`` are the calibrated (or pinned) ``RowPlan`` per weight shape; ``shapes`` the
+    layers' weight shapes (the LM head, which the caller runs, is not among them).
+    """
+    if not plans:
+        return 0
+    rows = 0
+    while rows < 16 and all(plans[s].path_for(rows + 1) == "rowwise" for s in shapes if s in plans):
+        rows += 1
+    return rows
+
+
+def layer_shapes(model) -> set[tuple[int, int]]:
+    """The weight shapes the fused step multiplies (every layer's four matrices)."""
+    layer = model.layers[0]
+    return {tuple(layer.self_attn.qkv_proj.weight.shape), tuple(layer.self_attn.o_proj.weight.shape),
+            tuple(layer.mlp.gate_up_proj.weight.shape), tuple(layer.mlp.down_proj.weight.shape)}
+
+
+@functools.lru_cache(maxsize=8)
+def _weight_pointers(model_id: int, pointers: tuple[int, ...]) -> ctypes.Array:
+    return (ctypes.c_int64 * len(pointers))(*pointers)
+
+
+def weight_pointers(model) -> ctypes.Array:
+    """The six per-layer weight addresses in the order ``cpu_decode.c`` reads them (rebuilt if weights move)."""
+    pointers = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for tensor in (layer.input_layernorm.weight, attn.qkv_proj.weight, attn.o_proj.weight,
+                       layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight):
+            pointers.append(tensor.data_ptr())
+    return _weight_pointers(id(model), tuple(pointers))
+
+
+def decode_hidden_states(model, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+    """Final normalised hidden states ``[m, hidden]`` of a decode step (``meta``: ``PagedCacheMetadata``, one row per sequence)."""
+    config, attn = model.config, model.layers[0].self_attn
+    m = input_ids.shape[0]
+    kv = meta.cache.kv
+    block_tables = meta.block_tables.to(torch.int32).contiguous()
+    seq_lens = meta.seq_lens.to(torch.int32).contiguous()
+    max_seq_len = max(1, int(meta.max_seq_len))
+    dims = Dims(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
+                config.intermediate_size, config.num_layers, meta.cache.num_blocks, meta.cache.block_size,
+                block_tables.shape[1], max_seq_len, model.norm.eps,
+                meta.scale if meta.scale is not None else config.head_dim ** -0.5)
+    hidden = model.embed_tokens(input_ids).contiguous()
+    positions = positions.to(torch.int64).contiguous()
+    slots = meta.slot_mapping.to(torch.int64).contiguous()
+    empty = functools.partial(torch.empty, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    scratch = [empty(threads, m, config.hidden_size), empty(m, attn.q_size + 2 * attn.kv_size), empty(m, attn.q_size),
+               empty(m, config.intermediate_size), empty(m * config.num_heads, max_seq_len)]
+    step_kernel()(ctypes.byref(dims), ctypes.addressof(weight_pointers(model)), model.norm.weight.data_ptr(),
+                  hidden.data_ptr(), m, positions.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
+                  seq_lens.data_ptr(), kv.data_ptr(), model.rotary.cos.data_ptr(), model.rotary.sin.data_ptr(),
+                  *(t.data_ptr() for t in scratch), threads)
+    return hidden
+
+
+@functools.lru_cache(maxsize=None)
+def attention_kernel():
+    """The compiled ``decode_attention`` function, or None where it cannot be built here."""
+    library = compiled(SOURCE)
+    function = getattr(library, "decode_attention", None) if library is not None else None
+    if function is None:
+        return None
+    function.argtypes = [ctypes.POINTER(Dims)] + [ctypes.c_void_p] * 7 + [ctypes.c_long, ctypes.c_int]
+    function.restype = None
+    return function
+
+
+def attention_supports(query: torch.Tensor, k_pool: torch.Tensor) -> bool:
+    """Whether ``decode_attention`` can serve these tensors: fp32 on the CPU, a contiguous pool, the kernel built."""
+    return (query.device.type == "cpu" and query.dtype == torch.float32 and k_pool.dtype == torch.float32
+            and k_pool.is_contiguous() and attention_kernel() is not None)
+
+
+def decode_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of one query row per sequence ``[m, heads, D]`` over its keys in the paged pool, by block table."""
+    m, num_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, _ = k_pool.shape
+    block_tables = block_tables.to(torch.int32).contiguous()
+    seq_lens = seq_lens.to(torch.int32).contiguous()
+    max_seq_len = max(1, int(seq_lens.max())) if m else 1
+    dims = Dims(num_heads * head_dim, num_heads, num_kv_heads, head_dim, 0, 0, num_blocks, block_size,
+                block_tables.shape[1], max_seq_len, 0.0, scale)
+    query = query.contiguous()
+    out = torch.empty_like(query)
+    scores = torch.empty(m * num_heads, max_seq_len, dtype=torch.float32)
+    attention_kernel()(ctypes.byref(dims), query.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+                       block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), scores.data_ptr(), m,
+                       torch.get_num_threads())
+    return out
+
+
+def decode_attention_faster(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> tuple[bool, str]:
+    """Whether ``decode_attention`` beats the torch path (gather + SDPA) here, timed once per machine and cached.
+
+    Timed on 16 sequences of 256 cached tokens in scattered blocks, alternating the two, best
+    of several rounds: the kind of decode group a busy engine step holds.
+    """
+    from .linear_calibration import cache_file, write_json
+    from ..env import cpu_flags, cpu_model
+    from .paged_attention import AttentionPlan, paged_attention
+
+    key = dict(version=1, what="decode attention: C against gather + SDPA", cpu=cpu_model(),
+               flags=" ".join(sorted(cpu_flags())), torch=torch.__version__, threads=torch.get_num_threads(),
+               heads=[num_heads, num_kv_heads, head_dim], block_size=block_size)
+    path = cache_file(key)
+    try:
+        stored = json.loads(path.read_text())
+        return stored["faster"], stored["why"]
+    except (OSError, ValueError, KeyError):
+        pass
+    seqs, context = 16, 256
+    width = -(-context // block_size)
+    generator = torch.Generator().manual_seed(0)
+    k_pool, v_pool = torch.randn(2, seqs * width * 2, block_size, num_kv_heads, head_dim, generator=generator).unbind(0)
+    block_tables = torch.randperm(seqs * width * 2, generator=generator)[:seqs * width].view(seqs, width).int()
+    seq_lens = torch.full((seqs,), context, dtype=torch.int32)
+    starts = torch.arange(seqs + 1, dtype=torch.int32)
+    query = torch.randn(seqs, num_heads, head_dim, generator=generator)
+    plan = AttentionPlan.build(starts, seq_lens, block_tables=block_tables, block_size=block_size)
+    best = {True: float("inf"), False: float("inf")}
+    for _ in range(5):
+        for in_c in (True, False):
+            start = time.perf_counter()
+            paged_attention(query, k_pool, v_pool, block_tables, seq_lens, starts, 1, context, head_dim ** -0.5,
+                            plan=plan, decode_kernel=decode_attention if in_c else None)
+            best[in_c] = min(best[in_c], time.perf_counter() - start)
+    faster = best[True] < best[False]
+    why = f"C {best[True] * 1e3:.2f} ms, torch {best[False] * 1e3:.2f} ms for 16 x 256 cached tokens"
+    write_json(path, dict(key=key, faster=faster, why=why))
+    return faster, why

@@ -1,0 +1,166 @@
+"""The fused C decode step (model/cpu_decode.c) against the torch forward, and the weights' 2 MiB pages."""
+
+import itertools
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from lifeofprompt import LLM, SamplingParams
+from lifeofprompt.engine.model_runner import ModelRunner
+from lifeofprompt.engine.sequence import Sequence
+from lifeofprompt.engine.sampling_params import SamplingParams as Params
+from lifeofprompt.lessons.agreement import FP32_TOLERANCE, assert_greedy_agrees, teacher_forced_logits, top2_margins
+from lifeofprompt.model import cpu_decode, huge_pages
+from lifeofprompt.model.config import ModelConfig
+from lifeofprompt.model.linear import RowPlan
+from lifeofprompt.model.llama import LlamaForCausalLM
+from lifeofprompt.story import STORY_PROMPTS
+
+pytestmark = [pytest.mark.numerics,
+              pytest.mark.skipif(cpu_decode.step_kernel() is None, reason="no C compiler: the fused step is not offered")]
+
+
+def random_model(rng: random.Random) -> LlamaForCausalLM:
+    """A 2-layer Llama of random shape: GQA groups of 1-3, head sizes and widths that are not multiples of the vector width."""
+    kv_heads, group, head_dim = rng.choice([1, 2, 3]), rng.choice([1, 2, 3]), rng.choice([8, 16, 34])
+    config = ModelConfig(name="random", vocab_size=97, hidden_size=rng.choice([40, 64, 100]),
+                         intermediate_size=rng.choice([36, 96, 130]), num_layers=2, num_heads=kv_heads * group,
+                         num_kv_heads=kv_heads, head_dim=head_dim, tie_word_embeddings=rng.random() < 0.5)
+    torch.manual_seed(rng.randrange(1 << 30))
+    model = LlamaForCausalLM(config).eval()
+    for param in model.parameters():
+        nn.init.normal_(param, std=0.3)
+    return model
+
+
+def decode_batch(runner: ModelRunner, rng: random.Random, num_seqs: int) -> list[Sequence]:
+    """Sequences with random cached contexts (0-40 tokens) in scattered blocks, each about to decode one token."""
+    blocks = list(range(runner.num_blocks))
+    rng.shuffle(blocks)
+    seqs = []
+    for i in range(num_seqs):
+        context = rng.randrange(0, 41)
+        seq = Sequence(f"s{i}", [rng.randrange(97) for _ in range(context + 1)], Params(temperature=0))
+        seq.num_computed_tokens = context
+        needed = context // runner.block_size + 1
+        seq.block_table, blocks = blocks[:needed], blocks[needed:]
+        seqs.append(seq)
+    return seqs
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("seed", range(8))
+@torch.no_grad()
+def test_the_c_step_computes_the_torch_forward(seed, threads):
+    """Random shapes, block sizes, contexts and scattered blocks: the same hidden states and the same KV rows written."""
+    rng = random.Random(seed)
+    model = random_model(rng)
+    block_size = rng.choice([1, 4, 16])
+    runner = ModelRunner(model, num_blocks=64 * 41 // block_size + 64, block_size=block_size, backend="torch",
+                         max_num_seqs=8, cpu_linear="linear", cpu_decode=True)
+    runner.kv_cache.kv.normal_()                    # stale values everywhere: only the right slots may be read
+    seqs = decode_batch(runner, rng, rng.randrange(1, 7))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        before = runner.kv_cache.kv.clone()
+        want = model.hidden_states(*runner.prepare(seqs, [1] * len(seqs)))
+        want_kv = runner.kv_cache.kv.clone()
+        runner.kv_cache.kv.copy_(before)
+        got = model.hidden_states(*runner.prepare(seqs, [1] * len(seqs)), fused_kernels="cpu")
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    written = (want_kv != before).flatten(0, 1).flatten(2).any(-1)        # [layers * 2, slots]
+    assert written.any()
+    assert torch.equal((runner.kv_cache.kv != before).flatten(0, 1).flatten(2).any(-1), written)
+    torch.testing.assert_close(runner.kv_cache.kv, want_kv, rtol=1e-4, atol=1e-5)
+
+
+def test_rows_follow_the_calibrated_choice():
+    """The C step runs for as many rows as ``rowwise`` is every layer matrix's choice, and never where it is not."""
+    shapes = {(48, 16), (16, 16)}
+    two = RowPlan(("rowwise",) * 2 + ("onednn",) * 14, "onednn")
+    assert cpu_decode.usable_rows({(48, 16): two, (16, 16): RowPlan.single("rowwise")}, shapes) == 2
+    assert cpu_decode.usable_rows({(48, 16): RowPlan.single("linear"), (16, 16): two}, shapes) == 0
+    assert cpu_decode.usable_rows(None, shapes) == 0
+
+
+def test_the_runner_uses_it_only_where_asked_or_measured():
+    model = random_model(random.Random(0))
+    pinned = ModelRunner(model, num_blocks=16, block_size=4, backend="torch", cpu_linear="linear")
+    assert pinned.cpu_decode_rows == 0                      # a pinned non-rowwise path: the torch forward
+    assert ModelRunner(model, num_blocks=16, block_size=4, backend="torch", cpu_linear="rowwise").cpu_decode_rows == 16
+    assert ModelRunner(model, num_blocks=16, block_size=4, backend="torch", cpu_linear="rowwise",
+                       cpu_decode=False).cpu_decode_rows == 0
+    bf16 = random_model(random.Random(0)).to(torch.bfloat16)
+    assert ModelRunner(bf16, num_blocks=16, block_size=4, backend="torch", cpu_decode=True).cpu_decode_rows == 0
+
+
+@pytest.fixture(scope="module")
+def story_greedy():
+    """Greedy tokens of the story's prompts through the engine, with and without the C step (fp32)."""
+    runs = {}
+    for flag in (False, True):
+        llm = LLM("smollm2-135m", dtype="float32", cpu_linear="rowwise", cpu_decode=flag, log_stats=False)
+        assert llm.engine.runner.cpu_decode_rows == (16 if flag else 0)
+        outs = llm.generate(list(STORY_PROMPTS), SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+        runs[flag] = ([list(o.prompt_token_ids) for o in outs], [list(o.outputs[0].token_ids) for o in outs], llm)
+    return runs
+
+
+def test_the_engine_gives_the_same_greedy_tokens_with_the_c_step(story_greedy, smollm2):
+    prompts, want, _ = story_greedy[False]
+    _, got, llm = story_greedy[True]
+    assert llm.engine.runner.last_launch["fused"] == "cpu"
+    model, _ = smollm2
+    margins = [top2_margins(teacher_forced_logits(model, p, w)) for p, w in zip(prompts, want)]
+    assert_greedy_agrees(got, want, margins, FP32_TOLERANCE, min_steps=int(0.9 * sum(map(len, want))))
+
+
+@pytest.mark.skipif(not huge_pages.huge_pages_available(), reason="this system gives no transparent huge pages")
+def test_weights_move_to_huge_pages_and_keep_their_values_and_ties():
+    model = random_model(random.Random(1))
+    model.config.tie_word_embeddings or setattr(model.lm_head, "weight", model.embed_tokens.weight)
+    values = {name: p.detach().clone() for name, p in model.named_parameters()}
+    moved = huge_pages.move_weights_to_huge_pages(model)
+    assert moved >= sum(v.numel() * 4 for v in values.values())
+    for name, p in model.named_parameters():
+        assert torch.equal(p, values[name]) and p.is_contiguous()
+    assert model.lm_head.weight is model.embed_tokens.weight
+    assert huge_pages.move_weights_to_huge_pages(model) == 0     # already there: not copied again
+    big = huge_pages.huge_page_buffer(8 << 20)
+    big.fill_(1)                                          # pages are granted when first touched
+    assert big.data_ptr() % huge_pages.HUGE_PAGE == 0
+    assert huge_pages.huge_page_bytes(big) > 0
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("seed", range(6))
+@torch.no_grad()
+def test_decode_attention_in_c_matches_the_torch_path_in_mixed_steps(seed, threads):
+    """A step of decodes (some with no key yet) and prefill chunks: the C decode rows equal gather + SDPA."""
+    from lifeofprompt.model.paged_attention import paged_attention
+
+    rng = random.Random(seed)
+    kv_heads, group, head_dim, block_size = rng.choice([1, 3]), rng.choice([1, 3]), rng.choice([16, 64]), rng.choice([1, 16])
+    num_blocks = 800
+    k_pool, v_pool = torch.randn(2, num_blocks, block_size, kv_heads, head_dim).unbind(0)
+    query_lens = [rng.choice([1, 1, 1, rng.randrange(2, 9)]) for _ in range(rng.randrange(1, 9))]
+    seq_lens = [q + rng.randrange(0, 60) if q > 1 else rng.randrange(0, 80) for q in query_lens]
+    width = max(seq_lens) // block_size + 1
+    blocks = rng.sample(range(num_blocks), width * len(seq_lens))
+    block_tables = torch.tensor([blocks[i * width:(i + 1) * width] for i in range(len(seq_lens))], dtype=torch.int32)
+    starts = torch.tensor([0] + list(itertools.accumulate(query_lens)), dtype=torch.int32)
+    query = torch.randn(int(starts[-1]), kv_heads * group, head_dim)
+    args = (query, k_pool, v_pool, block_tables, torch.tensor(seq_lens, dtype=torch.int32), starts,
+            max(query_lens), max(seq_lens), head_dim ** -0.5)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = paged_attention(*args, decode_kernel=cpu_decode.decode_attention)
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(got, paged_attention(*args), rtol=1e-5, atol=1e-5)

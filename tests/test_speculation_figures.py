@@ -1,0 +1,54 @@
+"""Notebook 10's figures and widget callback, called directly (the browser test moves the real slider)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+from lifeofprompt.figures.speculation import update_speculation, verify_cells, verify_figure, yield_figure  # noqa: E402
+from lifeofprompt.lessons.speculation import SpeculationRun, expected_tokens_per_step  # noqa: E402
+
+
+@dataclass
+class Step:
+    position: int
+    draft_token_ids: list
+    num_accepted: int
+    token_ids: list = field(default_factory=list)
+
+
+def test_cells_put_the_models_token_where_the_first_rejection_was():
+    step = Step(10, [5, 6, 7, 8], 2, [5, 6, 99])
+    assert verify_cells(step) == [(5, "kept"), (6, "kept"), (99, "own"), (7, "rejected"), (8, "rejected")]
+    assert verify_cells(Step(3, [1, 2], 2, [1, 2, 4])) == [(1, "kept"), (2, "kept"), (4, "own")]
+    assert verify_cells(Step(3, [1, 2], 1, [1])) == [(1, "kept"), (2, "rejected")]      # a stop after the kept draft
+
+
+def test_verify_figure_draws_a_cell_per_token_and_says_what_colours_mean():
+    steps = [Step(4, [1, 2, 3], 1, [1, 7]), Step(6, [8, 9, 10], 3, [8, 9, 10, 11])]
+    fig = verify_figure(steps, lambda t: f"t{t}")
+    ax = fig.axes[0]
+    assert len(ax.patches) == 8
+    texts = [t.get_text() for t in ax.texts]
+    assert "t7" in texts and "t11" in texts and "pos 6" in texts
+    assert [t.get_text() for t in ax.get_legend().get_texts()][1].startswith("draft rejected")
+
+
+def test_widget_callback_marks_k_and_alpha_and_reports_measured_runs():
+    run = SpeculationRun("prompt lookup", 4, 100, 2.0, 40, [30, 20, 12, 6], [40, 30, 20, 12])
+    fig, text = update_speculation(3, 0.6, [run])
+    assert f"{expected_tokens_per_step(0.6, 3):.2f} tokens per verify step" in text
+    assert "prompt lookup: measured 2.70 at k = 4" in text
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "k = 3, α = 0.60" in labels
+    _, other = update_speculation(5, 0.9, [run])
+    assert other != text
+
+
+def test_yield_curves_rise_with_alpha():
+    fig = yield_figure(6)
+    tops = [line.get_ydata()[-1] for line in fig.axes[0].get_lines()]
+    assert tops == sorted(tops) and len(tops) == 5

@@ -165,3 +165,24 @@ def test_n_answers_speculate_apart(tiny):
     assert len(answers) == 3 and all(len(a) == 8 for a in answers) and len({tuple(a) for a in answers}) == 3
     assert out.metrics.spec_decode.num_drafts > 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_verify_that_fails_ends_its_request_alone(tiny, monkeypatch):
+    """Fault isolation: a request whose verify raises ends with finish_reason "error"; the others finish."""
+    model, tokenizer = tiny
+    verify = rejection_sampler.verify_sequence
+
+    def failing(seq, logits, target_ids):
+        if seq.sampling_params.seed == 13:
+            raise RuntimeError("a broken verify")
+        return verify(seq, logits, target_ids)
+
+    monkeypatch.setattr(rejection_sampler, "verify_sequence", failing)
+    engine = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=16, log_stats=False, check_invariants=True,
+                       speculative_config=NGRAM)
+    for seed in (12, 13, 14):
+        engine.add_request(str(seed), PROMPT, SamplingParams(max_tokens=6, seed=seed, ignore_eos=True))
+    outs = {o.request_id: o for o in engine.run_until_done()}
+    assert outs["13"].outputs[0].finish_reason == "error" and outs["13"].error is not None
+    assert all(outs[r].outputs[0].finish_reason == "length" and len(outs[r].outputs[0].token_ids) == 6 for r in ("12", "14"))
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

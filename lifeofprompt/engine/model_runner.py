@@ -343,31 +343,13 @@ class ModelRunner:
                 result[s.seq_id] = (token, lp)
         argmax = logits.argmax(dim=-1).tolist()            # greedy verifies read theirs from here: one copy
         for s, start in verifies:
-            k = len(s.spec_token_ids)
-            params = s.sampling_params
-            if params.seed is not None and getattr(s, "generator", None) is None:
-                s.generator = make_generator(params.seed, logits.device)
+            end = start + len(s.spec_token_ids) + 1
             try:
-                kept = rejection_sampler.verify(logits[start:start + k + 1], s.spec_token_ids, params,
-                                                getattr(s, "generator", None), s.spec_probs, argmax[start:start + k + 1])
+                result[s.seq_id] = rejection_sampler.verify_sequence(s, logits[start:end], argmax[start:end])
             except Exception as exc:      # this request alone fails (the engine ends it); the others go on
                 self.last_failures[s.seq_id] = exc
-                continue
-            result[s.seq_id] = (kept, self.verify_logprobs(logits[start:start + len(kept)], kept, params.logprobs))
         self.last_logprobs = [result.get(s.seq_id, (None, None))[1] for s in seqs]
         return [result.get(s.seq_id, (None, None))[0] for s in seqs]
-
-    @staticmethod
-    def verify_logprobs(rows: torch.Tensor, kept: list[int], num: int | None) -> list | None:
-        """Per kept token: ``(logprob, {token_id: logprob} of the top num)`` from the raw logits of its row."""
-        if num is None:
-            return None
-        logprobs = torch.log_softmax(rows.float(), dim=-1)
-        chosen = logprobs[torch.arange(len(kept)), torch.tensor(kept, device=rows.device)].tolist()
-        if num == 0:
-            return [(c, {}) for c in chosen]
-        top_lp, top_ids = logprobs.topk(num, dim=-1)
-        return [(c, dict(zip(i, v))) for c, i, v in zip(chosen, top_ids.tolist(), top_lp.tolist())]
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """Sample one token per row on the device; each seeded request keeps its own generator on the sequence."""

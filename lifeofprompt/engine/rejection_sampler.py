@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampler import apply_filters
+from .sampler import apply_filters, make_generator
 from .sampling_params import SamplingParams
 
 
@@ -102,3 +102,28 @@ def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams, gener
             target_ids = logits.argmax(dim=-1).tolist()
         return greedy_verify(target_ids, draft)
     return rejection_verify(filtered_probs(logits, params), draft, draft_probs, generator)
+
+
+def verify_sequence(seq, logits: torch.Tensor, target_ids: list[int]) -> tuple[list[int], list | None]:
+    """One scheduled verify: the tokens ``seq`` keeps, and their logprobs if it asked for them.
+
+    ``logits``: its k + 1 rows; ``target_ids``: their argmax. A seeded request draws from its own
+    generator (made here on first use, as the sampler does).
+    """
+    params = seq.sampling_params
+    if params.seed is not None and getattr(seq, "generator", None) is None:
+        seq.generator = make_generator(params.seed, logits.device)
+    kept = verify(logits, seq.spec_token_ids, params, getattr(seq, "generator", None), seq.spec_probs, target_ids)
+    return kept, kept_logprobs(logits[:len(kept)], kept, params.logprobs)
+
+
+def kept_logprobs(rows: torch.Tensor, kept: list[int], num: int | None) -> list | None:
+    """Per kept token: ``(logprob, {token_id: logprob} of the top num)`` from the raw logits of its row."""
+    if num is None:
+        return None
+    logprobs = torch.log_softmax(rows.float(), dim=-1)
+    chosen = logprobs[torch.arange(len(kept)), torch.tensor(kept, device=rows.device)].tolist()
+    if num == 0:
+        return [(c, {}) for c in chosen]
+    top_lp, top_ids = logprobs.topk(num, dim=-1)
+    return [(c, dict(zip(i, v))) for c, i, v in zip(chosen, top_ids.tolist(), top_lp.tolist())]

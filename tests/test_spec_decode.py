@@ -366,6 +366,11 @@ def test_a_draft_with_another_vocabulary_or_tokenizer_is_refused(smollm2):
         make_engine(smollm2, {"model": first_layers(model, 2), "num_speculative_tokens": 2,
                               "draft_tokenizer": ByteTokenizer(model.config.vocab_size)})
     assert info.value.param == "model"
+    short = LlamaForCausalLM(replace(model.config, max_position_embeddings=256, num_layers=1)).eval()
+    with pytest.raises(SpeculativeConfigError, match="context") as info:
+        make_engine(smollm2, {"model": short, "num_speculative_tokens": 2})
+    assert info.value.param == "model"
+    assert make_engine(smollm2, {"model": short, "num_speculative_tokens": 2}, max_model_len=256).max_model_len == 256
     with pytest.raises(SpeculativeConfigError, match="LlamaForCausalLM"):
         make_engine(smollm2, {"model": 3, "num_speculative_tokens": 2})
 

@@ -111,6 +111,8 @@ class LLMEngine:
         self.max_waiting = max_waiting
         self.check_invariants = check_invariants
         context_len = min(max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings)
+        if self.spec is not None:
+            self.spec.check_context(context_len)
         if num_kv_blocks is None and (kv_cache_memory is not None or self.model.device.type != "cuda"):
             num_kv_blocks = self._blocks_for_memory(kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY)
         from .model_runner import ModelRunner

@@ -34,6 +34,14 @@ class SpecDecoder:
         """A draft model mirrors every target forward; a CUDA graph replay of a decode would skip it."""
         return self.draft_model is not None
 
+    def check_context(self, context_len: int) -> None:
+        """A draft must reach every position the model may: its rotary table ends at its own context."""
+        from ..errors import SpeculativeConfigError
+        if self.draft_model is not None and self.draft_model.config.max_position_embeddings < context_len:
+            raise SpeculativeConfigError(f"the draft's context is {self.draft_model.config.max_position_embeddings} "
+                                         f"tokens, the engine's {context_len}: give max_model_len <= the draft's",
+                                         param="model")
+
     def draft_bytes_per_block(self) -> int:
         """KV bytes the draft adds to every block (its pool shares the target's block tables)."""
         if self.draft_model is None:

@@ -11,7 +11,7 @@ from ._version import __version__
 from .env import env_info, env_report
 from .errors import (AuthenticationError, ConfigError, InvalidRequestError, LifeOfPromptError, MissingDependencyError,
                      ModelNotFoundError, OutOfMemoryError, QueueFullError, RequestFailedError, RequestNotFoundError,
-                     RequestTooLargeError, ShuttingDownError)
+                     RequestTooLargeError, ShuttingDownError, SpeculativeConfigError)
 from .model.config import ModelConfig
 from .model.loader import load_model
 from .engine.block_manager import BlockManager
@@ -28,7 +28,7 @@ __all__ = [
     # errors (lifeofprompt.errors)
     "LifeOfPromptError", "ModelNotFoundError", "MissingDependencyError", "InvalidRequestError", "RequestTooLargeError",
     "ConfigError", "OutOfMemoryError", "QueueFullError", "RequestNotFoundError", "RequestFailedError",
-    "ShuttingDownError", "AuthenticationError",
+    "ShuttingDownError", "AuthenticationError", "SpeculativeConfigError",
     # model (notebooks 01-02)
     "ModelConfig", "load_model",
     # engine (notebooks 05-08)

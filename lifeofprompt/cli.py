@@ -28,6 +28,18 @@ def _model_arg(parser: argparse.ArgumentParser) -> None:
                              "transposed_doubled, onednn, rowwise (default: auto, or $LIFEOFPROMPT_CPU_LINEAR)")
 
 
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("a JSON object is wanted, like {\"method\": \"ngram\", ...}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m lifeofprompt",
@@ -76,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json (default: off)")
     serve.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                        help="turn CORS on for these browser origins (default: off)")
+    serve.add_argument("--speculative-config", type=_json_object, default=None, dest="speculative_config",
+                       help='speculative decoding, as JSON (vLLM\'s), e.g. \'{"method": "ngram", '
+                            '"num_speculative_tokens": 4}\' or \'{"model": "smollm2-135m", "num_speculative_tokens": 3}\'')
 
     load = sub.add_parser("loadtest", help="load-test any OpenAI-compatible endpoint with random arrivals",
                           description="Send streaming requests at Poisson times (--rate), from a closed loop of "

@@ -101,3 +101,11 @@ class RequestNotFoundError(LifeOfPromptError, KeyError):
 
     def __str__(self) -> str:  # KeyError would otherwise print the message quoted
         return str(self.args[0]) if self.args else ""
+
+
+class SpeculativeConfigError(ConfigError):
+    """A bad ``speculative_config``: the message and ``param`` name the field (``num_speculative_tokens``, ``method``, …)."""
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(f"speculative_config[{param!r}]: {message}" if param else message)
+        self.param = param

@@ -209,6 +209,27 @@ class BlockManager:
                 block.hash, block.parent_hash, block.token_ids = h, parent, chunk
                 self.hash_to_block[h] = block.block_id
 
+    def trim(self, seq, num_tokens: int) -> int:
+        """Shrink ``seq``'s table to the blocks its first ``num_tokens`` tokens need; return how many went back.
+
+        Speculative decoding's rollback: a verify step got slots for every draft token, and the
+        blocks that only rejected drafts reached return to the pool. They were written but never
+        registered (``cache_full_blocks`` only sees verified tokens), so they go back as empty
+        blocks, first in line to be reused.
+        """
+        state = self._state(seq)
+        keep = self.blocks_needed(num_tokens)
+        released = seq.block_table[keep:]
+        for block_id in reversed(released):
+            block = self.blocks[block_id]
+            assert block.ref_count == 1 and block.hash is None, f"block {block_id} holds drafts but is shared or cached"
+            block.ref_count = 0
+            self.free_queue[block_id] = None
+            self.free_queue.move_to_end(block_id, last=False)
+        del seq.block_table[keep:]
+        state.num_tokens = min(state.num_tokens, num_tokens)
+        return len(released)
+
     # ---------------------------------------------------------------- finish, abort, preempt
     def free(self, seq) -> None:
         """Every block of ``seq`` back (reference count - 1); its table is emptied.
@@ -254,6 +275,12 @@ class BlockManager:
                 f"{seq.request_id}: computed tokens outside its blocks"
             for i, block_id in enumerate(seq.block_table):
                 owners.setdefault(block_id, []).append((seq, i))
+                block = self.blocks[block_id]
+                if block.hash is not None:      # a cached block holds computed tokens of this sequence, never drafts
+                    assert (i + 1) * self.block_size <= seq.num_computed_tokens <= len(seq), \
+                        f"{seq.request_id}: cached block {block_id} holds tokens not (yet) computed"
+                    assert tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size]) == block.token_ids, \
+                        f"{seq.request_id}: cached block {block_id} holds other tokens than its own"
         for block_id, holders in owners.items():
             block = self.blocks[block_id]
             assert block.ref_count == len(holders), f"block {block_id}: ref_count {block.ref_count}, {len(holders)} owners"

@@ -14,6 +14,11 @@ that arrives while no step is running is applied immediately, so its blocks are 
 
 Every time is ``time.monotonic()``: arrival, first scheduled, first token, each token, finish
 (``RequestMetrics``), so ``lifeofprompt.serving.metrics`` can read TTFT and TPOT straight off them.
+
+With ``speculative_config`` (``speculative.py``) each step ends by asking the drafter for the next
+tokens of every decoding request; the next step verifies them, and the tokens a verify keeps are
+then taken one by one, exactly as single tokens are, so a stop inside an accepted run ends the
+output there and streaming hands out each step's kept tokens together.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
@@ -33,6 +38,8 @@ from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, StepRecord, format_steps
 from .sequence import Sequence, SequenceStatus
+from .request_state import IncrementalDetokenizer, _Completion, _Request, _unpack_logprobs
+from .speculative import SpeculativeConfig
 
 logger = logging.getLogger("lifeofprompt.engine")
 if not logger.handlers:                     # like vLLM: the start-up lines show without any logging set-up
@@ -43,9 +50,6 @@ if not logger.handlers:                     # like vLLM: the start-up lines show
     logger.propagate = False
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
-DETOKENIZE_CONTEXT = 5        # prompt tokens kept as context so the first output token decodes with its space
-
-
 MIN_FAIR_CHUNK = 64          # fair prefill never cuts a prompt's chunk thinner than this (see below)
 
 
@@ -68,85 +72,6 @@ def fair_prefill_threshold(requested: int | None, max_num_batched_tokens: int) -
     return threshold if threshold < max_num_batched_tokens else None
 
 
-# ----------------------------------------------------------------------------- text, a token at a time
-
-
-class IncrementalDetokenizer:
-    """Turns one new token id at a time into the text it adds (vLLM's prefix/read offsets).
-
-    Decoding a growing list from scratch each step costs O(n²); decoding only the new token
-    breaks words that span tokens and multi-byte characters. So we decode a short window twice,
-    with and without the new tokens, and emit the difference — holding it back while it ends in
-    an incomplete UTF-8 character ("\\ufffd").
-    """
-
-    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.ids = list(prompt_token_ids[-DETOKENIZE_CONTEXT:])
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
-        self.text = ""
-
-    def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
-    def add(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.ids[self.prefix_offset:])
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-            return ""
-        delta = new_text[len(prefix_text):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        self.text += delta
-        return delta
-
-
-# ----------------------------------------------------------------------------- one request's state
-
-
-@dataclass
-class _Completion:
-    """One of the ``n`` answers of a request: its sequence and the text made from it so far."""
-
-    index: int
-    seq: Sequence
-    detokenizer: IncrementalDetokenizer
-    text: str = ""                  # the output text (stop strings cut off)
-    emitted_text_len: int = 0       # how much of ``text`` earlier outputs already carried
-    logprobs: list | None = None
-    cumulative_logprob: float | None = None
-    new_token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def finished(self) -> bool:
-        return self.seq.status == SequenceStatus.FINISHED
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    metrics: RequestMetrics
-    completions: list[_Completion]
-    pending: list[_Completion] = field(default_factory=list)   # n > 1: waiting for the first one's prompt
-    error: LifeOfPromptError | None = None                    # set when this request alone failed in a step
-
-    @property
-    def finished(self) -> bool:
-        return not self.pending and all(c.finished for c in self.completions)
-
-
-def _unpack_logprobs(entry):
-    """The runner's per-token logprob entry: ``(logprob, {id: logprob})`` or None."""
-    if entry is None:
-        return None, None
-    if isinstance(entry, tuple) and len(entry) == 2:
-        return entry
-    return None, entry
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -162,7 +87,7 @@ class LLMEngine:
                  max_waiting: int | None = None, check_invariants: bool = False,
                  max_step_records: int = 10_000, log_stats: bool = True, clock=time.monotonic,
                  prepack_cpu_weights: bool = True, cpu_linear: str | None = None,
-                 cpu_decode: bool | None = None):
+                 cpu_decode: bool | None = None, speculative_config=None):
         if isinstance(model, str):
             from ..model.loader import load_model
             self.model, self.tokenizer = load_model(model, dtype=dtype, device=device)
@@ -176,10 +101,18 @@ class LLMEngine:
             raise ConfigError(f"max_waiting must be >= 1 (or None for unbounded), got {max_waiting}")
         self.config = self.model.config
         self.clock = clock
+        self.spec_config = SpeculativeConfig.from_user(speculative_config)
+        self.spec = None                       # speculative decoding's drafter and counters (spec_decode.py)
+        if self.spec_config is not None:
+            from .spec_decode import SpecDecoder
+            self.spec = SpecDecoder(self.spec_config, self.model, self.tokenizer, block_size)
+            enforce_eager = enforce_eager or self.spec.needs_eager
         self.block_size = block_size
         self.max_waiting = max_waiting
         self.check_invariants = check_invariants
         context_len = min(max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings)
+        if self.spec is not None:
+            self.spec.check_context(context_len)
         if num_kv_blocks is None and (kv_cache_memory is not None or self.model.device.type != "cuda"):
             num_kv_blocks = self._blocks_for_memory(kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY)
         from .model_runner import ModelRunner
@@ -188,7 +121,9 @@ class LLMEngine:
                                   max_model_len=context_len, enforce_eager=enforce_eager or None,
                                   gpu_memory_utilization=gpu_memory_utilization,
                                   prepack_cpu_weights=prepack_cpu_weights, cpu_linear=cpu_linear,
-                                  cpu_decode=cpu_decode)
+                                  cpu_decode=cpu_decode, extra_kv_bytes_per_block=self._draft_bytes_per_block())
+        if self.spec is not None:
+            self.spec.attach(self.runner, self.runner.kv_cache.num_blocks)
         self.num_kv_blocks = self.runner.kv_cache.num_blocks
         self.block_manager = BlockManager(self.num_kv_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, context_len,
@@ -213,11 +148,33 @@ class LLMEngine:
                 logger.info(line)
 
     # ---------------------------------------------------------------- set-up
+    def _draft_bytes_per_block(self) -> int:
+        return self.spec.draft_bytes_per_block() if self.spec is not None else 0
+
+    @property
+    def spec_stats(self):
+        """Speculative decoding's counters since start (``speculative.SpecDecodeStats``), or None."""
+        return self.spec.stats if self.spec is not None else None
+
+    @property
+    def proposer(self):
+        """The drafter (tests and notebooks may put their own in its place)."""
+        return self.spec.proposer if self.spec is not None else None
+
+    @proposer.setter
+    def proposer(self, value) -> None:
+        self.spec.proposer = value
+
     def _blocks_for_memory(self, kv_bytes: int) -> int:
-        from .memory import num_blocks_for_bytes
-        blocks = num_blocks_for_bytes(kv_bytes, self.config, self.model.dtype, self.block_size)
+        """Blocks that fit ``kv_bytes``; with a draft model a block is the target's bytes plus the draft's."""
+        from .memory import kv_bytes_per_block
+        blocks = int(kv_bytes) // (kv_bytes_per_block(self.config, self.model.dtype, self.block_size)
+                                   + self._draft_bytes_per_block())
         if blocks < 1:
             from ..errors import OutOfMemoryError
+            if self._draft_bytes_per_block():
+                raise OutOfMemoryError(f"speculative_config['model']: with the draft's KV beside the model's, "
+                                       f"kv_cache_memory={kv_bytes} bytes holds not one block of {self.block_size} tokens")
             raise OutOfMemoryError(f"kv_cache_memory={kv_bytes} bytes holds not one block of {self.block_size} tokens")
         return blocks
 
@@ -251,6 +208,8 @@ class LLMEngine:
         if getattr(self.runner, "decode_attention_reason", ""):
             how = "in C, from the pool" if self.runner.decode_attention_in_c else "gather + SDPA (torch)"
             lines.append(f"decode attention: {how} ({self.runner.decode_attention_reason})")
+        if self.spec is not None:
+            lines += self.spec.startup_lines(kv, self.num_kv_blocks)
         if getattr(self.model, "is_random", False):
             lines.append("NOTE: random weights - generated text is meaningless (speed and memory work only)")
         return lines
@@ -325,8 +284,9 @@ class LLMEngine:
             completions.append(_Completion(i, seq, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
                                            logprobs=[] if params.logprobs is not None else None,
                                            cumulative_logprob=0.0 if params.logprobs is not None else None))
-        request = _Request(request_id, text, ids, params, RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(ids)),
-                           completions, pending=completions[1:])
+        metrics = RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(ids),
+                                 spec_decode=self.spec.new_request_stats() if self.spec is not None else None)
+        request = _Request(request_id, text, ids, params, metrics, completions, pending=completions[1:])
         with self._lock:
             if request_id in self.requests:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
@@ -409,6 +369,8 @@ class LLMEngine:
             record = self.scheduler.schedule()
             if record.is_empty:
                 return outputs
+            if self.spec is not None:
+                self.spec.fill(record.seqs, self.clock)    # a draft model drafts now, into the slots just given
             record.start_time = self.clock()
             for seq in record.seqs:
                 request, _ = self._owner[seq.seq_id]
@@ -417,19 +379,30 @@ class LLMEngine:
                     metrics.first_scheduled_time = record.start_time
                     metrics.num_cached_tokens = seq.num_cached_tokens
                 metrics.num_preemptions = sum(c.seq.num_preemptions for c in request.completions)
+            drafts = {seq.seq_id: list(seq.spec_token_ids) for seq in record.seqs if seq.spec_token_ids}
             sampled = self.runner.execute(record.seqs, record.num_scheduled_tokens)
             logprob_rows = getattr(self.runner, "last_logprobs", None) or [None] * len(record.seqs)
             failures = getattr(self.runner, "last_failures", None) or {}
             sampled = [None if seq.seq_id in failures else token for seq, token in zip(record.seqs, sampled)]
             now = record.end_time = self.clock()
+            if drafts:
+                self.spec_stats.verify_time += now - record.start_time
             entries = {seq.seq_id: lp for seq, lp in zip(record.seqs, logprob_rows)}
+            new_tokens = {seq.seq_id: (t if isinstance(t, list) else [t]) for seq, t in zip(record.seqs, sampled)
+                          if t is not None}
+            starts = {seq.seq_id: seq.num_computed_tokens for seq in record.seqs}
+            shares = {seq.seq_id: share for seq, share in zip(record.seqs, record.scheduled)}
             changed: dict[str, _Request] = {}
             for seq in self.scheduler.update(record, sampled):
                 request, completion = self._owner[seq.seq_id]
                 if request.error is not None:
                     continue
+                tokens = new_tokens[seq.seq_id]
+                if seq.seq_id in drafts:
+                    kept = self.spec.observe(request.metrics, starts[seq.seq_id], drafts[seq.seq_id], tokens)
+                    shares[seq.seq_id].num_accepted_tokens = kept
                 try:
-                    self._on_token(request, completion, seq.output_token_ids[-1], entries.get(seq.seq_id), now)
+                    self._on_tokens(request, completion, tokens, entries.get(seq.seq_id), now)
                 except Exception as exc:     # this request's detokenizer or stop check: it alone ends
                     self._fail(request, exc, "while turning its token into text", now)
                     changed[request.request_id] = request
@@ -452,6 +425,8 @@ class LLMEngine:
                 if request.finished:
                     self._forget(request)
             self.step_records.append(record)
+            if self.spec is not None:
+                self.spec.propose(self.scheduler.running, self.scheduler.max_num_drafts, self.clock)
             if self.check_invariants:
                 self.block_manager.check_invariants(self.scheduler.seqs)
             return outputs
@@ -472,8 +447,26 @@ class LLMEngine:
         request.pending.clear()
         request.metrics.finished_time = now
 
-    def _on_token(self, request: _Request, completion: _Completion, token: int, logprob_entry, now: float) -> None:
+    def _on_tokens(self, request: _Request, completion: _Completion, tokens: list[int], logprob_entry, now: float) -> None:
+        """A step's new tokens, one by one; a stop among them ends the output there and drops the rest."""
+        seq = completion.seq
+        base = len(seq.output_token_ids) - len(tokens)
+        for j, token in enumerate(tokens):
+            last = j == len(tokens) - 1
+            entry = logprob_entry[j] if isinstance(logprob_entry, list) else (logprob_entry if last else None)
+            self._on_token(request, completion, token, entry, now, base + j + 1)
+            if completion.finished and not last:
+                del seq.output_token_ids[base + j + 1:]
+                break
+
+    def _on_token(self, request: _Request, completion: _Completion, token: int, logprob_entry, now: float,
+                  num_output: int | None = None) -> None:
+        """One new token: its time, text and logprobs, and whether it ends the request.
+
+        ``num_output``: the output's length counting this token (a verify appends several at once).
+        """
         seq, params, metrics = completion.seq, completion.seq.sampling_params, request.metrics
+        num_output = len(seq.output_token_ids) if num_output is None else num_output
         metrics.token_times.append(now)
         if metrics.first_token_time is None:
             metrics.first_token_time = now
@@ -486,8 +479,8 @@ class LLMEngine:
         with self._tokenizer_lock:
             completion.detokenizer.add(token)
         reason, stop_reason = None, None
-        may_stop = len(seq.output_token_ids) >= params.min_tokens      # min_tokens holds every stop back
-        if len(seq.output_token_ids) >= (params.max_tokens or self.max_model_len) or len(seq) >= self.max_model_len:
+        may_stop = num_output >= params.min_tokens                     # min_tokens holds every stop back
+        if num_output >= (params.max_tokens or self.max_model_len) or seq.num_prompt_tokens + num_output >= self.max_model_len:
             reason = "length"
         elif may_stop and not params.ignore_eos and token in self.eos_token_ids:
             reason, stop_reason = "stop", None
@@ -535,7 +528,8 @@ class LLMEngine:
         return dict(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
                     num_kv_blocks=bm.num_blocks, num_used_blocks=bm.num_used_blocks, num_free_blocks=bm.num_free_blocks,
                     kv_cache_usage=bm.num_used_blocks / bm.num_blocks, prefix_cache_hit_rate=bm.stats["hit_rate"],
-                    num_preemptions=self.scheduler.num_preemptions, num_steps=self.scheduler.num_steps)
+                    num_preemptions=self.scheduler.num_preemptions, num_steps=self.scheduler.num_steps,
+                    spec_decode=self.spec_stats.as_dict() if self.spec_stats is not None else None)
 
     def format_trace(self, records=None, fold_quiet: bool = False) -> str:
         """The step-by-step schedule: who ran, how many tokens, which blocks (``scheduler.format_steps``)."""

@@ -35,6 +35,7 @@ from ..model.cpu_decode import decode_attention_faster, layer_shapes, supports a
 from ..model.huge_pages import move_weights_to_huge_pages
 from ..model.linear import apply_plans
 from ..model.linear_calibration import choose_cpu_linear
+from . import rejection_sampler
 from .sampler import Sampler, SamplerOutput, make_generator
 from .structured_output import grammar_bitmask
 from .sequence import Sequence
@@ -79,7 +80,7 @@ class ModelRunner:
                  max_model_len: int | None = None, enforce_eager: bool | None = None,
                  gpu_memory_utilization: float = 0.9, cpu_kv_bytes: int = 2 << 30,
                  fused_kernels: bool | None = None, prepack_cpu_weights: bool = True,
-                 cpu_linear: str | None = None, cpu_decode: bool | None = None):
+                 cpu_linear: str | None = None, cpu_decode: bool | None = None, extra_kv_bytes_per_block: int = 0):
         if block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size}")
         self.model = model
@@ -101,6 +102,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.eos_token_ids: tuple[int, ...] = tuple(self.config.eos_token_ids)   # min_tokens holds these back (the engine adds the tokenizer's)
         self.memory_report: dict = {}
+        self.extra_kv_bytes_per_block = extra_kv_bytes_per_block   # a draft model's KV share of every block
+        self.draft = None                                        # a DraftModelProposer mirrors every eager forward
         if num_blocks is None:
             num_blocks = (self.profile_num_blocks() if self.device.type == "cuda"
                           else self.cpu_num_blocks(cpu_kv_bytes))
@@ -139,7 +142,7 @@ class ModelRunner:
 
     def cpu_num_blocks(self, kv_bytes: int) -> int:
         """Blocks that fit ``kv_bytes`` (at most what max_num_seqs full-length sequences use)."""
-        per_block = self.kv_bytes_per_block()
+        per_block = self.kv_bytes_per_block() + self.extra_kv_bytes_per_block
         return max(1, min(kv_bytes // per_block, self.max_num_seqs * self.max_blocks_per_seq + 1))
 
     def kv_bytes_per_block(self) -> int:
@@ -226,6 +229,12 @@ class ModelRunner:
         plan = plan_memory(self.config, self.model.dtype, total, self.gpu_memory_utilization, self.block_size,
                            weights=weights, activations=activations + non_torch, activations_measured=True)
         self.memory_plan = plan
+        if self.extra_kv_bytes_per_block:          # the draft's pool takes its share of every block
+            per_block = self.kv_bytes_per_block()
+            blocks = plan.num_gpu_blocks * per_block // (per_block + self.extra_kv_bytes_per_block)
+            if blocks < 1:
+                raise OutOfMemoryError("speculative_config['model']: the draft leaves no room for one KV block")
+            return blocks
         self.memory_report = dict(plan.as_dict(), activation_bytes_torch=activations, non_torch_bytes=non_torch,
                                   profiled_tokens=tokens, profiled_seqs=self.max_num_seqs)
         return plan.num_gpu_blocks
@@ -237,13 +246,14 @@ class ModelRunner:
         ids, positions, query_lens, seq_lens, logits_rows, seq_of_row = [], [], [], [], [], []
         for b, (seq, n) in enumerate(zip(seqs, num_scheduled_tokens)):
             start = seq.num_computed_tokens
-            ids.extend(seq.token_ids[start:start + n])
+            tokens = seq.tokens_with_spec()
+            ids.extend(tokens[start:start + n])
             positions.extend(range(start, start + n))
             seq_of_row.extend([b] * n)
             query_lens.append(n)
             seq_lens.append(start + n)
-            if start + n == len(seq):
-                logits_rows.append(len(ids) - 1)
+            if start + n == len(tokens):          # a verify wants every row it checks: the last 1 + k
+                logits_rows.extend(range(len(ids) - 1 - len(seq.spec_token_ids), len(ids)))
         width = max(len(s.block_table) for s in seqs)
         block_tables = torch.tensor([s.block_table + [-1] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32)
         pos = torch.tensor(positions, dtype=torch.long)
@@ -265,7 +275,7 @@ class ModelRunner:
     @torch.no_grad()
     def forward(self, seqs: list[Sequence], num_scheduled_tokens: list[int]) -> torch.Tensor:
         """Logits ``[sequences that sample, vocab]`` of one step: graph replay for decode, else eager."""
-        if self.is_decode(seqs, num_scheduled_tokens):
+        if self.draft is None and self.is_decode(seqs, num_scheduled_tokens):   # a draft mirrors eager steps only
             padded = self.graphs or self.pad_decode_eagerly
             size = padded_batch_size(len(seqs), self.graph_sizes) if padded else None
             if size is not None and not self.graphs:
@@ -282,7 +292,10 @@ class ModelRunner:
         self.last_launch = dict(mode="eager", rows=sum(num_scheduled_tokens), padded_to=None, backend=self.backend,
                                 fused=self.fused_kernels)
         input_ids, positions, meta = self.prepare(seqs, num_scheduled_tokens)
-        return self.run_model(input_ids, positions, meta)
+        logits = self.run_model(input_ids, positions, meta)
+        if self.draft is not None:
+            self.draft.mirror(input_ids, positions, meta)
+        return logits
 
     @torch.no_grad()
     def execute(self, seqs: list[Sequence], num_scheduled_tokens: list[int]) -> list[int | None]:
@@ -294,6 +307,8 @@ class ModelRunner:
         token is meaningless: the engine ends that request alone).
         """
         logits = self.forward(seqs, num_scheduled_tokens)
+        if any(s.spec_token_ids for s in seqs):
+            return self.execute_verify(seqs, num_scheduled_tokens, logits)
         sampling = [s for s, n in zip(seqs, num_scheduled_tokens) if s.num_computed_tokens + n == len(s)]
         out = self.sample(logits, sampling)
         self.last_failures = {sampling[row].seq_id: exc for row, exc in out.failed.items()}
@@ -308,6 +323,36 @@ class ModelRunner:
             result.append(next(tokens) if reached else None)
             self.last_logprobs.append(next(logprobs) if reached else None)
         return result
+
+    def execute_verify(self, seqs: list[Sequence], num_scheduled_tokens: list[int], logits: torch.Tensor) -> list:
+        """A step holding verifies: plain rows sample as usual, each verify keeps what
+        ``rejection_sampler.verify`` accepts. A verify's entry is the list of its kept tokens."""
+        plain_rows, plain, verifies, row = [], [], [], 0
+        for s, n in zip(seqs, num_scheduled_tokens):
+            if s.num_computed_tokens + n != len(s) + len(s.spec_token_ids):
+                continue                                   # a prompt chunk: no logits
+            if s.spec_token_ids:
+                verifies.append((s, row))
+                row += 1 + len(s.spec_token_ids)
+            else:
+                plain_rows.append(row)
+                plain.append(s)
+                row += 1
+        result, self.last_failures = dict(), {}
+        if plain:
+            out = self.sample(logits[plain_rows], plain)
+            self.last_failures = {plain[row].seq_id: exc for row, exc in out.failed.items()}
+            for s, token, lp in zip(plain, out.token_ids.tolist(), self.read_logprobs(out, plain)):
+                result[s.seq_id] = (token, lp)
+        argmax = logits.argmax(dim=-1).tolist()            # greedy verifies read theirs from here: one copy
+        for s, start in verifies:
+            end = start + len(s.spec_token_ids) + 1
+            try:
+                result[s.seq_id] = rejection_sampler.verify_sequence(s, logits[start:end], argmax[start:end])
+            except Exception as exc:      # this request alone fails (the engine ends it); the others go on
+                self.last_failures[s.seq_id] = exc
+        self.last_logprobs = [result.get(s.seq_id, (None, None))[1] for s in seqs]
+        return [result.get(s.seq_id, (None, None))[0] for s in seqs]
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """Sample one token per row on the device; each seeded request keeps its own generator on the sequence."""

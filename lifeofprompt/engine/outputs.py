@@ -11,6 +11,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .speculative import SpecDecodeStats
+
+
+@dataclass
+class SpecStep:
+    """One verify step of a request: where it started, what was drafted, how much was kept."""
+
+    position: int                  # the position of the verify's first row (its last verified token)
+    draft_token_ids: list[int]     # the drafts checked, in order
+    num_accepted: int              # the first num_accepted drafts were kept; the model added one token more
+    token_ids: list[int] = field(default_factory=list)   # what the step appended (kept drafts + the model's)
+
+    @property
+    def num_rejected(self) -> int:
+        """Drafts whose KV rows were computed and rolled back."""
+        return len(self.draft_token_ids) - self.num_accepted
+
+    @property
+    def kept_positions(self) -> range:
+        """The KV rows this verify wrote and kept: its last verified token's and the accepted drafts'."""
+        return range(self.position, self.position + 1 + self.num_accepted)
+
+    @property
+    def rolled_back_positions(self) -> range:
+        """The KV rows written for rejected drafts and discarded (overwritten later)."""
+        return range(self.position + 1 + self.num_accepted, self.position + 1 + len(self.draft_token_ids))
+
 
 @dataclass
 class RequestMetrics:
@@ -22,6 +49,8 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0                 # prompt tokens found in the prefix cache at (first) admission
     num_preemptions: int = 0                   # times it was evicted and recomputed
+    spec_decode: SpecDecodeStats | None = None  # speculative decoding: this request's drafts and acceptances
+    spec_steps: list[SpecStep] = field(default_factory=list)   # each verify step, in order
 
     @property
     def num_output_tokens(self) -> int:

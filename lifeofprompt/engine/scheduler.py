@@ -16,6 +16,14 @@ and there is no separate "prefill phase" or "decode phase": a step mixes them.
    can give the request's first chunk. Admission first claims the longest cached prefix of the
    prompt, so those tokens are not computed again.
 
+Speculative decoding. A decoding request that carries draft tokens (``seq.spec_token_ids``)
+costs 1 + k tokens of the same budget: a *verify* of its last token and its k drafts, never
+chunked; when the budget is short it keeps fewer drafts, and when the pool cannot give their
+slots it drops them rather than preempt anyone. After the step, ``update`` keeps only the
+accepted drafts: ``num_computed_tokens`` steps back past the rejected ones and the blocks only
+they reached go back to the pool (``BlockManager.trim``), before any full block is registered in
+the prefix cache, so no cached block ever holds an unverified token.
+
 A request whose prompt plus ``max_tokens`` needs more blocks than the whole pool could never
 finish; ``add`` rejects it with ``RequestTooLargeError`` instead of letting it evict everyone
 forever. Every step leaves a ``StepRecord`` (who ran, how many tokens, which blocks) for the
@@ -37,11 +45,13 @@ class ScheduledRequest:
     """One request's share of one step (a trace line)."""
 
     request_id: str
-    kind: str                 # "prefill", "prefill chunk", "recompute", "decode"
+    kind: str                 # "prefill", "prefill chunk", "recompute", "decode", "verify"
     start: int                # num_computed_tokens before the step: first position computed
     num_tokens: int           # tokens computed this step
     num_cached_tokens: int    # tokens claimed from the prefix cache when admitted this step (else 0)
     block_table: list[int]    # the block table after this step's allocation
+    num_draft_tokens: int = 0  # a verify: the drafts checked (num_tokens = 1 + num_draft_tokens)
+    num_accepted_tokens: int | None = None   # a verify, after the step: drafts kept (the rest rolled back)
 
     @property
     def end(self) -> int:
@@ -80,6 +90,8 @@ class StepRecord:
         lines = [head]
         for r in self.scheduled:
             cached = f", {r.num_cached_tokens} cached" if r.num_cached_tokens else ""
+            cached += f", {r.num_draft_tokens} drafts" if r.num_draft_tokens else ""
+            cached += f", {r.num_accepted_tokens} kept" if r.num_accepted_tokens is not None else ""
             lines.append(f"    {r.request_id:>10} {r.kind:13} tokens {r.start:3d}..{r.end - 1:<3d} "
                          f"({r.num_tokens}{cached})  blocks {r.block_table}")
         for rid in self.preempted:
@@ -186,8 +198,15 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self.fair_chunk(min(len(seq) - seq.num_computed_tokens, budget))
+            if seq.spec_token_ids:                  # a verify: 1 + k rows, k cut to what the budget leaves
+                seq.set_spec(seq.spec_token_ids[:budget - 1], seq.spec_probs)
+            n = (1 + len(seq.spec_token_ids) if seq.spec_token_ids
+                 else self.fair_chunk(min(len(seq) - seq.num_computed_tokens, budget)))
             while not bm.allocate_slots(seq, n):
+                if seq.spec_token_ids:              # drafts never cost anyone their blocks: decode plainly
+                    seq.set_spec([])
+                    n = 1
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 record.preempted.append(victim.request_id)
@@ -241,7 +260,9 @@ class Scheduler:
 
     def _add_to_step(self, record: StepRecord, seq: Sequence, n: int, cached: int) -> None:
         start = seq.num_computed_tokens
-        if start + n < len(seq):
+        if seq.spec_token_ids:
+            kind = "verify"
+        elif start + n < len(seq):
             kind = "prefill chunk"
         elif start + n == len(seq) and n == 1 and start >= seq.num_prompt_tokens:
             kind = "decode"
@@ -251,32 +272,48 @@ class Scheduler:
             kind = "prefill"
         record.seqs.append(seq)
         record.num_scheduled_tokens.append(n)
-        record.scheduled.append(ScheduledRequest(seq.request_id, kind, start, n, cached, list(seq.block_table)))
+        record.scheduled.append(ScheduledRequest(seq.request_id, kind, start, n, cached, list(seq.block_table),
+                                                 len(seq.spec_token_ids)))
 
     def _preempt(self, seq: Sequence) -> None:
         """Evict by recompute: blocks freed, computed count to zero, front of the waiting line."""
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.set_spec([])
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     # ---------------------------------------------------------------- after the model ran
-    def update(self, record: StepRecord, sampled: list[int | None]) -> list[Sequence]:
-        """Advance each scheduled sequence past this step's tokens and append its sampled token.
+    def max_num_drafts(self, seq: Sequence) -> int:
+        """Draft tokens a verify of ``seq`` may check: a verify yields up to k + 1 tokens, so at
+        most one fewer than ``max_tokens`` (or the context) still allows."""
+        return max(0, self.max_total_tokens(seq) - len(seq) - 1)
 
-        Returns the sequences that got a new token. Finishing (EOS, stop strings, length) is the
-        engine's call; it then calls ``finish``.
+    def update(self, record: StepRecord, sampled: list) -> list[Sequence]:
+        """Advance each scheduled sequence past this step's tokens and append what it sampled.
+
+        ``sampled`` holds, per sequence, None (a prompt chunk), one token, or a verify's kept
+        tokens (accepted drafts, then the model's own). A verify's rejected drafts are rolled back
+        first: ``num_computed_tokens`` counts only the kept ones and the blocks only the rejected
+        reached are freed, then full blocks are registered. Returns the sequences that got new
+        tokens. Finishing (EOS, stop strings, length) is the engine's call; it then calls ``finish``.
         """
         grown = []
         for seq, n, token in zip(record.seqs, record.num_scheduled_tokens, sampled):
             if seq.status != SequenceStatus.RUNNING:
                 continue                             # aborted while the step ran
+            tokens = token if isinstance(token, list) else ([] if token is None else [token])
+            num_drafts = len(seq.spec_token_ids)
             seq.num_computed_tokens += n
+            if num_drafts:
+                seq.num_computed_tokens -= num_drafts - (len(tokens) - 1)     # step back past the rejected
+                seq.set_spec([])
+                self.block_manager.trim(seq, seq.num_computed_tokens)
+            seq.output_token_ids.extend(tokens)
             self.block_manager.cache_full_blocks(seq)
-            if token is not None:
-                seq.output_token_ids.append(token)
+            if tokens:
                 grown.append(seq)
         return grown

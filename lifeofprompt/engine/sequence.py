@@ -3,6 +3,11 @@
 The scheduler moves it WAITING → RUNNING → FINISHED (and RUNNING → WAITING when preempted);
 the block manager fills its ``block_table``; the model runner reads ``token_ids``,
 ``num_computed_tokens`` and ``block_table`` to build a step.
+
+With speculative decoding a decoding sequence may also carry ``spec_token_ids``: the drafter's
+guesses of its next tokens, not yet part of ``token_ids``. A verify step computes
+``[last token] + spec_token_ids``; the tokens the model agrees with then join ``output_token_ids``
+and the rest are dropped (``scheduler.py``).
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.num_cached_tokens = 0          # prompt tokens found in the prefix cache at first admission
         self.num_preemptions = 0            # times evicted (blocks freed) and recomputed
+        self.spec_token_ids: list[int] = []  # draft tokens to verify next (speculative decoding)
+        self.spec_probs = None              # the drafter's q for each draft token [k, V] (None: one-hot, n-gram)
 
     @property
     def token_ids(self) -> list[int]:
@@ -46,6 +53,15 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def tokens_with_spec(self) -> list[int]:
+        """``token_ids`` followed by the drafts a verify step computes."""
+        return self.token_ids + self.spec_token_ids if self.spec_token_ids else self.token_ids
+
+    def set_spec(self, token_ids: list[int], probs=None) -> None:
+        """Replace the drafts (and their q rows); ``[]`` clears them."""
+        self.spec_token_ids = list(token_ids)
+        self.spec_probs = probs[:len(token_ids)] if probs is not None and token_ids else None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,0 +1,116 @@
+"""``SpecDecoder``: the engine's speculative side, in one place: its drafter, its counters, its memory share.
+
+``LLMEngine`` owns one when ``speculative_config`` is given and calls it at three points of a step:
+
+* ``propose`` at the end of a step: drafts (n-gram) or draft slots (a draft model) for every running
+  request that is decoding, at most what its ``max_tokens`` and context still allow;
+* ``fill`` after scheduling: a draft model drafts into the slots the scheduler just gave;
+* ``observe`` after the verify: the counts (engine-wide and per request) and the step's record.
+
+The verify itself is the model runner's (``execute_verify``) and the rollback the scheduler's.
+"""
+
+from __future__ import annotations
+
+from .outputs import SpecStep
+from .speculative import NgramProposer, SpecDecodeStats, SpeculativeConfig
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, model, tokenizer, block_size: int):
+        self.config = config
+        self.block_size = block_size
+        self.stats = SpecDecodeStats(config.k)
+        self.draft_model = None
+        self.proposer = None
+        if config.method == "draft_model":
+            from .draft_model import load_draft
+            self.draft_model = load_draft(config, model, tokenizer)
+        else:
+            self.proposer = NgramProposer(config)
+
+    @property
+    def needs_eager(self) -> bool:
+        """A draft model mirrors every target forward; a CUDA graph replay of a decode would skip it."""
+        return self.draft_model is not None
+
+    def check_context(self, context_len: int) -> None:
+        """A draft must reach every position the model may: its rotary table ends at its own context."""
+        from ..errors import SpeculativeConfigError
+        if self.draft_model is not None and self.draft_model.config.max_position_embeddings < context_len:
+            raise SpeculativeConfigError(f"the draft's context is {self.draft_model.config.max_position_embeddings} "
+                                         f"tokens, the engine's {context_len}: give max_model_len <= the draft's",
+                                         param="model")
+
+    def draft_bytes_per_block(self) -> int:
+        """KV bytes the draft adds to every block (its pool shares the target's block tables)."""
+        if self.draft_model is None:
+            return 0
+        from .memory import kv_bytes_per_block
+        return kv_bytes_per_block(self.draft_model.config, self.draft_model.dtype, self.block_size)
+
+    def attach(self, runner, num_blocks: int) -> None:
+        """Give a draft model its pool (as many blocks as the target's) and hook its mirror into the runner."""
+        if self.draft_model is None:
+            return
+        from .draft_model import DraftModelProposer
+        self.proposer = DraftModelProposer(self.config, self.draft_model, num_blocks, self.block_size, runner.backend)
+        runner.draft = self.proposer
+
+    def new_request_stats(self) -> SpecDecodeStats:
+        return SpecDecodeStats(self.config.k)
+
+    # ---------------------------------------------------------------- the step
+    def propose(self, running, max_num_drafts, clock) -> None:
+        """Drafts for the next step, for each running request that is decoding (its prompt done)."""
+        start = clock()
+        for seq in running:
+            if seq.num_computed_tokens != len(seq) - 1:
+                continue
+            limit = max_num_drafts(seq) if may_speculate(seq.sampling_params) else 0
+            if limit <= 0:
+                seq.set_spec([])
+            elif hasattr(self.proposer, "placeholders"):      # a draft model drafts after scheduling
+                seq.set_spec(self.proposer.placeholders(seq, limit))
+            else:
+                seq.set_spec(self.proposer.propose(seq.token_ids, limit))
+        self.stats.draft_time += clock() - start
+
+    def fill(self, seqs, clock) -> None:
+        """A draft model's k' passes for the scheduled verifies (nothing to do for prompt lookup)."""
+        verifying = [seq for seq in seqs if seq.spec_token_ids]
+        if verifying and hasattr(self.proposer, "fill"):
+            start = clock()
+            self.proposer.fill(verifying)
+            self.stats.draft_time += clock() - start
+
+    def observe(self, metrics, position: int, draft: list[int], tokens: list[int]) -> int:
+        """Count one verify (engine-wide and in the request's metrics) and keep its record; return drafts kept."""
+        accepted = len(tokens) - 1
+        self.stats.observe(len(draft), accepted)
+        metrics.spec_decode.observe(len(draft), accepted)
+        metrics.spec_steps.append(SpecStep(position, draft, accepted, list(tokens)))
+        return accepted
+
+    # ---------------------------------------------------------------- looking inside
+    def startup_lines(self, target_kv_bytes: int, num_blocks: int) -> list[str]:
+        from .memory import format_bytes
+        lines = [self.config.describe() + "; verify steps run eagerly (no CUDA graph)"]
+        if self.draft_model is not None:
+            draft_kv = self.proposer.kv_cache.nbytes
+            name = getattr(self.draft_model, "source", self.draft_model.config.name)
+            lines.append(f"draft model {name}: {self.draft_model.config.num_layers} layers; its KV cache "
+                         f"{format_bytes(draft_kv)} on the same {num_blocks} block tables (memory split by bytes per "
+                         f"block: {format_bytes(target_kv_bytes)} target, {format_bytes(draft_kv)} draft); "
+                         "every step runs eagerly")
+        return lines
+
+
+def may_speculate(params) -> bool:
+    """Whether a request's verify can be judged by the rejection rule alone.
+
+    Penalties, min_tokens, logit_bias and a grammar change the target's distribution token by token,
+    depending on the tokens before; the verify applies none of them, so such a request decodes
+    one token per step (correct, just not sped up).
+    """
+    return not params.needs_history and params.structured_outputs is None

@@ -49,22 +49,28 @@ class StructuredOutputsParams:
     json_object: bool = False
 
     def __post_init__(self):
-        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        given = [k for k in KINDS if getattr(self, k) is not None and getattr(self, k) is not False]
         if len(given) != 1:
             raise InvalidRequestError(f"structured_outputs needs exactly one of {', '.join(KINDS)}; got "
                                       f"{', '.join(given) or 'none'}", param="structured_outputs")
         if self.choice is not None:
-            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or not all(isinstance(c, str) and c for c in self.choice):
                 raise InvalidRequestError("structured_outputs.choice must be a non-empty list of non-empty strings",
                                           param="structured_outputs.choice")
             object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise InvalidRequestError(f"structured_outputs.{name} must be a string", param=f"structured_outputs.{name}")
+        if not isinstance(self.json_object, bool):
+            raise InvalidRequestError("structured_outputs.json_object must be true or false",
+                                      param="structured_outputs.json_object")
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise InvalidRequestError("structured_outputs.json must be a JSON schema (an object or its JSON text)",
                                       param="structured_outputs.json")
 
     @property
     def kind(self) -> str:
-        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+        return next(k for k in KINDS if getattr(self, k) is not None and getattr(self, k) is not False)
 
     def key(self) -> tuple[str, str]:
         """A hashable description, so a grammar asked for twice is compiled once."""
@@ -111,7 +117,7 @@ class GrammarBackend:
         if key not in self.compiled:
             try:
                 self.compiled[key] = self._compile(params)
-            except (RuntimeError, ValueError) as exc:        # xgrammar's message says what it could not parse
+            except (RuntimeError, ValueError, TypeError) as exc:   # xgrammar's message says what it could not parse
                 raise InvalidRequestError(f"structured_outputs.{params.kind} could not be compiled: {exc}",
                                           param=f"structured_outputs.{params.kind}") from None
         return self.compiled[key]

@@ -10,7 +10,8 @@ and nothing heavier (no matplotlib, transformers, fastapi, triton) until a name 
 from ._version import __version__
 from .env import env_info, env_report
 from .errors import (ConfigError, InvalidRequestError, LifeOfPromptError, MissingDependencyError, ModelNotFoundError,
-                     OutOfMemoryError, QueueFullError, RequestNotFoundError, RequestTooLargeError)
+                     OutOfMemoryError, ParallelConfigError, QueueFullError, RequestNotFoundError, RequestTooLargeError,
+                     WorkerFailedError)
 from .model.config import ModelConfig
 from .model.loader import load_model
 from .engine.block_manager import BlockManager
@@ -26,7 +27,7 @@ __all__ = [
     "__version__", "env_info", "env_report",
     # errors (lifeofprompt.errors)
     "LifeOfPromptError", "ModelNotFoundError", "MissingDependencyError", "InvalidRequestError", "RequestTooLargeError",
-    "ConfigError", "OutOfMemoryError", "QueueFullError", "RequestNotFoundError",
+    "ConfigError", "OutOfMemoryError", "QueueFullError", "RequestNotFoundError", "ParallelConfigError", "WorkerFailedError",
     # model (notebooks 01-02)
     "ModelConfig", "load_model",
     # engine (notebooks 05-08)

@@ -1,0 +1,238 @@
+"""The driver's side of tensor parallelism: start the workers, split the weights, watch them, end them.
+
+The driver process is rank 0 (as in vLLM): it keeps the engine, the one scheduler and the one
+block manager, runs its own shard through the ordinary ``ModelRunner``, and samples. Ranks
+1 … T-1 are worker processes (``worker.py``), started with ``spawn``. All join one
+``torch.distributed`` process group: gloo on the CPU, NCCL on CUDA, rendezvous through a
+``TCPStore`` that rank 0 opens on 127.0.0.1 at a port the kernel picks (port 0: no race for
+a "free" port). Rank 0 then scatters each rank's slice of every weight, so a worker never
+holds the full model, even for a moment.
+
+Faults. gloo waits 30 minutes for a silent peer by default; rank 0 waits ``timeout_s``
+(20 s) instead, and a monitor thread watches the workers' process handles: when one dies it
+kills the others, which fails rank 0's pending collective at once. Either way the step
+raises ``WorkerFailedError`` naming what happened, and every worker is gone. Workers wait
+for steps without a deadline (an idle server sends none) and leave when the driver dies
+(``worker.watch_parent``).
+
+One parallel engine per process: ``torch.distributed`` keeps one default group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import threading
+import time
+import weakref
+from datetime import timedelta
+from multiprocessing.connection import wait as wait_for
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigError, WorkerFailedError
+from . import step
+from .sharded_model import ShardedLlamaForCausalLM, load_shard, shard_weights, weight_report
+from .sizes import ShardPlan, check_tensor_parallel_size
+from .worker import WorkerSpec, main as worker_main
+
+DEFAULT_TIMEOUT_S = 20.0            # a hung worker is reported within this (the issue asks for <= 30 s)
+JOIN_TIMEOUT_S = 5.0
+logger = logging.getLogger("lifeofprompt.engine")
+
+
+class TensorParallelGroup:
+    """Rank 0's handle on the workers. ``launch`` returns it with the driver's own shard."""
+
+    def __init__(self, size: int, processes: list, backend: str, device: torch.device, timeout_s: float):
+        self.size, self.processes, self.backend, self.device = size, processes, backend, device
+        self.timeout_s = timeout_s
+        self.error: WorkerFailedError | None = None
+        self.dead: tuple[int, int | None] | None = None     # (rank, exit code) the monitor saw die
+        self.closed = False
+        self._lock = threading.RLock()                     # one step's collectives at a time
+        self._closing = threading.Event()
+        self._monitor = threading.Thread(target=self._watch, name="lifeofprompt-tp-monitor", daemon=True)
+        self._monitor.start()
+
+    # ------------------------------------------------------------------ start
+
+    @classmethod
+    def launch(cls, full_model, size: int, num_blocks: int, block_size: int, timeout_s: float = DEFAULT_TIMEOUT_S,
+               worker_threads: int | None = None) -> tuple["TensorParallelGroup", ShardedLlamaForCausalLM]:
+        """Start ``size - 1`` workers, split ``full_model`` over all ranks; ``(group, rank 0's shard)``."""
+        config = full_model.config
+        check_tensor_parallel_size(config, size)
+        if dist.is_initialized():
+            raise ConfigError("a tensor-parallel engine is already running in this process (torch.distributed has one "
+                              "default group): call shutdown() on it first")
+        if not 0 < timeout_s <= 30:
+            raise ConfigError(f"the collective timeout must be in (0, 30] seconds, got {timeout_s}")
+        device = full_model.device
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda" and torch.cuda.device_count() < size:
+            raise ConfigError(f"tensor_parallel_size={size} needs {size} GPUs; this machine has {torch.cuda.device_count()}")
+        store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=timeout_s))
+        threads = worker_threads or max(1, torch.get_num_threads() // size)
+        context = multiprocessing.get_context("spawn")
+        processes = []
+        for rank in range(1, size):
+            spec = WorkerSpec(rank, size, store.port, config, str(full_model.dtype).removeprefix("torch."),
+                              f"cuda:{rank}" if device.type == "cuda" else "cpu", backend, num_blocks, block_size,
+                              threads, os.getpid())
+            process = context.Process(target=worker_main, args=(spec,), name=f"lifeofprompt-tp-rank{rank}", daemon=True)
+            process.start()
+            processes.append(process)
+        group = cls(size, processes, backend, device, timeout_s)
+        try:
+            with group.guard():
+                dist.init_process_group(backend, store=store, rank=0, world_size=size,
+                                        timeout=timedelta(seconds=timeout_s))
+                model = group._scatter_weights(full_model)
+        except BaseException:
+            group.shutdown()
+            raise
+        logger.debug("tensor parallel: %d ranks up", size)
+        return group, model
+
+    @torch.no_grad()
+    def _scatter_weights(self, full_model) -> ShardedLlamaForCausalLM:
+        """Each rank's slice of each weight, one scatter per parameter; rank 0 keeps its own."""
+        plans = [ShardPlan.for_rank(full_model.config, r, self.size) for r in range(self.size)]
+        shards = [shard_weights(full_model, plan) for plan in plans]
+        model = ShardedLlamaForCausalLM.empty(plans[0], self.device, full_model.dtype, self.guard)
+        for name, param in model.named_parameters():
+            dist.scatter(param.data, [s[name].to(self.device) for s in shards], src=0)
+        for attr in ("source", "is_random", "dtype_reason"):
+            setattr(model, attr, getattr(full_model, attr, getattr(model, attr, None)))
+        return model
+
+    def shutdown_with(self, owner) -> None:
+        """End the workers when ``owner`` (the engine) is garbage-collected, or at interpreter exit."""
+        weakref.finalize(owner, self.shutdown)
+
+    # ------------------------------------------------------------------ faults
+
+    @contextlib.contextmanager
+    def guard(self):
+        """Around every use of the group: one at a time, and any failure becomes ``WorkerFailedError``."""
+        if self.error is not None:
+            raise self.error
+        if self.closed:
+            raise WorkerFailedError("the tensor-parallel workers were shut down: build a new engine")
+        if self.dead is not None:
+            raise self._fail(None)
+        with self._lock:
+            try:
+                yield
+            except WorkerFailedError:
+                raise
+            except Exception as exc:        # gloo/NCCL: a closed connection, a timeout
+                raise self._fail(exc) from exc
+
+    def _watch(self) -> None:
+        """The monitor thread: the first worker to die makes the others go, so no collective waits on it."""
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes, start=1)}
+        while not self._closing.is_set():
+            ready = wait_for(list(sentinels), timeout=0.5)
+            if ready and not self._closing.is_set():
+                rank = sentinels[ready[0]]
+                self.dead = (rank, self.processes[rank - 1].exitcode)
+                self._kill_workers()
+                return
+
+    def _fail(self, exc: Exception | None) -> WorkerFailedError:
+        """Name what happened, end every worker, leave the group; the error every later call gets too."""
+        if self.dead is None:                       # the collective may fail before the monitor wakes
+            deadline = time.monotonic() + 1.0
+            while self.dead is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+        if self.dead is not None:
+            rank, code = self.dead
+            how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+            error = WorkerFailedError(f"tensor-parallel worker rank {rank} {how}; the engine shut the other workers "
+                                      "down and cannot serve any more", rank=rank, exitcode=code)
+        else:
+            error = WorkerFailedError(f"a tensor-parallel worker did not answer within {self.timeout_s:g} s (hung?) "
+                                      f"or the group failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                                      "the engine shut every worker down and cannot serve any more")
+        self.error = error
+        self._close(graceful=False)
+        return error
+
+    # ------------------------------------------------------------------ the end
+
+    def shutdown(self) -> None:
+        """Tell the workers to stop, wait for them, and leave the process group (idempotent)."""
+        self._close(graceful=self.error is None and self.dead is None)
+
+    def _close(self, graceful: bool) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._closing.set()
+        if graceful and dist.is_initialized():
+            try:
+                with self._lock:
+                    step.send_command(step.STOP, self.device)
+            except Exception:
+                graceful = False
+        for p in self.processes:
+            p.join(JOIN_TIMEOUT_S if graceful else 0.1)
+        self._kill_workers()
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+    def _kill_workers(self) -> None:
+        for p in self.processes:
+            if p.is_alive():
+                p.kill()
+        for p in self.processes:
+            p.join(JOIN_TIMEOUT_S)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    # ------------------------------------------------------------------ looking inside
+
+    def report(self, driver_model, driver_cache) -> list[dict]:
+        """Per rank (0 first): its weights' shapes and bytes, its KV pool's shape and bytes, its last block table."""
+        from .worker import shard_report
+
+        with self.guard():
+            step.send_command(step.REPORT, self.device)
+            reports = [None] * self.size
+            dist.gather_object(shard_report(driver_model, driver_cache), reports, dst=0)
+        return reports
+
+    def describe(self, driver_model, full_bytes: int) -> list[str]:
+        """The start-up log's lines about the split: who is who, what each rank holds, and why."""
+        plan, c = driver_model.plan, driver_model.full_config
+        h, k, i = plan.config.num_heads, plan.config.num_kv_heads, plan.config.intermediate_size
+        per_rank = weight_report(driver_model)["nbytes"]
+        embed = c.vocab_size * c.hidden_size * driver_model.embed_tokens.weight.element_size()
+        embed *= 1 if c.tie_word_embeddings else 2
+        shared = f", each KV head on {plan.kv_replication} ranks" if plan.kv_replication > 1 else ""
+        padded = f" (vocabulary padded {c.vocab_size} -> {plan.vocab[1] - plan.vocab[0]} x {self.size})" \
+            if c.vocab_size % self.size else ""
+        return [
+            f"tensor parallel: {self.size} ranks over {self.backend} (rank 0 is this process and samples; ranks 1-{self.size - 1} "
+            f"are spawned workers, pids {', '.join(map(str, self.worker_pids))}); collective timeout {self.timeout_s:g} s",
+            f"split: q/k/v by heads ({h} of {c.num_heads} query and {k} of {c.num_kv_heads} KV heads per rank{shared}), "
+            f"gate/up by columns ({i} of {c.intermediate_size}); o_proj and down_proj row-parallel, one all-reduce each",
+            f"embedding and LM head: vocab-parallel, {plan.vocab[1] - plan.vocab[0]} rows per rank{padded}; replicated they "
+            f"would keep {_mib(embed)} ({embed / max(full_bytes, 1):.0%} of the weights) on every rank; the price is one "
+            "all-reduce of [tokens, hidden] after the lookup and one gather of the sampled rows' logits to rank 0",
+            f"weights per rank: {_mib(per_rank)} of {_mib(full_bytes)} ({per_rank / max(full_bytes, 1):.1%}; 1/{self.size} "
+            f"= {1 / self.size:.1%}); each rank's KV pool holds only its {k} KV head{'s' if k > 1 else ''}",
+        ]
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"

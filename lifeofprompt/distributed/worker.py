@@ -1,0 +1,101 @@
+"""A worker process: ranks 1 … T-1. It holds one shard of the weights and of the KV pool, and
+runs whatever step rank 0 broadcasts, until rank 0 says stop or goes away.
+
+Started with ``spawn`` (a fresh interpreter: no forked torch threads or CUDA state). It
+leaves by itself when the driver dies, however it dies: a watchdog thread sees the parent pid
+change (the driver's death reparents us) and exits at once; a driver that dies mid-collective
+also closes its sockets, which fails the worker's collective. ``prctl(PR_SET_PDEATHSIG)`` is
+not used: it fires when the *thread* that started us ends, and an engine may be built in a
+short-lived thread.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+WATCHDOG_PERIOD_S = 0.2
+IDLE_TIMEOUT = timedelta(days=1)       # a worker may wait this long for the next step (an idle server)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs, picklable: no model, no tensors (the weights arrive by scatter)."""
+
+    rank: int
+    world_size: int
+    port: int
+    config: object              # the full model's ModelConfig
+    dtype: str                  # "float32"
+    device: str                 # "cpu", "cuda:1"
+    backend: str                # "gloo", "nccl"
+    num_blocks: int
+    block_size: int
+    threads: int
+    parent_pid: int
+    host: str = "127.0.0.1"
+
+
+def watch_parent(parent_pid: int) -> None:
+    """Exit this process as soon as the driver that started it is gone."""
+    def loop():
+        while os.getppid() == parent_pid:
+            time.sleep(WATCHDOG_PERIOD_S)
+        os._exit(3)
+    threading.Thread(target=loop, name="lifeofprompt-parent-watchdog", daemon=True).start()
+
+
+def main(spec: WorkerSpec) -> None:
+    """The worker's whole life: join the group, receive the shard, then serve steps."""
+    watch_parent(spec.parent_pid)
+    from ..model.attention import PagedKVCache
+    from .sharded_model import ShardedLlamaForCausalLM
+    from .sizes import ShardPlan
+
+    torch.set_num_threads(spec.threads)
+    device = torch.device(spec.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = dist.TCPStore(spec.host, spec.port, spec.world_size, is_master=False, timeout=timedelta(seconds=60))
+    dist.init_process_group(spec.backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=IDLE_TIMEOUT)
+    try:
+        plan = ShardPlan.for_rank(spec.config, spec.rank, spec.world_size)
+        model = ShardedLlamaForCausalLM.empty(plan, device, getattr(torch, spec.dtype))
+        with torch.no_grad():
+            for _, param in model.named_parameters():
+                dist.scatter(param.data, None, src=0)
+        cache = PagedKVCache.for_model(plan.config, spec.num_blocks, spec.block_size, dtype=model.dtype, device=device)
+        serve(model, cache, device)
+    finally:
+        dist.destroy_process_group()
+
+
+@torch.no_grad()
+def serve(model, cache, device) -> None:
+    """Run every broadcast step on this shard; answer reports; return on stop."""
+    from . import step
+
+    while True:
+        header, payload = step.receive(device)
+        if header[0] == step.STOP:
+            return
+        if header[0] == step.REPORT:
+            dist.gather_object(shard_report(model, cache), None, dst=0)
+            continue
+        input_ids, positions, meta, fused = step.unpack(header, payload, cache)
+        model(input_ids, positions, meta, fused_kernels=fused)
+
+
+def shard_report(model, cache) -> dict:
+    """What this rank holds: its weights' shapes and bytes, its KV pool, the block table it last ran."""
+    from .sharded_model import weight_report
+
+    tables = model.last_block_tables
+    return dict(rank=model.plan.rank, pid=os.getpid(), weights=weight_report(model), kv_shape=tuple(cache.kv.shape),
+                kv_nbytes=cache.nbytes, block_tables=None if tables is None else tables.tolist())

@@ -12,6 +12,7 @@ short-lived thread.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -62,16 +63,21 @@ def main(spec: WorkerSpec) -> None:
     device = torch.device(spec.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    plan = ShardPlan.for_rank(spec.config, spec.rank, spec.world_size)
+    model = ShardedLlamaForCausalLM.empty(plan, device, getattr(torch, spec.dtype))
+    cache = PagedKVCache.for_model(plan.config, spec.num_blocks, spec.block_size, dtype=model.dtype, device=device)
     store = dist.TCPStore(spec.host, spec.port, spec.world_size, is_master=False, timeout=timedelta(seconds=60))
+    store.set(f"started/{spec.rank}", "1")          # rank 0 waits for every worker before the timed collectives
     dist.init_process_group(spec.backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=IDLE_TIMEOUT)
     try:
-        plan = ShardPlan.for_rank(spec.config, spec.rank, spec.world_size)
-        model = ShardedLlamaForCausalLM.empty(plan, device, getattr(torch, spec.dtype))
         with torch.no_grad():
             for _, param in model.named_parameters():
                 dist.scatter(param.data, None, src=0)
-        cache = PagedKVCache.for_model(plan.config, spec.num_blocks, spec.block_size, dtype=model.dtype, device=device)
         serve(model, cache, device)
+    except Exception as exc:     # the group failed (rank 0 gone, timed out, a peer died): say so in one line
+        print(f"lifeofprompt tensor-parallel worker rank {spec.rank}: {type(exc).__name__}: "
+              f"{str(exc).splitlines()[0] if str(exc) else ''}; exiting", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     finally:
         dist.destroy_process_group()
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import psutil
 import pytest
-import torch
 
 from lifeofprompt.distributed.sizes import ShardPlan, check_tensor_parallel_size, valid_tensor_parallel_sizes
 from lifeofprompt.distributed.sharded_model import shard_weights
@@ -40,22 +39,14 @@ def greedy():
 
 
 @pytest.fixture(scope="module")
-def one_thread_module():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def single(one_thread_module):
+def single(one_thread):
     model, tokenizer = tiny_model()
     llm = LLM(model, tokenizer=tokenizer, **ENGINE)
     return llm, [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy())]
 
 
 @pytest.fixture(scope="module")
-def parallel(one_thread_module):
+def parallel(one_thread):
     model, tokenizer = tiny_model()
     llm = LLM(model, tokenizer=tokenizer, tensor_parallel_size=T, **ENGINE)
     outputs = llm.generate(PROMPTS, greedy())

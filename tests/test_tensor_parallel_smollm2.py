@@ -1,0 +1,59 @@
+"""The real embedded model split over 3 ranks (gloo, one thread each): the story's greedy tokens are the
+single-process engine's wherever the top-2 margin beats the measured logit difference, and each rank
+holds a third of SmolLM2's weights and of its KV pool."""
+
+from __future__ import annotations
+
+import pytest
+
+from lifeofprompt.engine.llm import LLM
+from lifeofprompt.engine.sampling_params import SamplingParams
+from lifeofprompt.lessons.agreement import FP32_TOLERANCE, assert_greedy_agrees, teacher_forced_logits, top2_margins
+
+T = 3
+MAX_TOKENS = 6
+ENGINE = dict(dtype="float32", num_kv_blocks=32, log_stats=False)
+
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.numerics]
+
+
+@pytest.fixture(scope="module")
+def engines(smollm2, story_ids, one_thread):
+    model, tokenizer = smollm2
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    single = LLM(model, tokenizer=tokenizer, **ENGINE)
+    want = [o.outputs[0].token_ids for o in single.generate(story_ids, params)]
+    parallel = LLM(model, tokenizer=tokenizer, tensor_parallel_size=T, **ENGINE)
+    got = [o.outputs[0].token_ids for o in parallel.generate(story_ids, params)]
+    yield parallel, want, got
+    parallel.shutdown()
+
+
+def test_story_tokens_match_the_single_process_engine(smollm2, story_ids, engines):
+    parallel, want, got = engines
+    model, _ = smollm2
+    reference = [teacher_forced_logits(model, ids, t) for ids, t in zip(story_ids, want)]
+    candidate = [teacher_forced_logits(parallel.engine.model, ids, t) for ids, t in zip(story_ids, want)]
+    difference = max((a - b).abs().max().item() for a, b in zip(reference, candidate))
+    assert difference < FP32_TOLERANCE
+    tolerance = 2 * difference
+    margins = [top2_margins(r).tolist() for r in reference]
+    steps = len(story_ids) * MAX_TOKENS
+    assert sum(m > tolerance for ms in margins for m in ms) >= 0.9 * steps
+    assert_greedy_agrees(got, want, margins, tolerance, min_steps=int(0.9 * steps))
+
+
+def test_each_rank_holds_a_third_of_smollm2(smollm2, engines):
+    parallel, _, _ = engines
+    model, _ = smollm2
+    engine = parallel.engine
+    reports = engine.parallel.report(engine.model, engine.runner.kv_cache)
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    for r in reports:
+        shapes = r["weights"]["shapes"]
+        assert shapes["embed_tokens.weight"] == (49152 // T, 576)
+        assert shapes["layers.0.self_attn.qkv_proj.weight"] == ((3 + 2) * 64, 576)       # 3 query + 1 K + 1 V heads
+        assert shapes["layers.29.mlp.down_proj.weight"] == (576, 1536 // T)
+        assert abs(r["weights"]["nbytes"] / full - 1 / T) < 0.005
+        assert r["kv_shape"] == (30, 2, 32, 16, 1, 64)
+    assert len({str(r["block_tables"]) for r in reports}) == 1

@@ -57,3 +57,14 @@ def test_each_rank_holds_a_third_of_smollm2(smollm2, engines):
         assert abs(r["weights"]["nbytes"] / full - 1 / T) < 0.005
         assert r["kv_shape"] == (30, 2, 32, 16, 1, 64)
     assert len({str(r["block_tables"]) for r in reports}) == 1
+
+
+def test_serve_passes_the_tensor_parallel_size_to_the_engine():
+    """``serve --tensor-parallel-size 2`` reaches the engine, which names SmolLM2's valid sizes before starting anything."""
+    from lifeofprompt.cli import build_parser
+    from lifeofprompt.commands import _engine_for_serving
+    from lifeofprompt.errors import ParallelConfigError
+
+    args = build_parser().parse_args(["serve", "--tensor-parallel-size", "2", "--dtype", "float32", "--num-kv-blocks", "8"])
+    with pytest.raises(ParallelConfigError, match="valid sizes: 1, 3"):
+        _engine_for_serving(args)

@@ -62,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-waiting", type=int, default=None,
                        help="waiting-queue bound: requests beyond it get HTTP 503 (default: the engine's)")
     serve.add_argument("--tensor-parallel-size", type=int, default=None,
-                       help="split the model over this many processes (torch.distributed; SmolLM2: 1 or 3)")
+                       help="split each layer over this many processes (torch.distributed; SmolLM2: 1 or 3)")
+    serve.add_argument("--pipeline-parallel-size", type=int, default=None,
+                       help="split the layers into this many stages, each on its own processes")
 
     load = sub.add_parser("loadtest", help="load-test any OpenAI-compatible endpoint with random arrivals",
                           description="Send streaming requests at Poisson times (--rate), from a closed loop of "

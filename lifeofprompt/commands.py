@@ -82,7 +82,7 @@ def _engine_for_serving(args):
 
     options = {name: getattr(args, name) for name in
                ("dtype", "device", "cpu_linear", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_waiting",
-                "tensor_parallel_size")
+                "tensor_parallel_size", "pipeline_parallel_size")
                if getattr(args, name) is not None}
     return LLMEngine(args.model, block_size=args.block_size, **options)
 

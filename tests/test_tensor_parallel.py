@@ -16,10 +16,8 @@ from lifeofprompt.distributed.sharded_model import shard_weights
 from lifeofprompt.engine.llm import LLM
 from lifeofprompt.engine.sampling_params import SamplingParams
 from lifeofprompt.errors import ParallelConfigError, WorkerFailedError
-from lifeofprompt.lessons.agreement import (FP32_TOLERANCE, assert_greedy_agrees, teacher_forced_logits,
-                                            top2_margins)
 from lifeofprompt.model.config import SMOLLM2_135M, ModelConfig
-from tiny_models import TINY_SMOLLM2_LAYOUT, tiny_model
+from tiny_models import TINY_SMOLLM2_LAYOUT, assert_parallel_agrees, tiny_model
 
 T = 3
 BLOCK_SIZE = 4
@@ -109,15 +107,7 @@ def test_tokens_match_the_single_process_engine(single, parallel):
     assert outputs[1].num_cached_tokens >= 2 * BLOCK_SIZE          # prompt 1 found prompt 0's two blocks
 
     full, _ = tiny_model()
-    reference = [teacher_forced_logits(full, p, t) for p, t in zip(PROMPTS, tokens_1)]
-    candidate = [teacher_forced_logits(llm_t.engine.model, p, t) for p, t in zip(PROMPTS, tokens_1)]
-    difference = max((a - b).abs().max().item() for a, b in zip(reference, candidate))
-    assert difference < FP32_TOLERANCE                              # the logits agree, not just the argmax
-    tolerance = 2 * difference                                      # a margin moves by at most twice that
-    margins = [top2_margins(r).tolist() for r in reference]
-    decided = sum(m > tolerance for ms in margins for m in ms)
-    assert decided >= 0.9 * len(PROMPTS) * MAX_TOKENS
-    assert_greedy_agrees(tokens_t, tokens_1, margins, tolerance, min_steps=int(0.9 * len(PROMPTS) * MAX_TOKENS))
+    assert_parallel_agrees(llm_t.engine.model, full, PROMPTS, tokens_t, tokens_1)
 
 
 def test_each_rank_holds_its_third(parallel):

@@ -8,7 +8,7 @@ import pytest
 
 from lifeofprompt.engine.llm import LLM
 from lifeofprompt.engine.sampling_params import SamplingParams
-from lifeofprompt.lessons.agreement import FP32_TOLERANCE, assert_greedy_agrees, teacher_forced_logits, top2_margins
+from tiny_models import assert_parallel_agrees
 
 T = 3
 MAX_TOKENS = 6
@@ -32,15 +32,7 @@ def engines(smollm2, story_ids, one_thread):
 def test_story_tokens_match_the_single_process_engine(smollm2, story_ids, engines):
     parallel, want, got = engines
     model, _ = smollm2
-    reference = [teacher_forced_logits(model, ids, t) for ids, t in zip(story_ids, want)]
-    candidate = [teacher_forced_logits(parallel.engine.model, ids, t) for ids, t in zip(story_ids, want)]
-    difference = max((a - b).abs().max().item() for a, b in zip(reference, candidate))
-    assert difference < FP32_TOLERANCE
-    tolerance = 2 * difference
-    margins = [top2_margins(r).tolist() for r in reference]
-    steps = len(story_ids) * MAX_TOKENS
-    assert sum(m > tolerance for ms in margins for m in ms) >= 0.9 * steps
-    assert_greedy_agrees(got, want, margins, tolerance, min_steps=int(0.9 * steps))
+    assert_parallel_agrees(parallel.engine.model, model, story_ids, got, want)
 
 
 def test_each_rank_holds_a_third_of_smollm2(smollm2, engines):
@@ -60,11 +52,14 @@ def test_each_rank_holds_a_third_of_smollm2(smollm2, engines):
 
 
 def test_serve_passes_the_tensor_parallel_size_to_the_engine():
-    """``serve --tensor-parallel-size 2`` reaches the engine, which names SmolLM2's valid sizes before starting anything."""
+    """``serve --tensor-parallel-size/--pipeline-parallel-size`` reach the engine, which names SmolLM2's valid sizes first."""
     from lifeofprompt.cli import build_parser
     from lifeofprompt.commands import _engine_for_serving
     from lifeofprompt.errors import ParallelConfigError
 
     args = build_parser().parse_args(["serve", "--tensor-parallel-size", "2", "--dtype", "float32", "--num-kv-blocks", "8"])
     with pytest.raises(ParallelConfigError, match="valid sizes: 1, 3"):
+        _engine_for_serving(args)
+    args = build_parser().parse_args(["serve", "--pipeline-parallel-size", "31", "--dtype", "float32"])
+    with pytest.raises(ParallelConfigError, match="valid sizes: 1 to 30"):
         _engine_for_serving(args)

@@ -36,8 +36,8 @@ import torch.distributed as dist
 from ..errors import ConfigError, WorkerFailedError
 from . import step
 from .sharded_model import ShardedLlamaForCausalLM, load_shard, shard_weights, weight_report
-from .sizes import ShardPlan, check_tensor_parallel_size
-from .worker import WorkerSpec, main as worker_main
+from .sizes import ShardPlan, check_pipeline_parallel_size, check_tensor_parallel_size
+from .worker import WorkerSpec, main as worker_main, tensor_parallel_groups
 
 DEFAULT_TIMEOUT_S = 20.0            # a hung worker is reported within this (the issue asks for <= 30 s)
 JOIN_TIMEOUT_S = 5.0
@@ -48,8 +48,11 @@ logger = logging.getLogger("lifeofprompt.engine")
 class TensorParallelGroup:
     """Rank 0's handle on the workers. ``launch`` returns it with the driver's own shard."""
 
-    def __init__(self, size: int, processes: list, backend: str, device: torch.device, timeout_s: float):
+    def __init__(self, size: int, processes: list, backend: str, device: torch.device, timeout_s: float,
+                 stages: int = 1):
         self.size, self.processes, self.backend, self.device = size, processes, backend, device
+        self.stages = stages
+        self.world_size = size * stages
         self.timeout_s = timeout_s
         self.error: WorkerFailedError | None = None
         self.dead: tuple[int, int | None] | None = None     # (rank, exit code) the monitor saw die
@@ -63,10 +66,12 @@ class TensorParallelGroup:
 
     @classmethod
     def launch(cls, full_model, size: int, num_blocks: int, block_size: int, timeout_s: float = DEFAULT_TIMEOUT_S,
-               worker_threads: int | None = None) -> tuple["TensorParallelGroup", ShardedLlamaForCausalLM]:
-        """Start ``size - 1`` workers, split ``full_model`` over all ranks; ``(group, rank 0's shard)``."""
+               worker_threads: int | None = None, stages: int = 1) -> tuple["TensorParallelGroup", ShardedLlamaForCausalLM]:
+        """Start ``size * stages - 1`` workers, split ``full_model`` over all ranks; ``(group, rank 0's shard)``."""
         config = full_model.config
         check_tensor_parallel_size(config, size)
+        check_pipeline_parallel_size(config, stages)
+        world = size * stages
         if dist.is_initialized():
             raise ConfigError("a tensor-parallel engine is already running in this process (torch.distributed has one "
                               "default group): call shutdown() on it first")
@@ -74,27 +79,27 @@ class TensorParallelGroup:
             raise ConfigError(f"the collective timeout must be in (0, 30] seconds, got {timeout_s}")
         device = full_model.device
         backend = "nccl" if device.type == "cuda" else "gloo"
-        if device.type == "cuda" and torch.cuda.device_count() < size:
-            raise ConfigError(f"tensor_parallel_size={size} needs {size} GPUs; this machine has {torch.cuda.device_count()}")
-        store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
+        if device.type == "cuda" and torch.cuda.device_count() < world:
+            raise ConfigError(f"{size} x {stages} ranks need {world} GPUs; this machine has {torch.cuda.device_count()}")
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=timeout_s))
-        threads = worker_threads or max(1, torch.get_num_threads() // size)
+        threads = worker_threads or max(1, torch.get_num_threads() // world)
         context = multiprocessing.get_context("spawn")
         processes = []
-        for rank in range(1, size):
-            spec = WorkerSpec(rank, size, store.port, config, str(full_model.dtype).removeprefix("torch."),
+        for rank in range(1, world):
+            spec = WorkerSpec(rank, world, size, store.port, config, str(full_model.dtype).removeprefix("torch."),
                               f"cuda:{rank}" if device.type == "cuda" else "cpu", backend, num_blocks, block_size,
                               threads, os.getpid())
             process = context.Process(target=worker_main, args=(spec,), name=f"lifeofprompt-tp-rank{rank}", daemon=True)
             process.start()
             processes.append(process)
-        group = cls(size, processes, backend, device, timeout_s)
+        group = cls(size, processes, backend, device, timeout_s, stages)
         try:
             group._wait_until_started(store)
             with group.guard():
-                dist.init_process_group(backend, store=store, rank=0, world_size=size,
+                dist.init_process_group(backend, store=store, rank=0, world_size=world,
                                         timeout=timedelta(seconds=timeout_s))
-                model = group._scatter_weights(full_model)
+                model = group._send_weights(full_model)
         except BaseException:
             group.shutdown()
             raise
@@ -104,7 +109,7 @@ class TensorParallelGroup:
     def _wait_until_started(self, store) -> None:
         """Until every worker has imported torch and reached the store (slow on a busy machine, so not
         under the collective timeout); a worker that dies on the way is named at once."""
-        keys = [f"started/{rank}" for rank in range(1, self.size)]
+        keys = [f"started/{rank}" for rank in range(1, self.world_size)]
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             if store.check(keys):
@@ -119,13 +124,18 @@ class TensorParallelGroup:
                 raise WorkerFailedError(f"the tensor-parallel workers did not start within {START_TIMEOUT_S:g} s")
 
     @torch.no_grad()
-    def _scatter_weights(self, full_model) -> ShardedLlamaForCausalLM:
-        """Each rank's slice of each weight, one scatter per parameter; rank 0 keeps its own."""
-        plans = [ShardPlan.for_rank(full_model.config, r, self.size) for r in range(self.size)]
-        shards = [shard_weights(full_model, plan) for plan in plans]
-        model = ShardedLlamaForCausalLM.empty(plans[0], self.device, full_model.dtype, self.guard)
-        for name, param in model.named_parameters():
-            dist.scatter(param.data, [s[name].to(self.device) for s in shards], src=0)
+    def _send_weights(self, full_model) -> ShardedLlamaForCausalLM:
+        """Each rank's slice of each weight it holds, sent from here one tensor at a time; rank 0 keeps its own."""
+        config = full_model.config
+        groups = tensor_parallel_groups(self.size, self.stages, timedelta(seconds=self.timeout_s))   # every rank, first
+        for rank in range(1, self.world_size):
+            plan = ShardPlan.for_world_rank(config, rank, self.size, self.stages)
+            for tensor in shard_weights(full_model, plan).values():
+                dist.send(tensor.to(self.device), dst=rank)
+        plan = ShardPlan.for_world_rank(config, 0, self.size, self.stages)
+        model = ShardedLlamaForCausalLM.empty(plan, self.device, full_model.dtype, self.guard)
+        model.set_tp_group(groups[0])
+        load_shard(model, shard_weights(full_model, plan))
         for attr in ("source", "is_random", "dtype_reason"):
             setattr(model, attr, getattr(full_model, attr, getattr(model, attr, None)))
         return model
@@ -233,7 +243,7 @@ class TensorParallelGroup:
 
         with self.guard():
             step.send_command(step.REPORT, self.device)
-            reports = [None] * self.size
+            reports = [None] * self.world_size
             dist.gather_object(shard_report(driver_model, driver_cache), reports, dst=0)
         return reports
 
@@ -247,17 +257,25 @@ class TensorParallelGroup:
         shared = f", each KV head on {plan.kv_replication} ranks" if plan.kv_replication > 1 else ""
         padded = f" (vocabulary padded {c.vocab_size} -> {plan.vocab[1] - plan.vocab[0]} x {self.size})" \
             if c.vocab_size % self.size else ""
-        return [
-            f"tensor parallel: {self.size} ranks over {self.backend} (rank 0 is this process and samples; ranks 1-{self.size - 1} "
-            f"are spawned workers, pids {', '.join(map(str, self.worker_pids))}); collective timeout {self.timeout_s:g} s",
+        lines = [
+            f"parallel: {self.size} tensor x {self.stages} pipeline = {self.world_size} ranks over {self.backend} (rank 0 is "
+            f"this process and samples; ranks 1-{self.world_size - 1} are spawned workers, pids "
+            f"{', '.join(map(str, self.worker_pids))}); collective timeout {self.timeout_s:g} s",
             f"split: q/k/v by heads ({h} of {c.num_heads} query and {k} of {c.num_kv_heads} KV heads per rank{shared}), "
             f"gate/up by columns ({i} of {c.intermediate_size}); o_proj and down_proj row-parallel, one all-reduce each",
             f"embedding and LM head: vocab-parallel, {plan.vocab[1] - plan.vocab[0]} rows per rank{padded}; replicated they "
             f"would keep {_mib(embed)} ({embed / max(full_bytes, 1):.0%} of the weights) on every rank; the price is one "
             "all-reduce of [tokens, hidden] after the lookup and one gather of the sampled rows' logits to rank 0",
-            f"weights per rank: {_mib(per_rank)} of {_mib(full_bytes)} ({per_rank / max(full_bytes, 1):.1%}; 1/{self.size} "
-            f"= {1 / self.size:.1%}); each rank's KV pool holds only its {k} KV head{'s' if k > 1 else ''}",
+            f"weights on rank 0: {_mib(per_rank)} of {_mib(full_bytes)} ({per_rank / max(full_bytes, 1):.1%}; 1/{self.world_size} "
+            f"= {1 / self.world_size:.1%}); each rank's KV pool holds only its {k} KV head{'s' if k > 1 else ''}"
+            + (f" of its stage's layers" if self.stages > 1 else ""),
         ]
+        if self.stages > 1:
+            stages = [ShardPlan.for_world_rank(c, s * self.size, self.size, self.stages).layers for s in range(self.stages)]
+            lines.insert(3, "pipeline: contiguous stages of layers " + ", ".join(f"{a}-{b - 1}" for a, b in stages)
+                         + "; hidden states go stage to stage by send/recv, one step at a time (no overlap: "
+                           "each stage waits while the others run, the bubble)")
+        return lines
 
 
 def _mib(n: int) -> str:

@@ -9,7 +9,7 @@ broadcasts a fixed-size header (the command and the sizes) followed by the paylo
 collectives a step, whatever the batch. Every rank then holds the same block table.
 
 After the forward, each rank's logits cover its slice of the vocabulary; they are gathered
-to rank 0, which samples (the other ranks never see a sampled token: the next step's
+to rank 0 (through the last pipeline stage), which samples (the other ranks never see a sampled token: the next step's
 broadcast carries it as an input id).
 """
 
@@ -96,12 +96,14 @@ def receive(device) -> tuple[list[int], torch.Tensor | None]:
     return values, payload
 
 
-def gather_logits(local: torch.Tensor, vocab_size: int, world_size: int) -> torch.Tensor | None:
-    """Each rank's ``[rows, vocab / T]`` logits to rank 0 as ``[rows, vocab]`` (the padding cut off); None elsewhere."""
+def gather_logits(local: torch.Tensor, vocab_size: int, size: int, group=None, dst: int = 0) -> torch.Tensor | None:
+    """The ``size`` ranks' ``[rows, vocab / T]`` logits to rank ``dst`` as ``[rows, vocab]`` (the padding cut off); None elsewhere."""
     local = local.contiguous()
-    if dist.get_rank() == 0:
-        parts = [torch.empty_like(local) for _ in range(world_size)]
-        dist.gather(local, parts, dst=0)
+    if size == 1:
+        return local[:, :vocab_size]
+    if dist.get_rank() == dst:
+        parts = [torch.empty_like(local) for _ in range(size)]
+        dist.gather(local, parts, dst=dst, group=group)
         return torch.cat(parts, dim=-1)[:, :vocab_size]
-    dist.gather(local, None, dst=0)
+    dist.gather(local, None, dst=dst, group=group)
     return None

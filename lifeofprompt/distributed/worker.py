@@ -29,8 +29,9 @@ IDLE_TIMEOUT = timedelta(days=1)       # a worker may wait this long for the nex
 class WorkerSpec:
     """Everything a worker needs, picklable: no model, no tensors (the weights arrive by scatter)."""
 
-    rank: int
+    rank: int                   # in the world: stage * tensor_parallel_size + tensor-parallel rank
     world_size: int
+    tensor_parallel_size: int
     port: int
     config: object              # the full model's ModelConfig
     dtype: str                  # "float32"
@@ -56,23 +57,26 @@ def main(spec: WorkerSpec) -> None:
     """The worker's whole life: join the group, receive the shard, then serve steps."""
     watch_parent(spec.parent_pid)
     from ..model.attention import PagedKVCache
-    from .sharded_model import ShardedLlamaForCausalLM
+    from .sharded_model import ShardedLlamaForCausalLM, shard_names
     from .sizes import ShardPlan
 
     torch.set_num_threads(spec.threads)
     device = torch.device(spec.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    plan = ShardPlan.for_rank(spec.config, spec.rank, spec.world_size)
+    stages = spec.world_size // spec.tensor_parallel_size
+    plan = ShardPlan.for_world_rank(spec.config, spec.rank, spec.tensor_parallel_size, stages)
     model = ShardedLlamaForCausalLM.empty(plan, device, getattr(torch, spec.dtype))
     cache = PagedKVCache.for_model(plan.config, spec.num_blocks, spec.block_size, dtype=model.dtype, device=device)
     store = dist.TCPStore(spec.host, spec.port, spec.world_size, is_master=False, timeout=timedelta(seconds=60))
     store.set(f"started/{spec.rank}", "1")          # rank 0 waits for every worker before the timed collectives
     dist.init_process_group(spec.backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=IDLE_TIMEOUT)
     try:
+        model.set_tp_group(tensor_parallel_groups(spec.tensor_parallel_size, stages, IDLE_TIMEOUT)[plan.stage])
+        params = dict(model.named_parameters())
         with torch.no_grad():
-            for _, param in model.named_parameters():
-                dist.scatter(param.data, None, src=0)
+            for name in shard_names(plan):                 # the order rank 0 sends them in
+                dist.recv(params[name].data, src=0)
         serve(model, cache, device)
     except Exception as exc:     # the group failed (rank 0 gone, timed out, a peer died): say so in one line
         print(f"lifeofprompt tensor-parallel worker rank {spec.rank}: {type(exc).__name__}: "
@@ -80,6 +84,14 @@ def main(spec: WorkerSpec) -> None:
         raise SystemExit(1) from None
     finally:
         dist.destroy_process_group()
+
+
+def tensor_parallel_groups(size: int, stages: int, timeout) -> list:
+    """One group per pipeline stage, of its ``size`` ranks (every rank makes every group, in order).
+    With one stage the tensor-parallel group is the whole world: None."""
+    if stages == 1:
+        return [None]
+    return [dist.new_group(list(range(s * size, (s + 1) * size)), timeout=timeout) for s in range(stages)]
 
 
 @torch.no_grad()
@@ -103,5 +115,7 @@ def shard_report(model, cache) -> dict:
     from .sharded_model import weight_report
 
     tables = model.last_block_tables
-    return dict(rank=model.plan.rank, pid=os.getpid(), weights=weight_report(model), kv_shape=tuple(cache.kv.shape),
+    plan = model.plan
+    return dict(rank=plan.world_rank, tp_rank=plan.rank, stage=plan.stage, layers=plan.layers, pid=os.getpid(),
+                weights=weight_report(model), kv_shape=tuple(cache.kv.shape),
                 kv_nbytes=cache.nbytes, block_tables=None if tables is None else tables.tolist())

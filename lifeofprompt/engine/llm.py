@@ -29,12 +29,13 @@ class LLM:
                  num_kv_blocks: int | None = None, kv_cache_memory: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  attention_backend: str | None = None, enforce_eager: bool = False, tensor_parallel_size: int = 1,
-                 **engine_kwargs):
+                 pipeline_parallel_size: int = 1, **engine_kwargs):
         self.engine = LLMEngine(model, dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
                                 kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens,
                                 enable_prefix_caching=enable_prefix_caching, attention_backend=attention_backend,
-                                enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size, **engine_kwargs)
+                                enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
+                                pipeline_parallel_size=pipeline_parallel_size, **engine_kwargs)
         self._ids = itertools.count()
 
     def shutdown(self) -> None:

@@ -138,7 +138,8 @@ class LLMEngine:
                  max_waiting: int | None = None, check_invariants: bool = False,
                  max_step_records: int = 10_000, log_stats: bool = True, clock=time.monotonic,
                  prepack_cpu_weights: bool = True, cpu_linear: str | None = None,
-                 cpu_decode: bool | None = None, tensor_parallel_size: int = 1):
+                 cpu_decode: bool | None = None, tensor_parallel_size: int = 1,
+                 pipeline_parallel_size: int = 1):
         if isinstance(model, str):
             from ..model.loader import load_model
             self.model, self.tokenizer = load_model(model, dtype=dtype, device=device)
@@ -159,8 +160,8 @@ class LLMEngine:
         if num_kv_blocks is None and (kv_cache_memory is not None or self.model.device.type != "cuda"):
             num_kv_blocks = self._blocks_for_memory(kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY)
         self.parallel = None     # T > 1: the worker processes (lifeofprompt.distributed); self.model is rank 0's shard
-        if tensor_parallel_size != 1:
-            self._launch_tensor_parallel(tensor_parallel_size, num_kv_blocks)
+        if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
+            self._launch_tensor_parallel(tensor_parallel_size, pipeline_parallel_size, num_kv_blocks)
             cpu_decode, cpu_linear = False, cpu_linear or "linear"
         from .model_runner import ModelRunner
         self.runner = ModelRunner(self.model, num_kv_blocks, block_size, attention_backend or "auto",
@@ -198,8 +199,8 @@ class LLMEngine:
             raise OutOfMemoryError(f"kv_cache_memory={kv_bytes} bytes holds not one block of {self.block_size} tokens")
         return blocks
 
-    def _launch_tensor_parallel(self, size: int, num_kv_blocks: int | None) -> None:
-        """Split the model over ``size`` ranks; this process is rank 0 and keeps the scheduler.
+    def _launch_tensor_parallel(self, size: int, stages: int, num_kv_blocks: int | None) -> None:
+        """Split the model over ``size`` × ``stages`` ranks; this process is rank 0 and keeps the scheduler.
 
         The one C decode step (all layers in one call) has no place for the all-reduces, and
         ranks timing products against each other on shared cores would measure nothing, so a
@@ -207,10 +208,11 @@ class LLMEngine:
         """
         from ..distributed.group import TensorParallelGroup
         if num_kv_blocks is None:
-            raise ConfigError("tensor_parallel_size > 1 on a GPU needs num_kv_blocks or kv_cache_memory "
+            raise ConfigError("a parallel engine on a GPU needs num_kv_blocks or kv_cache_memory "
                               "(the pool is not profiled across ranks)")
         self._full_weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self.parallel, self.model = TensorParallelGroup.launch(self.model, size, num_kv_blocks, self.block_size)
+        self.parallel, self.model = TensorParallelGroup.launch(self.model, size, num_kv_blocks, self.block_size,
+                                                               stages=stages)
         self.parallel.shutdown_with(self)
 
     def shutdown(self) -> None:

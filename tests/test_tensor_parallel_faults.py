@@ -163,3 +163,25 @@ def test_sigkill_of_the_driver_mid_run_leaves_no_worker_behind():
     finally:
         if driver.poll() is None:
             driver.kill()
+
+
+def test_the_server_answers_503_in_openais_shape_when_a_worker_dies():
+    pytest.importorskip("fastapi")
+    import httpx
+
+    from lifeofprompt.serving.server import ServerThread
+
+    llm = tiny_llm()
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
+    try:
+        with ServerThread(llm.engine, model_name="tiny") as server:
+            assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+            os.kill(llm.engine.parallel.worker_pids[0], signal.SIGKILL)
+            for _ in range(2):                              # the failing step, then a dead engine: both answer
+                response = httpx.post(server.url + "/v1/completions", json=body, timeout=DEADLINE_S)
+                assert response.status_code == 503
+                error = response.json()["error"]
+                assert error["type"] == "engine_unavailable" and "rank 1" in error["message"]
+    finally:
+        llm.shutdown()
+    assert spawned_children() == []

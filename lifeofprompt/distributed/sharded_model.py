@@ -28,6 +28,8 @@ stage's tensor-parallel rank 0 sends the logits to rank 0, which samples.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -129,7 +131,7 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
         if not self.is_driver:
             return self.shard_forward(input_ids, positions, meta, fused_kernels)
         guard = self.collective_guard
-        with guard() if guard is not None else _nothing():
+        with guard() if guard is not None else contextlib.nullcontext():
             step.broadcast_step(input_ids, positions, meta, fused_kernels)
             return self.shard_forward(input_ids, positions, meta, fused_kernels)
 
@@ -172,14 +174,6 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
             dist.send(logits.contiguous(), dst=0)
             return None
         return logits
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 # ----------------------------------------------------------------------------- weights

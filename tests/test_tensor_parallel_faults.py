@@ -130,8 +130,12 @@ if {mode!r} == "run":
 """
 
 
-def start_driver(mode: str) -> tuple[subprocess.Popen, list[int]]:
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER.format(tests=str(TESTS), T=T, mode=mode)],
+def start_driver(mode: str, script: Path | None = None) -> tuple[subprocess.Popen, list[int]]:
+    """The driver as ``python -c``, or as a script file with no ``__main__`` guard (spawn re-runs such files)."""
+    code = DRIVER.format(tests=str(TESTS), T=T, mode=mode)
+    if script is not None:
+        script.write_text(code)
+    driver = subprocess.Popen([sys.executable, *(["-c", code] if script is None else [str(script)])],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = driver.stdout.readline()
     assert line, driver.stderr.read()[-3000:]
@@ -145,10 +149,11 @@ def descendants(pid: int) -> list[int]:
         return []
 
 
-def test_interpreter_exit_ends_the_workers():
-    driver, pids = start_driver("exit")
+def test_interpreter_exit_ends_the_workers_of_an_unguarded_script(tmp_path):
+    driver, pids = start_driver("exit", tmp_path / "unguarded.py")
     assert driver.wait(60) == 0, driver.stderr.read()[-3000:]
     assert wait_gone(pids, 10) == []
+    assert "Traceback" not in driver.stderr.read()              # the workers did not re-run the script
 
 
 def test_sigkill_of_the_driver_mid_run_leaves_no_worker_behind():

@@ -24,6 +24,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import sys
 import threading
 import time
 import weakref
@@ -91,7 +92,8 @@ class TensorParallelGroup:
                               f"cuda:{rank}" if device.type == "cuda" else "cpu", backend, num_blocks, block_size,
                               threads, os.getpid())
             process = context.Process(target=worker_main, args=(spec,), name=f"lifeofprompt-tp-rank{rank}", daemon=True)
-            process.start()
+            with _main_module_hidden():
+                process.start()
             processes.append(process)
         group = cls(size, processes, backend, device, timeout_s, stages)
         try:
@@ -276,6 +278,30 @@ class TensorParallelGroup:
                          + "; hidden states go stage to stage by send/recv, one step at a time (no overlap: "
                            "each stage waits while the others run, the bubble)")
         return lines
+
+
+@contextlib.contextmanager
+def _main_module_hidden():
+    """Start a spawned worker without it re-running the caller's script.
+
+    ``spawn`` re-imports the parent's ``__main__`` in the child (by path, or by name under
+    ``python -m``), so a script that builds an engine at its top level, without an
+    ``if __name__ == "__main__":`` guard, would build another one in every worker. A worker
+    needs nothing from that script (its target and spec live in lifeofprompt), so the path and
+    the name are hidden while it starts, as they already are for ``python -c`` and notebooks.
+    """
+    main = sys.modules.get("__main__")
+    saved = {name: main.__dict__[name] for name in ("__file__", "__spec__") if main is not None and name in main.__dict__}
+    try:
+        for name in saved:
+            if name == "__file__":
+                del main.__file__
+            else:
+                main.__spec__ = None
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(main, name, value)
 
 
 def _mib(n: int) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from lifeofprompt.distributed.group import TensorParallelGroup
+from lifeofprompt.distributed.group import ParallelGroup
 from lifeofprompt.engine.llm import LLM
 from lifeofprompt.engine.sampling_params import SamplingParams
 from lifeofprompt.errors import WorkerFailedError
@@ -96,7 +96,7 @@ def test_a_worker_killed_mid_run_gives_the_typed_error_and_no_process_survives()
 def test_a_hung_worker_gives_the_typed_error_within_the_timeout():
     """SIGSTOP: the worker is alive but answers nothing; rank 0's collective timeout (3 s here) catches it."""
     model, _ = tiny_model()
-    group, shard = TensorParallelGroup.launch(model, T, num_blocks=8, block_size=4, timeout_s=3)
+    group, shard = ParallelGroup.launch(model, T, num_blocks=8, block_size=4, timeout_s=3)
     try:
         pids = group.worker_pids
         teacher_forced_logits(shard, [5, 6, 7], [8, 9])        # a forward that works

@@ -1,12 +1,13 @@
-"""The driver's side of tensor parallelism: start the workers, split the weights, watch them, end them.
+"""The driver's side of tensor and pipeline parallelism: start the workers, split the weights, watch them, end them.
 
 The driver process is rank 0 (as in vLLM): it keeps the engine, the one scheduler and the one
 block manager, runs its own shard through the ordinary ``ModelRunner``, and samples. Ranks
-1 … T-1 are worker processes (``worker.py``), started with ``spawn``. All join one
+1 … T×P-1 are worker processes (``worker.py``), started with ``spawn``. All join one
 ``torch.distributed`` process group: gloo on the CPU, NCCL on CUDA, rendezvous through a
 ``TCPStore`` that rank 0 opens on 127.0.0.1 at a port the kernel picks (port 0: no race for
-a "free" port). Rank 0 then scatters each rank's slice of every weight, so a worker never
-holds the full model, even for a moment.
+a "free" port). Each pipeline stage's T ranks also form a group for their all-reduces. Rank
+0 then sends each rank its slice of every weight it holds, so a worker never holds the full
+model, even for a moment.
 
 Faults. gloo waits 30 minutes for a silent peer by default; rank 0 waits ``timeout_s``
 (20 s) instead, and a monitor thread watches the workers' process handles: when one dies it
@@ -46,7 +47,7 @@ START_TIMEOUT_S = 180.0             # spawn + import torch, on a busy 2-core mac
 logger = logging.getLogger("lifeofprompt.engine")
 
 
-class TensorParallelGroup:
+class ParallelGroup:
     """Rank 0's handle on the workers. ``launch`` returns it with the driver's own shard."""
 
     def __init__(self, size: int, processes: list, backend: str, device: torch.device, timeout_s: float,
@@ -67,14 +68,14 @@ class TensorParallelGroup:
 
     @classmethod
     def launch(cls, full_model, size: int, num_blocks: int, block_size: int, timeout_s: float = DEFAULT_TIMEOUT_S,
-               worker_threads: int | None = None, stages: int = 1) -> tuple["TensorParallelGroup", ShardedLlamaForCausalLM]:
+               worker_threads: int | None = None, stages: int = 1) -> tuple["ParallelGroup", ShardedLlamaForCausalLM]:
         """Start ``size * stages - 1`` workers, split ``full_model`` over all ranks; ``(group, rank 0's shard)``."""
         config = full_model.config
         check_tensor_parallel_size(config, size)
         check_pipeline_parallel_size(config, stages)
         world = size * stages
         if dist.is_initialized():
-            raise ConfigError("a tensor-parallel engine is already running in this process (torch.distributed has one "
+            raise ConfigError("a parallel engine is already running in this process (torch.distributed has one "
                               "default group): call shutdown() on it first")
         if not 0 < timeout_s <= 30:
             raise ConfigError(f"the collective timeout must be in (0, 30] seconds, got {timeout_s}")
@@ -120,10 +121,10 @@ class TensorParallelGroup:
             for rank, p in enumerate(self.processes, start=1):
                 if not p.is_alive():
                     p.join(1.0)
-                    raise WorkerFailedError(f"tensor-parallel worker rank {rank} exited with code {p.exitcode} while "
+                    raise WorkerFailedError(f"parallel worker rank {rank} exited with code {p.exitcode} while "
                                             "starting (its traceback is above)", rank=rank, exitcode=p.exitcode)
             if time.monotonic() > deadline:
-                raise WorkerFailedError(f"the tensor-parallel workers did not start within {START_TIMEOUT_S:g} s")
+                raise WorkerFailedError(f"the parallel workers did not start within {START_TIMEOUT_S:g} s")
 
     @torch.no_grad()
     def _send_weights(self, full_model) -> ShardedLlamaForCausalLM:
@@ -154,7 +155,7 @@ class TensorParallelGroup:
         if self.error is not None:
             raise self.error
         if self.closed:
-            raise WorkerFailedError("the tensor-parallel workers were shut down: build a new engine")
+            raise WorkerFailedError("the parallel workers were shut down: build a new engine")
         if self.dead is not None:
             raise self._fail(None)
         with self._lock:
@@ -192,10 +193,10 @@ class TensorParallelGroup:
         if self.dead is not None and not timed_out:
             rank, code = self.dead
             how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-            error = WorkerFailedError(f"tensor-parallel worker rank {rank} {how}; the engine shut the other workers "
+            error = WorkerFailedError(f"parallel worker rank {rank} {how}; the engine shut the other workers "
                                       "down and cannot serve any more", rank=rank, exitcode=code)
         else:
-            error = WorkerFailedError(f"a tensor-parallel worker did not answer within {self.timeout_s:g} s (hung?) "
+            error = WorkerFailedError(f"a parallel worker did not answer within {self.timeout_s:g} s (hung?) "
                                       f"or the group failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                                       "the engine shut every worker down and cannot serve any more")
         self.error = error

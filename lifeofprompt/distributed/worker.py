@@ -79,7 +79,7 @@ def main(spec: WorkerSpec) -> None:
                 dist.recv(params[name].data, src=0)
         serve(model, cache, device)
     except Exception as exc:     # the group failed (rank 0 gone, timed out, a peer died): say so in one line
-        print(f"lifeofprompt tensor-parallel worker rank {spec.rank}: {type(exc).__name__}: "
+        print(f"lifeofprompt parallel worker rank {spec.rank}: {type(exc).__name__}: "
               f"{str(exc).splitlines()[0] if str(exc) else ''}; exiting", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     finally:

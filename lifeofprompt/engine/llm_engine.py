@@ -206,12 +206,12 @@ class LLMEngine:
         ranks timing products against each other on shared cores would measure nothing, so a
         split model runs the plain products unless ``cpu_linear`` names a path.
         """
-        from ..distributed.group import TensorParallelGroup
+        from ..distributed.group import ParallelGroup
         if num_kv_blocks is None:
             raise ConfigError("a parallel engine on a GPU needs num_kv_blocks or kv_cache_memory "
                               "(the pool is not profiled across ranks)")
         self._full_weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self.parallel, self.model = TensorParallelGroup.launch(self.model, size, num_kv_blocks, self.block_size,
+        self.parallel, self.model = ParallelGroup.launch(self.model, size, num_kv_blocks, self.block_size,
                                                                stages=stages)
         self.parallel.shutdown_with(self)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 
 from lifeofprompt.engine.llm import LLM
-from lifeofprompt.engine.sampling_params import SamplingParams
 from lifeofprompt.errors import ParallelConfigError
 from lifeofprompt.distributed.sizes import check_pipeline_parallel_size, stage_layers
 from tiny_models import TINY_SMOLLM2_LAYOUT, assert_parallel_agrees, tiny_model

@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from lifeofprompt.distributed.sizes import ShardPlan, check_tensor_parallel_size, valid_tensor_parallel_sizes
+from lifeofprompt.distributed import collectives
 from lifeofprompt.distributed.sharded_model import shard_weights
 from lifeofprompt.engine.llm import LLM
 from lifeofprompt.engine.sampling_params import SamplingParams
@@ -149,6 +150,27 @@ def test_every_rank_ran_the_same_block_table(parallel):
     if seq is not None:
         assert tables[0][0][:len(seq.block_table)] == seq.block_table
     engine.run_until_done()
+
+
+def test_every_collective_of_a_step_is_counted(parallel):
+    """Per forward: two broadcasts (header, payload), one all-reduce after the embedding and two per layer,
+    one gather of the logits; the all-reduces move [tokens, hidden] fp32 each."""
+    llm, _ = parallel
+    engine = llm.engine
+    collectives.reset()
+    before = len(engine.step_records)
+    llm.generate([PROMPTS[3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    records = list(engine.step_records)[before:]
+    tokens = sum(r.num_batched_tokens for r in records)
+    stats = collectives.snapshot()
+    assert len(records) == 3 and tokens == 3 + 1 + 1                 # a prefill of 3, two decodes
+    assert stats["broadcast"]["calls"] == 2 * len(records)
+    assert stats["all_reduce"]["calls"] == (1 + 2 * 2) * len(records)
+    assert stats["all_reduce"]["bytes"] == (1 + 2 * 2) * tokens * 144 * 4
+    assert stats["gather"]["calls"] == len(records) and stats["gather"]["bytes"] == 3 * 107 * 4
+    assert all(v["seconds"] > 0 for v in stats.values())
+    workers = engine.parallel.report(engine.model, engine.runner.kv_cache)[1:]
+    assert all(w["collectives"]["all_reduce"]["calls"] >= stats["all_reduce"]["calls"] for w in workers)
 
 
 def test_shutdown_ends_every_worker(parallel):

@@ -31,12 +31,11 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..model.linear import Linear
 from ..model.llama import LlamaForCausalLM
-from . import step
+from . import collectives, step
 from .sizes import ShardPlan
 
 
@@ -47,7 +46,7 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)
-        dist.all_reduce(out, group=self.group)
+        collectives.all_reduce(out, group=self.group)
         return out
 
 
@@ -64,7 +63,7 @@ class VocabParallelEmbedding(nn.Embedding):
         local = input_ids - self.start
         mine = (local >= 0) & (local < self.num_embeddings)
         out = super().forward(local.clamp(0, self.num_embeddings - 1)) * mine.unsqueeze(-1).to(self.weight.dtype)
-        dist.all_reduce(out, group=self.group)
+        collectives.all_reduce(out, group=self.group)
         return out
 
 
@@ -144,12 +143,12 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
             hidden = self.embed_tokens(input_ids)
         else:
             hidden = torch.empty(input_ids.shape[0], plan.full.hidden_size, dtype=self.dtype, device=self.device)
-            dist.recv(hidden, src=plan.peer(plan.stage - 1))
+            collectives.recv(hidden, src=plan.peer(plan.stage - 1))
         cos_sin = self.rotary.at(positions)
         for layer in self.layers:
             hidden = layer(hidden, cos_sin, meta)
         if not plan.is_last_stage:
-            dist.send(hidden.contiguous(), dst=plan.peer(plan.stage + 1))
+            collectives.send(hidden.contiguous(), dst=plan.peer(plan.stage + 1))
             return None
         return self.norm(hidden)
 
@@ -163,7 +162,7 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
             if not self.is_driver:
                 return None
             logits = torch.empty(rows, plan.full.vocab_size, dtype=torch.float32, device=self.device)
-            dist.recv(logits, src=plan.peer(plan.num_stages - 1) - plan.rank)
+            collectives.recv(logits, src=plan.peer(plan.num_stages - 1) - plan.rank)
             return logits
         if meta.logits_indices is not None:
             hidden = hidden[meta.logits_indices]
@@ -171,7 +170,7 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
         first = plan.peer(plan.stage) - plan.rank           # this stage's tensor-parallel rank 0
         logits = step.gather_logits(local, plan.full.vocab_size, plan.size, group=self.tp_group, dst=first)
         if logits is not None and plan.num_stages > 1:
-            dist.send(logits.contiguous(), dst=0)
+            collectives.send(logits.contiguous(), dst=0)
             return None
         return logits
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..model.attention import NoCacheMetadata, PagedCacheMetadata
+from . import collectives
 
 STEP, STOP, REPORT = 1, 2, 3        # commands in header[0]
 NO_CACHE, PAGED = 0, 1              # metadata kinds in header[1]
@@ -74,25 +75,25 @@ def send_command(command: int, device) -> None:
     """Rank 0: a header with no payload (stop, report)."""
     header = torch.zeros(HEADER, dtype=torch.long, device=device)
     header[0] = command
-    dist.broadcast(header, src=0)
+    collectives.broadcast(header, src=0)
 
 
 def broadcast_step(input_ids, positions, meta, fused) -> None:
     """Rank 0: send one forward's inputs to every other rank."""
     header, payload = pack(input_ids, positions, meta, fused)
-    dist.broadcast(header, src=0)
-    dist.broadcast(payload, src=0)
+    collectives.broadcast(header, src=0)
+    collectives.broadcast(payload, src=0)
 
 
 def receive(device) -> tuple[list[int], torch.Tensor | None]:
     """Ranks > 0: wait for the next header (and its payload, for a step)."""
     header = torch.empty(HEADER, dtype=torch.long, device=device)
-    dist.broadcast(header, src=0)
+    collectives.broadcast(header, src=0)
     values = header.tolist()
     if values[0] != STEP:
         return values, None
     payload = torch.empty(payload_size(values), dtype=torch.long, device=device)
-    dist.broadcast(payload, src=0)
+    collectives.broadcast(payload, src=0)
     return values, payload
 
 
@@ -103,7 +104,7 @@ def gather_logits(local: torch.Tensor, vocab_size: int, size: int, group=None, d
         return local[:, :vocab_size]
     if dist.get_rank() == dst:
         parts = [torch.empty_like(local) for _ in range(size)]
-        dist.gather(local, parts, dst=dst, group=group)
+        collectives.gather(local, parts, dst=dst, group=group)
         return torch.cat(parts, dim=-1)[:, :vocab_size]
-    dist.gather(local, None, dst=dst, group=group)
+    collectives.gather(local, None, dst=dst, group=group)
     return None

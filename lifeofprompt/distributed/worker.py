@@ -115,7 +115,9 @@ def shard_report(model, cache) -> dict:
     from .sharded_model import weight_report
 
     tables = model.last_block_tables
+    from . import collectives
+
     plan = model.plan
-    return dict(rank=plan.world_rank, tp_rank=plan.rank, stage=plan.stage, layers=plan.layers, pid=os.getpid(),
+    return dict(rank=plan.world_rank, collectives=collectives.snapshot(), tp_rank=plan.rank, stage=plan.stage, layers=plan.layers, pid=os.getpid(),
                 weights=weight_report(model), kv_shape=tuple(cache.kv.shape),
                 kv_nbytes=cache.nbytes, block_tables=None if tables is None else tables.tolist())

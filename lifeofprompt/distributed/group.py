@@ -106,7 +106,7 @@ class ParallelGroup:
         except BaseException:
             group.shutdown()
             raise
-        logger.debug("tensor parallel: %d ranks up", size)
+        logger.debug("parallel: %d x %d ranks up", size, stages)
         return group, model
 
     def _wait_until_started(self, store) -> None:

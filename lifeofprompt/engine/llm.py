@@ -5,6 +5,10 @@
     outputs = llm.generate(["hi my name is", "hello there"], SamplingParams(temperature=0, max_tokens=16))
     print(outputs[0].outputs[0].text)
 
+``tensor_parallel_size=T`` / ``pipeline_parallel_size=P`` split the model over T×P processes
+(``lifeofprompt.distributed``; this one is rank 0 and keeps the scheduler); ``shutdown()`` ends
+them, as garbage collection and interpreter exit do.
+
 ``generate`` checks every request before any work starts (a bad one raises a typed error that
 names its index, and nothing runs), adds them all to an ``LLMEngine`` and steps it until they
 finish; outputs come back in the order of the prompts. ``stream`` yields what each step adds,

@@ -5,6 +5,8 @@ its heads of them) in its weights and its KV pool."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from lifeofprompt.engine.llm import LLM
@@ -60,3 +62,49 @@ def test_stages_give_the_single_process_tokens(single, tp, pp):
         assert len({str(r["block_tables"]) for r in reports}) == 1
     finally:
         llm.shutdown()
+
+
+TORCHRUN_SCRIPT = """
+import json, os, sys
+sys.path.insert(0, {tests!r})
+import torch
+torch.set_num_threads(1)
+from tiny_models import tiny_model
+from lifeofprompt import LLM, SamplingParams
+from test_tensor_parallel import ENGINE, PROMPTS, greedy
+model, tokenizer = tiny_model()
+llm = LLM(model, tokenizer=tokenizer, pipeline_parallel_size=2, **ENGINE)     # rank 1 serves here, then exits
+tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy())]
+print("TOKENS " + json.dumps(dict(rank=int(os.environ["RANK"]), tokens=tokens)), flush=True)
+llm.shutdown()
+"""
+
+
+def test_two_torchrun_nodes_give_the_same_tokens(single, tmp_path):
+    """Two ``torchrun --nnodes 2 --nproc-per-node 1`` launches of the same script, c10d rendezvous on
+    127.0.0.1, P = 2: whichever becomes rank 0 drives, the other serves its stage and exits."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "node.py"
+    script.write_text(TORCHRUN_SCRIPT.format(tests=str(Path(__file__).resolve().parent)))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "lifeofprompt-test",
+               "--max-restarts", "0", str(script)]
+    nodes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        results = [node.communicate(timeout=240) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], [err[-3000:] for _, err in results]
+    lines = [line for out, _ in results for line in out.splitlines() if line.startswith("TOKENS ")]
+    assert len(lines) == 1                                      # only rank 0 comes back from LLM(...)
+    found = json.loads(lines[0].removeprefix("TOKENS "))
+    assert found["rank"] == 0 and found["tokens"] == single     # the same ops on the same weights: exactly equal

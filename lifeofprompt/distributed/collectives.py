@@ -16,6 +16,14 @@ import torch
 import torch.distributed as dist
 
 STATS: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0, "bytes": 0, "seconds": 0.0})
+WORLD = None        # the group of every rank the step's broadcasts and sends use (None: the default group)
+
+
+def use_world(group) -> None:
+    """Under torchrun rank 0 runs its collectives in a copy of the world with a short timeout: the
+    default group's timeout also bounds the rendezvous, and nodes may start minutes apart."""
+    global WORLD
+    WORLD = group
 
 
 def reset() -> None:
@@ -38,20 +46,20 @@ def _run(op: str, tensor: torch.Tensor, call, *args, **kwargs):
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0) -> None:
-    _run("broadcast", tensor, dist.broadcast, tensor, src=src)
+    _run("broadcast", tensor, dist.broadcast, tensor, src=src, group=WORLD)
 
 
 def all_reduce(tensor: torch.Tensor, group=None) -> None:
-    _run("all_reduce", tensor, dist.all_reduce, tensor, group=group)
+    _run("all_reduce", tensor, dist.all_reduce, tensor, group=group or WORLD)
 
 
 def gather(tensor: torch.Tensor, parts, dst: int, group=None) -> None:
-    _run("gather", tensor, dist.gather, tensor, parts, dst=dst, group=group)
+    _run("gather", tensor, dist.gather, tensor, parts, dst=dst, group=group or WORLD)
 
 
 def send(tensor: torch.Tensor, dst: int) -> None:
-    _run("send", tensor, dist.send, tensor, dst=dst)
+    _run("send", tensor, dist.send, tensor, dst=dst, group=WORLD)
 
 
 def recv(tensor: torch.Tensor, src: int) -> None:
-    _run("recv", tensor, dist.recv, tensor, src=src)
+    _run("recv", tensor, dist.recv, tensor, src=src, group=WORLD)

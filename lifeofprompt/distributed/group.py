@@ -83,9 +83,11 @@ class ParallelGroup:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda" and torch.cuda.device_count() < world:
             raise ConfigError(f"{size} x {stages} ranks need {world} GPUs; this machine has {torch.cuda.device_count()}")
+        threads = worker_threads or max(1, torch.get_num_threads() // world)
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            return cls._launch_under_torchrun(full_model, size, stages, num_blocks, block_size, timeout_s, backend, threads)
         store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=timeout_s))
-        threads = worker_threads or max(1, torch.get_num_threads() // world)
         context = multiprocessing.get_context("spawn")
         processes = []
         for rank in range(1, world):
@@ -107,6 +109,39 @@ class ParallelGroup:
             group.shutdown()
             raise
         logger.debug("parallel: %d x %d ranks up", size, stages)
+        return group, model
+
+    @classmethod
+    def _launch_under_torchrun(cls, full_model, size, stages, num_blocks, block_size, timeout_s, backend, threads):
+        """The same engine when torchrun started every rank (``--nnodes``, on one machine or several).
+
+        Every node runs the same script. Torchrun's rank 0 drives, exactly as with spawned workers;
+        on every other rank this call becomes the worker and ends the process when rank 0 stops.
+        Nobody's process handle is watched (they may be on other machines): the timeout does it.
+        """
+        from . import collectives
+        from .worker import main_under_torchrun
+
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if world != size * stages:
+            raise ConfigError(f"torchrun started {world} ranks, but {size} x {stages} = {size * stages} are asked for")
+        device = full_model.device
+        if rank > 0:
+            local = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if device.type == "cuda" else "cpu"
+            main_under_torchrun(WorkerSpec(rank, world, size, 0, full_model.config,
+                                           str(full_model.dtype).removeprefix("torch."), local, backend, num_blocks,
+                                           block_size, threads, os.getppid()))
+            raise SystemExit(0)
+        group = cls(size, [], backend, device, timeout_s, stages)
+        try:
+            dist.init_process_group(backend, init_method="env://", rank=0, world_size=world,
+                                    timeout=timedelta(seconds=START_TIMEOUT_S))
+            collectives.use_world(dist.new_group(list(range(world)), timeout=timedelta(seconds=timeout_s)))
+            with group.guard():
+                model = group._send_weights(full_model)
+        except BaseException:
+            group.shutdown()
+            raise
         return group, model
 
     def _wait_until_started(self, store) -> None:
@@ -226,6 +261,8 @@ class ParallelGroup:
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+        from . import collectives
+        collectives.use_world(None)
 
     def _kill_workers(self) -> None:
         for p in self.processes:

@@ -54,10 +54,31 @@ def watch_parent(parent_pid: int) -> None:
 
 
 def main(spec: WorkerSpec) -> None:
-    """The worker's whole life: join the group, receive the shard, then serve steps."""
+    """A spawned worker's whole life: build its shard, join the group, receive the weights, serve steps."""
     watch_parent(spec.parent_pid)
+    plan, model, cache = build_shard(spec)
+    store = dist.TCPStore(spec.host, spec.port, spec.world_size, is_master=False, timeout=timedelta(seconds=60))
+    store.set(f"started/{spec.rank}", "1")          # rank 0 waits for every worker before the timed collectives
+    dist.init_process_group(spec.backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=IDLE_TIMEOUT)
+    run_shard(spec, plan, model, cache)
+
+
+def main_under_torchrun(spec: WorkerSpec) -> None:
+    """A rank > 0 that torchrun started (on this machine or another): the same, joined through torchrun's
+    rendezvous (``MASTER_ADDR``/``MASTER_PORT``), with one more group every rank makes: the timed world."""
+    plan, model, cache = build_shard(spec)
+    dist.init_process_group(spec.backend, init_method="env://", rank=spec.rank, world_size=spec.world_size,
+                            timeout=IDLE_TIMEOUT)
+    from . import collectives
+
+    collectives.use_world(dist.new_group(list(range(spec.world_size)), timeout=IDLE_TIMEOUT))  # rank 0's timed world
+    run_shard(spec, plan, model, cache)
+
+
+def build_shard(spec: WorkerSpec):
+    """``(plan, model, cache)``: this rank's empty shard and KV pool (before any collective: it takes a while)."""
     from ..model.attention import PagedKVCache
-    from .sharded_model import ShardedLlamaForCausalLM, shard_names
+    from .sharded_model import ShardedLlamaForCausalLM
     from .sizes import ShardPlan
 
     torch.set_num_threads(spec.threads)
@@ -68,16 +89,21 @@ def main(spec: WorkerSpec) -> None:
     plan = ShardPlan.for_world_rank(spec.config, spec.rank, spec.tensor_parallel_size, stages)
     model = ShardedLlamaForCausalLM.empty(plan, device, getattr(torch, spec.dtype))
     cache = PagedKVCache.for_model(plan.config, spec.num_blocks, spec.block_size, dtype=model.dtype, device=device)
-    store = dist.TCPStore(spec.host, spec.port, spec.world_size, is_master=False, timeout=timedelta(seconds=60))
-    store.set(f"started/{spec.rank}", "1")          # rank 0 waits for every worker before the timed collectives
-    dist.init_process_group(spec.backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=IDLE_TIMEOUT)
+    return plan, model, cache
+
+
+def run_shard(spec: WorkerSpec, plan, model, cache) -> None:
+    """In the group: make the stage groups, receive the weights, serve steps until stop; leave the group."""
+    from .sharded_model import shard_names
+
     try:
+        stages = spec.world_size // spec.tensor_parallel_size
         model.set_tp_group(tensor_parallel_groups(spec.tensor_parallel_size, stages, IDLE_TIMEOUT)[plan.stage])
         params = dict(model.named_parameters())
         with torch.no_grad():
             for name in shard_names(plan):                 # the order rank 0 sends them in
                 dist.recv(params[name].data, src=0)
-        serve(model, cache, device)
+        serve(model, cache, model.device)
     except Exception as exc:     # the group failed (rank 0 gone, timed out, a peer died): say so in one line
         print(f"lifeofprompt parallel worker rank {spec.rank}: {type(exc).__name__}: "
               f"{str(exc).splitlines()[0] if str(exc) else ''}; exiting", file=sys.stderr, flush=True)

@@ -16,6 +16,9 @@ raises ``WorkerFailedError`` naming what happened, and every worker is gone. Wor
 for steps without a deadline (an idle server sends none) and leave when the driver dies
 (``worker.watch_parent``).
 
+Under ``torchrun`` (``_launch_under_torchrun``) nothing is spawned: torchrun started every
+rank, on one machine or several, and each runs the same script; rank 0 drives as above.
+
 One parallel engine per process: ``torch.distributed`` keeps one default group.
 """
 

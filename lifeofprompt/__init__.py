@@ -10,8 +10,9 @@ and nothing heavier (no matplotlib, transformers, fastapi, triton) until a name 
 from ._version import __version__
 from .env import env_info, env_report
 from .errors import (AuthenticationError, ConfigError, InvalidRequestError, LifeOfPromptError, MissingDependencyError,
-                     ModelNotFoundError, OutOfMemoryError, QueueFullError, RequestFailedError, RequestNotFoundError,
-                     RequestTooLargeError, ShuttingDownError, SpeculativeConfigError)
+                     ModelNotFoundError, OutOfMemoryError, ParallelConfigError, QueueFullError, RequestFailedError,
+                     RequestNotFoundError, RequestTooLargeError, ShuttingDownError, SpeculativeConfigError,
+                     WorkerFailedError)
 from .model.config import ModelConfig
 from .model.loader import load_model
 from .engine.block_manager import BlockManager
@@ -28,7 +29,7 @@ __all__ = [
     # errors (lifeofprompt.errors)
     "LifeOfPromptError", "ModelNotFoundError", "MissingDependencyError", "InvalidRequestError", "RequestTooLargeError",
     "ConfigError", "OutOfMemoryError", "QueueFullError", "RequestNotFoundError", "RequestFailedError",
-    "ShuttingDownError", "AuthenticationError", "SpeculativeConfigError",
+    "ShuttingDownError", "AuthenticationError", "SpeculativeConfigError", "ParallelConfigError", "WorkerFailedError",
     # model (notebooks 01-02)
     "ModelConfig", "load_model",
     # engine (notebooks 05-08)

@@ -91,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--speculative-config", type=_json_object, default=None, dest="speculative_config",
                        help='speculative decoding, as JSON (vLLM\'s), e.g. \'{"method": "ngram", '
                             '"num_speculative_tokens": 4}\' or \'{"model": "smollm2-135m", "num_speculative_tokens": 3}\'')
+    serve.add_argument("--tensor-parallel-size", type=int, default=None,
+                       help="split each layer over this many processes (torch.distributed; SmolLM2: 1 or 3)")
+    serve.add_argument("--pipeline-parallel-size", type=int, default=None,
+                       help="split the layers into this many stages, each on its own processes")
 
     load = sub.add_parser("loadtest", help="load-test any OpenAI-compatible endpoint with random arrivals",
                           description="Send streaming requests at Poisson times (--rate), from a closed loop of "

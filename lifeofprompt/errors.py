@@ -109,3 +109,26 @@ class SpeculativeConfigError(ConfigError):
     def __init__(self, message: str, *, param: str | None = None):
         super().__init__(f"speculative_config[{param!r}]: {message}" if param else message)
         self.param = param
+
+
+class ParallelConfigError(ConfigError):
+    """A tensor- or pipeline-parallel size the model's shapes cannot be split by; names the valid ones."""
+
+    def __init__(self, message: str, *, valid_sizes: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.valid_sizes = tuple(valid_sizes)
+
+
+class WorkerFailedError(LifeOfPromptError):
+    """A parallel worker process died or stopped answering; the engine has shut the others down.
+
+    The engine cannot serve any more (its model is split over the workers): build a new one.
+    """
+
+    http_status = 503
+    error_type = "engine_unavailable"
+
+    def __init__(self, message: str, *, rank: int | None = None, exitcode: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode

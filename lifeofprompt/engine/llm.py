@@ -5,6 +5,10 @@
     outputs = llm.generate(["hi my name is", "hello there"], SamplingParams(temperature=0, max_tokens=16))
     print(outputs[0].outputs[0].text)
 
+``tensor_parallel_size=T`` / ``pipeline_parallel_size=P`` split the model over T×P processes
+(``lifeofprompt.distributed``; this one is rank 0 and keeps the scheduler); ``shutdown()`` ends
+them, as garbage collection and interpreter exit do.
+
 ``generate`` checks every request before any work starts (a bad one raises a typed error that
 names its index, and nothing runs), adds them all to an ``LLMEngine`` and steps it until they
 finish; outputs come back in the order of the prompts. ``stream`` yields what each step adds,
@@ -29,13 +33,19 @@ class LLM:
                  num_kv_blocks: int | None = None, kv_cache_memory: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  attention_backend: str | None = None, enforce_eager: bool = False, speculative_config: dict | None = None,
-                 **engine_kwargs):
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, **engine_kwargs):
         self.engine = LLMEngine(model, dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
                                 kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens,
                                 enable_prefix_caching=enable_prefix_caching, attention_backend=attention_backend,
-                                enforce_eager=enforce_eager, speculative_config=speculative_config, **engine_kwargs)
+                                enforce_eager=enforce_eager, speculative_config=speculative_config,
+                                tensor_parallel_size=tensor_parallel_size,
+                                pipeline_parallel_size=pipeline_parallel_size, **engine_kwargs)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """End the tensor-parallel worker processes now (garbage collection and exit also do)."""
+        self.engine.shutdown()
 
     @property
     def tokenizer(self):

@@ -33,7 +33,8 @@ from dataclasses import replace
 import torch
 
 from .block_manager import BlockManager
-from ..errors import ConfigError, InvalidRequestError, LifeOfPromptError, QueueFullError, RequestFailedError
+from ..errors import (ConfigError, InvalidRequestError, LifeOfPromptError, QueueFullError, RequestFailedError,
+                      SpeculativeConfigError)
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, StepRecord, format_steps
@@ -87,7 +88,8 @@ class LLMEngine:
                  max_waiting: int | None = None, check_invariants: bool = False,
                  max_step_records: int = 10_000, log_stats: bool = True, clock=time.monotonic,
                  prepack_cpu_weights: bool = True, cpu_linear: str | None = None,
-                 cpu_decode: bool | None = None, speculative_config=None):
+                 cpu_decode: bool | None = None, speculative_config=None, tensor_parallel_size: int = 1,
+                 pipeline_parallel_size: int = 1):
         if isinstance(model, str):
             from ..model.loader import load_model
             self.model, self.tokenizer = load_model(model, dtype=dtype, device=device)
@@ -115,6 +117,13 @@ class LLMEngine:
             self.spec.check_context(context_len)
         if num_kv_blocks is None and (kv_cache_memory is not None or self.model.device.type != "cuda"):
             num_kv_blocks = self._blocks_for_memory(kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY)
+        self.parallel = None     # T > 1: the worker processes (lifeofprompt.distributed); self.model is rank 0's shard
+        if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
+            if self.spec_config is not None and self.spec_config.method != "ngram":
+                raise SpeculativeConfigError("a draft model runs in one process only: use method 'ngram' with "
+                                             "tensor_parallel_size or pipeline_parallel_size > 1", param="model")
+            self._launch_tensor_parallel(tensor_parallel_size, pipeline_parallel_size, num_kv_blocks)
+            cpu_decode, cpu_linear = False, cpu_linear or "linear"
         from .model_runner import ModelRunner
         self.runner = ModelRunner(self.model, num_kv_blocks, block_size, attention_backend or "auto",
                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -178,6 +187,27 @@ class LLMEngine:
             raise OutOfMemoryError(f"kv_cache_memory={kv_bytes} bytes holds not one block of {self.block_size} tokens")
         return blocks
 
+    def _launch_tensor_parallel(self, size: int, stages: int, num_kv_blocks: int | None) -> None:
+        """Split the model over ``size`` × ``stages`` ranks; this process is rank 0 and keeps the scheduler.
+
+        The one C decode step (all layers in one call) has no place for the all-reduces, and
+        ranks timing products against each other on shared cores would measure nothing, so a
+        split model runs the plain products unless ``cpu_linear`` names a path.
+        """
+        from ..distributed.group import ParallelGroup
+        if num_kv_blocks is None:
+            raise ConfigError("a parallel engine on a GPU needs num_kv_blocks or kv_cache_memory "
+                              "(the pool is not profiled across ranks)")
+        self._full_weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.parallel, self.model = ParallelGroup.launch(self.model, size, num_kv_blocks, self.block_size,
+                                                               stages=stages)
+        self.parallel.shutdown_with(self)
+
+    def shutdown(self) -> None:
+        """End the tensor-parallel workers (if any); the engine cannot step afterwards. Idempotent."""
+        if self.parallel is not None:
+            self.parallel.shutdown()
+
     def _startup_lines(self, context_len: int) -> list[str]:
         from .memory import format_bytes
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -210,6 +240,8 @@ class LLMEngine:
             lines.append(f"decode attention: {how} ({self.runner.decode_attention_reason})")
         if self.spec is not None:
             lines += self.spec.startup_lines(kv, self.num_kv_blocks)
+        if self.parallel is not None:
+            lines += self.parallel.describe(self.model, self._full_weight_bytes)
         if getattr(self.model, "is_random", False):
             lines.append("NOTE: random weights - generated text is meaningless (speed and memory work only)")
         return lines

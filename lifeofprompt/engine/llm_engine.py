@@ -233,7 +233,7 @@ class LLMEngine:
             lines += self.runner.linear_choice.describe()
         rows = getattr(self.runner, "cpu_decode_rows", 0)
         if rows:
-            lines.append(f"decode steps of {'1' if rows == 1 else f'1-{rows}'} rows: all layers in one C call "
+            lines.append(f"decode steps of {'1 row' if rows == 1 else f'1-{rows} rows'}: all layers in one C call "
                          "(model/cpu_decode.c), where rowwise products were chosen")
         if getattr(self.runner, "decode_attention_reason", ""):
             how = "in C, from the pool" if self.runner.decode_attention_in_c else "gather + SDPA (torch)"

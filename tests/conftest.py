@@ -69,25 +69,9 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.nodeid.startswith("tests/browser/"))
 
 
-def build_tiny_model(max_position_embeddings: int = 512, seed: int = 0):
-    """A 2-layer random Llama over the byte tokenizer (vocab 300): built in milliseconds, steps in
-    about a millisecond; for tests of the engine's and the server's plumbing, not of the numbers."""
-    from lifeofprompt.model.config import ModelConfig
-    from lifeofprompt.model.llama import LlamaForCausalLM
-    from lifeofprompt.model.loader import ByteTokenizer
-
-    config = ModelConfig(name="tiny-random", vocab_size=300, hidden_size=32, intermediate_size=64, num_layers=2,
-                         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=max_position_embeddings)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.fill_(1.0) if name.endswith("norm.weight") else param.normal_(0.0, 0.5)
-    model.source, model.is_random = "tiny random test model", True
-    return model.eval(), ByteTokenizer(config.vocab_size)
-
-
 @pytest.fixture(scope="session")
 def tiny_model():
     """``(model, tokenizer)``: see ``build_tiny_model``."""
+    from tiny_models import build_tiny_model
+
     return build_tiny_model()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import build_tiny_model
+from tiny_models import build_tiny_model
 from lifeofprompt.engine.llm_engine import MIN_FAIR_CHUNK, LLMEngine, fair_prefill_threshold
 from lifeofprompt.engine.sampling_params import SamplingParams
 from lifeofprompt.errors import ConfigError

@@ -26,7 +26,7 @@ from schemathesis.checks import not_a_server_error  # noqa: E402
 from schemathesis.specs.openapi.checks import (content_type_conformance, response_headers_conformance,  # noqa: E402
                                                response_schema_conformance, status_code_conformance)
 
-from conftest import build_tiny_model  # noqa: E402
+from tiny_models import build_tiny_model  # noqa: E402
 from lifeofprompt.engine.llm_engine import LLMEngine  # noqa: E402
 from lifeofprompt.serving.openai_protocol import UNSUPPORTED  # noqa: E402
 from lifeofprompt.serving.server import build_app  # noqa: E402

@@ -31,7 +31,7 @@ from lifeofprompt.serving.server import build_app, free_port  # noqa: E402
 SERVER = """
 import sys, time
 sys.path.insert(0, {tests!r})
-from conftest import build_tiny_model
+from tiny_models import build_tiny_model
 from lifeofprompt.engine.llm_engine import LLMEngine
 from lifeofprompt.serving.server import ServerConfig, serve
 

@@ -1,4 +1,5 @@
-"""A tiny random Llama with SmolLM2's head layout, for the tensor-parallel tests (and their subprocesses).
+"""Tiny random Llamas for tests: one with SmolLM2's head layout, for the tensor-parallel tests (and their
+subprocesses), and ``build_tiny_model``, for the engine's and the server's plumbing.
 
 2 layers, 9 query / 3 KV heads, intermediate 96 (divisible by 3 like SmolLM2's 1536), tied
 embeddings, and a vocabulary of 320 that 3 does not divide, so the padded vocab shard runs too.
@@ -48,3 +49,21 @@ def assert_parallel_agrees(parallel_model, full_model, prompts, tokens, referenc
     assert sum(m > tolerance for ms in margins for m in ms) >= min_fraction * steps
     assert_greedy_agrees(tokens, reference_tokens, margins, tolerance, min_steps=int(min_fraction * steps))
     return difference
+
+
+def build_tiny_model(max_position_embeddings: int = 512, seed: int = 0):
+    """A 2-layer random Llama over the byte tokenizer (vocab 300): built in milliseconds, steps in
+    about a millisecond; for tests of the engine's and the server's plumbing, not of the numbers."""
+    from lifeofprompt.model.config import ModelConfig
+    from lifeofprompt.model.llama import LlamaForCausalLM
+    from lifeofprompt.model.loader import ByteTokenizer
+
+    config = ModelConfig(name="tiny-random", vocab_size=300, hidden_size=32, intermediate_size=64, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=max_position_embeddings)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.fill_(1.0) if name.endswith("norm.weight") else param.normal_(0.0, 0.5)
+    model.source, model.is_random = "tiny random test model", True
+    return model.eval(), ByteTokenizer(config.vocab_size)

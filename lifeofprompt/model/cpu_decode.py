@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .native_build import compiled
+from .native_build import c_function
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 
@@ -39,14 +39,9 @@ class Dims(ctypes.Structure):
 @functools.lru_cache(maxsize=None)
 def step_kernel():
     """The compiled ``decode_step`` function, or None where it cannot be built here."""
-    library = compiled(SOURCE)
-    function = getattr(library, "decode_step", None) if library is not None else None
-    if function is None:
-        return None
-    function.argtypes = [ctypes.POINTER(Dims)] + [ctypes.c_void_p] * 3 + [ctypes.c_long] + \
-                        [ctypes.c_void_p] * 12 + [ctypes.c_int]
-    function.restype = None
-    return function
+    return c_function(SOURCE, "decode_step", [ctypes.POINTER(Dims)] + [ctypes.c_void_p] * 3 + [ctypes.c_long]
+                      + [ctypes.c_void_p] * 12 + [ctypes.c_int])
+
 
 
 def supports(model) -> bool:
@@ -124,13 +119,8 @@ def decode_hidden_states(model, input_ids: torch.Tensor, positions: torch.Tensor
 @functools.lru_cache(maxsize=None)
 def attention_kernel():
     """The compiled ``decode_attention`` function, or None where it cannot be built here."""
-    library = compiled(SOURCE)
-    function = getattr(library, "decode_attention", None) if library is not None else None
-    if function is None:
-        return None
-    function.argtypes = [ctypes.POINTER(Dims)] + [ctypes.c_void_p] * 7 + [ctypes.c_long, ctypes.c_int]
-    function.restype = None
-    return function
+    return c_function(SOURCE, "decode_attention",
+                      [ctypes.POINTER(Dims)] + [ctypes.c_void_p] * 7 + [ctypes.c_long, ctypes.c_int])
 
 
 def attention_supports(query: torch.Tensor, k_pool: torch.Tensor) -> bool:

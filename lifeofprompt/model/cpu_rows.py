@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .native_build import compiled
+from .native_build import c_function
 
 SOURCE = Path(__file__).with_name("cpu_rows.c")
 
@@ -26,13 +26,8 @@ SOURCE = Path(__file__).with_name("cpu_rows.c")
 @functools.lru_cache(maxsize=None)
 def rows_kernel():
     """The compiled ``rows_times_weight`` function, or None where it cannot be built here."""
-    library = compiled(SOURCE)
-    function = getattr(library, "rows_times_weight", None) if library is not None else None
-    if function is None:
-        return None
-    function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
-    function.restype = None
-    return function
+    return c_function(SOURCE, "rows_times_weight", [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int])
+
 
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -73,3 +73,14 @@ def compiled(source: Path) -> ctypes.CDLL | None:
         return ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def c_function(source: Path, name: str, argtypes: list):
+    """``name`` from this machine's build of ``source``, typed for ctypes (no return value), or None where it cannot be built."""
+    library = compiled(source)
+    function = getattr(library, name, None) if library is not None else None
+    if function is None:
+        return None
+    function.argtypes = argtypes
+    function.restype = None
+    return function

@@ -35,41 +35,48 @@ def random_model(rng: random.Random) -> LlamaForCausalLM:
     return model
 
 
-def decode_batch(runner: ModelRunner, rng: random.Random, num_seqs: int) -> list[Sequence]:
-    """Sequences with random cached contexts (0-40 tokens) in scattered blocks, each about to decode one token."""
+def step_batch(runner: ModelRunner, rng: random.Random, num_seqs: int, mixed: bool = False):
+    """Sequences with random cached contexts (0-40 tokens) in scattered blocks, and the tokens each runs.
+
+    Each decodes one token, or with ``mixed`` some run 2-6 (a verify's rows or a prompt chunk,
+    causal among themselves). Returns ``(seqs, num_scheduled_tokens)``.
+    """
     blocks = list(range(runner.num_blocks))
     rng.shuffle(blocks)
-    seqs = []
+    seqs, scheduled = [], []
     for i in range(num_seqs):
-        context = rng.randrange(0, 41)
-        seq = Sequence(f"s{i}", [rng.randrange(97) for _ in range(context + 1)], Params(temperature=0))
+        context, new = rng.randrange(0, 41), rng.choice([1, 1, rng.randrange(2, 7)]) if mixed else 1
+        seq = Sequence(f"s{i}", [rng.randrange(97) for _ in range(context + new)], Params(temperature=0))
         seq.num_computed_tokens = context
-        needed = context // runner.block_size + 1
+        needed = (context + new - 1) // runner.block_size + 1
         seq.block_table, blocks = blocks[:needed], blocks[needed:]
         seqs.append(seq)
-    return seqs
+        scheduled.append(new)
+    return seqs, scheduled
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", range(12))
 @torch.no_grad()
 def test_the_c_step_computes_the_torch_forward(seed, threads):
-    """Random shapes, block sizes, contexts and scattered blocks: the same hidden states and the same KV rows written."""
+    """Random shapes, block sizes, contexts and scattered blocks; one-token decodes, and (odd seeds)
+    steps that mix them with rows of verifies and prompt chunks: the same hidden states and the
+    same KV rows written."""
     rng = random.Random(seed)
     model = random_model(rng)
     block_size = rng.choice([1, 4, 16])
     runner = ModelRunner(model, num_blocks=64 * 41 // block_size + 64, block_size=block_size, backend="torch",
                          max_num_seqs=8, cpu_linear="linear", cpu_decode=True)
     runner.kv_cache.kv.normal_()                    # stale values everywhere: only the right slots may be read
-    seqs = decode_batch(runner, rng, rng.randrange(1, 7))
+    seqs, scheduled = step_batch(runner, rng, rng.randrange(1, 7), mixed=seed % 2 == 1)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         before = runner.kv_cache.kv.clone()
-        want = model.hidden_states(*runner.prepare(seqs, [1] * len(seqs)))
+        want = model.hidden_states(*runner.prepare(seqs, scheduled))
         want_kv = runner.kv_cache.kv.clone()
         runner.kv_cache.kv.copy_(before)
-        got = model.hidden_states(*runner.prepare(seqs, [1] * len(seqs)), fused_kernels="cpu")
+        got = model.hidden_states(*runner.prepare(seqs, scheduled), fused_kernels="cpu")
     finally:
         torch.set_num_threads(previous)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -86,6 +93,17 @@ def test_rows_follow_the_calibrated_choice():
     assert cpu_decode.usable_rows({(48, 16): two, (16, 16): RowPlan.single("rowwise")}, shapes) == 2
     assert cpu_decode.usable_rows({(48, 16): RowPlan.single("linear"), (16, 16): two}, shapes) == 0
     assert cpu_decode.usable_rows(None, shapes) == 0
+
+
+def test_rowwise_within_noise_of_the_best_still_takes_the_c_step():
+    """A shape whose choice at 2 rows was another path by a hair keeps the C step; by a wide margin it does not."""
+    shapes = {(48, 16), (16, 16)}
+    plans = {(48, 16): RowPlan(("rowwise", "transposed") + ("onednn",) * 14, "onednn"), (16, 16): RowPlan.single("rowwise")}
+    close = {"48x16": {"1": {"rowwise": 1.0, "transposed": 1.1}, "2": {"rowwise": 2.1, "transposed": 2.0},
+                       "4": {"rowwise": 6.0, "onednn": 3.0}}}
+    assert cpu_decode.usable_rows(plans, shapes, close) == 3       # 3 rows take 2 rows' measurement
+    far = {"48x16": {1: {"rowwise": 1.0}, 2: {"rowwise": 3.0, "transposed": 2.0}}}
+    assert cpu_decode.usable_rows(plans, shapes, far) == 1
 
 
 def test_the_runner_uses_it_only_where_asked_or_measured():
@@ -118,6 +136,31 @@ def test_the_engine_gives_the_same_greedy_tokens_with_the_c_step(story_greedy, s
     model, _ = smollm2
     margins = [top2_margins(teacher_forced_logits(model, p, w)) for p, w in zip(prompts, want)]
     assert_greedy_agrees(got, want, margins, FP32_TOLERANCE, min_steps=int(0.9 * sum(map(len, want))))
+
+
+CODE = ("def area(width, height):\n    return width * height\n\n"
+        "def perimeter(width, height):\n    return 2 * (width + height)\n\nRewrite both functions with type hints:\n")
+
+
+def test_speculative_verifies_run_in_the_c_step_and_keep_the_greedy_tokens(story_greedy, smollm2):
+    """Prompt lookup's k + 1 verify rows go through the C step too (causal among themselves), and the
+    tokens are the plain C engine's wherever the margin decides them."""
+    _, _, plain = story_greedy[True]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = list(plain.generate([CODE], params)[0].outputs[0].token_ids)
+    spec = LLM("smollm2-135m", dtype="float32", cpu_linear="rowwise", cpu_decode=True, log_stats=False,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4})
+    launches = []
+    forward = spec.engine.runner.run_model
+    spec.engine.runner.run_model = lambda ids, pos, meta: launches.append((ids.shape[0], meta.max_query_len)) or forward(ids, pos, meta)
+    out = spec.generate([CODE], params)[0]
+    verifies = [rows for rows, query in launches if 1 < rows <= 16 and query == rows]
+    assert out.metrics.spec_decode.num_accepted_tokens > 5 and verifies, "prompt lookup should have fired on the code prompt"
+    assert spec.engine.runner.last_launch["fused"] == "cpu"
+    model, tokenizer = smollm2
+    prompt = tokenizer.encode(CODE)
+    margins = [top2_margins(teacher_forced_logits(model, prompt, want))]
+    assert_greedy_agrees([list(out.outputs[0].token_ids)], [want], margins, FP32_TOLERANCE, min_steps=int(0.9 * len(want)))
 
 
 @pytest.mark.skipif(not huge_pages.huge_pages_available(), reason="this system gives no transparent huge pages")

@@ -165,18 +165,19 @@ class ModelRunner:
         return self.run_model(input_ids, positions, meta)
 
     def choose_cpu_decode_rows(self, cpu_decode: bool | None) -> int:
-        """Up to how many rows a decode step runs as one C call (``model/cpu_decode.py``); 0 for never.
+        """Up to how many rows a step runs as one C call (``model/cpu_decode.py``); 0 for never.
 
         ``None``: where the calibration chose the ``rowwise`` product for every layer matrix (the
         C step multiplies the same way, and saves the eager ops around the products). ``True``:
-        every decode step of up to 16 rows (tests); ``False``: never.
+        every step of up to 16 rows (tests); ``False``: never.
         """
         if cpu_decode is False or self.backend != "torch" or not cpu_decode_supports(self.model):
             return 0
         if cpu_decode:
             return 16
-        plans = self.linear_choice.plans if self.linear_choice else None
-        return cpu_decode_rows(plans, layer_shapes(self.model))
+        if not self.linear_choice:
+            return 0
+        return cpu_decode_rows(self.linear_choice.plans, layer_shapes(self.model), self.linear_choice.timings)
 
     def choose_decode_attention(self, cpu_decode: bool | None) -> tuple[bool, str]:
         """Whether the decode rows of every step attend in C, straight from the pool (``cpu_decode.decode_attention``).
@@ -198,7 +199,7 @@ class ModelRunner:
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedCacheMetadata) -> torch.Tensor:
         """The model's forward as this runner runs it: the fused C decode step, the fused Triton kernels, or plain."""
         fused = self.fused_kernels
-        if 0 < meta.num_seqs <= self.cpu_decode_rows and meta.max_query_len == 1 and meta.cache.kv.dtype == torch.float32:
+        if 0 < input_ids.shape[0] <= self.cpu_decode_rows and meta.cache.kv.dtype == torch.float32:
             fused = "cpu"
         if self.last_launch:
             self.last_launch["fused"] = fused

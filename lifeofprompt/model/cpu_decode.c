@@ -1,4 +1,10 @@
-/* A whole Llama decode step on the CPU in one call: every layer, for a few sequences of one new token each.
+/* A whole Llama step on the CPU in one call: every layer, for a few query rows.
+ *
+ * The rows are whatever a small step holds: one-token decodes of several sequences, the k + 1
+ * rows of a speculative verify, a short prefill chunk. Each row carries its own position, KV
+ * slot, block table and context length (its position + 1): every row's keys and values are
+ * stored before any row attends, so rows of one sequence see each other causally, as in the
+ * torch path's attention.
  *
  * Why a second implementation of the layers (the reference is lifeofprompt/model/llama.py):
  * at batch 1 the torch path spends ~0.3 ms a layer outside the matrix products, in ~40 small
@@ -8,7 +14,7 @@
  * else. The numbers are those of the torch path up to fp32 summation order (tested in
  * tests/test_cpu_decode.py against the torch forward).
  *
- * Per layer, for each of the m rows (one per sequence):
+ * Per layer, for each of the m rows:
  *   normed = rms_norm(residual) * w_in
  *   q, k, v = normed @ w_qkv^T;      q, k rotated (RoPE, half-split), k and v stored at slot
  *   context = softmax(q k^T * scale) v   over the sequence's keys, found through its block table
@@ -17,11 +23,12 @@
  *   residual += (silu(normed @ w_gate^T) * (normed @ w_up^T)) @ w_down^T
  * and at the end hidden = rms_norm(residual) * w_final. The LM head stays with the caller.
  *
- * The products read each weight row once, front to back (the "rowwise" path of cpu_rows.c):
- * one sequential stream per thread, which the prefetcher follows at close to the machine's read
- * rate. Threads split the heads of the qkv product (each rotates and stores its own), the
- * (row, head) pairs of attention and the output rows of the other products; SiLU x up is done
- * as gate row i and up row I + i come out, and each thread normalises the residual for itself.
+ * The products read each weight row once, front to back, for all m rows at a time (the
+ * "rowwise" path; the inner loop is cpu_rows.h): one sequential stream per thread, which the
+ * prefetcher follows at close to the machine's read rate. Threads split the heads of the qkv
+ * product (each rotates and stores its own), the (row, head) pairs of attention and chunks of
+ * output rows of the other products; SiLU x up is done a chunk of gate and up rows at a time,
+ * and each thread normalises the residual for itself.
  *
  * Layouts (all fp32, row-major, contiguous):
  *   weights[6 * layer + i]: in_norm [H], qkv [(NQ + 2 NKV) D, H], o [H, NQ D], post_norm [H],
@@ -38,25 +45,13 @@
 static int omp_get_thread_num(void) { return 0; }
 #endif
 
-#define LANES 32
+#include "cpu_rows.h"
 
 typedef struct {
     long hidden, num_heads, num_kv_heads, head_dim, intermediate, num_layers;
     long num_blocks, block_size, max_blocks, max_seq_len;
     float eps, scale;
 } Dims;
-
-/* sum_i a[i] * b[i], LANES partial sums wide (vector multiply-adds under -O3 -march=native). */
-static float dot(const float *a, const float *b, long n) {
-    float acc[LANES] = {0};
-    long i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int j = 0; j < LANES; j++) acc[j] += a[i + j] * b[i + j];
-    float sum = 0;
-    for (int j = 0; j < LANES; j++) sum += acc[j];
-    for (; i < n; i++) sum += a[i] * b[i];
-    return sum;
-}
 
 static void rms_norm(const float *x, const float *weight, float *y, long m, long n, float eps) {
     for (long r = 0; r < m; r++) {
@@ -151,6 +146,24 @@ static void attend_rows(const float *q, long q_stride, const float *k_pool, cons
 
 static float silu(float x) { return x / (1.0f + expf(-x)); }
 
+/* Products are split among threads in chunks of CHUNK_ROWS weight rows. */
+static long chunks(long rows) { return (rows + CHUNK_ROWS - 1) / CHUNK_ROWS; }
+static long chunk_first(long c) { return c * CHUNK_ROWS; }
+static long chunk_last(long c, long rows) { return (c + 1) * CHUNK_ROWS < rows ? (c + 1) * CHUNK_ROWS : rows; }
+
+/* act[r][i] = silu(normed[r] . gate[i]) * (normed[r] . up[i]) for i in [first, last): gate row i
+ * and up row I + i of the stacked gate_up weight, both products done here so no barrier
+ * separates them. */
+static void gate_up_chunk(const float *normed, const float *w_gate_up, long m, long H, long I, long first, long last,
+                          float *act) {
+    long width = last - first;
+    float gate[m * width], up[m * width];
+    rows_times_weight_range(normed, H, m, w_gate_up + first * H, H, 0, width, gate, width, 0);
+    rows_times_weight_range(normed, H, m, w_gate_up + (I + first) * H, H, 0, width, up, width, 0);
+    for (long r = 0; r < m; r++)
+        for (long i = 0; i < width; i++) act[r * I + first + i] = silu(gate[r * width + i]) * up[r * width + i];
+}
+
 /* q, k and v of one head for every row (`head` counts q heads, then k heads, then v heads):
  * its D rows of the qkv product, rotated if a q or k head, stored into the pool if a k or v head. */
 static void project_head(const float *normed, const float *w_qkv, float *qkv, long head, long m, const Dims *d,
@@ -158,8 +171,7 @@ static void project_head(const float *normed, const float *w_qkv, float *qkv, lo
                          const float *sin_table, float *k_pool, float *v_pool) {
     long H = d->hidden, D = d->head_dim, NQ = d->num_heads, NKV = d->num_kv_heads;
     long width = (NQ + 2 * NKV) * D, half = D / 2;
-    for (long o = 0; o < D; o++)                       /* each weight row once, for every row of x */
-        for (long r = 0; r < m; r++) qkv[r * width + head * D + o] = dot(w_qkv + (head * D + o) * H, normed + r * H, H);
+    rows_times_weight_range(normed, H, m, w_qkv, H, head * D, (head + 1) * D, qkv, width, 0);
     for (long r = 0; r < m; r++) {
         float *out = qkv + r * width + head * D;
         if (head < NQ + NKV)
@@ -181,7 +193,7 @@ void decode_step(const Dims *d, const int64_t *weights, const float *final_norm,
                  const int32_t *seq_lens, float *kv, const float *cos_table, const float *sin_table,
                  float *normed_all, float *qkv, float *context, float *act, float *scores, int threads) {
     long H = d->hidden, D = d->head_dim, NQ = d->num_heads, NKV = d->num_kv_heads, I = d->intermediate;
-    long qkv_width = (NQ + 2 * NKV) * D, group = NQ / NKV;
+    long qkv_width = (NQ + 2 * NKV) * D;
     long pool = d->num_blocks * d->block_size * NKV * D;           /* floats in one layer's K (or V) */
     #pragma omp parallel num_threads(threads)
     {
@@ -195,16 +207,15 @@ void decode_step(const Dims *d, const int64_t *weights, const float *final_norm,
                 project_head(normed, w[1], qkv, head, m, d, positions, slots, cos_table, sin_table, k_pool, v_pool);
             attend_rows(qkv, qkv_width, k_pool, v_pool, block_tables, seq_lens, d, m, scores, context, NQ * D, threads);
             #pragma omp for schedule(static)
-            for (long o = 0; o < H; o++)
-                for (long r = 0; r < m; r++) hidden[r * H + o] += dot(w[2] + o * NQ * D, context + r * NQ * D, NQ * D);
+            for (long c = 0; c < chunks(H); c++)
+                rows_times_weight_range(context, NQ * D, m, w[2], NQ * D, chunk_first(c), chunk_last(c, H), hidden, H, 1);
             rms_norm(hidden, w[3], normed, m, H, d->eps);
             #pragma omp for schedule(static)
-            for (long i = 0; i < I; i++)                 /* gate row i and up row I + i, then SiLU(gate) * up */
-                for (long r = 0; r < m; r++)
-                    act[r * I + i] = silu(dot(w[4] + i * H, normed + r * H, H)) * dot(w[4] + (I + i) * H, normed + r * H, H);
+            for (long c = 0; c < chunks(I); c++)         /* gate rows, then the up rows I apart, then SiLU(gate) * up */
+                gate_up_chunk(normed, w[4], m, H, I, chunk_first(c), chunk_last(c, I), act);
             #pragma omp for schedule(static)
-            for (long o = 0; o < H; o++)
-                for (long r = 0; r < m; r++) hidden[r * H + o] += dot(w[5] + o * I, act + r * I, I);
+            for (long c = 0; c < chunks(H); c++)
+                rows_times_weight_range(act, I, m, w[5], I, chunk_first(c), chunk_last(c, H), hidden, H, 1);
         }
     }
     rms_norm(hidden, final_norm, hidden, m, H, d->eps);

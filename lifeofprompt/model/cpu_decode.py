@@ -5,10 +5,11 @@ At batch 1 it spends about 0.3 ms a layer outside the matrix products, in dozens
 ops; that is a quarter of SmolLM2's step (``benchmarks/NOTES.md``). ``decode_hidden_states``
 does the same layers for a batch of one-token decode rows in C, reading each weight row once,
 front to back, as the ``rowwise`` product path does. So the engine uses it exactly where the
-calibration measured ``rowwise`` fastest for every matrix of the model (``usable_rows``).
+calibration measured ``rowwise`` fastest, or within noise of it, for every matrix of the model (``usable_rows``).
 
-It serves fp32 Llama weights on the CPU, the engine's paged KV pool and plain decode steps
-(one new token per sequence); anything else goes the torch way. Its numbers equal the torch
+It serves fp32 Llama weights on the CPU, the engine's paged KV pool and steps of a few rows:
+one-token decodes, the k + 1 rows of a speculative verify, a short prefill chunk, mixed as
+the scheduler sends them. Larger steps go the torch way. Its numbers equal the torch
 forward's up to fp32 summation order (tests/test_cpu_decode.py).
 """
 
@@ -53,16 +54,37 @@ def supports(model) -> bool:
     return step_kernel() is not None
 
 
-def usable_rows(plans: dict | None, shapes) -> int:
-    """Up to how many decode rows the fused step runs: while ``rowwise`` is every layer shape's choice.
+# A row count takes the C step when, for every layer shape, the rowwise product measured within
+# this fraction of the fastest path: two paths that close are within timing noise of each other
+# (one calibration picked `transposed` for one shape at two rows by 2%), and the C step also
+# saves the eager ops between the products, worth more than that at these sizes.
+ROWWISE_SLACK = 0.15
+
+
+def rowwise_close_enough(plan, timings: dict | None, rows: int) -> bool:
+    """Whether ``rowwise`` is this shape's choice at ``rows``, or measured within ``ROWWISE_SLACK`` of it."""
+    if plan.path_for(rows) == "rowwise":
+        return True
+    measured = {int(r): t for r, t in (timings or {}).items() if int(r) <= rows}
+    if not measured:
+        return False
+    times = measured[max(measured)]              # the row count the plan took its choice from
+    return "rowwise" in times and times["rowwise"] <= (1 + ROWWISE_SLACK) * min(times.values())
+
+
+def usable_rows(plans: dict | None, shapes, timings: dict | None = None) -> int:
+    """Up to how many rows a step runs as one C call: while ``rowwise`` is every layer shape's choice (or close).
 
     ``plans`` are the calibrated (or pinned) ``RowPlan`` per weight shape; ``shapes`` the
-    layers' weight shapes (the LM head, which the caller runs, is not among them).
+    layers' weight shapes (the LM head, which the caller runs, is not among them); ``timings``
+    the calibration's measurements (``LinearChoice.timings``: ``"OxI" -> {rows: {path: s}}``).
     """
     if not plans:
         return 0
+    timings = timings or {}
     rows = 0
-    while rows < 16 and all(plans[s].path_for(rows + 1) == "rowwise" for s in shapes if s in plans):
+    while rows < 16 and all(rowwise_close_enough(plans[s], timings.get(f"{s[0]}x{s[1]}"), rows + 1)
+                            for s in shapes if s in plans):
         rows += 1
     return rows
 
@@ -90,13 +112,26 @@ def weight_pointers(model) -> ctypes.Array:
     return _weight_pointers(id(model), tuple(pointers))
 
 
+def rows_of_step(meta, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query row's block table and context length (``[m, max_blocks]``, ``[m]``), as ``cpu_decode.c`` reads them.
+
+    A row at position ``p`` of its sequence attends to that sequence's tokens ``0 .. p``: for a
+    one-token decode that is the whole sequence, for the rows of a verify or a prefill chunk
+    a causal prefix, found through the same block table.
+    """
+    query_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).long()
+    seq_of_row = torch.repeat_interleave(torch.arange(query_lens.numel()), query_lens)
+    block_tables = meta.block_tables.to(torch.int32)[seq_of_row].contiguous()
+    context_lens = torch.where(meta.slot_mapping >= 0, positions + 1, 0)     # a padding row sees nothing
+    return block_tables, context_lens.to(torch.int32).contiguous()
+
+
 def decode_hidden_states(model, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-    """Final normalised hidden states ``[m, hidden]`` of a decode step (``meta``: ``PagedCacheMetadata``, one row per sequence)."""
+    """Final normalised hidden states ``[m, hidden]`` of a small step (``meta``: ``PagedCacheMetadata``; any rows)."""
     config, attn = model.config, model.layers[0].self_attn
     m = input_ids.shape[0]
     kv = meta.cache.kv
-    block_tables = meta.block_tables.to(torch.int32).contiguous()
-    seq_lens = meta.seq_lens.to(torch.int32).contiguous()
+    block_tables, seq_lens = rows_of_step(meta, positions)
     max_seq_len = max(1, int(meta.max_seq_len))
     dims = Dims(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
                 config.intermediate_size, config.num_layers, meta.cache.num_blocks, meta.cache.block_size,

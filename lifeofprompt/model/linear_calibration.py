@@ -36,7 +36,7 @@ from ..errors import ConfigError
 from .huge_pages import huge_pages_setting, move_weights_to_huge_pages
 from .linear import MAX_PLANNED_ROWS, PATHS, Linear, RowPlan, available_paths, plannable, run_path
 
-CALIBRATION_VERSION = 2      # 2: weights timed where the engine keeps them (2 MiB pages, huge_pages.py)
+CALIBRATION_VERSION = 3      # 2: weights timed where the engine keeps them (2 MiB pages, huge_pages.py); 3: tiled rowwise
 LARGE_ROWS = 64             # the row count that stands for "more than MAX_PLANNED_ROWS"
 BUDGET_SECONDS = 2.5        # past this, row counts not yet timed take the choice below them (~3 s in all)
 DROP_FACTOR = 2.0           # a row-by-row path this many times slower than the best is not timed for more rows
@@ -208,7 +208,15 @@ def cache_key(model: nn.Module, paths: tuple[str, ...]) -> dict:
     return dict(version=CALIBRATION_VERSION, cpu=cpu_model(), flags=" ".join(sorted(cpu_flags())),
                 torch=torch.__version__, threads=torch.get_num_threads(), dtype=str(model.dtype),
                 shapes=sorted(f"{o}x{i}" for o, i in weights_by_shape(model)), paths=list(paths),
-                huge_pages=huge_pages_setting())
+                huge_pages=huge_pages_setting(), rowwise_source=rowwise_source_digest())
+
+
+def rowwise_source_digest() -> str:
+    """A digest of the rowwise kernel's C source: a changed kernel is timed again."""
+    from .cpu_rows import SOURCE
+    from .native_build import source_texts
+
+    return hashlib.sha256("\n".join(source_texts(SOURCE)).encode()).hexdigest()[:16]
 
 
 def cache_file(key: dict) -> Path:

@@ -14,6 +14,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -33,10 +34,17 @@ def compiler() -> str | None:
     return None
 
 
+def source_texts(source: Path) -> list[str]:
+    """``source`` and the local headers it includes (``#include "name.h"`` beside it): what a build depends on."""
+    text = source.read_text()
+    headers = re.findall(r'^#include "([^"]+)"', text, flags=re.MULTILINE)
+    return [text] + [(source.parent / name).read_text() for name in headers]
+
+
 def library_path(source: Path, cc: str) -> Path:
-    """Where this machine's build of ``source`` lives: one file per (source, compiler, CPU)."""
+    """Where this machine's build of ``source`` lives: one file per (source and headers, compiler, CPU)."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\n".join([source.read_text(), version, cpu_model(), " ".join(sorted(cpu_flags()))]).encode())
+    key = hashlib.sha256("\n".join([*source_texts(source), version, cpu_model(), " ".join(sorted(cpu_flags()))]).encode())
     return cache_dir() / "cpu_native" / f"{source.stem}-{key.hexdigest()[:16]}.so"
 
 

@@ -1,0 +1,136 @@
+/* The inner loop of the rowwise matrix product, shared by cpu_rows.c and cpu_decode.c.
+ *
+ * y[r][o] = sum_i x[r][i] * w[o][i]   for the rows r of x and a range of weight rows o.
+ *
+ * A step multiplies a few rows x (one per decoded token) by every weight. With one row the
+ * cost is reading the weights. With several, a loop that takes the rows one at a time loads
+ * every weight element once per row (from the L1 cache, after the first) and spends its
+ * load slots on the same numbers again; the multiply-adds then wait on loads. So the rows go
+ * in tiles: one weight row against up to eight rows of x (four without AVX-512), the partial
+ * sums held in vector registers, each weight vector loaded once per tile of x. The weight rows are one sequential
+ * stream, front to back, which the prefetcher follows.
+ *
+ * The accumulators fit the register file (AVX2: 16 registers of 8 floats; AVX-512: 32 of
+ * 16), two per row of the tile; the vector types below compile to the target's own multiply-adds
+ * (-O3 -march=native). Sums run in another order than BLAS's, so results agree
+ * with x @ W.T up to fp32 summation order.
+ */
+#ifndef LIFEOFPROMPT_CPU_ROWS_H
+#define LIFEOFPROMPT_CPU_ROWS_H
+
+#if defined(__AVX512F__)
+#define LANES 16
+#define TILE_ROWS 8        /* rows of x per tile: 16 accumulators of the 32 vector registers */
+#else
+#define LANES 8
+#define TILE_ROWS 4        /* 8 accumulators of AVX2's 16 registers */
+#endif
+#define CHUNK_ROWS 16      /* weight rows a thread takes at a time */
+
+/* LANES floats as one vector register (GCC/Clang vector extensions: the target's own width,
+ * whichever instruction set -march=native finds), and the same for unaligned loads. */
+typedef float float_vector __attribute__((vector_size(LANES * sizeof(float))));
+typedef float float_vector_unaligned __attribute__((vector_size(LANES * sizeof(float)), aligned(sizeof(float))));
+
+static inline float_vector load_vector(const float *p) { return *(const float_vector_unaligned *)p; }
+
+/* The lanes' sum, as a tree of vector adds (halves added, log2(LANES) deep). Written with
+ * explicit shuffles: as a plain loop the compiler emitted a branchy scalar loop that cost as
+ * much as the dot product of a 576-long row. */
+typedef float float_vector_8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float float_vector_4 __attribute__((vector_size(4 * sizeof(float))));
+
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define HAVE_SHUFFLEVECTOR 1
+#endif
+#endif
+
+static inline float sum_vector(float_vector v) {
+#ifdef HAVE_SHUFFLEVECTOR
+#if LANES == 16
+    float_vector_8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
+                     + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    float_vector_8 h = v;
+#endif
+    float_vector_4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+    return (q[0] + q[2]) + (q[1] + q[3]);
+#else
+    float s = 0;
+    for (int j = 0; j < LANES; j++) s += v[j];
+    return s;
+#endif
+}
+
+/* One weight row w against `rows` (1 to TILE_ROWS, a constant after inlining) rows of x, two
+ * vectors at a time (two partial sums per row). */
+static inline __attribute__((always_inline)) void rows_tile(const float *w, const float *x, long x_stride,
+                                                            const int rows, long n, float sums[TILE_ROWS]) {
+    float_vector acc0[TILE_ROWS] = {0}, acc1[TILE_ROWS] = {0};
+    long i = 0;
+    for (; i + 2 * LANES <= n; i += 2 * LANES) {
+        float_vector a = load_vector(w + i), b = load_vector(w + i + LANES);
+        for (int r = 0; r < rows; r++) {
+            acc0[r] += a * load_vector(x + r * x_stride + i);
+            acc1[r] += b * load_vector(x + r * x_stride + i + LANES);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float s = sum_vector(acc0[r] + acc1[r]);
+        for (long k = i; k < n; k++) s += w[k] * x[r * x_stride + k];
+        sums[r] = s;
+    }
+}
+
+/* The same for a single row of x, four vectors at a time: a multiply-add waits ~4 cycles for
+ * the one before it on the same partial sum, so one row needs four partial sums to keep the
+ * multipliers busy (with two rows or more, the rows' sums interleave). */
+static inline float row_dot(const float *w, const float *x, long n) {
+    float_vector a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    long i = 0;
+    for (; i + 4 * LANES <= n; i += 4 * LANES) {
+        a0 += load_vector(w + i) * load_vector(x + i);
+        a1 += load_vector(w + i + LANES) * load_vector(x + i + LANES);
+        a2 += load_vector(w + i + 2 * LANES) * load_vector(x + i + 2 * LANES);
+        a3 += load_vector(w + i + 3 * LANES) * load_vector(x + i + 3 * LANES);
+    }
+    for (; i + LANES <= n; i += LANES) a0 += load_vector(w + i) * load_vector(x + i);
+    float s = sum_vector((a0 + a1) + (a2 + a3));
+    for (; i < n; i++) s += w[i] * x[i];
+    return s;
+}
+
+/* y[r * y_stride + o] = (or +=, if `accumulate`) x[r] . w[o]  for o in [first, last), r in [0, m).
+ * x: [m, n] with row stride x_stride; w: [*, n] row-major. One thread's share of a product.
+ * Weight rows go one at a time (one sequential stream: on the AMD EPYC this was developed on,
+ * interleaving two or four row streams read memory at half the rate). */
+static void rows_times_weight_range(const float *x, long x_stride, long m, const float *w, long n,
+                                    long first, long last, float *y, long y_stride, int accumulate) {
+    float sums[TILE_ROWS];
+    for (long o = first; o < last; o++) {
+        const float *w_row = w + o * n;
+        for (long r0 = 0; r0 < m; r0 += TILE_ROWS) {
+            long rows = m - r0 < TILE_ROWS ? m - r0 : TILE_ROWS;
+            const float *xt = x + r0 * x_stride;
+            switch (rows) {                                  /* a constant tile height for each case */
+#if TILE_ROWS == 8
+                case 8: rows_tile(w_row, xt, x_stride, 8, n, sums); break;
+                case 7: rows_tile(w_row, xt, x_stride, 7, n, sums); break;
+                case 6: rows_tile(w_row, xt, x_stride, 6, n, sums); break;
+                case 5: rows_tile(w_row, xt, x_stride, 5, n, sums); break;
+#endif
+                case 4: rows_tile(w_row, xt, x_stride, 4, n, sums); break;
+                case 3: rows_tile(w_row, xt, x_stride, 3, n, sums); break;
+                case 2: rows_tile(w_row, xt, x_stride, 2, n, sums); break;
+                default: sums[0] = row_dot(w_row, xt, n); break;
+            }
+            for (long r = 0; r < rows; r++) {
+                float *out = y + (r0 + r) * y_stride + o;
+                *out = accumulate ? *out + sums[r] : sums[r];
+            }
+        }
+    }
+}
+
+#endif

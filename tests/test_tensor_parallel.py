@@ -138,6 +138,17 @@ def test_each_rank_holds_its_third(parallel):
     assert sum(r["kv_nbytes"] for r in reports) == single_pool
 
 
+def test_every_rank_multiplies_by_the_paths_the_driver_chose(parallel):
+    """The driver chooses the CPU product paths once (pinned here) and sends them: no rank keeps its own."""
+    llm, _ = parallel
+    engine = llm.engine
+    reports = engine.parallel.report(engine.model, engine.runner.kv_cache)
+    driver = reports[0]["products"]
+    assert driver and all(path is not None and "linear" in path for path in driver.values())
+    assert all(r["products"] == driver for r in reports[1:])
+    assert any("workers' CPU matrix products: the driver's (pinned: linear)" in line for line in engine.startup_log)
+
+
 def test_every_rank_ran_the_same_block_table(parallel):
     llm, _ = parallel
     engine = llm.engine

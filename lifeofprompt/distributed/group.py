@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError, WorkerFailedError
-from . import step
+from . import collectives, step
 from .sharded_model import ShardedLlamaForCausalLM, load_shard, shard_weights, weight_report
 from .sizes import ShardPlan, check_pipeline_parallel_size, check_tensor_parallel_size
 from .worker import WorkerSpec, main as worker_main, tensor_parallel_groups
@@ -54,8 +54,10 @@ class ParallelGroup:
     """Rank 0's handle on the workers. ``launch`` returns it with the driver's own shard."""
 
     def __init__(self, size: int, processes: list, backend: str, device: torch.device, timeout_s: float,
-                 stages: int = 1):
+                 stages: int = 1, worker_threads: int = 1):
         self.size, self.processes, self.backend, self.device = size, processes, backend, device
+        self.worker_threads = worker_threads
+        self.worker_plans_source = ""                      # where the workers' product paths came from (start-up log)
         self.stages = stages
         self.world_size = size * stages
         self.timeout_s = timeout_s
@@ -101,7 +103,7 @@ class ParallelGroup:
             with _main_module_hidden():
                 process.start()
             processes.append(process)
-        group = cls(size, processes, backend, device, timeout_s, stages)
+        group = cls(size, processes, backend, device, timeout_s, stages, threads)
         try:
             group._wait_until_started(store)
             with group.guard():
@@ -122,7 +124,6 @@ class ParallelGroup:
         on every other rank this call becomes the worker and ends the process when rank 0 stops.
         Nobody's process handle is watched (they may be on other machines): the timeout does it.
         """
-        from . import collectives
         from .worker import main_under_torchrun
 
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -135,7 +136,7 @@ class ParallelGroup:
                                            str(full_model.dtype).removeprefix("torch."), local, backend, num_blocks,
                                            block_size, threads, os.getppid()))
             raise SystemExit(0)
-        group = cls(size, [], backend, device, timeout_s, stages)
+        group = cls(size, [], backend, device, timeout_s, stages, threads)
         try:
             dist.init_process_group(backend, init_method="env://", rank=0, world_size=world,
                                     timeout=timedelta(seconds=START_TIMEOUT_S))
@@ -264,7 +265,6 @@ class ParallelGroup:
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
-        from . import collectives
         collectives.use_world(None)
 
     def _kill_workers(self) -> None:
@@ -279,6 +279,34 @@ class ParallelGroup:
         return [p.pid for p in self.processes]
 
     # ------------------------------------------------------------------ looking inside
+
+    def share_plans(self, driver_model, choice, cpu_linear: str | None) -> None:
+        """Send every worker the CPU product paths to use (``model/linear_calibration.py``), chosen once, here.
+
+        Ranks timing products against each other on shared cores would measure each other, so
+        the driver times its own shard (every tensor-parallel rank's shard has the same shapes)
+        while the workers wait, and sends the plans. The driver's choice is for its thread count;
+        where the workers run fewer threads, it times (or reads from the cache) the choice for
+        theirs. A shape only another stage holds (the last stage's LM head) keeps plain products.
+        Under torchrun on other machines the plans are the driver's CPU's: right, if not tuned there.
+        """
+        from ..model.linear_calibration import choose_cpu_linear
+        from ..model.linear import apply_plans
+
+        plans, self.worker_plans_source = choice.plans, f"the driver's ({choice.source})"
+        if choice.pinned is None and self.worker_threads != torch.get_num_threads():
+            previous = torch.get_num_threads()
+            torch.set_num_threads(self.worker_threads)
+            try:
+                theirs = choose_cpu_linear(driver_model, cpu_linear)
+            finally:
+                torch.set_num_threads(previous)
+                apply_plans(driver_model, choice.plans)        # timing drops packed copies: restore the driver's
+            plans = theirs.plans
+            self.worker_plans_source = f"for {self.worker_threads} thread(s) a rank ({theirs.source})"
+        with self.guard():
+            step.send_command(step.PLANS, self.device)
+            dist.broadcast_object_list([plans], src=0, group=collectives.WORLD)
 
     def report(self, driver_model, driver_cache) -> list[dict]:
         """Per rank (0 first): its weights' shapes and bytes, its KV pool's shape and bytes, its last block table."""
@@ -318,6 +346,8 @@ class ParallelGroup:
             lines.insert(3, "pipeline: contiguous stages of layers " + ", ".join(f"{a}-{b - 1}" for a, b in stages)
                          + "; hidden states go stage to stage by send/recv, one step at a time (no overlap: "
                            "each stage waits while the others run, the bubble)")
+        if self.worker_plans_source:
+            lines.append(f"workers' CPU matrix products: {self.worker_plans_source}, sent to every rank")
         return lines
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ..model.attention import NoCacheMetadata, PagedCacheMetadata
 from . import collectives
 
-STEP, STOP, REPORT = 1, 2, 3        # commands in header[0]
+STEP, STOP, REPORT, PLANS = 1, 2, 3, 4   # commands in header[0]
 NO_CACHE, PAGED = 0, 1              # metadata kinds in header[1]
 BACKENDS = ("torch", "triton")
 HEADER = 11

@@ -123,7 +123,7 @@ def tensor_parallel_groups(size: int, stages: int, timeout) -> list:
 @torch.no_grad()
 def serve(model, cache, device) -> None:
     """Run every broadcast step on this shard; answer reports; return on stop."""
-    from . import step
+    from . import collectives, step
 
     while True:
         header, payload = step.receive(device)
@@ -131,6 +131,12 @@ def serve(model, cache, device) -> None:
             return
         if header[0] == step.REPORT:
             dist.gather_object(shard_report(model, cache), None, dst=0)
+            continue
+        if header[0] == step.PLANS:                         # the CPU product paths the driver chose
+            from ..model.linear import apply_plans
+            plans = [None]
+            dist.broadcast_object_list(plans, src=0, group=collectives.WORLD)
+            apply_plans(model, plans[0])
             continue
         input_ids, positions, meta, fused = step.unpack(header, payload, cache)
         model(input_ids, positions, meta, fused_kernels=fused)
@@ -144,6 +150,8 @@ def shard_report(model, cache) -> dict:
     from . import collectives
 
     plan = model.plan
-    return dict(rank=plan.world_rank, collectives=collectives.snapshot(), tp_rank=plan.rank, stage=plan.stage, layers=plan.layers, pid=os.getpid(),
+    products = {name: module.plan.describe() if getattr(module, "plan", None) else None
+                for name, module in model.named_modules() if hasattr(module, "prepack")}
+    return dict(products=products, rank=plan.world_rank, collectives=collectives.snapshot(), tp_rank=plan.rank, stage=plan.stage, layers=plan.layers, pid=os.getpid(),
                 weights=weight_report(model), kv_shape=tuple(cache.kv.shape),
                 kv_nbytes=cache.nbytes, block_tables=None if tables is None else tables.tolist())

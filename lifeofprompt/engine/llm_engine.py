@@ -124,7 +124,7 @@ class LLMEngine:
                 raise SpeculativeConfigError("a draft model runs in one process only: use method 'ngram' with "
                                              "tensor_parallel_size or pipeline_parallel_size > 1", param="model")
             self._launch_tensor_parallel(tensor_parallel_size, pipeline_parallel_size, num_kv_blocks)
-            cpu_decode, cpu_linear = False, cpu_linear or "linear"
+            cpu_decode = False             # the one-call C step has no place for the all-reduces
         from .model_runner import ModelRunner
         self.runner = ModelRunner(self.model, num_kv_blocks, block_size, attention_backend or "auto",
                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -132,6 +132,8 @@ class LLMEngine:
                                   gpu_memory_utilization=gpu_memory_utilization,
                                   prepack_cpu_weights=prepack_cpu_weights, cpu_linear=cpu_linear,
                                   cpu_decode=cpu_decode, extra_kv_bytes_per_block=self._draft_bytes_per_block())
+        if self.parallel is not None and self.runner.linear_choice is not None:
+            self.parallel.share_plans(self.model, self.runner.linear_choice, cpu_linear)
         if self.spec is not None:
             self.spec.attach(self.runner, self.runner.kv_cache.num_blocks)
         self.num_kv_blocks = self.runner.kv_cache.num_blocks
@@ -191,9 +193,9 @@ class LLMEngine:
     def _launch_tensor_parallel(self, size: int, stages: int, num_kv_blocks: int | None) -> None:
         """Split the model over ``size`` × ``stages`` ranks; this process is rank 0 and keeps the scheduler.
 
-        The one C decode step (all layers in one call) has no place for the all-reduces, and
-        ranks timing products against each other on shared cores would measure nothing, so a
-        split model runs the plain products unless ``cpu_linear`` names a path.
+        The one C decode step (all layers in one call) has no place for the all-reduces, so a
+        split model runs the torch forward; its CPU product paths are chosen once, by the driver,
+        and sent to every rank (``ParallelGroup.share_plans``).
         """
         from ..distributed.group import ParallelGroup
         if num_kv_blocks is None:

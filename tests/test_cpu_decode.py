@@ -157,10 +157,15 @@ def test_speculative_verifies_run_in_the_c_step_and_keep_the_greedy_tokens(story
     verifies = [rows for rows, query in launches if 1 < rows <= 16 and query == rows]
     assert out.metrics.spec_decode.num_accepted_tokens > 5 and verifies, "prompt lookup should have fired on the code prompt"
     assert spec.engine.runner.last_launch["fused"] == "cpu"
+    first = LLM("smollm2-135m", dtype="float32", cpu_linear="rowwise", cpu_decode=True, log_stats=False,
+                speculative_config={"model": "smollm2-135m", "num_speculative_tokens": 2})
+    assert first.engine.proposer.cpu_decode_rows == 16           # a draft of its own: calibrated (pinned), C step too
     model, tokenizer = smollm2
     prompt = tokenizer.encode(CODE)
     margins = [top2_margins(teacher_forced_logits(model, prompt, want))]
     assert_greedy_agrees([list(out.outputs[0].token_ids)], [want], margins, FP32_TOLERANCE, min_steps=int(0.9 * len(want)))
+    drafted = list(first.generate([CODE], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].token_ids)
+    assert_greedy_agrees([drafted], [want[:8]], [margins[0][:8]], FP32_TOLERANCE, min_steps=7)
 
 
 @pytest.mark.skipif(not huge_pages.huge_pages_available(), reason="this system gives no transparent huge pages")

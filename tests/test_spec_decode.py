@@ -458,6 +458,9 @@ def test_ngram_proposer_can_take_the_latest_match_instead():
 def test_a_draft_loaded_by_name_with_the_same_tokenizer(smollm2, story_ids):
     engine = make_engine(smollm2, {"model": "smollm2-135m", "num_speculative_tokens": 2})
     assert engine.proposer.model is not smollm2[0] and engine.proposer.model.dtype == torch.float32
+    from lifeofprompt.model.linear import plannable
+    paths = {m.plan.describe() for m in engine.proposer.model.modules() if plannable(m)}   # its own shapes' choice
+    assert paths == {m.plan.describe() for m in smollm2[0].modules() if plannable(m)}      # pinned alike here
     out = run(engine, [("d", story_ids[1], SamplingParams(temperature=0, max_tokens=6))])["d"]
     assert out.outputs[0].token_ids == DAY_GREEDY[:6]
     assert engine.spec_stats.acceptance_rate > 0.9

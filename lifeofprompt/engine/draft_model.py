@@ -102,6 +102,36 @@ class DraftModelProposer:
         self.backend = backend
         self.kv_cache = PagedKVCache.for_model(model.config, num_blocks, block_size, dtype=model.dtype, device=model.device)
         self.num_forwards = 0
+        self.cpu_decode_rows = 0      # steps of up to this many rows run as one C call (choose_cpu_products)
+
+    def choose_cpu_products(self, runner) -> None:
+        """Multiply as the target's runner chose, and take the one-call C step where it does.
+
+        A draft that shares the target's layers (``first_layers``) shares its ``Linear`` modules,
+        so it already has the target's calibrated plans. A draft with weights of its own has
+        other shapes: it is calibrated once here (or read from the cache), with the target's
+        pinned path if the target's was pinned, so a test's tokens never depend on a timing.
+        """
+        from ..model import cpu_decode
+        from ..model.huge_pages import move_weights_to_huge_pages
+        from ..model.linear import apply_plans, plannable
+        from ..model.linear_calibration import choose_cpu_linear
+
+        choice = runner.linear_choice
+        if choice is None or self.model.dtype != torch.float32:
+            return
+        linears = [m for m in self.model.modules() if plannable(m)]
+        if linears and all(m.plan is not None for m in linears):            # the target's own modules
+            self.cpu_decode_rows = runner.cpu_decode_rows
+            return
+        move_weights_to_huge_pages(self.model)                    # where the target's weights are, before timing
+        own = choose_cpu_linear(self.model, choice.pinned, prepack=runner.prepack_cpu_weights)
+        apply_plans(self.model, own.plans)
+        if runner.cpu_decode_rows and cpu_decode.supports(self.model):
+            self.cpu_decode_rows = cpu_decode.usable_rows(own.plans, cpu_decode.layer_shapes(self.model), own.timings)
+
+    def _fused(self, rows: int) -> str | bool:
+        return "cpu" if 0 < rows <= self.cpu_decode_rows and self.kv_cache.kv.dtype == torch.float32 else False
 
     def kv_bytes_per_block(self) -> int:
         return kv_bytes_per_block(self.model.config, self.model.dtype, self.block_size)
@@ -115,7 +145,7 @@ class DraftModelProposer:
                                  max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, logits_indices=None,
                                  cache=self.kv_cache, block_tables=meta.block_tables, slot_mapping=meta.slot_mapping,
                                  backend=meta.backend)
-        self.model.hidden_states(input_ids, positions, own)
+        self.model.hidden_states(input_ids, positions, own, fused_kernels=self._fused(input_ids.shape[0]))
 
     # ---------------------------------------------------------------- drafting
     def placeholders(self, seq: Sequence, max_draft: int) -> list[int]:
@@ -160,7 +190,8 @@ class DraftModelProposer:
         meta = PagedCacheMetadata(**fields, cache=self.kv_cache, block_tables=tables.to(device),
                                   slot_mapping=torch.tensor(slots, dtype=torch.long, device=device), backend=self.backend)
         self.num_forwards += 1
-        return self.model(torch.tensor(ids, device=device), torch.tensor(positions, device=device), meta)
+        return self.model(torch.tensor(ids, device=device), torch.tensor(positions, device=device), meta,
+                          fused_kernels=self._fused(len(ids)))
 
     @staticmethod
     def _choose(seq: Sequence, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:

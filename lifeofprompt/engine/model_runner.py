@@ -113,6 +113,7 @@ class ModelRunner:
         # shape and row count (model/linear_calibration.py); weights whose plan uses oneDNN get a packed
         # second copy (prepack_cpu_weights=False rules that path out: less memory).
         self.linear_choice = None
+        self.prepack_cpu_weights = prepack_cpu_weights
         # On the CPU the weights move once into 2 MiB pages, which one core streams about a quarter
         # faster than 4 KiB ones (model/huge_pages.py); before the timing, so it times them there.
         self.huge_page_bytes = move_weights_to_huge_pages(model) if self.device.type == "cpu" else 0

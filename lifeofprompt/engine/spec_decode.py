@@ -55,6 +55,8 @@ class SpecDecoder:
             return
         from .draft_model import DraftModelProposer
         self.proposer = DraftModelProposer(self.config, self.draft_model, num_blocks, self.block_size, runner.backend)
+        if runner.device.type == "cpu":
+            self.proposer.choose_cpu_products(runner)
         runner.draft = self.proposer
 
     def new_request_stats(self) -> SpecDecodeStats:

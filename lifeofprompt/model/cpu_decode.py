@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import json
 import time
 from pathlib import Path
 
@@ -189,36 +188,32 @@ def decode_attention_faster(num_heads: int, num_kv_heads: int, head_dim: int, bl
     Timed on 16 sequences of 256 cached tokens in scattered blocks, alternating the two, best
     of several rounds: the kind of decode group a busy engine step holds.
     """
-    from .linear_calibration import cache_file, write_json
+    from .linear_calibration import cached_verdict
     from ..env import cpu_flags, cpu_model
     from .paged_attention import AttentionPlan, paged_attention
 
     key = dict(version=1, what="decode attention: C against gather + SDPA", cpu=cpu_model(),
                flags=" ".join(sorted(cpu_flags())), torch=torch.__version__, threads=torch.get_num_threads(),
                heads=[num_heads, num_kv_heads, head_dim], block_size=block_size)
-    path = cache_file(key)
-    try:
-        stored = json.loads(path.read_text())
-        return stored["faster"], stored["why"]
-    except (OSError, ValueError, KeyError):
-        pass
-    seqs, context = 16, 256
-    width = -(-context // block_size)
-    generator = torch.Generator().manual_seed(0)
-    k_pool, v_pool = torch.randn(2, seqs * width * 2, block_size, num_kv_heads, head_dim, generator=generator).unbind(0)
-    block_tables = torch.randperm(seqs * width * 2, generator=generator)[:seqs * width].view(seqs, width).int()
-    seq_lens = torch.full((seqs,), context, dtype=torch.int32)
-    starts = torch.arange(seqs + 1, dtype=torch.int32)
-    query = torch.randn(seqs, num_heads, head_dim, generator=generator)
-    plan = AttentionPlan.build(starts, seq_lens, block_tables=block_tables, block_size=block_size)
-    best = {True: float("inf"), False: float("inf")}
-    for _ in range(5):
-        for in_c in (True, False):
-            start = time.perf_counter()
-            paged_attention(query, k_pool, v_pool, block_tables, seq_lens, starts, 1, context, head_dim ** -0.5,
-                            plan=plan, decode_kernel=decode_attention if in_c else None)
-            best[in_c] = min(best[in_c], time.perf_counter() - start)
-    faster = best[True] < best[False]
-    why = f"C {best[True] * 1e3:.2f} ms, torch {best[False] * 1e3:.2f} ms for 16 x 256 cached tokens"
-    write_json(path, dict(key=key, faster=faster, why=why))
-    return faster, why
+
+    def measure():
+        seqs, context = 16, 256
+        width = -(-context // block_size)
+        generator = torch.Generator().manual_seed(0)
+        k_pool, v_pool = torch.randn(2, seqs * width * 2, block_size, num_kv_heads, head_dim, generator=generator).unbind(0)
+        block_tables = torch.randperm(seqs * width * 2, generator=generator)[:seqs * width].view(seqs, width).int()
+        seq_lens = torch.full((seqs,), context, dtype=torch.int32)
+        starts = torch.arange(seqs + 1, dtype=torch.int32)
+        query = torch.randn(seqs, num_heads, head_dim, generator=generator)
+        plan = AttentionPlan.build(starts, seq_lens, block_tables=block_tables, block_size=block_size)
+        best = {True: float("inf"), False: float("inf")}
+        for _ in range(5):
+            for in_c in (True, False):
+                start = time.perf_counter()
+                paged_attention(query, k_pool, v_pool, block_tables, seq_lens, starts, 1, context, head_dim ** -0.5,
+                                plan=plan, decode_kernel=decode_attention if in_c else None)
+                best[in_c] = min(best[in_c], time.perf_counter() - start)
+        why = f"C {best[True] * 1e3:.2f} ms, torch {best[False] * 1e3:.2f} ms for 16 x 256 cached tokens"
+        return best[True] < best[False], why, {}
+
+    return cached_verdict(key, measure)

@@ -242,6 +242,20 @@ def write_json(path: Path, payload: dict) -> None:
     os.replace(staging, path)
 
 
+def cached_verdict(key: dict, measure) -> tuple[bool, str]:
+    """A yes/no measured once per machine: ``(faster, why)`` from the cache under ``key``, or from
+    ``measure() -> (faster, why, extra)``, whose answer is then stored with ``extra`` beside it."""
+    path = cache_file(key)
+    try:
+        stored = json.loads(path.read_text())
+        return stored["faster"], stored["why"]
+    except (OSError, ValueError, KeyError):
+        pass
+    faster, why, extra = measure()
+    write_json(path, dict(key=key, faster=faster, why=why, **extra))
+    return faster, why
+
+
 def write_cached(path: Path, key: dict, plans: dict, timings: dict, seconds: float) -> None:
     write_json(path, dict(key=key, seconds=round(seconds, 3), timings=timings,
                           plans={f"{o}x{i}": dict(by_rows=list(p.by_rows), large=p.large) for (o, i), p in plans.items()}))
@@ -300,16 +314,12 @@ def bf16_decode_faster() -> tuple[bool, str]:
     """
     key = dict(version=CALIBRATION_VERSION, what="bf16 vs the fastest fp32 path", cpu=cpu_model(), flags=" ".join(sorted(cpu_flags())),
                torch=torch.__version__, threads=torch.get_num_threads(), huge_pages=huge_pages_setting())
-    path = cache_file(key)
-    try:
-        stored = json.loads(path.read_text())
-        return stored["faster"], stored["why"]
-    except (OSError, ValueError, KeyError):
-        pass
-    fp32_paths = [p for p in available_paths() if p != "transposed"]      # doubled covers it for one row
-    ratios = [time_dtype(torch.bfloat16, rows) / min(time_dtype(torch.float32, rows, p) for p in fp32_paths)
-              for rows in (1, 8)]
-    faster = max(ratios) <= 1.0
-    why = f"a bf16 product took {ratios[0]:.2f}x / {ratios[1]:.2f}x the fastest fp32 path's time for 1 / 8 rows"
-    write_json(path, dict(key=key, faster=faster, why=why, ratios=ratios))
-    return faster, why
+
+    def measure():
+        fp32_paths = [p for p in available_paths() if p != "transposed"]      # doubled covers it for one row
+        ratios = [time_dtype(torch.bfloat16, rows) / min(time_dtype(torch.float32, rows, p) for p in fp32_paths)
+                  for rows in (1, 8)]
+        why = f"a bf16 product took {ratios[0]:.2f}x / {ratios[1]:.2f}x the fastest fp32 path's time for 1 / 8 rows"
+        return max(ratios) <= 1.0, why, dict(ratios=ratios)
+
+    return cached_verdict(key, measure)

@@ -70,6 +70,21 @@ def test_bytes_on_the_wire():
     assert par.tensor_parallel_step_s(c, "bf16", 4, 8, link) == pytest.approx(161 * par.ring_all_reduce_s(link, 4 * 16384, 8))
 
 
+def test_gpu_layouts_by_hand():
+    c, card = par.LLAMA_3_1_70B, par.H100_SXM
+    one_node = par.layout_step_s(c, "bf16", card, 64, tp=8)
+    hop = par.NVLINK4.alpha + 64 * 16384 / 8 / par.NVLINK4.bandwidth
+    assert one_node.comm_s == pytest.approx(161 * 14 * hop)
+    assert one_node.read_s == pytest.approx(par.weight_bytes_per_rank(c, "bf16", 8) / 3.35e12)
+    across = par.layout_step_s(c, "bf16", card, 64, tp=16)               # the ring's slowest hop is the NIC
+    assert across.comm_s == pytest.approx(161 * 30 * (par.INFINIBAND_NDR.alpha + 64 * 16384 / 16 / 50e9))
+    staged = par.layout_step_s(c, "bf16", card, 64, tp=8, pp=2)          # TP in each node, one send between
+    send = par.INFINIBAND_NDR.alpha + 64 * 16384 / 50e9
+    assert staged.comm_s == pytest.approx((2 * 80 + 1) * 14 * hop + send)
+    assert staged.read_s == one_node.read_s                              # two stages of half the layers, in turn
+    assert across.comm_s > 5 * staged.comm_s and staged.total_s == pytest.approx(staged.read_s + staged.comm_s)
+
+
 # ----------------------------------------------------------------------------- the fit
 
 

@@ -116,6 +116,7 @@ class EngineRun:
     reports: list = field(default_factory=list)         # per rank: weights, KV pool, block tables
     startup_lines: list = field(default_factory=list)
     tokens: list = field(default_factory=list)
+    step_tokens: list = field(default_factory=list)     # rows of each step: the all-reduces' sizes
 
     @property
     def label(self) -> str:
@@ -158,4 +159,4 @@ def measure_engine(model_factory, prompts, max_tokens: int, tensor_parallel_size
     return EngineRun(tensor_parallel_size, pipeline_parallel_size, len(records),
                      statistics.median(decode) if decode else float("nan"),
                      sum(times) / max(len(times), 1), stats, reports, lines,
-                     [o.outputs[0].token_ids for o in outputs])
+                     [o.outputs[0].token_ids for o in outputs], [r.num_batched_tokens for r in records])

@@ -186,10 +186,11 @@ class Link:
         return CostModel(self.alpha, self.bandwidth)
 
 
-# Published per-GPU bandwidths (each way); the latencies are assumptions, of the order NCCL's
-# small-message tests show, not measurements of ours.
-NVLINK4 = Link("NVLink 4 (H100/H200), 900 GB/s both ways = 450 GB/s each way", 3e-6, 450e9)
-INFINIBAND_NDR = Link("InfiniBand NDR, 400 Gb/s = 50 GB/s each way per NIC", 10e-6, 50e9)
+# Published per-GPU bandwidths, each way: NVLink 4 gives an H100/H200 900 GB/s both ways; one NDR
+# InfiniBand NIC 400 Gb/s. The latencies per ring step are assumptions (NIC, switch and NCCL's
+# own overhead), of the order NCCL's small-message tests show, not measurements of ours.
+NVLINK4 = Link("NVLink 4 (H100/H200): 900 GB/s both ways = 450 GB/s each way", 1e-6, 450e9)
+INFINIBAND_NDR = Link("InfiniBand NDR: 400 Gb/s = 50 GB/s each way, one NIC per GPU", 5e-6, 50e9)
 
 
 def ring_all_reduce_s(link: Link, nbytes: float, ranks: int) -> float:
@@ -209,6 +210,36 @@ def tensor_parallel_step_s(config: ModelConfig, dtype, tokens: int, ranks: int, 
 def decode_read_s(config: ModelConfig, dtype, card: Card, ranks: int) -> float:
     """A decode step's floor on each of ``ranks`` tensor-parallel devices: its weight shard over the HBM bandwidth."""
     return weight_bytes_per_rank(config, dtype, ranks) / card.bandwidth
+
+
+@dataclass(frozen=True)
+class LayoutStep:
+    """One step of ``tokens`` rows through ``tp × pp`` devices: reading weights, and communicating."""
+
+    tp: int
+    pp: int
+    read_s: float     # every stage's weight read, one after the other (one step in flight)
+    comm_s: float     # every stage's all-reduces plus the sends between stages
+
+    @property
+    def total_s(self) -> float:
+        return self.read_s + self.comm_s
+
+
+def layout_step_s(config: ModelConfig, dtype, card: Card, tokens: int, tp: int, pp: int = 1,
+                  intra: Link = NVLINK4, inter: Link = INFINIBAND_NDR, gpus_per_node: int = 8) -> LayoutStep:
+    """The cost model of one step on GPUs: no overlap of reading and talking (an upper bound).
+
+    A tensor-parallel group larger than a node rings over ``inter`` (a ring's step waits for its
+    slowest hop); stage boundaries cross nodes once ``tp × pp`` exceeds a node. Each stage
+    reads ``1/pp`` of a ``tp``-way shard; with one step in flight the stages run one after another.
+    """
+    tp_link = intra if tp <= gpus_per_node else inter
+    pp_link = intra if tp * pp <= gpus_per_node else inter
+    read = weight_bytes_per_rank(config, dtype, tp) / card.bandwidth      # pp stages of 1/pp each, in turn
+    allreduce = tensor_parallel_step_s(config, dtype, tokens, tp, tp_link)     # all stages' layers together
+    sends = (pp - 1) * pp_link.cost.seconds(tokens * all_reduce_bytes_per_token(config, dtype))
+    return LayoutStep(tp, pp, read, allreduce + sends)
 
 
 # ----------------------------------------------------------------------------- pipeline bubbles

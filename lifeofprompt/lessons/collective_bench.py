@@ -54,19 +54,19 @@ def _bench_worker(rank: int, world: int, init_file: str, ops, sizes, repeats: in
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     try:
-        results = {}
+        times = {(op, n): [] for op in ops for n in sizes}
+        tensors = {n: torch.ones(max(1, n // 4), dtype=torch.float32) for n in sizes}
+        parts = {n: [torch.empty_like(t) for _ in range(world)] for n, t in tensors.items()}
         for op in ops:
-            for nbytes in sizes:
-                tensor = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
-                parts = [torch.empty_like(tensor) for _ in range(world)]
-                times = []
-                for i in range(repeats + 3):               # three warm-up calls first
+            for i in range(repeats + 3):                   # round-robin over the sizes: a load that comes and
+                for n in sizes:                            # goes hits them all alike; three warm-up rounds
                     start = time.perf_counter()
-                    _one_call(op, tensor, parts, rank)
+                    _one_call(op, tensors[n], parts[n], rank)
                     if i >= 3:
-                        times.append(time.perf_counter() - start)
-                # the mean, not the median: the engine's collective time is a sum of calls, stalls included
-                results[op, tensor.numel() * 4] = statistics.fmean(times) / (2 if op == "send" else 1)
+                        times[op, n].append(time.perf_counter() - start)
+        # the mean, not the median: the engine's collective time is a sum of calls, stalls included
+        results = {(op, tensors[n].numel() * 4): statistics.fmean(t) / (2 if op == "send" else 1)
+                   for (op, n), t in times.items()}
         if rank == 0:
             queue.put(results)
     finally:

@@ -50,10 +50,10 @@ def split_figure(ranks: int = 3):
         _block(right, 2.2, 1 + (ranks - 1 - r) * w, 1.6, w, RANK_COLORS[r], f"W rows, rank {r}", fontsize=8)
     right.text(4.15, 2.5, "=", fontsize=16, ha="center", va="center")
     for r in range(ranks):
-        _block(right, 4.5 + r * 0.35, 1.3 - r * 0.15, 1.3, 2.5, RANK_COLORS[r], "", fontsize=8)
-    right.text(5.3, 4.05, "partial Y, one per rank", ha="center", va="center", fontsize=8)
-    right.annotate("", xy=(7.4, 2.5), xytext=(6.35, 2.5), arrowprops=dict(arrowstyle="->", lw=2))
-    right.text(6.9, 3.0, "all-reduce\n(sum)", ha="center", fontsize=9)
+        _block(right, 4.4 + r * 0.25, 1.3 - r * 0.15, 1.1, 2.5, RANK_COLORS[r], "", fontsize=8)
+    right.text(5.2, 4.05, "partial Y, one per rank", ha="center", va="center", fontsize=8)
+    right.annotate("", xy=(7.4, 2.5), xytext=(6.15, 2.5), arrowprops=dict(arrowstyle="->", lw=2))
+    right.text(6.8, 2.75, "all-reduce\n(sum)", ha="center", fontsize=9)
     _block(right, 7.5, 1, 1.2, 3, "#333333", "Y\n[tokens,\nhidden]\n(every\nrank)")
     right.text(4.3, 0.45, "row split (o_proj, down_proj): each rank's product is a partial sum of all of Y;\n"
                "one all-reduce of tokens × hidden adds them up", ha="center", va="center", fontsize=9)
@@ -101,7 +101,7 @@ def measured_figure(runs, predicted: dict[str, float]):
     per step, measured on rank 0 against the fitted model (``predicted``: label -> seconds per step)."""
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [2, 1]})
     labels = [r.label for r in runs]
     steps = [r.mean_step_s * 1e3 for r in runs]
     comm = [min(r.collective_seconds_per_step() * 1e3, s) for r, s in zip(runs, steps)]
@@ -111,17 +111,17 @@ def measured_figure(runs, predicted: dict[str, float]):
         left.text(i, s, f"{s:.1f} ms", ha="center", va="bottom", fontsize=9)
     left.set_ylabel("ms per step")
     left.set_title("the engine on this CPU, gloo, 1 thread per rank", fontsize=10)
-    left.legend(fontsize=8, frameon=False)
+    left.legend(fontsize=8, frameon=False, loc="upper left")
     shown = [r for r in runs if r.label in predicted]
-    x = range(len(shown))
-    right.bar([i - 0.2 for i in x], [r.collective_seconds_per_step() * 1e3 for r in shown], 0.4, color="#dd8452",
-              label="measured")
-    right.bar([i + 0.2 for i in x], [predicted[r.label] * 1e3 for r in shown], 0.4, color="#8c8c8c",
-              label="cost model α + n/β (fitted on other sizes)")
-    right.set_xticks(list(x), [r.label for r in shown])
+    for i, r in enumerate(shown):
+        pair = ((i - 0.18, r.collective_seconds_per_step() * 1e3, "#dd8452"), (i + 0.18, predicted[r.label] * 1e3, "#8c8c8c"))
+        for x, value, color in pair:
+            right.bar(x, value, 0.34, color=color)
+            right.text(x, value, f"{value:.1f}", ha="center", va="bottom", fontsize=9)
+    right.set_xticks(range(len(shown)), [r.label for r in shown])
+    right.set_xlim(-0.7, len(shown) - 0.3)
     right.set_ylabel("ms of collectives per step")
-    right.set_title("collective time: measured against predicted", fontsize=10)
-    right.legend(fontsize=8, frameon=False)
+    right.set_title("collectives: measured (orange) against\nα + n/β fitted on other sizes (grey)", fontsize=10)
     for ax in (left, right):
         for side in ("top", "right"):
             ax.spines[side].set_visible(False)
@@ -134,17 +134,24 @@ def links_figure(curves: dict[str, tuple[list[int], list[float]]], floor_s: dict
     floors (weights over HBM bandwidth) as dashed lines to compare with."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 4.6))
-    for (name, (tokens, seconds)), color in zip(curves.items(), RANK_COLORS):
-        ax.plot(tokens, [s * 1e3 for s in seconds], marker="o", color=color, label=name)
+    from matplotlib.ticker import FuncFormatter
+
+    fig, ax = plt.subplots(figsize=(9, 5.4))
+    styles = (("o", "-"), ("s", "-"), ("^", "--"))
+    for (name, (tokens, seconds)), color, (marker, line) in zip(curves.items(), RANK_COLORS, styles):
+        ax.plot(tokens, [s * 1e3 for s in seconds], marker=marker, linestyle=line, color=color, label=name)
     for (name, s), style in zip(floor_s.items(), ("--", ":", "-.")):
         ax.axhline(s * 1e3, color="#333333", linestyle=style, linewidth=1, label=name)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    ax.xaxis.set_major_formatter(plain)
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:g}"[0] in "235" else ""))
     ax.set_xlabel("tokens in the step (batch of decodes)")
     ax.set_ylabel("ms per step")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, frameon=False, loc="upper left")
+    ax.legend(fontsize=8, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     fig.tight_layout()

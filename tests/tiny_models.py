@@ -1,37 +1,14 @@
 """Tiny random Llamas for tests: one with SmolLM2's head layout, for the tensor-parallel tests (and their
-subprocesses), and ``build_tiny_model``, for the engine's and the server's plumbing.
-
-2 layers, 9 query / 3 KV heads, intermediate 96 (divisible by 3 like SmolLM2's 1536), tied
-embeddings, and a vocabulary of 320 that 3 does not divide, so the padded vocab shard runs too.
+subprocesses; it lives in ``lifeofprompt/lessons/tiny_models.py``, since notebook 11 runs it too), and
+``build_tiny_model``, for the engine's and the server's plumbing.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from lifeofprompt.lessons.agreement import FP32_TOLERANCE, assert_greedy_agrees, teacher_forced_logits, top2_margins
-from lifeofprompt.model.config import ModelConfig
-from lifeofprompt.model.llama import LlamaForCausalLM
-from lifeofprompt.model.loader import ByteTokenizer
-
-TINY_SMOLLM2_LAYOUT = ModelConfig(name="tiny-random-smollm2-layout", vocab_size=320, hidden_size=144,
-                                  intermediate_size=96, num_layers=2, num_heads=9, num_kv_heads=3, head_dim=16,
-                                  rope_theta=100000.0, max_position_embeddings=512, tie_word_embeddings=True)
-
-
-def tiny_model(seed: int = 0, config: ModelConfig = TINY_SMOLLM2_LAYOUT) -> tuple[LlamaForCausalLM, ByteTokenizer]:
-    """``(model, tokenizer)``: seeded N(0, 0.1) weights (norms 1), fp32 on the CPU."""
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                nn.init.normal_(param, std=0.1)
-    model.source, model.is_random = f"{config.name} (RANDOM weights, seed {seed})", True
-    return model, ByteTokenizer(config.vocab_size)
+from lifeofprompt.lessons.tiny_models import TINY_SMOLLM2_LAYOUT, tiny_model  # noqa: F401 (the tests import them from here)
 
 
 def assert_parallel_agrees(parallel_model, full_model, prompts, tokens, reference_tokens, min_fraction: float = 0.9):

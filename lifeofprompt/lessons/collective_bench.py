@@ -1,0 +1,162 @@
+"""Timing the links on this machine (notebook 11): gloo collectives between spawned processes, and
+the parallel engine's own steps, with the collectives it ran counted.
+
+``time_collectives(world, sizes)`` starts ``world`` fresh processes (spawn, one torch thread
+each, a file rendezvous, so no port can clash and the calling process keeps no process group
+of its own: a parallel engine may still start in it) and times each of the engine's kinds of
+collective at each message size: the mean of single calls on rank 0, after a warm-up, back to
+back as the engine meets them (its collective time is their sum, stalls included). ``parallelism.fit_cost_model`` turns those
+times into α and β.
+
+``measure_engine`` runs ``LLM(tensor_parallel_size=T, pipeline_parallel_size=P)`` on a model,
+and returns its step times and the collectives rank 0 ran (``distributed.collectives``), so
+the fit can be set beside what the engine measured.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+OPS = ("all_reduce", "broadcast", "gather")
+
+
+def _one_call(op: str, tensor, parts, rank: int) -> None:
+    from ..distributed import collectives
+
+    if op == "all_reduce":
+        collectives.all_reduce(tensor)
+    elif op == "broadcast":
+        collectives.broadcast(tensor, src=0)
+    elif op == "gather":
+        collectives.gather(tensor, parts if rank == 0 else None, dst=0)
+    elif op == "send":                       # a ping-pong between ranks 0 and 1: two messages per call
+        if rank == 0:
+            collectives.send(tensor, 1)
+            collectives.recv(tensor, 1)
+        elif rank == 1:
+            collectives.recv(tensor, 0)
+            collectives.send(tensor, 0)
+    else:
+        raise ValueError(f"unknown collective {op!r}")
+
+
+def _bench_worker(rank: int, world: int, init_file: str, ops, sizes, repeats: int, queue) -> None:
+    """One process of the benchmark: every op at every size, ``repeats`` timed calls each."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        times = {(op, n): [] for op in ops for n in sizes}
+        tensors = {n: torch.ones(max(1, n // 4), dtype=torch.float32) for n in sizes}
+        parts = {n: [torch.empty_like(t) for _ in range(world)] for n, t in tensors.items()}
+        for op in ops:
+            for i in range(repeats + 3):                   # round-robin over the sizes: a load that comes and
+                for n in sizes:                            # goes hits them all alike; three warm-up rounds
+                    start = time.perf_counter()
+                    _one_call(op, tensors[n], parts[n], rank)
+                    if i >= 3:
+                        times[op, n].append(time.perf_counter() - start)
+        # the mean, not the median: the engine's collective time is a sum of calls, stalls included
+        results = {(op, tensors[n].numel() * 4): statistics.fmean(t) / (2 if op == "send" else 1)
+                   for (op, n), t in times.items()}
+        if rank == 0:
+            queue.put(results)
+    finally:
+        dist.destroy_process_group()
+
+
+def time_collectives(world: int, sizes, ops=OPS, repeats: int = 30, timeout_s: float = 300) -> dict:
+    """``{(op, bytes): mean seconds of one call on rank 0}`` for ``world`` spawned gloo processes."""
+    import multiprocessing
+
+    from ..distributed.group import _main_module_hidden
+
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    with tempfile.TemporaryDirectory(prefix="lifeofprompt-bench-") as folder:
+        init_file = os.path.join(folder, "rendezvous")
+        processes = [context.Process(target=_bench_worker, args=(r, world, init_file, tuple(ops), tuple(sizes),
+                                                                 repeats, queue), daemon=True)
+                     for r in range(world)]
+        with _main_module_hidden():
+            for p in processes:
+                p.start()
+        try:
+            results = queue.get(timeout=timeout_s)
+        finally:
+            for p in processes:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+    return results
+
+
+# ----------------------------------------------------------------------------- the engine, measured
+
+
+@dataclass
+class EngineRun:
+    """One parallel engine's run: its decode step times, and what rank 0's collectives did."""
+
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    steps: int
+    decode_step_s: float                  # median wall time of a step that only decoded
+    mean_step_s: float
+    collectives: dict = field(default_factory=dict)     # op -> calls, bytes, seconds (rank 0)
+    reports: list = field(default_factory=list)         # per rank: weights, KV pool, block tables
+    startup_lines: list = field(default_factory=list)
+    tokens: list = field(default_factory=list)
+    step_tokens: list = field(default_factory=list)     # rows of each step: the all-reduces' sizes
+
+    @property
+    def label(self) -> str:
+        return f"T={self.tensor_parallel_size}, P={self.pipeline_parallel_size}"
+
+    def collective_seconds_per_step(self) -> float:
+        return sum(v["seconds"] for v in self.collectives.values()) / max(self.steps, 1)
+
+
+def measure_engine(model_factory, prompts, max_tokens: int, tensor_parallel_size: int = 1,
+                   pipeline_parallel_size: int = 1, **engine_kwargs) -> EngineRun:
+    """Build the engine, warm it up, then generate ``prompts`` greedily with the collectives counted.
+
+    ``model_factory()`` returns ``(model, tokenizer)`` (a fresh copy: rank 0 keeps only its
+    shard). The engine is shut down before this returns, so the next one can start.
+    """
+    from ..distributed import collectives
+    from ..engine.llm import LLM
+    from ..engine.sampling_params import SamplingParams
+
+    model, tokenizer = model_factory()
+    llm = LLM(model, tokenizer=tokenizer, tensor_parallel_size=tensor_parallel_size,
+              pipeline_parallel_size=pipeline_parallel_size, **engine_kwargs)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+        engine = llm.engine
+        collectives.reset()
+        before = len(engine.step_records)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        records = list(engine.step_records)[before:]
+        stats = collectives.snapshot()
+        reports = engine.parallel.report(engine.model, engine.runner.kv_cache) if engine.parallel else []
+        lines = engine._startup_lines(engine.max_model_len)
+    finally:
+        llm.shutdown()
+    times = [r.end_time - r.start_time for r in records if r.start_time is not None and r.end_time is not None]
+    decode = [r.end_time - r.start_time for r in records
+              if r.start_time is not None and r.end_time is not None and all(s.kind == "decode" for s in r.scheduled)]
+    return EngineRun(tensor_parallel_size, pipeline_parallel_size, len(records),
+                     statistics.median(decode) if decode else float("nan"),
+                     sum(times) / max(len(times), 1), stats, reports, lines,
+                     [o.outputs[0].token_ids for o in outputs], [r.num_batched_tokens for r in records])

@@ -1,0 +1,33 @@
+"""A tiny random Llama with SmolLM2's head layout: the parallel engine's lessons and tests run on it.
+
+2 layers, 9 query / 3 KV heads, intermediate 96 (divisible by 3 like SmolLM2's 1536), tied
+embeddings, and a vocabulary of 320 that 3 does not divide, so the padded vocab shard runs too.
+It splits exactly as SmolLM2-135M does (T ∈ {1, 3}, P ∈ {1, 2}) and steps in milliseconds.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..model.config import ModelConfig
+from ..model.llama import LlamaForCausalLM
+from ..model.loader import ByteTokenizer
+
+TINY_SMOLLM2_LAYOUT = ModelConfig(name="tiny-random-smollm2-layout", vocab_size=320, hidden_size=144,
+                                  intermediate_size=96, num_layers=2, num_heads=9, num_kv_heads=3, head_dim=16,
+                                  rope_theta=100000.0, max_position_embeddings=512, tie_word_embeddings=True)
+
+
+def tiny_model(seed: int = 0, config: ModelConfig = TINY_SMOLLM2_LAYOUT) -> tuple[LlamaForCausalLM, ByteTokenizer]:
+    """``(model, tokenizer)``: seeded N(0, 0.1) weights (norms 1), fp32 on the CPU."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                nn.init.normal_(param, std=0.1)
+    model.source, model.is_random = f"{config.name} (RANDOM weights, seed {seed})", True
+    return model, ByteTokenizer(config.vocab_size)

@@ -17,8 +17,9 @@ usual EOS rule ends the answer. The mask costs a fraction of a millisecond per r
 random weights the output still parses, which is how the tests check that the mask, not the
 model, makes it valid.
 
-xgrammar is imported only when a request asks for structure; without it such a request gets a
-``MissingDependencyError`` that says what to install.
+xgrammar is imported only when a request asks for structure; where it cannot be imported (no wheel
+for this Python, or not installed) such a request gets a ``StructuredOutputUnavailableError`` (a
+``MissingDependencyError``; a 400 over HTTP) that names the package and the command to install it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import InvalidRequestError, MissingDependencyError
+from ..errors import InvalidRequestError, StructuredOutputUnavailableError
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # JSON may be laid out with spaces and newlines as models like to, but a run of whitespace is capped:
@@ -84,8 +85,10 @@ def _xgrammar():
     try:
         import xgrammar
     except ImportError as exc:
-        raise MissingDependencyError("structured output needs the xgrammar package: pip install xgrammar "
-                                     "(it is in lifeofprompt's serve and dev extras)") from exc
+        raise StructuredOutputUnavailableError(
+            f"structured output (structured_outputs, response_format, tool calls) needs the xgrammar package, which "
+            f"cannot be imported here ({exc}): pip install xgrammar (it is in lifeofprompt's serve and dev "
+            "extras)") from exc
     return xgrammar
 
 

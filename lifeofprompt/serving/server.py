@@ -14,7 +14,9 @@ error (``lifeofprompt.errors``: its HTTP status and OpenAI type), in OpenAI's sh
 ``{"error": {"message", "type", "param", "code"}}``; every error is, FastAPI's own included
 (``http_errors.py``). What a request may ask for is limited before any work (``limits.py``); the
 door has an optional API key (``auth.py``); on SIGTERM the server drains (``engine_loop.py``).
-The wire format lives in ``openai_protocol.py``, the ``/metrics`` page in ``server_metrics.py``.
+The wire format lives in ``openai_protocol.py``, the answers' shapes in ``choices.py`` (``n``,
+logprobs, tool calls: ``tools.py``), vLLM's ``/tokenize`` and ``/detokenize`` in
+``tokenizer_routes.py``, the ``/metrics`` page in ``server_metrics.py``.
 
     python -m lifeofprompt serve --model smollm2-135m --port 8000
 

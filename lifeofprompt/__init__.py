@@ -12,7 +12,7 @@ from .env import env_info, env_report
 from .errors import (AuthenticationError, ConfigError, InvalidRequestError, LifeOfPromptError, MissingDependencyError,
                      ModelNotFoundError, OutOfMemoryError, ParallelConfigError, QueueFullError, RequestFailedError,
                      RequestNotFoundError, RequestTooLargeError, ShuttingDownError, SpeculativeConfigError,
-                     WorkerFailedError)
+                     StructuredOutputUnavailableError, WorkerFailedError)
 from .model.config import ModelConfig
 from .model.loader import load_model
 from .engine.block_manager import BlockManager
@@ -30,6 +30,7 @@ __all__ = [
     "LifeOfPromptError", "ModelNotFoundError", "MissingDependencyError", "InvalidRequestError", "RequestTooLargeError",
     "ConfigError", "OutOfMemoryError", "QueueFullError", "RequestNotFoundError", "RequestFailedError",
     "ShuttingDownError", "AuthenticationError", "SpeculativeConfigError", "ParallelConfigError", "WorkerFailedError",
+    "StructuredOutputUnavailableError",
     # model (notebooks 01-02)
     "ModelConfig", "load_model",
     # engine (notebooks 05-08)

@@ -29,6 +29,18 @@ class MissingDependencyError(LifeOfPromptError):
     error_type = "missing_dependency"
 
 
+class StructuredOutputUnavailableError(MissingDependencyError):
+    """Structured output (or a tool call) was asked for, but its grammar library (xgrammar) cannot be
+    imported here, e.g. on a Python it has no wheel for. The request, not the server, asks for
+    what is missing, so the server answers 400 and the message names the package and the install command."""
+
+    http_status = 400
+
+    def __init__(self, message: str, *, param: str | None = "structured_outputs"):
+        super().__init__(message)
+        self.param = param
+
+
 class InvalidRequestError(LifeOfPromptError, ValueError):
     """A request (or argument) that can never be served as given: bad sampling values, empty ids, …"""
 

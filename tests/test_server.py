@@ -2,13 +2,16 @@
 
 One server for the module, on the embedded SmolLM2 (CPU), with a small KV pool. Expected
 tokens come from ``LLM.generate`` on the same weights; every test leaves the engine idle, with
-every block back in the pool.
+every block back in the pool. The last section drives the whole surface (n, logprobs, penalties,
+json_schema, regex, choice, tools, /tokenize) against it and against a second server on the tiny
+random model, where valid JSON and tool calls can only come from the grammar.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 
@@ -357,3 +360,124 @@ def test_a_bad_seed_is_a_400_and_hurts_nobody(server, expected):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "seed"
     assert good.status_code == 200 and good.json()["choices"][0]["text"] == expected["hi"].text
     assert_no_leaks(server)
+
+
+# ----------------------------------------------------------------------------- the whole surface, real and random weights
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0, "maximum": 150}}}
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city"],
+           "properties": {"city": {"type": "string", "maxLength": 12}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "add", "parameters": {
+             "type": "object", "additionalProperties": False, "required": ["a", "b"],
+             "properties": {"a": {"type": "integer", "maximum": 999}, "b": {"type": "integer", "maximum": 999}}}}}]
+TOOL_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+@pytest.fixture(scope="module")
+def tiny_server():
+    from tiny_models import build_tiny_model
+
+    model, tokenizer = build_tiny_model()
+    tokenizer.chat_template = "tags"
+    engine = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=128, max_num_seqs=8, log_stats=False)
+    with ServerThread(engine, model_name="tiny") as running:
+        yield running
+
+
+@pytest.fixture(scope="module", params=["real", "random"])
+def target(request, smollm2):
+    """``(client, model name, LLM on the same weights)``: SmolLM2, then the tiny random model."""
+    if request.param == "real":
+        server = request.getfixturevalue("server")
+        model, tokenizer = smollm2
+        name = MODEL
+    else:
+        server = request.getfixturevalue("tiny_server")
+        model, tokenizer, name = server.engine.model, server.engine.tokenizer, "tiny"
+    llm = LLM(model, tokenizer=tokenizer, num_kv_blocks=128, log_stats=False)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    return client, name, llm
+
+
+def test_client_n_and_logprobs(target):
+    client, name, llm = target
+    response = client.completions.create(model=name, prompt="once upon a time", max_tokens=5, n=3, seed=11,
+                                         logprobs=2, extra_body={"return_token_ids": True})
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    alone = llm.generate(["once upon a time"], SamplingParams(n=3, seed=11, max_tokens=5), use_tqdm=False)[0]
+    assert [c.model_extra["token_ids"] for c in response.choices] == [o.token_ids for o in alone.outputs]
+    for choice in response.choices:
+        assert len(choice.logprobs.token_logprobs) == 5 and all(lp <= 0 for lp in choice.logprobs.token_logprobs)
+    chat = client.chat.completions.create(model=name, messages=HELLO, max_tokens=4, n=2, seed=3, logprobs=True,
+                                          top_logprobs=3)
+    assert len(chat.choices) == 2
+    for entry in chat.choices[0].logprobs.content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= entry.top_logprobs[0].logprob + 1e-6
+
+
+def test_client_penalties_and_logit_bias_are_the_engines(target):
+    client, name, llm = target
+    knobs = dict(presence_penalty=1.5, frequency_penalty=1.0)
+    response = client.completions.create(model=name, prompt="the the the the", max_tokens=8, temperature=0,
+                                         extra_body={"repetition_penalty": 1.3, "min_tokens": 8, "return_token_ids": True},
+                                         **knobs)
+    expected = llm.generate(["the the the the"], SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.3,
+                                                                min_tokens=8, **knobs), use_tqdm=False)[0].outputs[0]
+    plain = llm.generate(["the the the the"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+    assert response.choices[0].model_extra["token_ids"] == expected.token_ids
+    if name == MODEL:                      # the real model repeats "the" unpenalised (random weights repeat nothing)
+        assert expected.token_ids != plain.token_ids
+    biased = client.completions.create(model=name, prompt="hi", max_tokens=4, logit_bias={"42": 100},
+                                       extra_body={"return_token_ids": True})
+    assert biased.choices[0].model_extra["token_ids"] == [42] * 4
+
+
+def test_client_json_schema_regex_and_choice(target):
+    jsonschema = pytest.importorskip("jsonschema")
+    client, name, _ = target
+    messages = [{"role": "user", "content": "Describe a person as JSON with a name and an age."}]
+    response = client.chat.completions.create(model=name, messages=messages, max_tokens=60, temperature=1.0, n=6,
+                                              seed=5, response_format={"type": "json_schema",
+                                                                       "json_schema": {"name": "person", "schema": SCHEMA}})
+    for choice in response.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    regex = client.completions.create(model=name, prompt="a date:", max_tokens=20, temperature=1.0, seed=1,
+                                      extra_body={"structured_outputs": {"regex": r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"}})
+    assert re.fullmatch(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", regex.choices[0].text)
+    choice = client.chat.completions.create(model=name, messages=HELLO, max_tokens=10, n=4, seed=2,
+                                            extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe"]}})
+    assert all(c.message.content in ("yes", "no", "maybe") for c in choice.choices)
+
+
+def test_client_tools(target):
+    jsonschema = pytest.importorskip("jsonschema")
+    client, name, _ = target
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    response = client.chat.completions.create(model=name, messages=messages, tools=TOOLS, tool_choice="required",
+                                              max_tokens=200, n=4, seed=9)
+    for choice in response.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        call = choice.message.tool_calls[0]
+        jsonschema.validate(json.loads(call.function.arguments), TOOL_SCHEMAS[call.function.name])
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    stream = client.chat.completions.create(model=name, messages=messages, tools=TOOLS, tool_choice=named,
+                                            max_tokens=200, stream=True)
+    calls = [call for chunk in stream for c in chunk.choices for call in (c.delta.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER)
+    with pytest.raises(openai.BadRequestError, match="chat template"):
+        client.chat.completions.create(model=name, messages=messages, tools=TOOLS, max_tokens=4)
+
+
+def test_tokenize_and_detokenize_over_http(target):
+    client, name, _ = target
+    base = str(client.base_url).removesuffix("/v1/")
+    tokens = httpx.post(base + "/tokenize", json={"model": name, "prompt": SUMMER, "add_special_tokens": False}).json()
+    assert httpx.post(base + "/detokenize", json={"model": name, "tokens": tokens["tokens"]}).json() == {"prompt": SUMMER}
+    chat = httpx.post(base + "/tokenize", json={"model": name, "messages": HELLO}).json()
+    billed = client.chat.completions.create(model=name, messages=HELLO, max_tokens=1).usage.prompt_tokens
+    assert chat["count"] == billed

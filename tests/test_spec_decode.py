@@ -466,8 +466,9 @@ def test_a_draft_loaded_by_name_with_the_same_tokenizer(smollm2, story_ids):
     assert engine.spec_stats.acceptance_rate > 0.9
 
 
-def test_requests_with_penalties_or_a_grammar_decode_plainly_beside_speculating_ones(tiny_model):
-    """The verify applies no penalties, logit_bias or grammar, so those requests never draft; the others still do."""
+def test_requests_with_penalties_or_logit_bias_decode_plainly_beside_speculating_ones(tiny_model):
+    """The verify applies no penalties or logit_bias, so those requests never draft; the others still do
+    (a grammar's requests do draft: tests/test_spec_structured.py)."""
     from lifeofprompt import LLM, SamplingParams
 
     model, tokenizer = tiny_model

@@ -160,12 +160,15 @@ class LLM:
 
 
 def render_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool = True,
-                model_name: str = "this model") -> tuple[str, list[int]]:
+                model_name: str = "this model", tools: list[dict] | None = None) -> tuple[str, list[int]]:
     """A conversation through the tokenizer's own chat template: the text and its token ids.
 
-    Shared by ``LLM.chat`` and the server's ``/v1/chat/completions``.
+    Shared by ``LLM.chat`` and the server's ``/v1/chat/completions`` (and ``/tokenize``); ``tools``
+    (OpenAI's function definitions) go to templates that read them.
     """
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequestError(f"the tokenizer of {model_name} has no chat template", param="messages")
-    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+    extra = {"tools": tools} if tools else {}
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **extra)
     return text, list(tokenizer.encode(text, add_special_tokens=False))

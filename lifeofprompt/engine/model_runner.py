@@ -344,7 +344,9 @@ class ModelRunner:
         if plain:
             out = self.sample(logits[plain_rows], plain)
             self.last_failures = {plain[row].seq_id: exc for row, exc in out.failed.items()}
-            for s, token, lp in zip(plain, out.token_ids.tolist(), self.read_logprobs(out, plain)):
+            tokens = out.token_ids.tolist()
+            self.advance_grammars(plain, tokens)           # a plain row beside the verifies walks its grammar too
+            for s, token, lp in zip(plain, tokens, self.read_logprobs(out, plain)):
                 result[s.seq_id] = (token, lp)
         argmax = logits.argmax(dim=-1).tolist()            # greedy verifies read theirs from here: one copy
         for s, start in verifies:

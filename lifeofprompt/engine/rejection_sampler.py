@@ -15,6 +15,10 @@ tokens and the drafts ``d1 .. di``. From them:
   proposes one token with certainty, so its ``q`` is one-hot: accept with probability ``p(x)``,
   and on a rejection draw from ``p`` with ``x`` removed.
 
+A request with a grammar verifies masked rows (``verify_with_grammar``): row ``i`` allows only what the
+grammar allows after the drafts before it, so ``p`` above is the masked distribution a plain decode
+would sample from.
+
 Draws come from the request's own ``torch.Generator`` when it has a seed, so a seeded run with
 speculation repeats itself. It does not repeat a seeded run *without* speculation: the same
 distribution, reached through other random numbers.
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import RequestFailedError
 from .sampler import apply_filters, make_generator
 from .sampling_params import SamplingParams
 
@@ -113,7 +118,28 @@ def verify_sequence(seq, logits: torch.Tensor, target_ids: list[int]) -> tuple[l
     params = seq.sampling_params
     if params.seed is not None and getattr(seq, "generator", None) is None:
         seq.generator = make_generator(params.seed, logits.device)
+    grammar = getattr(seq, "grammar", None)
+    if grammar is not None:
+        return verify_with_grammar(seq, grammar, logits)
     kept = verify(logits, seq.spec_token_ids, params, getattr(seq, "generator", None), seq.spec_probs, target_ids)
+    return kept, kept_logprobs(logits[:len(kept)], kept, params.logprobs)
+
+
+def verify_with_grammar(seq, grammar, logits: torch.Tensor) -> tuple[list[int], list | None]:
+    """A verify under a grammar: the drafts cut to what it allows, every row masked with the state after
+    the drafts before it (``GrammarState.verify_bitmask``), the usual rule on the masked rows, and the
+    kept tokens accepted by the matcher for real. The target's distribution at each row is then the
+    masked one a plain decode would sample from, so greedy keeps exactly the plain tokens and sampling
+    keeps their distribution. Logprobs stay the raw model's, as without speculation."""
+    params = seq.sampling_params
+    draft = seq.spec_token_ids[:grammar.valid_prefix(seq.spec_token_ids)]
+    rows = logits[:len(draft) + 1].float().clone()
+    grammar.backend.apply(rows, grammar.verify_bitmask(draft))
+    draft_probs = None if seq.spec_probs is None else seq.spec_probs[:len(draft)]
+    kept = verify(rows, draft, params, getattr(seq, "generator", None), draft_probs)
+    for token in kept:
+        if not grammar.accept(token):
+            raise RequestFailedError(f"request {seq.request_id!r}: token {token} breaks its structured_outputs grammar")
     return kept, kept_logprobs(logits[:len(kept)], kept, params.logprobs)
 
 

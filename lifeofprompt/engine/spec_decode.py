@@ -75,7 +75,11 @@ class SpecDecoder:
             elif hasattr(self.proposer, "placeholders"):      # a draft model drafts after scheduling
                 seq.set_spec(self.proposer.placeholders(seq, limit))
             else:
-                seq.set_spec(self.proposer.propose(seq.token_ids, limit))
+                draft = self.proposer.propose(seq.token_ids, limit)
+                grammar = getattr(seq, "grammar", None)
+                if grammar is not None and draft:           # drafts the grammar refuses could never be kept
+                    draft = draft[:grammar.valid_prefix(draft)]
+                seq.set_spec(draft)
         self.stats.draft_time += clock() - start
 
     def fill(self, seqs, clock) -> None:
@@ -109,10 +113,11 @@ class SpecDecoder:
 
 
 def may_speculate(params) -> bool:
-    """Whether a request's verify can be judged by the rejection rule alone.
+    """Whether a request's verify can be judged by the rejection rule.
 
-    Penalties, min_tokens, logit_bias and a grammar change the target's distribution token by token,
-    depending on the tokens before; the verify applies none of them, so such a request decodes
-    one token per step (correct, just not sped up).
+    Penalties, min_tokens and logit_bias change the target's distribution token by token, depending
+    on the tokens before; the verify applies none of them, so such a request decodes one token per
+    step (correct, just not sped up). A grammar does speculate: each verify row is masked with the
+    grammar's state after the drafts before it (``rejection_sampler.verify_with_grammar``).
     """
-    return not params.needs_history and params.structured_outputs is None
+    return not params.needs_history

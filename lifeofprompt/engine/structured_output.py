@@ -12,13 +12,20 @@ where in the grammar the output stands. Each step:
 3. the chosen token is fed back to the matcher (``accept``), which moves on.
 
 When the grammar is complete the matcher allows only the end-of-sequence token, and the engine's
-usual EOS rule ends the answer. The mask costs a fraction of a millisecond per row
+usual EOS rule ends the answer.
+
+With speculative decoding the drafts are cut to what the grammar allows (``valid_prefix``), and
+each of the verify's k + 1 rows is masked with the state after the drafts before it: the matcher
+takes the drafts tentatively, filling one bitmask row after each, then rolls back
+(``verify_bitmask``); the rejection rule then runs on the masked rows, and only the tokens it
+keeps are accepted for real (``rejection_sampler.verify_sequence``). The mask costs a fraction of a millisecond per row
 (``benchmarks/bench_structured.py`` times it against the step). Prompting plays no part: with
 random weights the output still parses, which is how the tests check that the mask, not the
 model, makes it valid.
 
-xgrammar is imported only when a request asks for structure; without it such a request gets a
-``MissingDependencyError`` that says what to install.
+xgrammar is imported only when a request asks for structure; where it cannot be imported (no wheel
+for this Python, or not installed) such a request gets a ``StructuredOutputUnavailableError`` (a
+``MissingDependencyError``; a 400 over HTTP) that names the package and the command to install it.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import InvalidRequestError, MissingDependencyError
+from ..errors import InvalidRequestError, StructuredOutputUnavailableError
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # JSON may be laid out with spaces and newlines as models like to, but a run of whitespace is capped:
@@ -84,8 +91,10 @@ def _xgrammar():
     try:
         import xgrammar
     except ImportError as exc:
-        raise MissingDependencyError("structured output needs the xgrammar package: pip install xgrammar "
-                                     "(it is in lifeofprompt's serve and dev extras)") from exc
+        raise StructuredOutputUnavailableError(
+            f"structured output (structured_outputs, response_format, tool calls) needs the xgrammar package, which "
+            f"cannot be imported here ({exc}): pip install xgrammar (it is in lifeofprompt's serve and dev "
+            "extras)") from exc
     return xgrammar
 
 
@@ -188,7 +197,40 @@ class GrammarState:
         return self.matcher.accept_token(token)
 
     def rollback(self, num_tokens: int) -> None:
-        self.matcher.rollback(num_tokens)
+        if num_tokens > 0:
+            self.matcher.rollback(num_tokens)
+
+    # ---------------------------------------------------------------- speculative decoding
+    def valid_prefix(self, draft: list[int]) -> int:
+        """How many of ``draft`` the grammar takes in a row, stopping before one that would end it
+        (nothing may be verified after the end). Tried, then rolled back: the state is unchanged."""
+        tried = keep = 0
+        for token in draft:
+            if not self.matcher.accept_token(token):
+                break
+            tried += 1
+            if self.matcher.is_terminated():
+                break
+            keep = tried
+        self.rollback(tried)
+        return keep
+
+    def verify_bitmask(self, draft: list[int]) -> torch.Tensor:
+        """``[k + 1, words]``: row ``i`` allows what may follow the drafts before it, so each verify row is
+        masked as a plain decode at its position would be. The drafts are advanced tentatively, one by one,
+        then rolled back; the caller accepts the kept ones for real. ``draft`` must be a ``valid_prefix``."""
+        bitmask = self.backend.new_bitmask(len(draft) + 1)
+        self.fill(bitmask, 0)
+        accepted = 0
+        try:
+            for i, token in enumerate(draft):
+                if not self.matcher.accept_token(token):
+                    raise ValueError(f"draft token {token} is outside the grammar (call valid_prefix first)")
+                accepted += 1
+                self.fill(bitmask, i + 1)
+        finally:
+            self.rollback(accepted)
+        return bitmask
 
     @property
     def finished(self) -> bool:

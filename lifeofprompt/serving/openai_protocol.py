@@ -3,7 +3,9 @@
 The bodies are pydantic models, so a missing field or a wrong type becomes a 400 naming the
 field; the values then go through ``SamplingParams``, whose own checks raise the typed errors of
 ``lifeofprompt.errors``. vLLM's extensions are accepted where benchmarks use them
-(``ignore_eos``, ``top_k``, ``min_p``, ``return_token_ids``).
+(``ignore_eos``, ``top_k``, ``min_p``, ``return_token_ids``). ``n`` answers per prompt are seeded
+``seed``, ``seed + 1``, ...; log-probabilities come in OpenAI's shapes (``openai_logprobs.py``);
+``tools`` are answered through the grammar (``tools.py``).
 
 Nothing is silently ignored: every field of OpenAI's (or vLLM's) API that we do not serve yet is
 declared here and refused by name (``UNSUPPORTED``) as soon as it asks for anything, so a client
@@ -25,6 +27,8 @@ from ..errors import InvalidRequestError
 from ..engine.sampling_params import SamplingParams
 from ..engine.structured_output import StructuredOutputsParams
 from .limits import MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+from .openai_logprobs import ChatLogprobs, CompletionLogprobs
+from .tools import ToolCall
 
 
 class _Body(BaseModel):
@@ -49,9 +53,9 @@ class _Body(BaseModel):
     repetition_penalty: float | None = None  # vLLM's
     logit_bias: dict[str, float] | None = None   # token id (as a string, JSON's keys) -> bias in [-100, 100]
     min_tokens: int | None = None            # vLLM's
-    # declared so that they are refused by name (UNSUPPORTED), never ignored
-    logprobs: Any = None
+    logprobs: Any = None                     # completions: an int (top N); chat: a bool, with top_logprobs
     top_logprobs: int | None = None
+    # declared so that they are refused by name (UNSUPPORTED), never ignored
     response_format: Any = None
     guided_json: Any = None                  # vLLM's structured output
     guided_regex: Any = None
@@ -94,14 +98,9 @@ def _is_text_format(value) -> bool:
 
 # field -> the values that ask for nothing (anything else is refused, naming the field)
 UNSUPPORTED = {
-    "n": lambda v: v == 1,
     "best_of": lambda v: v in (None, 1),
     "echo": lambda v: not v,
     "suffix": lambda v: not v,
-    "logprobs": lambda v: v is None or v is False,       # logprobs: 0 asks for the chosen token's: refused too
-    "top_logprobs": lambda v: v in (None, 0),
-    "tools": lambda v: not v,
-    "tool_choice": lambda v: v in (None, "none"),
     "functions": lambda v: not v,
     "function_call": lambda v: v in (None, "none"),
     "audio": lambda v: v is None,
@@ -150,14 +149,36 @@ def check_text(value, param: str) -> None:
             check_text(item, f"{param}.{key}")
 
 
-def sampling_params_from(body: _Body, default_max_tokens: int | None) -> SamplingParams:
-    """OpenAI's fields → ``SamplingParams`` (its validation raises typed errors naming the field)."""
+def num_logprobs(body: _Body) -> int | None:
+    """How many alternatives per token the request asks for (None: no logprobs), as each endpoint spells it."""
+    if isinstance(body, ChatCompletionRequest):
+        if body.logprobs not in (None, True, False):
+            raise InvalidRequestError("logprobs must be true or false (top_logprobs gives how many alternatives)",
+                                      param="logprobs")
+        if body.top_logprobs and not body.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        return (body.top_logprobs or 0) if body.logprobs else None
+    if body.top_logprobs is not None:
+        raise InvalidRequestError("top_logprobs is a chat field; completions take logprobs: N", param="top_logprobs")
+    value = body.logprobs
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise InvalidRequestError(f"logprobs must be an integer between 0 and {MAX_TOP_LOGPROBS}", param="logprobs")
+    return value
+
+
+def sampling_params_from(body: _Body, default_max_tokens: int | None,
+                         tool_structure: StructuredOutputsParams | None = None) -> SamplingParams:
+    """OpenAI's fields → ``SamplingParams`` (its validation raises typed errors naming the field).
+
+    ``tool_structure``: the grammar of the request's tool call (``tools.tool_structure``), if any."""
     check_supported(body)
     max_tokens = body.max_tokens
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         max_tokens = body.max_completion_tokens
     kwargs = dict(max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
-                  stop=body.stop, seed=body.seed, ignore_eos=body.ignore_eos)
+                  stop=body.stop, seed=body.seed, ignore_eos=body.ignore_eos, n=body.n, logprobs=num_logprobs(body))
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "min_tokens"):
         if getattr(body, name) is not None:
@@ -165,6 +186,11 @@ def sampling_params_from(body: _Body, default_max_tokens: int | None) -> Samplin
     if body.logit_bias:
         kwargs["logit_bias"] = logit_bias_from(body.logit_bias)
     structured = structured_outputs_from(body)
+    if tool_structure is not None:
+        if structured is not None:
+            raise InvalidRequestError("a tool call is already structured output: ask for tools or a response format, "
+                                      "not both", param="tool_choice")
+        structured = tool_structure
     if structured is not None:
         kwargs["structured_outputs"] = structured
     return SamplingParams(**kwargs)
@@ -260,7 +286,7 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class Usage(BaseModel):
@@ -274,7 +300,7 @@ class CompletionChoice(BaseModel):
 
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None
 
 
@@ -289,7 +315,8 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -297,7 +324,7 @@ class ChatChoice(BaseModel):
 
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None
 
 

@@ -14,7 +14,9 @@ error (``lifeofprompt.errors``: its HTTP status and OpenAI type), in OpenAI's sh
 ``{"error": {"message", "type", "param", "code"}}``; every error is, FastAPI's own included
 (``http_errors.py``). What a request may ask for is limited before any work (``limits.py``); the
 door has an optional API key (``auth.py``); on SIGTERM the server drains (``engine_loop.py``).
-The wire format lives in ``openai_protocol.py``, the ``/metrics`` page in ``server_metrics.py``.
+The wire format lives in ``openai_protocol.py``, the answers' shapes in ``choices.py`` (``n``,
+logprobs, tool calls: ``tools.py``), vLLM's ``/tokenize`` and ``/detokenize`` in
+``tokenizer_routes.py``, the ``/metrics`` page in ``server_metrics.py``.
 
     python -m lifeofprompt serve --model smollm2-135m --port 8000
 
@@ -43,9 +45,12 @@ from .engine_loop import EngineLoop
 from .http_errors import document_errors, error_body, error_responses, install_error_handlers
 from .limits import (BodySizeLimit, PromptTokenizer, ServerLimits, check_prompt_chars, default_max_waiting,
                      longest_token_chars)
+from .choices import Choices
 from .openai_protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-                              Health, ModelList, check_text, completion_prompts, openai_finish_reason, plain_messages,
+                              Health, ModelList, check_text, completion_prompts, num_logprobs, plain_messages,
                               sampling_params_from, sse_event, usage_field)
+from .tokenizer_routes import add_tokenizer_routes
+from .tools import check_auto, parse_tools, tool_mode, tool_structure
 from .server_metrics import render_metrics
 from .submission import EventStream, Submission, stream_deltas, wait_or_disconnect
 
@@ -123,10 +128,10 @@ def build_app(engine, model_name: str | None = None, engine_loop: EngineLoop | N
             lambda tok, items: [list(tok.encode(t, add_special_tokens=False)) for t in items], texts))
         return [{"prompt": p, "prompt_token_ids": next(encoded)} if isinstance(p, str) else p for p in prompts]
 
-    async def chat_input(messages) -> list[int]:
+    async def chat_input(messages, tools: list[dict] | None = None) -> list[int]:
         plain = plain_messages(messages)
         check_prompt_chars(sum(len(m["content"]) for m in plain), engine.max_model_len, chars_per_token, "messages")
-        return await prompt_tokenizer.run(lambda tok, conversation: render_chat(tok, conversation)[1], plain)
+        return await prompt_tokenizer.run(lambda tok, conversation: render_chat(tok, conversation, tools=tools)[1], plain)
 
     def client_gone():
         return JSONResponse(error_body("client disconnected", "aborted", None, 499), status_code=499)
@@ -157,82 +162,70 @@ def build_app(engine, model_name: str | None = None, engine_loop: EngineLoop | N
         check_text(body.stop, "stop")
         submission = Submission(engine_loop, "cmpl")
         submission.add(await completion_inputs(completion_prompts(body.prompt)), params)
+        choices = Choices(prompt_tokenizer, chat=False, n=body.n, num_logprobs=num_logprobs(body),
+                          return_token_ids=body.return_token_ids)
         if body.stream:
-            return EventStream(stream_completion(submission, body), submission)
+            return EventStream(stream_choices(submission, body, "text_completion", choices), submission)
+        return await whole_response(request, submission, "text_completion", choices)
+
+    async def whole_response(request: Request, submission: Submission, object_name: str, choices: Choices):
+        """Every answer of every prompt, once all are done; usage counts each prompt once and every answer."""
         finals = await wait_or_disconnect(request, submission)
         if finals is None:
             return client_gone()
-        choices = [{"index": i, "text": out.outputs[0].text, "logprobs": None,
-                    "finish_reason": openai_finish_reason(out.outputs[0])} for i, out in sorted(finals.items())]
-        if body.return_token_ids:
-            for choice in choices:
-                choice["token_ids"] = list(finals[choice["index"]].outputs[0].token_ids)
-        return {"id": submission.id, "object": "text_completion", "created": int(time.time()), "model": model_name,
-                "choices": choices, "usage": usage_field(sum(len(o.prompt_token_ids) for o in finals.values()),
-                                                    sum(len(o.outputs[0].token_ids) for o in finals.values()))}
+        usage = usage_field(sum(len(o.prompt_token_ids) for o in finals.values()),
+                            sum(len(c.token_ids) for o in finals.values() for c in o.outputs))
+        return {"id": submission.id, "object": object_name, "created": int(time.time()), "model": model_name,
+                "choices": await choices.whole(finals), "usage": usage}
 
-    async def stream_choices(submission: Submission, body, object_name: str, make_choice, opening=None):
-        """Server-sent events for one streamed request: OpenAI's chunk envelope around each delta.
-
-        ``make_choice(index, text, finish_reason)`` shapes a choice (completion text or chat delta);
-        ``opening`` is a first choice to send before any text (the chat role).
-        """
+    async def stream_choices(submission: Submission, body, object_name: str, choices: Choices):
+        """Server-sent events for one streamed request: OpenAI's chunk envelope around each delta
+        (``Choices.delta`` shapes them); chat opens each choice with its role."""
         include_usage = bool((body.stream_options or {}).get("include_usage"))
 
-        def chunk(choices, usage=None):
+        def chunk(items, usage=None):
             payload = {"id": submission.id, "object": object_name, "created": int(time.time()),
-                       "model": model_name, "choices": choices}
+                       "model": model_name, "choices": items}
             if include_usage:
                 payload["usage"] = usage
             return sse_event(payload)
 
-        if opening is not None:
-            yield chunk([opening])
-        async for kind, *piece in stream_deltas(submission):
+        if choices.chat:
+            for opening in choices.openings(len(submission.request_ids)):
+                yield chunk([opening])
+        async for kind, *piece in stream_deltas(submission, choices.n):
             if kind == "text":
-                index, delta, new_ids, finish_reason = piece
-                choice = make_choice(index, delta, finish_reason)
-                if body.return_token_ids:
-                    choice["token_ids"] = new_ids
-                yield chunk([choice])
+                choice = await choices.delta(*piece)
+                if choice is not None:
+                    yield chunk([choice])
             elif kind == "usage" and include_usage:
                 yield chunk([], piece[0])
             elif kind == "error":
                 yield sse_event(piece[0])
         yield "data: [DONE]\n\n"
 
-    def stream_completion(submission: Submission, body: CompletionRequest):
-        return stream_choices(submission, body, "text_completion", lambda index, text, finish: {
-            "index": index, "text": text, "logprobs": None, "finish_reason": finish})
-
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=POST_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
-        params = sampling_params_from(body, default_max_tokens=None)
+        tools = parse_tools(body.tools)
+        mode = tool_mode(tools, body.tool_choice)
+        if mode == "auto":
+            check_auto(engine.tokenizer, model_name)
+        forced = mode is not None and mode != "auto"
+        params = sampling_params_from(body, default_max_tokens=None,
+                                      tool_structure=tool_structure(tools, mode) if forced else None)
         check_text([m.model_dump() for m in body.messages], "messages")
         check_text(body.stop, "stop")
         submission = Submission(engine_loop, "chatcmpl")
-        submission.add([await chat_input(body.messages)], params)
+        shown = [t.model_dump(exclude_none=True) for t in tools] if mode is not None else None
+        submission.add([await chat_input(body.messages, shown)], params)
+        choices = Choices(prompt_tokenizer, chat=True, n=body.n, num_logprobs=num_logprobs(body), tool_mode=mode,
+                          return_token_ids=body.return_token_ids)
         if body.stream:
-            return EventStream(stream_chat(submission, body), submission)
-        finals = await wait_or_disconnect(request, submission)
-        if finals is None:
-            return client_gone()
-        out = finals[0]
-        choice = {"index": 0, "message": {"role": "assistant", "content": out.outputs[0].text},
-                  "logprobs": None, "finish_reason": openai_finish_reason(out.outputs[0])}
-        if body.return_token_ids:
-            choice["token_ids"] = list(out.outputs[0].token_ids)
-        return {"id": submission.id, "object": "chat.completion", "created": int(time.time()), "model": model_name,
-                "choices": [choice],
-                "usage": usage_field(len(out.prompt_token_ids), len(out.outputs[0].token_ids))}
+            return EventStream(stream_choices(submission, body, "chat.completion.chunk", choices), submission)
+        return await whole_response(request, submission, "chat.completion", choices)
 
-    def stream_chat(submission: Submission, body: ChatCompletionRequest):
-        opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return stream_choices(submission, body, "chat.completion.chunk", lambda index, text, finish: {
-            "index": index, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish},
-            opening)
-
+    add_tokenizer_routes(app, engine, prompt_tokenizer, check_model)
     return app
 
 

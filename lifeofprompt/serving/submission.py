@@ -111,32 +111,39 @@ async def wait_or_disconnect(request: Request, submission: Submission) -> dict[i
     return finals if len(submission.finished) == len(submission.request_ids) else None
 
 
-async def stream_deltas(submission: "Submission"):
-    """``("text", index, new text, new token ids, finish_reason)`` per output that adds text or finishes, then
-    ``("usage", totals)``; or ``("error", body)`` if the engine failed the request mid-stream.
+async def stream_deltas(submission: "Submission", n: int = 1):
+    """``("text", choice, new text, new token ids, their logprob entries, finish_reason)`` per answer
+    that adds text or finishes, then ``("usage", totals)``; or ``("error", body)`` if the engine
+    failed the request mid-stream. ``choice`` is ``prompt index × n + answer index``, OpenAI's order.
 
     Text is sent as the difference from what this client already has, so an engine that holds
     back a partial character (or a possible stop string) is streamed correctly. If the client
     disconnects, the generator is closed here and the requests still running are aborted.
     """
-    sent, sent_ids = {}, {}
+    sent, sent_ids, done = {}, {}, set()
     prompt_tokens = completion_tokens = 0
     try:
         try:
             async for index, output in submission.outputs():
-                completion = output.outputs[0]
-                delta = completion.text[sent.get(index, 0):]
-                sent[index] = len(completion.text)
-                new_ids = list(completion.token_ids[sent_ids.get(index, 0):])
-                sent_ids[index] = len(completion.token_ids)
-                finish_reason = openai_finish_reason(completion) if output.finished else None
                 if output.finished:
                     prompt_tokens += len(output.prompt_token_ids)
-                    completion_tokens += len(completion.token_ids)
-                if delta or finish_reason:
-                    yield "text", index, delta, new_ids, finish_reason
-                else:                    # text held back (a partial character): the ids wait for it
-                    sent_ids[index] -= len(new_ids)
+                for completion in output.outputs:
+                    choice = index * n + completion.index
+                    if choice in done:
+                        continue
+                    delta = completion.text[sent.get(choice, 0):]
+                    sent[choice] = len(completion.text)
+                    start = sent_ids.get(choice, 0)
+                    new_ids = list(completion.token_ids[start:])
+                    entries = list(completion.logprobs[start:len(completion.token_ids)]) if completion.logprobs is not None else None
+                    finish_reason = openai_finish_reason(completion)
+                    if finish_reason is not None:
+                        done.add(choice)
+                        completion_tokens += len(completion.token_ids)
+                    if delta or finish_reason:
+                        sent_ids[choice] = len(completion.token_ids)
+                        yield "text", choice, delta, new_ids, entries, finish_reason
+                    # else: text held back (a partial character): the ids wait for it
         except Exception as exc:    # the engine failed this request mid-stream: say so in the stream, then [DONE]
             yield "error", stream_error_body(exc)
             return

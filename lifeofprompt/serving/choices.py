@@ -1,0 +1,94 @@
+"""The engine's answers as OpenAI's ``choices``: whole, or as stream deltas.
+
+One ``Choices`` per HTTP request knows what the request asked for beyond text: ``n`` answers per
+prompt (choice ``prompt index × n + answer index``, OpenAI's order), log-probabilities
+(``openai_logprobs.py``), a tool call (``tools.py``) and vLLM's ``return_token_ids``. Token texts for
+logprobs are decoded on the server's own tokenizer, in its worker thread (``limits.PromptTokenizer``).
+
+A streamed tool call is sent whole, in the answer's last chunk: the ``"required"`` grammar names
+the function only inside the JSON, and a call's arguments are only known to be a complete call at
+the end (one cut by ``max_tokens`` goes out as ``content`` instead).
+"""
+
+from __future__ import annotations
+
+from .openai_logprobs import chat_logprobs, completion_logprobs
+from .openai_protocol import openai_finish_reason
+from .tools import tool_calls_from
+
+
+class Choices:
+    def __init__(self, prompt_tokenizer, *, chat: bool, n: int = 1, num_logprobs: int | None = None,
+                 tool_mode: str | None = None, return_token_ids: bool = False):
+        self.prompt_tokenizer, self.chat, self.n = prompt_tokenizer, chat, n
+        self.num_logprobs, self.return_token_ids = num_logprobs, return_token_ids
+        self.tool_mode = tool_mode if tool_mode not in (None, "auto") else None
+        self.text_offset: dict[int, int] = {}                  # completions' logprobs: characters so far
+        self.held: dict[int, tuple[str, list, list]] = {}      # a streamed tool call: text, ids, entries
+
+    async def logprobs(self, index: int, token_ids: list[int], entries: list | None):
+        if self.num_logprobs is None or entries is None:
+            return None
+        if self.chat:
+            return await self.prompt_tokenizer.run(chat_logprobs, list(token_ids), list(entries), self.num_logprobs)
+        offset = self.text_offset.get(index, 0)
+        out = await self.prompt_tokenizer.run(completion_logprobs, list(token_ids), list(entries), offset)
+        self.text_offset[index] = offset + sum(len(t) for t in out["tokens"])
+        return out
+
+    def message(self, text: str, finish_reason):
+        """The chat message (or delta content) and finish reason: a tool call if the answer is one."""
+        calls = tool_calls_from(text, self.tool_mode) if self.tool_mode is not None else None
+        if calls is None:
+            return {"content": text}, finish_reason
+        return {"content": None, "tool_calls": calls}, "tool_calls"
+
+    # ------------------------------------------------------------------ whole answers
+    async def whole(self, finals: dict) -> list[dict]:
+        choices = []
+        for prompt_index, output in sorted(finals.items()):
+            for completion in output.outputs:
+                index = prompt_index * self.n + completion.index
+                finish = openai_finish_reason(completion)
+                if self.chat:
+                    message, finish = self.message(completion.text, finish)
+                    choice = {"index": index, "message": {"role": "assistant", **message}}
+                else:
+                    choice = {"index": index, "text": completion.text}
+                choice["logprobs"] = await self.logprobs(index, completion.token_ids, completion.logprobs)
+                choice["finish_reason"] = finish
+                if self.return_token_ids:
+                    choice["token_ids"] = list(completion.token_ids)
+                choices.append(choice)
+        return sorted(choices, key=lambda c: c["index"])
+
+    # ------------------------------------------------------------------ stream deltas
+    def openings(self, num_prompts: int = 1) -> list[dict]:
+        """Chat: a first chunk per choice with the role, before any text."""
+        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(num_prompts * self.n)]
+
+    async def delta(self, index: int, text: str, new_ids: list[int], entries, finish_reason) -> dict | None:
+        """One stream choice for what an answer added; None while a tool call is still being held."""
+        if self.tool_mode is not None and self.chat:
+            held_text, held_ids, held_entries = self.held.get(index, ("", [], []))
+            self.held[index] = (held_text + text, held_ids + list(new_ids), held_entries + list(entries or []))
+            if finish_reason is None:
+                return None
+            text, new_ids, entries = self.held.pop(index)
+            entries = entries if self.num_logprobs is not None else None
+        logprobs = await self.logprobs(index, new_ids, entries)
+        if self.chat:
+            if self.tool_mode is not None:
+                delta, finish_reason = self.message(text, finish_reason)
+                if "tool_calls" in delta:
+                    delta = {"tool_calls": [{"index": 0, **delta["tool_calls"][0]}]}
+            else:
+                delta = {"content": text} if text else {}
+            choice = {"index": index, "delta": delta}
+        else:
+            choice = {"index": index, "text": text}
+        choice.update(logprobs=logprobs, finish_reason=finish_reason)
+        if self.return_token_ids:
+            choice["token_ids"] = list(new_ids)
+        return choice

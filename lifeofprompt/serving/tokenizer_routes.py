@@ -1,0 +1,92 @@
+"""``/tokenize`` and ``/detokenize``, vLLM's extension: the server's tokenizer, as the engine sees text.
+
+* ``POST /tokenize`` with ``{"prompt": "..."}`` (``add_special_tokens`` defaults to true, as vLLM) or
+  ``{"messages": [...]}`` (rendered by the chat template exactly as ``/v1/chat/completions`` does,
+  ``add_generation_prompt`` true, ``add_special_tokens`` false by default) →
+  ``{"tokens": [...], "count": n, "max_model_len": L}``;
+* ``POST /detokenize`` with ``{"tokens": [...]}`` → ``{"prompt": "..."}``.
+
+Both sit behind the API key like ``/v1`` (``auth.PROTECTED_PREFIXES``), answer errors in OpenAI's
+shape, and run on the server's own tokenizer in its worker thread (``limits.PromptTokenizer``).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from ..engine.llm import render_chat
+from ..errors import InvalidRequestError
+from .http_errors import error_responses
+from .openai_protocol import ChatMessage, check_text, plain_messages
+
+ROUTE_ERRORS = error_responses(400, 401, 404, 413, 500)
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None       # None: true for a prompt, false for messages (vLLM's defaults)
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+def tokenize(tokenizer, body: TokenizeRequest, plain: list[dict] | None) -> list[int]:
+    if plain is None:
+        special = True if body.add_special_tokens is None else body.add_special_tokens
+        return list(tokenizer.encode(body.prompt, add_special_tokens=special))
+    text, ids = render_chat(tokenizer, plain, add_generation_prompt=body.add_generation_prompt)
+    return list(tokenizer.encode(text, add_special_tokens=True)) if body.add_special_tokens else ids
+
+
+def detokenize(tokenizer, tokens: list[int]) -> str:
+    try:
+        return tokenizer.decode(tokens, skip_special_tokens=False)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidRequestError(f"tokens could not be decoded: {exc}", param="tokens") from None
+
+
+def add_tokenizer_routes(app, engine, prompt_tokenizer, check_model) -> None:
+    vocab = engine.config.vocab_size
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=ROUTE_ERRORS)
+    async def tokenize_route(body: TokenizeRequest):
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise InvalidRequestError("give exactly one of prompt (text) or messages (a chat)", param="prompt")
+        plain = None
+        if body.messages is not None:
+            if not body.messages:
+                raise InvalidRequestError("messages must not be empty", param="messages")
+            check_text([m.model_dump() for m in body.messages], "messages")
+            plain = plain_messages(body.messages)
+        else:
+            check_text(body.prompt, "prompt")
+        tokens = await prompt_tokenizer.run(tokenize, body, plain)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=ROUTE_ERRORS)
+    async def detokenize_route(body: DetokenizeRequest):
+        check_model(body.model)
+        outside = [t for t in body.tokens if not 0 <= t < vocab]
+        if outside:
+            raise InvalidRequestError(f"token id {outside[0]} is outside the vocabulary [0, {vocab})", param="tokens")
+        return {"prompt": await prompt_tokenizer.run(detokenize, list(body.tokens))}

@@ -66,7 +66,7 @@ def draw_pool_grid(ax, owners: list[list[str]], filled: list[int], block_size: i
         box = dict(boxstyle="round,pad=0.12", facecolor="white", edgecolor="none", alpha=0.85)
         for b in range(n):
             x, y = b % columns, rows - 1 - b // columns
-            ax.text(x + 0.46, y + 0.66, f"#{b}", ha="center", va="center", fontsize=7.5, zorder=4)
+            ax.text(x + 0.46, y + 0.66, f"#{b}", ha="center", va="center", fontsize=7.5, bbox=box, zorder=4)
             if owners[b] or cached[b]:
                 ax.text(x + 0.46, y + 0.28, f"{filled[b]}/{block_size}", ha="center", va="center", fontsize=7.5,
                         bbox=box, zorder=4)
@@ -93,7 +93,7 @@ def draw_snapshot(snap: PoolSnapshot, names, ax_grid=None, ax_text=None, columns
     colors = owner_colors(names)
     alone = ax_grid is None
     if alone:
-        fig, (ax_grid, ax_text) = plt.subplots(1, 2, figsize=(12, 3.8), gridspec_kw=dict(width_ratios=[1, 1.1]))
+        fig, (ax_grid, ax_text) = plt.subplots(1, 2, figsize=(12, 3.0), gridspec_kw=dict(width_ratios=[1, 1.1]))
     draw_pool_grid(ax_grid, snap.owners, snap.filled, snap.block_size, colors, snap.cached, columns)
     ax_grid.set_title(title or f"after step {snap.step}: {snap.num_free_blocks} of {snap.num_blocks} blocks free",
                       fontsize=10)
@@ -105,9 +105,10 @@ def draw_snapshot(snap: PoolSnapshot, names, ax_grid=None, ax_text=None, columns
         ax_text.axis("off")
     if alone:
         fig = ax_grid.figure
+        ax_grid.text(0, -0.04, f"each cell: #block id, and slots filled / {snap.block_size}", fontsize=8, va="top",
+                     transform=ax_grid.transAxes)
+        fig.tight_layout(rect=(0, 0.16, 1, 1))
         fig.legend(handles=legend_handles(names), loc="lower center", ncol=4, fontsize=8, frameon=False)
-        fig.text(0.01, 0.99, f"each cell: #block id, slots filled/{snap.block_size}", fontsize=8, va="top")
-        fig.tight_layout(rect=(0, 0.14, 1, 0.95))
     return ax_grid.figure
 
 

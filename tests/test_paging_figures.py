@@ -33,8 +33,12 @@ def test_fragmentation_table_rows_and_text():
     assert [(r["layout"], r["reserved"], r["wasted"], r["fit"]) for r in rows] == [
         ("contiguous", 512, 378, 2), ("paged, block 16", 176, 42, 4), ("paged, block 64", 320, 186, 3)]
     assert rows[1]["wasted_bytes"] == 42 * 1024
+    # In the pool: only the requests that fit, so the reservation's waste is counted for 2 of them.
+    assert [r["pool_wasted"] for r in rows] == [127 + 112, 42, 63 + 48 + 47]
+    assert rows[0]["pool_wasted_bytes"] == 239 * 1024
     text = format_fragmentation_table(rows)
-    assert text.splitlines()[1].split() == ["contiguous", "512", "378", "73.8%", "2", "0.4"]
+    assert "all requests" in text.splitlines()[0] and "held in the pool" in text.splitlines()[0]
+    assert text.splitlines()[2].split() == ["contiguous", "512", "378", "73.8%", "0.4", "2", "239", "0.2"]
     with pytest.raises(ValueError):
         fragmentation_table([200], 128, 256)
 
@@ -86,6 +90,8 @@ def test_snapshot_and_grid_show_owners_fill_sharing_and_cached_free_blocks():
     fig = draw_snapshot(snap, ["a", "b"])
     hatched = [p for p in fig.axes[0].patches if p.get_hatch() == "///"]
     assert len(hatched) == 2                               # the two shared blocks
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend[:2] == ["a", "b"] and "shared" in legend    # drawn alone, the figure names its colours
     bm.free(a)
     bm.free(b)
     after = snapshot(bm, {}, step=2, events=["freed"])

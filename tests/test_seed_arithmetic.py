@@ -22,3 +22,14 @@ def test_a_wrong_input_is_caught(monkeypatch):
     monkeypatch.setattr(seed, "READ_BANDWIDTH", 300e9)
     floor = next(row for row in seed.checks() if row.claim.startswith("decode floor"))
     assert not floor.agrees and "DIFFERS" in floor.line()
+
+
+def test_select_picks_by_claim_and_refuses_nothing():
+    from lifeofprompt.lessons.seed_arithmetic import report, select
+
+    assert [c.claim for c in select("decode floor (ms)")] == ["decode floor (ms)"]
+    assert len(select("p99", "TPOT")) == 2
+    assert report("p99").endswith("agrees")
+    import pytest
+    with pytest.raises(KeyError):
+        select("no such claim")

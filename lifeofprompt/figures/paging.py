@@ -62,11 +62,14 @@ def draw_pool_grid(ax, owners: list[list[str]], filled: list[int], block_size: i
     for x, y in hatched:
         ax.add_patch(Rectangle((x, y), 0.92, 0.92, fill=False, hatch="///", edgecolor="black", linewidth=0, zorder=3))
     if label_blocks:
+        # On a white box above the hatching, so a shared block's numbers stay readable.
+        box = dict(boxstyle="round,pad=0.12", facecolor="white", edgecolor="none", alpha=0.85)
         for b in range(n):
             x, y = b % columns, rows - 1 - b // columns
-            ax.text(x + 0.46, y + 0.62, str(b), ha="center", va="center", fontsize=8)
+            ax.text(x + 0.46, y + 0.66, f"#{b}", ha="center", va="center", fontsize=7.5, bbox=box, zorder=4)
             if owners[b] or cached[b]:
-                ax.text(x + 0.46, y + 0.25, f"{filled[b]}/{block_size}", ha="center", va="center", fontsize=6.5)
+                ax.text(x + 0.46, y + 0.28, f"{filled[b]}/{block_size}", ha="center", va="center", fontsize=7.5,
+                        bbox=box, zorder=4)
     ax.set_xlim(-0.1, columns)
     ax.set_ylim(-0.1, rows)
     ax.set_aspect("equal")
@@ -74,11 +77,23 @@ def draw_pool_grid(ax, owners: list[list[str]], filled: list[int], block_size: i
     return ax
 
 
+def legend_handles(names) -> list[Patch]:
+    """One patch per owner's colour, then the free, still-cached, and shared (hatched) blocks."""
+    handles = [Patch(color=c, label=n) for n, c in owner_colors(names).items()]
+    return handles + [Patch(facecolor=CACHED_FREE, label="free, still cached"),
+                      Patch(facecolor="white", edgecolor="#444444", label="free"),
+                      Patch(facecolor="white", edgecolor="black", hatch="///", label="shared")]
+
+
 def draw_snapshot(snap: PoolSnapshot, names, ax_grid=None, ax_text=None, columns: int = 8, title: str | None = None):
-    """One moment of the pool: the grid, and the block tables printed beside it."""
+    """One moment of the pool: the grid, and the block tables printed beside it.
+
+    Drawn alone (no axes given) it has its own colour legend and a note on the cell labels.
+    """
     colors = owner_colors(names)
-    if ax_grid is None:
-        fig, (ax_grid, ax_text) = plt.subplots(1, 2, figsize=(11, 3.2), gridspec_kw=dict(width_ratios=[1, 1.2]))
+    alone = ax_grid is None
+    if alone:
+        fig, (ax_grid, ax_text) = plt.subplots(1, 2, figsize=(12, 3.0), gridspec_kw=dict(width_ratios=[1, 1.1]))
     draw_pool_grid(ax_grid, snap.owners, snap.filled, snap.block_size, colors, snap.cached, columns)
     ax_grid.set_title(title or f"after step {snap.step}: {snap.num_free_blocks} of {snap.num_blocks} blocks free",
                       fontsize=10)
@@ -88,6 +103,12 @@ def draw_snapshot(snap: PoolSnapshot, names, ax_grid=None, ax_text=None, columns
         ax_text.text(0, 1, "\n".join(lines), va="top", ha="left", family="monospace", fontsize=8,
                      transform=ax_text.transAxes)
         ax_text.axis("off")
+    if alone:
+        fig = ax_grid.figure
+        ax_grid.text(0, -0.04, f"each cell: #block id, and slots filled / {snap.block_size}", fontsize=8, va="top",
+                     transform=ax_grid.transAxes)
+        fig.tight_layout(rect=(0, 0.16, 1, 1))
+        fig.legend(handles=legend_handles(names), loc="lower center", ncol=4, fontsize=8, frameon=False)
     return ax_grid.figure
 
 
@@ -97,11 +118,7 @@ def draw_trace(snapshots: list[PoolSnapshot], names, columns: int = 8, suptitle:
                              gridspec_kw=dict(width_ratios=[1, 1.5]), squeeze=False)
     for snap, (ax_grid, ax_text) in zip(snapshots, axes):
         draw_snapshot(snap, names, ax_grid, ax_text, columns)
-    colors = owner_colors(names)
-    handles = [Patch(color=c, label=n) for n, c in colors.items()]
-    handles += [Patch(facecolor=CACHED_FREE, label="free, still cached"),
-                Patch(facecolor="white", edgecolor="#444444", label="free"),
-                Patch(facecolor="white", edgecolor="black", hatch="///", label="shared")]
+    handles = legend_handles(names)
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     fig.suptitle(suptitle or f"The KV pool: {snapshots[0].num_blocks} blocks of {snapshots[0].block_size} "
                  "token slots (solid = slots filled)", fontsize=11)

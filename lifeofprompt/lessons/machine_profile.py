@@ -48,6 +48,21 @@ class MachineProfile:
                 f"read {self.read_bandwidth / 1e9:.1f} GB/s, batch-1 step {self.decode_step_s * 1e3:.1f} ms")
 
 
+def load_now() -> float:
+    """The 1-minute load average at this moment (NaN where the OS has none)."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+
+
+def run_footer(profile: MachineProfile, what: str = "measured in this run") -> str:
+    """A footer for a figure timed now: this run's time and load, then the shared profile's line.
+
+    The figure's own timings were taken under today's load, which may differ from the load the
+    profile was measured under; the footer says both so a reader can judge the noise.
+    """
+    when = time.strftime("%H:%M UTC", time.gmtime())
+    return f"{what} at {when}, load average {load_now():.2f}\nmachine profile: {profile.footer()}"
+
+
 def profile_key(device: str = "cpu") -> dict:
     """What the numbers depend on: a change in any of it means measuring again."""
     if device == "cuda":
@@ -86,7 +101,7 @@ def machine_profile(device: str = "cpu", refresh: bool = False) -> MachineProfil
             pass
     threads = torch.get_num_threads()
     name = f"{key['what']}, {threads} thread{'s' if threads != 1 else ''}" if device == "cpu" else key["what"]
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    load = load_now()
     machine = roofline.measure_machine(device)
     profile = MachineProfile(name=name, read_bandwidth=roofline.measure_read_bandwidth(device),
                              copy_bandwidth=machine.bandwidth, matmul_flops=machine.flops,

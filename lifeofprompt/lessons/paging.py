@@ -172,8 +172,10 @@ def fragmentation_table(lengths: list[int], max_len: int, pool_tokens: int,
                         block_sizes=(1, 4, 8, 16, 32, 64, 128, 256), bytes_per_token: int | None = None) -> list[dict]:
     """Contiguous reservation against paging at several block sizes, for the requests ``lengths``.
 
-    Each row: the layout, slots reserved and wasted for all requests, the wasted share, how
-    many requests fit at once in ``pool_tokens`` slots, and bytes wasted when ``bytes_per_token`` is given.
+    Each row: the layout, slots reserved and wasted for *all* requests (more than the pool
+    holds, for the reservation), the wasted share, how many requests fit at once in
+    ``pool_tokens`` slots, and the slots of the pool left empty once those requests are in
+    (``pool_wasted``). ``wasted_bytes`` and ``pool_wasted_bytes`` come with ``bytes_per_token``.
     """
     if any(n > max_len for n in lengths):
         raise ValueError(f"a request is longer than max_len={max_len}")
@@ -183,25 +185,36 @@ def fragmentation_table(lengths: list[int], max_len: int, pool_tokens: int,
     for name, block_size in layouts:
         wasted = (slots_wasted_contiguous(lengths, max_len) if block_size is None
                   else slots_wasted_paged(lengths, block_size))
+        fit = requests_that_fit(lengths, pool_tokens, block_size, max_len)
+        held = lengths[:fit]
+        pool_wasted = (slots_wasted_contiguous(held, max_len) if block_size is None
+                       else slots_wasted_paged(held, block_size))
         row = dict(layout=name, block_size=block_size, reserved=used + wasted, wasted=wasted,
-                   wasted_share=wasted / (used + wasted),
-                   fit=requests_that_fit(lengths, pool_tokens, block_size, max_len))
+                   wasted_share=wasted / (used + wasted), fit=fit, pool_wasted=pool_wasted)
         if bytes_per_token is not None:
             row["wasted_bytes"] = wasted * bytes_per_token
+            row["pool_wasted_bytes"] = pool_wasted * bytes_per_token
         rows.append(row)
     return rows
 
 
 def format_fragmentation_table(rows: list[dict]) -> str:
-    """The table as fixed-width text (exact integers and one-decimal percentages: stable for nbval)."""
-    head = f"{'layout':<20}{'reserved':>10}{'wasted':>9}{'waste %':>9}{'fit':>6}"
-    if rows and "wasted_bytes" in rows[0]:
-        head += f"{'wasted MiB':>12}"
-    lines = [head]
+    """The table as fixed-width text (exact integers and one-decimal percentages: stable for nbval).
+
+    Two header lines say what each column counts: the first group all requests, the second the
+    pool holding the requests that fit.
+    """
+    money = bool(rows) and "wasted_bytes" in rows[0]
+    group = f"{'':<20}{'all requests, as if held at once':^{44 if money else 36}}{'held in the pool':^{22 if money else 14}}"
+    head = f"{'layout':<20}{'reserved':>10}{'wasted':>9}{'waste %':>9}"
+    head += f"{'MiB':>8}" if money else ""
+    head += f"{'fit':>6}{'wasted':>8}" + (f"{'MiB':>8}" if money else "")
+    lines = [group, head]
     for r in rows:
-        line = f"{r['layout']:<20}{r['reserved']:>10}{r['wasted']:>9}{100 * r['wasted_share']:>8.1f}%{r['fit']:>6}"
-        if "wasted_bytes" in r:
-            line += f"{r['wasted_bytes'] / 2**20:>12.1f}"
+        line = f"{r['layout']:<20}{r['reserved']:>10}{r['wasted']:>9}{100 * r['wasted_share']:>8.1f}%"
+        line += f"{r['wasted_bytes'] / 2**20:>8.1f}" if money else ""
+        line += f"{r['fit']:>6}{r['pool_wasted']:>8}"
+        line += f"{r['pool_wasted_bytes'] / 2**20:>8.1f}" if money else ""
         lines.append(line)
     return "\n".join(lines)
 

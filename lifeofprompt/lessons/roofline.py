@@ -200,8 +200,9 @@ def plot_roofline(machine: Machine, points: dict[str, float] | None = None, ax=N
     for (label, intensity), color in zip(points.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"]):
         rate = min(intensity * machine.bandwidth, machine.flops)
         ax.plot([intensity], [rate], "o", color=color, markersize=8, label=f"{label}: {intensity:.1f} FLOP/byte")
-    for label, (intensity, rate) in (measured or {}).items():
-        ax.plot([intensity], [rate], "x", color="black", markersize=9, mew=2, label=f"{label}: {rate / 1e9:.2g} GFLOP/s")
+    for (label, (intensity, rate)), marker in zip((measured or {}).items(), "xP*Ds"):     # one marker each
+        ax.plot([intensity], [rate], marker, color="black", markersize=9, mew=2 if marker == "x" else 1,
+                fillstyle="none" if marker != "x" else "full", label=f"{label}: {rate / 1e9:.2g} GFLOP/s")
     ax.set_xlabel("arithmetic intensity (operations per byte read)")
     ax.set_ylabel("attainable operations per second")
     ax.set_title(f"Roofline of {machine.name}")

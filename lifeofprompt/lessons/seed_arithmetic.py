@@ -55,7 +55,12 @@ class Check:
 
     def line(self) -> str:
         mark = "agrees" if self.agrees else "DIFFERS"
-        return f"{self.claim}: {self.derivation} = {self.derived:,.3g} (seed: {self.seed:,.3g}) {mark}"
+        return f"{self.claim}: {self.derivation} = {_number(self.derived)} (seed: {_number(self.seed)}) {mark}"
+
+
+def _number(value: float) -> str:
+    """Three significant figures, without an exponent for the seed's four-digit counts."""
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:,.3g}"
 
 
 def decode_floor_s() -> float:
@@ -120,3 +125,16 @@ def checks() -> list[Check]:
               h100_requests(), 116, 0.01),
         Check("p99 of 60 samples: sorted index (0-based)", f"0.99 × 59, between {low} and {high}", low + frac, 58.41, 0.001),
     ]
+
+
+def select(*phrases: str) -> list[Check]:
+    """The checks whose claim contains one of ``phrases``, in ``checks()`` order (each notebook shows its own)."""
+    chosen = [c for c in checks() if any(p in c.claim for p in phrases)]
+    if not chosen:
+        raise KeyError(f"no check of the seed's arithmetic matches {phrases}")
+    return chosen
+
+
+def report(*phrases: str) -> str:
+    """The chosen checks, one line each: the claim, its derivation from the seed's inputs, the seed's figure."""
+    return "\n".join(c.line() for c in select(*phrases))

@@ -1,0 +1,69 @@
+"""Quantization moves the decode floor: the embedded model's bytes as stored, against fp32 and bf16 (notebook 05).
+
+A batch-1 decode step reads every weight once, so its floor is weight bytes over read bandwidth.
+The embedded SmolLM2 ships as a Q4_1 GGUF: its projection and MLP matrices hold 4-bit numbers
+with a scale and a minimum per block of 32 (5 bits a weight), its embedding table (also the LM
+head, tied) Q8_0, its norms fp32. ``gguf_bytes`` reads what each tensor occupies from the file
+itself; ``decode_floors`` turns each storage format's bytes into the floor on a machine. The
+engine dequantizes the file and runs fp32 (or bf16): it reads the dequantized bytes, so the
+Q4_1 floor is what a kernel that reads the packed weights could reach, not what ours does.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class StoredWeights:
+    """What a GGUF file's tensors occupy, by storage type."""
+
+    bytes_by_type: dict[str, int]
+    elements_by_type: dict[str, int]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_by_type.values())
+
+    @property
+    def num_weights(self) -> int:
+        return sum(self.elements_by_type.values())
+
+    def bits_per_weight(self, kind: str) -> float:
+        return 8 * self.bytes_by_type[kind] / self.elements_by_type[kind]
+
+
+def gguf_bytes(path: Path | str | None = None) -> StoredWeights:
+    """Bytes and element counts of every tensor in a GGUF, summed per storage type (default: the embedded model)."""
+    import gguf
+
+    if path is None:
+        from ..model.loader import smollm2_gguf_path
+        path = smollm2_gguf_path()
+    reader = gguf.GGUFReader(str(path))
+    nbytes, elements = Counter(), Counter()
+    for tensor in reader.tensors:
+        nbytes[tensor.tensor_type.name] += int(tensor.n_bytes)
+        elements[tensor.tensor_type.name] += int(tensor.n_elements)
+    return StoredWeights(dict(nbytes), dict(elements))
+
+
+@dataclass(frozen=True)
+class Floor:
+    """One storage format: the bytes a decode step reads and the fastest step they allow."""
+
+    label: str
+    weight_bytes: int
+    floor_s: float
+
+
+def decode_floors(stored: StoredWeights, read_bandwidth: float) -> list[Floor]:
+    """The decode floor for the file's own bytes, for bf16 and for fp32 (2 and 4 bytes a weight).
+
+    All weights are counted: the tied embedding table is read whole by the LM head every step.
+    """
+    n = stored.num_weights
+    rows = [("as stored (Q4_1 + Q8_0 table + fp32 norms)", stored.total_bytes), ("bf16", 2 * n), ("fp32", 4 * n)]
+    return [Floor(label, nbytes, nbytes / read_bandwidth) for label, nbytes in rows]

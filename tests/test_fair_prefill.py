@@ -113,6 +113,8 @@ def test_the_lesson_measures_the_short_request_beside_the_long_one(model_2k):
         assert arrival_step.start_s - run.short_arrival_s <= run.ttft_s <= given.end_s - run.short_arrival_s + 1e-9
         assert run.as_dict()["steps_to_first_token"] == run.steps_to_first_token
         assert run.first_token_step_s == given.duration_s
+        assert run.long_first_token_s == pytest.approx(next(s.end_s for s in run.spans if s.long_tokens and
+                                                            sum(x.long_tokens for x in run.spans if x.end_s <= s.end_s) == len(LONG)))
 
 
 def test_the_lesson_can_stop_the_long_prompt_once_the_short_one_is_done(model_2k):
@@ -120,7 +122,7 @@ def test_the_lesson_can_stop_the_long_prompt_once_the_short_one_is_done(model_2k
 
     fair = engine(model_2k)
     run = short_beside_long(fair, LONG, [10, 11, 12], finish=False)
-    assert sum(s.long_tokens for s in run.spans) < len(LONG)          # aborted mid-prefill
+    assert sum(s.long_tokens for s in run.spans) < len(LONG) and run.long_first_token_s is None   # aborted mid-prefill
     assert not fair.has_unfinished_requests() and fair.block_manager.num_free_blocks == fair.num_kv_blocks
     assert short_alone(fair, [20, 21, 22]) > 0
 

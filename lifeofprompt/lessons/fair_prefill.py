@@ -45,6 +45,7 @@ class ShortBesideLong:
     ttft_s: float                      # the short request's arrival to its first token
     steps_to_first_token: int          # steps from its arrival to its first token (the step that gave it included)
     spans: list[StepSpan] = field(default_factory=list)
+    long_first_token_s: float | None = None   # when the long prompt's prefill ended (None: aborted first)
 
     @property
     def first_token_s(self) -> float:
@@ -80,7 +81,8 @@ def short_beside_long(engine, long_ids, short_ids, arrive_after: int = 1, short_
     """
     first_step = len(engine.step_records)
     engine.add_request("long", list(long_ids), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-    origin = engine.requests["long"].metrics.arrival_time
+    long_metrics = engine.requests["long"].metrics
+    origin = long_metrics.arrival_time
     for _ in range(arrive_after):
         engine.step()
     engine.add_request("short", list(short_ids), SamplingParams(temperature=0, max_tokens=short_max_tokens,
@@ -100,7 +102,8 @@ def short_beside_long(engine, long_ids, short_ids, arrive_after: int = 1, short_
         s.request_id == "short" and s.end >= len(short_ids) for s in r.scheduled))
     return ShortBesideLong(engine.scheduler.long_prefill_token_threshold, len(long_ids), len(short_ids),
                            short_metrics.arrival_time - origin,
-                           short_metrics.first_token_time - short_metrics.arrival_time, steps_to_first, spans)
+                           short_metrics.first_token_time - short_metrics.arrival_time, steps_to_first, spans,
+                           None if long_metrics.first_token_time is None else long_metrics.first_token_time - origin)
 
 
 def short_alone(engine, short_ids) -> float:

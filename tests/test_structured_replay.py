@@ -41,6 +41,7 @@ def test_a_choice_allows_exactly_its_first_letters_then_one_token(tiny_llm):
     prompt, output = answer(tiny_llm, structure)
     steps = replay_mask(tiny_llm.engine, prompt, output, structure, top_k=VOCAB)
     assert steps[0].num_allowed == 2                                   # "y" or "n"
+    assert {t for t, _ in steps[0].best_allowed} == {ord("y") + 3, ord("n") + 3}
     assert all(s.num_allowed == 1 for s in steps[1:])                  # then the rest of the word, then EOS
     text = bytes(t - 3 for t in output if 3 <= t < 259).decode()
     assert text in ("yes", "no")
@@ -77,8 +78,11 @@ def test_the_mask_figure_names_the_machine_and_marks_the_refused_choice(tiny_llm
     assert any(t.get_text() == "machine X" for t in fig.texts)
     left, right = fig.axes
     assert [p.get_height() for p in left.patches] == [s.num_allowed for s in steps]
-    assert [p.get_width() for p in right.patches] == [p for _, p, _ in steps[0].wanted]
-    assert sum(1 for t in right.texts if "refused" in t.get_text()) == sum(1 for *_, ok in steps[0].wanted if not ok)
+    wanted = steps[0].wanted
+    assert [p.get_width() for p in right.patches[:len(wanted)]] == [max(p, 1e-12) for _, p, _ in wanted]
+    assert len(right.patches) == len(wanted) + len({t for t, _ in steps[0].best_allowed} - {t for t, _, _ in wanted})
+    assert sum(1 for t in right.texts if "refused" in t.get_text()) == sum(1 for *_, ok in wanted if not ok)
+    assert sum(1 for t in right.texts if "chosen" in t.get_text()) == 1          # greedy: the best allowed token
     for ax in fig.axes:
         assert ax.get_xlabel() and ax.get_title()
     plt.close(fig)

@@ -79,7 +79,9 @@ def plot_ttft_against_rate(results, capacity: float, label: str | None = None):
     ax.plot(rates[order], p99[order], "^-", label="p99")
     ax.axvline(capacity, color="gray", linestyle=":", label=f"closed-loop capacity {capacity:.2f} req/s")
     for r, x, y in zip(results, rates, p99):
-        ax.annotate(f"set {r.config.rate / capacity:.2g}×", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.annotate(f"set {r.config.rate / capacity:.3g}×", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    span = (max(rates.max(), capacity) - min(rates.min(), capacity)) or capacity or 1.0
+    ax.set_xlim(min(rates.min(), capacity) - 0.05 * span, max(rates.max(), capacity) + 0.12 * span)   # room for the labels
     from matplotlib.ticker import FormatStrFormatter
 
     ax.set(yscale="log", xlabel="achieved arrival rate (requests per second, Poisson)",
@@ -99,7 +101,8 @@ def plot_queue_growth(results, capacity: float, label: str | None = None):
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for r in sorted(results, key=lambda r: r.config.rate):
         times, waiting = waiting_over_time(r)
-        ax.step(times, waiting, where="post", label=f"{r.config.rate:.2f} req/s ({r.config.rate / capacity:.2g}× capacity)")
+        ax.step(times, waiting, where="post", linewidth=1.2,
+                label=f"{r.config.rate:.2f} req/s ({r.config.rate / capacity:.3g}× capacity)")
     ax.set(xlabel="seconds since the first request", ylabel="requests waiting for their first token",
            title="Past capacity the queue grows as long as arrivals keep coming")
     ax.grid(True, alpha=0.3)
@@ -149,7 +152,8 @@ def plot_fair_prefill(off, on, alone_s: float, label: str | None = None):
         left.plot([run.first_token_s], [y + 0.38], "*", color="black", markersize=12)
         left.annotate("", (run.first_token_s, y + 0.38), (run.short_arrival_s, y + 0.38),
                       arrowprops=dict(arrowstyle="<->", color="black", shrinkA=6, shrinkB=7))
-        left.text(run.first_token_s, y + 0.44, f"  TTFT {run.ttft_s:.2f} s", va="bottom", fontsize=9)
+        left.text((run.short_arrival_s + run.first_token_s) / 2, y + 0.46, f"TTFT {run.ttft_s:.2f} s", ha="center",
+                  va="bottom", fontsize=9)
     left.set_yticks([y for y, _, _ in runs], [name for _, name, _ in runs])
     left.set_ylim(-0.6, 1.85)
     left.set(xlabel="seconds since the long prompt arrived (numbers: tokens computed in the step)",

@@ -23,6 +23,7 @@ class MaskStep:
     chosen: int                                 # the token the engine produced
     wanted: list[tuple[int, float, bool]]       # the model's top tokens without the mask: (id, probability, allowed?)
     allowed_mass: float                         # the probability the unconstrained model gave the allowed set
+    best_allowed: list[tuple[int, float]]       # the allowed tokens the model liked best: (id, probability)
 
     @property
     def overridden(self) -> bool:
@@ -52,7 +53,10 @@ def replay_mask(engine, prompt_ids, output_ids, structured_outputs, top_k: int =
         allowed = allowed_tokens(bitmask[0], backend.vocab_size)
         top = torch.topk(probs[i], top_k)
         wanted = [(int(t), float(p), bool(allowed[t])) for p, t in zip(top.values, top.indices)]
-        steps.append(MaskStep(i, int(allowed.sum()), token, wanted, float(probs[i][allowed].sum())))
+        masked = probs[i].masked_fill(~allowed, -1.0)
+        best = torch.topk(masked, min(3, int(allowed.sum())))
+        best_allowed = [(int(t), float(p)) for p, t in zip(best.values, best.indices)]
+        steps.append(MaskStep(i, int(allowed.sum()), token, wanted, float(probs[i][allowed].sum()), best_allowed))
         if not state.accept(token):
             raise ValueError(f"token {token} at output position {i} breaks the grammar: not an answer of this grammar")
     return steps

@@ -155,7 +155,7 @@ def plot_fair_prefill(off, on, alone_s: float, label: str | None = None):
         left.text((run.short_arrival_s + run.first_token_s) / 2, y + 0.46, f"TTFT {run.ttft_s:.2f} s", ha="center",
                   va="bottom", fontsize=9)
     left.set_yticks([y for y, _, _ in runs], [name for _, name, _ in runs])
-    left.set_ylim(-0.6, 1.85)
+    left.set_ylim(-0.6, 2.35)                       # the legend above the TTFT labels
     left.set(xlabel="seconds since the long prompt arrived (numbers: tokens computed in the step)",
              ylabel="long_prefill_token_threshold",
              title=f"A {off.short_len}-token request arrives while a {off.long_len:,}-token prompt prefills")

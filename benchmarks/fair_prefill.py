@@ -4,10 +4,11 @@ mixed workload's throughput, with ``long_prefill_token_threshold`` at its defaul
     python benchmarks/fair_prefill.py                          # SmolLM2, an 8,000-token prompt
     python benchmarks/fair_prefill.py --long-len 6000 --json out.json
 
-The engine is driven directly (no HTTP): the long prompt prefills alone for ``--arrive-after``
-steps, then the short request arrives. Its TTFT is read off its ``RequestMetrics`` (arrival to
-first token), next to the step times, so the issue's targets can be checked: TTFT <= 2 x the step
-time at the threshold and <= 3 s, and the mixed workload's throughput within 10% of "off".
+The engine is driven directly, with no HTTP, by ``lifeofprompt/lessons/fair_prefill.py`` (notebook 09
+draws the same measurement): the long prompt prefills alone for ``--arrive-after`` steps, then the
+short request arrives. Its TTFT is read off its ``RequestMetrics`` (arrival to first token), next to
+the step times, so the issue's targets can be checked: TTFT <= 2 x the step time at the threshold
+and <= 3 s, and the mixed workload's throughput within 10% of "off".
 """
 
 from __future__ import annotations
@@ -19,30 +20,13 @@ import time
 import torch
 
 from lifeofprompt import LLMEngine, SamplingParams, load_model
+from lifeofprompt.lessons.fair_prefill import short_beside_long, synthetic_ids
 
 
 def engine_for(model, tokenizer, threshold, args):
     return LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=args.num_kv_blocks, log_stats=False,
                      max_num_batched_tokens=args.budget, long_prefill_token_threshold=threshold,
                      cpu_linear=args.cpu_linear)
-
-
-def short_beside_long(engine, long_ids, short_ids, arrive_after: int) -> dict:
-    engine.add_request("long", long_ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-    for _ in range(arrive_after):
-        engine.step()
-    engine.add_request("short", short_ids, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    first = len(engine.step_records)
-    short = None
-    for out in engine.run_until_done():
-        if out.request_id == "short":
-            short = out
-    records = list(engine.step_records)[first:]
-    steps_to_first = next(i + 1 for i, r in enumerate(records) if any(
-        s.request_id == "short" and s.end >= len(short_ids) for s in r.scheduled))
-    step_s = [r.end_time - r.start_time for r in records]
-    return {"ttft_s": short.metrics.first_token_time - short.metrics.arrival_time, "steps_to_first_token": steps_to_first,
-            "step_s": step_s, "max_step_s": max(step_s)}
 
 
 def mixed_throughput(engine, long_ids, short_ids, num_short: int) -> dict:
@@ -73,13 +57,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     model, tokenizer = load_model(args.model, dtype=torch.float32, device="cpu")
     vocab = model.config.vocab_size
-    long_ids = [100 + (i * 7919) % (vocab - 200) for i in range(args.long_len)]
-    short_ids = [100 + (i * 104729) % (vocab - 200) for i in range(args.short_len)]
+    long_ids = synthetic_ids(vocab, args.long_len)
+    short_ids = synthetic_ids(vocab, args.short_len, stride=104729)
     results = {}
     for name, threshold in (("default", None), ("off", 0)):
         engine = engine_for(model, tokenizer, threshold, args)
         results[name] = {"threshold": engine.scheduler.long_prefill_token_threshold,
-                         "short_beside_long": short_beside_long(engine, long_ids, short_ids, args.arrive_after),
+                         "short_beside_long": short_beside_long(engine, long_ids, short_ids, args.arrive_after).as_dict(),
                          "mixed": mixed_throughput(engine_for(model, tokenizer, threshold, args), long_ids, short_ids,
                                                    args.num_short)}
         r = results[name]

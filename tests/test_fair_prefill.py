@@ -86,3 +86,62 @@ def test_the_default_threshold():
     assert fair_prefill_threshold(0, 2048) is None and fair_prefill_threshold(300, 2048) == 300
     with pytest.raises(ConfigError):
         fair_prefill_threshold(-1, 2048)
+
+
+# ----------------------------------------------------------------------------- the lesson's measurement
+
+
+def test_the_lesson_measures_the_short_request_beside_the_long_one(model_2k):
+    """lessons/fair_prefill.short_beside_long (notebook 09, benchmarks/fair_prefill.py): the same
+    step counts as above, each step's tokens per request, and a TTFT inside the steps that gave it."""
+    from lifeofprompt.lessons.fair_prefill import short_beside_long, synthetic_ids
+
+    short = synthetic_ids(256, 5, stride=13)
+    off = short_beside_long(engine(model_2k, long_prefill_token_threshold=0), LONG, short)
+    on = short_beside_long(engine(model_2k), LONG, short)
+    assert (off.threshold, on.threshold) == (None, 64)
+    assert (off.steps_to_first_token, on.steps_to_first_token) == (3, 1)
+    assert [s.long_tokens for s in off.spans[:4]] == [BUDGET, BUDGET, BUDGET, 1000 - 3 * BUDGET]
+    assert [s.long_tokens for s in on.spans[:2]] == [BUDGET, 64] and on.spans[1].short_tokens == 5
+    for run in (off, on):
+        assert sum(s.long_tokens for s in run.spans) == len(LONG)          # max_tokens=1: the prefill gives it
+        assert sum(s.short_tokens for s in run.spans) == 5 + 3             # prompt, then 3 decodes of 4 tokens
+        assert run.spans[0].start_s >= 0 and all(a.end_s <= b.start_s for a, b in zip(run.spans, run.spans[1:]))
+        arrival_step = run.after_arrival[0]
+        assert run.short_arrival_s <= arrival_step.start_s
+        given = run.after_arrival[run.steps_to_first_token - 1]
+        assert arrival_step.start_s - run.short_arrival_s <= run.ttft_s <= given.end_s - run.short_arrival_s + 1e-9
+        assert run.as_dict()["steps_to_first_token"] == run.steps_to_first_token
+        assert run.first_token_step_s == given.duration_s
+        assert run.long_first_token_s == pytest.approx(next(s.end_s for s in run.spans if s.long_tokens and
+                                                            sum(x.long_tokens for x in run.spans if x.end_s <= s.end_s) == len(LONG)))
+
+
+def test_the_lesson_can_stop_the_long_prompt_once_the_short_one_is_done(model_2k):
+    from lifeofprompt.lessons.fair_prefill import short_alone, short_beside_long
+
+    fair = engine(model_2k)
+    run = short_beside_long(fair, LONG, [10, 11, 12], finish=False)
+    assert sum(s.long_tokens for s in run.spans) < len(LONG) and run.long_first_token_s is None   # aborted mid-prefill
+    assert not fair.has_unfinished_requests() and fair.block_manager.num_free_blocks == fair.num_kv_blocks
+    assert short_alone(fair, [20, 21, 22]) > 0
+
+
+def test_the_fair_prefill_figure_draws_every_step_and_both_waits(model_2k):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lifeofprompt.figures.serving import plot_fair_prefill
+    from lifeofprompt.lessons.fair_prefill import short_beside_long
+
+    off = short_beside_long(engine(model_2k, long_prefill_token_threshold=0), LONG, [10, 11, 12])
+    on = short_beside_long(engine(model_2k), LONG, [10, 11, 12], finish=False)
+    fig = plot_fair_prefill(off, on, alone_s=0.01, label="machine X")
+    timeline, waits = fig.axes
+    assert any(t.get_text() == "machine X" for t in fig.texts)
+    assert len(timeline.collections) == len(off.spans) + len(on.spans)       # one box per step
+    assert [b.get_height() for b in waits.patches] == [0.01, off.ttft_s, on.ttft_s]
+    assert any(f"TTFT {off.ttft_s:.2f} s" in t.get_text() for t in timeline.texts)
+    plt.close(fig)

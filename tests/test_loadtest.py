@@ -239,3 +239,32 @@ def test_serving_figures_label_axes_and_name_the_machine():
     assert list(p99_line.get_ydata()) == [r.summary["ttft_s"]["p99"] for r in sweep]
     assert len(figures[2].axes[0].get_lines()) == 2            # one queue line per rate
     plt.close("all")
+
+
+def test_the_sweep_table_puts_the_achieved_rate_beside_every_percentile():
+    from lifeofprompt.lessons.serving_study import sweep_table
+
+    runs = [_fake_result(0.5, 1, [0.1, 0.2, 0.3]), _fake_result(2.0, 1, [0.5, 2.0, 4.0])]
+    lines = sweep_table(runs).splitlines()
+    assert lines[0].split()[:6] == ["set", "req/s", "got", "req/s", "done", "req/s"]
+    for line, run in zip(lines[1:], runs):
+        cells = line.split()
+        assert float(cells[1]) == pytest.approx(run.summary["achieved_arrival_rate"], abs=0.01)
+        assert float(cells[2]) == pytest.approx(run.summary["request_throughput"], abs=0.01)
+        assert int(cells[4]) == 3 and cells[6] == f"{run.summary['ttft_s']['p99']:.2f}s"
+
+
+def test_the_batching_curve_titles_state_the_measured_ratios():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lifeofprompt.figures.serving import plot_batching_curve
+    from lifeofprompt.lessons.serving_study import BatchPoint
+
+    fig = plot_batching_curve([BatchPoint(1, 0.1, 20), BatchPoint(4, 0.2, 80)], [0.1, 0.11], 0.05, label="m")
+    left, right = fig.axes
+    assert left.get_title() == "Step time: 2.0× from 1 to 4 sequences"
+    assert right.get_title() == "Throughput: 2.0× from 1 to 4 sequences"
+    plt.close(fig)

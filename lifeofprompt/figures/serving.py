@@ -34,7 +34,11 @@ def _finish(fig, label: str | None):
 
 
 def plot_batching_curve(points, predicted_s, floor_s: float, title: str = "The batching curve", label: str | None = None):
-    """Step time and tokens/s against sequences in flight: measured, the roofline, the decode floor."""
+    """Step time and tokens/s against sequences in flight: measured, the roofline, the decode floor.
+
+    The panel titles state the measured ratios, not a shape: whether the curve bends, and where,
+    belongs to the machine it was measured on.
+    """
     import matplotlib.pyplot as plt
 
     batch = np.array([p.batch_size for p in points])
@@ -47,11 +51,12 @@ def plot_batching_curve(points, predicted_s, floor_s: float, title: str = "The b
     left.plot(batch, predicted * 1e3, "s--", label="roofline prediction")
     left.axhline(floor_s * 1e3, color="gray", linestyle=":", label=f"decode floor (weights ÷ bandwidth): {floor_s * 1e3:.0f} ms")
     left.set(xscale="log", xlabel="sequences decoding together (batch size)", ylabel="time per step (ms)",
-             title="Step time grows slowly, then linearly")
+             title=f"Step time: {measured[-1] / measured[0]:.1f}× from {batch[0]} to {batch[-1]} sequences")
     right.plot(batch, batch / measured, "o-", label="measured")
     right.plot(batch, batch / predicted, "s--", label="roofline prediction")
     right.set(xscale="log", xlabel="sequences decoding together (batch size)", ylabel="output tokens per second",
-              title="Throughput: batching is nearly free until it bends")
+              title=f"Throughput: {(batch[-1] / measured[-1]) / (batch[0] / measured[0]):.1f}× from {batch[0]} to "
+                    f"{batch[-1]} sequences")
     for ax in (left, right):
         ax.set_xticks(batch, [str(b) for b in batch])
         ax.set_ylim(bottom=0)
@@ -74,7 +79,9 @@ def plot_ttft_against_rate(results, capacity: float, label: str | None = None):
     ax.plot(rates[order], p99[order], "^-", label="p99")
     ax.axvline(capacity, color="gray", linestyle=":", label=f"closed-loop capacity {capacity:.2f} req/s")
     for r, x, y in zip(results, rates, p99):
-        ax.annotate(f"set {r.config.rate / capacity:.2g}×", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.annotate(f"set {r.config.rate / capacity:.3g}×", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    span = (max(rates.max(), capacity) - min(rates.min(), capacity)) or capacity or 1.0
+    ax.set_xlim(min(rates.min(), capacity) - 0.05 * span, max(rates.max(), capacity) + 0.12 * span)   # room for the labels
     from matplotlib.ticker import FormatStrFormatter
 
     ax.set(yscale="log", xlabel="achieved arrival rate (requests per second, Poisson)",
@@ -94,7 +101,8 @@ def plot_queue_growth(results, capacity: float, label: str | None = None):
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for r in sorted(results, key=lambda r: r.config.rate):
         times, waiting = waiting_over_time(r)
-        ax.step(times, waiting, where="post", label=f"{r.config.rate:.2f} req/s ({r.config.rate / capacity:.2g}× capacity)")
+        ax.step(times, waiting, where="post", linewidth=1.2,
+                label=f"{r.config.rate:.2f} req/s ({r.config.rate / capacity:.3g}× capacity)")
     ax.set(xlabel="seconds since the first request", ylabel="requests waiting for their first token",
            title="Past capacity the queue grows as long as arrivals keep coming")
     ax.grid(True, alpha=0.3)
@@ -118,4 +126,53 @@ def plot_repeats(results, label: str | None = None):
            title=f"Same set rate ({rate:.2f} req/s), different runs: p99 moves")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
+    return _finish(fig, label)
+
+
+def plot_fair_prefill(off, on, alone_s: float, label: str | None = None):
+    """A short request beside a long prefill (``lessons.fair_prefill.ShortBesideLong``), cap off and on.
+
+    Left: each engine step as a box on a time line, blue while only the long prompt computes,
+    orange once the short request shares the step; the short request's arrival (▼) and first
+    token (★). Right: its time to first token alone, and beside the long prompt without and with the cap.
+    """
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.4), gridspec_kw={"width_ratios": [2.2, 1]})
+    runs = [(1, "cap off", off), (0, f"cap on ({on.threshold} tokens)", on)]
+    for y, _, run in runs:
+        for span in run.spans:
+            colour = "tab:orange" if span.short_tokens else "tab:blue"
+            left.broken_barh([(span.start_s, span.duration_s)], (y - 0.3, 0.6), facecolors=colour,
+                             edgecolors="white", linewidth=1.2)
+            if span.duration_s > 0.06 * max(r.spans[-1].end_s for _, _, r in runs):
+                left.text(span.start_s + span.duration_s / 2, y, f"{span.long_tokens + span.short_tokens:,}",
+                          ha="center", va="center", fontsize=8, color="white")
+        left.plot([run.short_arrival_s], [y + 0.38], "v", color="black", markersize=8)
+        left.plot([run.first_token_s], [y + 0.38], "*", color="black", markersize=12)
+        left.annotate("", (run.first_token_s, y + 0.38), (run.short_arrival_s, y + 0.38),
+                      arrowprops=dict(arrowstyle="<->", color="black", shrinkA=6, shrinkB=7))
+        left.text((run.short_arrival_s + run.first_token_s) / 2, y + 0.46, f"TTFT {run.ttft_s:.2f} s", ha="center",
+                  va="bottom", fontsize=9)
+    left.set_yticks([y for y, _, _ in runs], [name for _, name, _ in runs])
+    left.set_ylim(-0.6, 2.35)                       # the legend above the TTFT labels
+    left.set(xlabel="seconds since the long prompt arrived (numbers: tokens computed in the step)",
+             ylabel="long_prefill_token_threshold",
+             title=f"A {off.short_len}-token request arrives while a {off.long_len:,}-token prompt prefills")
+    from matplotlib.patches import Patch
+
+    left.legend(handles=[Patch(color="tab:blue", label="step: only the long prompt"),
+                         Patch(color="tab:orange", label="step: the short request too"),
+                         plt.Line2D([], [], marker="v", color="black", linestyle="", label="short request arrives"),
+                         plt.Line2D([], [], marker="*", color="black", linestyle="", markersize=10,
+                                    label="its first token")], fontsize=8, loc="upper right", ncol=2)
+    left.grid(True, axis="x", alpha=0.3)
+    names = ["alone\n(idle engine)", "beside it,\ncap off", "beside it,\ncap on"]
+    values = [alone_s, off.ttft_s, on.ttft_s]
+    bars = right.bar(names, values, color=["tab:gray", "tab:red", "tab:green"])
+    for bar, value in zip(bars, values):
+        right.text(bar.get_x() + bar.get_width() / 2, value, f"{value:.2f} s", ha="center", va="bottom", fontsize=9)
+    right.set_ylim(0, max(values) * 1.15)
+    right.set(ylabel="time to first token (s)", title="The short request's wait")
+    right.grid(True, axis="y", alpha=0.3)
     return _finish(fig, label)

@@ -16,6 +16,8 @@ def test_kernels_of_step_names_the_fused_kernels_only_when_used():
     fused = kernels_of_step(MODEL, dict(mode="CUDA graph replay", backend="triton", fused=True, rows=3, padded_to=4))
     assert plain.startswith("22 × [RMSNorm, qkv GEMM, RoPE, torch store_kv") and "fused" not in plain
     assert "fused add+RMSNorm" in fused and "fused SiLU·up" in fused and fused.endswith("(batch 3 padded to 4)")
+    c_step = kernels_of_step(MODEL, dict(mode="eager", backend="torch", fused="cpu"))
+    assert c_step.startswith("22 layers in one C call") and "fused add" not in c_step
 
 
 def test_decode_breakdown_in_ms_with_the_unfused_step():

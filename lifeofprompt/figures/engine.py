@@ -22,6 +22,9 @@ def kernels_of_step(model, launch: dict) -> str:
     how = launch.get("mode", "?")
     if launch.get("padded_to"):
         how += f" (batch {launch['rows']} padded to {launch['padded_to']})"
+    if launch.get("fused") == "cpu":
+        return (f"{model.config.num_layers} layers in one C call (model/cpu_decode.c: RMSNorm, qkv, RoPE, attention from "
+                f"the pool, o_proj, RMSNorm, gate_up, SiLU·up, down) + final norm; lm_head GEMM; {how}")
     if launch.get("fused"):
         return (f"{model.config.num_layers} × [fused add+RMSNorm, qkv GEMM, fused RoPE, {attention}, o_proj GEMM, "
                 f"fused add+RMSNorm, gate_up GEMM, fused SiLU·up, down GEMM] + lm_head; {how}")

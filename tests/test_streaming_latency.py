@@ -40,7 +40,7 @@ def test_with_chunking_the_streams_get_a_token_every_chunk(model_1k):
     gaps = run(model_1k, chunked_budget(CHUNK), "chunked")
     assert gaps.prefill_chunks == [CHUNK] * (LONG // CHUNK) + [LONG % CHUNK]
     assert len(gaps.during_gaps_s) == math.ceil(LONG / CHUNK)     # a token at the end of every chunk's step
-    assert gaps.long_ttft_s > 0 and gaps.worst_gap_s > 0
+    assert gaps.long_ttft_s > 0 and gaps.worst_gap_s >= gaps.median_gap_s > 0
     table = gaps_table([gaps]).splitlines()
     assert len(table) == 2 and table[1].split()[:3] == ["chunked", str(len(gaps.prefill_chunks)), str(len(gaps.during_gaps_s))]
 

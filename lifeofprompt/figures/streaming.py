@@ -21,7 +21,8 @@ def plot_stream_gaps(results, footer: str | None = None):
                          f"{'s' if len(r.prefill_chunks) != 1 else ''})")
         ax.set_yticks(range(len(names)), [f"user {i + 1}" for i in range(len(names))], fontsize=8)
         ax.set_ylim(-0.7, len(names) - 0.3)
-        ax.set_title(f"{r.label}: worst gap {r.worst_gap_s * 1e3:.0f} ms, steady {r.steady_gap_s * 1e3:.0f} ms",
+        ax.set_title(f"{r.label}: gaps while it prefills {r.median_gap_s * 1e3:.0f} ms median, {r.worst_gap_s * 1e3:.0f} ms "
+                     f"worst; {r.steady_gap_s * 1e3:.0f} ms before",
                      fontsize=9, loc="left")
         ax.legend(loc="upper right", fontsize=7.5, framealpha=0.9)
     axes[-1, 0].set_xlim(0, end * 1.02)

@@ -16,6 +16,8 @@ def test_kernels_of_step_names_the_fused_kernels_only_when_used():
     fused = kernels_of_step(MODEL, dict(mode="CUDA graph replay", backend="triton", fused=True, rows=3, padded_to=4))
     assert plain.startswith("22 × [RMSNorm, qkv GEMM, RoPE, torch store_kv") and "fused" not in plain
     assert "fused add+RMSNorm" in fused and "fused SiLU·up" in fused and fused.endswith("(batch 3 padded to 4)")
+    c_step = kernels_of_step(MODEL, dict(mode="eager", backend="torch", fused="cpu"))
+    assert c_step.startswith("22 layers in one C call") and "fused add" not in c_step
 
 
 def test_decode_breakdown_in_ms_with_the_unfused_step():
@@ -36,23 +38,41 @@ def test_cpu_linear_plot_has_one_line_per_path():
     assert list(ax.get_lines()[1].get_ydata()) == [15.0, 7.5, 3.75]
 
 
-def test_separate_runs_are_read_from_the_results_folder(tmp_path):
+def test_the_measured_table_has_only_measured_rows_and_the_tests_final_state(tmp_path):
     import json
 
-    from lifeofprompt.figures.engine import separate_runs
+    from lifeofprompt.figures.engine import measured_table
 
-    (tmp_path / "gpu_results.json").write_text("{}")
+    gpu = dict(machine=dict(copy_bandwidth=4.22e12, matmul_n=8192, matmul_flops=7.146e14),
+               decode=dict(context=500, engine_step_s=0.0027, graph_replay_s=0.0026, eager_forward_s=0.016, floor_s=0.00049),
+               ours=dict(requests=128, tokens_per_s=9091.4, seconds=7.54), peer=dict(available=False),
+               story=dict(alone=[dict(prompt="hello there", ttft_s=0.0171, decode_tokens_per_s=368.0)]))
+    (tmp_path / "gpu_results.json").write_text(json.dumps(gpu))
     (tmp_path / "kernel_gpu_tests.log").write_text("collected 37 items\n....\n37 passed in 64.42s\n")
     rows = [dict(kernel="triton paged", batch=64, context_len=4096, num_kv_splits=1, ms=0.0814, gb_per_s=3305.1)] * 2
     rows.append(dict(kernel="triton paged", batch=8, context_len=512, num_kv_splits=1, ms=0.01, gb_per_s=1.0))
     (tmp_path / "kernel_bench_tinyllama_heads.json").write_text(json.dumps({"rows": rows}))
+    (tmp_path / "pytest_gpu.txt").write_text("F...\n1 failed, 3 passed in 10.83s\n")
     (tmp_path / "rerun-18h37").mkdir()
-    (tmp_path / "rerun-18h37" / "pytest_gpu.txt").write_text("1 failed\n....\n4 passed in 26.92s\n")
-    assert separate_runs(tmp_path / "gpu_results.json") == [
-        "kernel tests (tests/gpu/test_kernels_gpu.py): 37 passed in 64.42s",
-        "kernel bench, batch 64 × 4096: triton paged, no KV split: 0.081 ms, 3,305 GB/s",
-        "rerun-18h37: tests/gpu/test_engine_gpu.py rerun after a fix: 4 passed in 26.92s",
-    ]
+    (tmp_path / "rerun-18h37" / "pytest_gpu.txt").write_text("....\n4 passed in 26.92s\n")
+    table = dict(measured_table(gpu, tmp_path / "gpu_results.json"))
+    assert table["copy bandwidth (read + write, 2 GiB)"] == "4,220 GB/s"
+    assert table["attention b64×4096: triton paged, no KV split"] == "0.081 ms = 3,305 GB/s"
+    assert not any("b8×512" in k for k in table) and not any("transformers" in k for k in table)   # the peer did not run
+    assert table["story alone: 'hello there'"] == "TTFT 17.1 ms, 368 tok/s"
+    assert table["tests/gpu/test_kernels_gpu.py"] == "37 passed"
+    assert table["tests/gpu/test_engine_gpu.py (rerun-18h37)"] == "4 passed"                      # the last run counts
+    assert all(v and v != "-" for v in table.values())
+
+
+def test_the_gap_above_the_roofline_per_batch_and_trace_lines_break_between_words():
+    from lifeofprompt.figures.engine import gap_above_prediction, wrap_line
+
+    gaps = gap_above_prediction([dict(batch=1, step_s=0.003, predicted_s=0.0005), dict(batch=128, step_s=0.005)])
+    assert [(b, round(g, 6)) for b, _, _, g in gaps] == [(1, 2.5)]
+    line = wrap_line("    kernels: " + kernels_of_step(MODEL, dict(mode="eager", backend="torch")), width=60)
+    assert all(len(piece) <= 60 for piece in line.splitlines()) and len(line.splitlines()) > 1
+    assert line.replace("\n" + " " * 13, " ").split() == ("kernels: " + kernels_of_step(MODEL, dict(mode="eager", backend="torch"))).split()
 
 
 def test_load_results_reads_the_committed_folder_and_takes_the_newest_date(tmp_path, monkeypatch):

@@ -22,11 +22,22 @@ def kernels_of_step(model, launch: dict) -> str:
     how = launch.get("mode", "?")
     if launch.get("padded_to"):
         how += f" (batch {launch['rows']} padded to {launch['padded_to']})"
+    if launch.get("fused") == "cpu":
+        return (f"{model.config.num_layers} layers in one C call (model/cpu_decode.c: RMSNorm, qkv, RoPE, attention from "
+                f"the pool, o_proj, RMSNorm, gate_up, SiLU·up, down) + final norm; lm_head GEMM; {how}")
     if launch.get("fused"):
         return (f"{model.config.num_layers} × [fused add+RMSNorm, qkv GEMM, fused RoPE, {attention}, o_proj GEMM, "
                 f"fused add+RMSNorm, gate_up GEMM, fused SiLU·up, down GEMM] + lm_head; {how}")
     return (f"{model.config.num_layers} × [RMSNorm, qkv GEMM, RoPE, {attention}, o_proj GEMM, RMSNorm, "
             f"gate_up GEMM, SiLU·up, down GEMM] + lm_head; {how}")
+
+
+def wrap_line(text: str, width: int = 100, indent: int = 13) -> str:
+    """Break a long trace line between words (never inside one) to fit a notebook's output width."""
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, width, subsequent_indent=" " * indent, break_long_words=False,
+                                    break_on_hyphens=False))
 
 
 def live_trace(llm, prompts, params, out=print) -> list:
@@ -43,7 +54,7 @@ def live_trace(llm, prompts, params, out=print) -> list:
                 done[o.request_id] = o
         record = engine.step_records[-1]
         out(record.format())
-        out("    kernels: " + kernels_of_step(engine.model, engine.runner.last_launch))
+        out(wrap_line("    kernels: " + kernels_of_step(engine.model, engine.runner.last_launch)))
     return [done[i] for i in ids]
 
 
@@ -70,41 +81,64 @@ def load_results(pattern: str = "h200-*/gpu_results.json", where=None) -> tuple[
     return None, None
 
 
-def separate_runs(results_path: Path) -> list[str]:
-    """Lines about the runs kept next to a GPU results file: kernel tests and bench, reruns.
-
-    A GPU lease is short, so one session's figures can come from several calls: the main
-    script's table leaves a dash where a step was skipped to fit, or shows a test that a later
-    rerun passed. These lines put those runs next to the table.
-    """
-    import re
-
-    folder = results_path.parent
-    lines = []
-
-    def passed_line(log: Path) -> str | None:
-        found = [ln.strip() for ln in log.read_text().splitlines() if re.search(r"\d+ (passed|failed)", ln)]
-        return found[-1] if found else None
-
-    tests = folder / "kernel_gpu_tests.log"
-    if tests.exists() and passed_line(tests):
-        lines.append(f"kernel tests (tests/gpu/test_kernels_gpu.py): {passed_line(tests)}")
-    bench = folder / "kernel_bench_tinyllama_heads.json"
+def measured_table(gpu: dict, results_path: Path) -> list[tuple[str, str]]:
+    """What the GPU session measured, one (what, value) row each: the machine, the kernels (from the
+    kernel bench kept beside the results), the decode step, throughput, the story and the tests'
+    final state. Only measured values; a step that did not run has no row."""
+    m, dec, ours, peer = gpu["machine"], gpu["decode"], gpu["ours"], gpu["peer"]
+    rows = [("copy bandwidth (read + write, 2 GiB)", f"{m['copy_bandwidth'] / 1e9:,.0f} GB/s"),
+            (f"bf16 matrix product {m['matmul_n']}³", f"{m['matmul_flops'] / 1e12:.1f} TFLOP/s")]
+    bench = results_path.parent / "kernel_bench_tinyllama_heads.json"
     if bench.exists():
         seen = set()
-        for row in json.loads(bench.read_text())["rows"]:
-            key = (row["batch"], row["context_len"], row["kernel"], row.get("num_kv_splits"))
-            if key[:2] not in ((64, 4096), (1, 32768)) or key in seen:
-                continue
-            seen.add(key)
-            splits = row.get("num_kv_splits")
-            how = "" if splits is None else ", no KV split" if splits == 1 else f", {splits} KV splits"
-            lines.append(f"kernel bench, batch {row['batch']} × {row['context_len']}: {row['kernel']}{how}: "
-                         f"{row['ms']:.3f} ms, {row['gb_per_s']:,.0f} GB/s")
-    for rerun in sorted(folder.glob("rerun-*/pytest_gpu.txt")):
-        if passed_line(rerun):
-            lines.append(f"{rerun.parent.name}: tests/gpu/test_engine_gpu.py rerun after a fix: {passed_line(rerun)}")
-    return lines
+        for r in json.loads(bench.read_text())["rows"]:
+            key = (r["batch"], r["context_len"], r["kernel"], r.get("num_kv_splits"))
+            if key[:2] in ((64, 4096), (1, 32768)) and key not in seen:
+                seen.add(key)
+                splits = r.get("num_kv_splits")
+                how = "" if splits is None else ", no KV split" if splits == 1 else f", {splits} KV splits"
+                rows.append((f"attention b{r['batch']}×{r['context_len']}: {r['kernel']}{how}",
+                             f"{r['ms']:.3f} ms = {r['gb_per_s']:,.0f} GB/s"))
+    rows += [(f"batch-1 decode step, engine (context {dec['context']})", f"{dec['engine_step_s'] * 1e3:.2f} ms"),
+             ("  its forward as a CUDA graph replay", f"{dec['graph_replay_s'] * 1e3:.2f} ms"),
+             ("  the same forward eager", f"{dec['eager_forward_s'] * 1e3:.2f} ms"),
+             ("  floor: weight bytes ÷ copy bandwidth", f"{dec['floor_s'] * 1e3:.2f} ms"),
+             (f"{ours['requests']} requests (nano-vllm shape): lifeofprompt", f"{ours['tokens_per_s']:,.0f} tok/s "
+              f"({ours['seconds']:.1f} s)")]
+    if peer.get("tokens_per_s"):
+        rows.append((f"  transformers {peer.get('transformers', '')} continuous batching",
+                     f"{peer['tokens_per_s']:,.0f} tok/s (stopped at {peer['seconds']:.0f} s)"))
+    for label, key in (("alone", "alone"), ("together", "together")):
+        for r in gpu.get("story", {}).get(key, []):
+            rows.append((f"story {label}: {r['prompt']!r}", f"TTFT {r['ttft_s'] * 1e3:.1f} ms, "
+                         f"{r['decode_tokens_per_s']:.0f} tok/s"))
+    return rows + test_rows(results_path)
+
+
+def test_rows(results_path: Path) -> list[tuple[str, str]]:
+    """The GPU tests' final state: the kernel tests' log, and the engine tests (their last run)."""
+    import re
+
+    def last_count(log: Path) -> str | None:
+        found = [re.sub(r" in [\d.]+s.*", "", ln.strip()) for ln in log.read_text().splitlines()
+                 if re.search(r"^\d+ (passed|failed)", ln.strip())]
+        return found[-1] if found else None
+
+    folder, rows = results_path.parent, []
+    if (folder / "kernel_gpu_tests.log").exists():
+        rows.append(("tests/gpu/test_kernels_gpu.py", last_count(folder / "kernel_gpu_tests.log")))
+    runs = [folder / "pytest_gpu.txt"] + sorted(folder.glob("rerun-*/pytest_gpu.txt"))
+    runs = [r for r in runs if r.exists() and last_count(r)]
+    if runs:
+        rows.append(("tests/gpu/test_engine_gpu.py" + (f" ({runs[-1].parent.name})" if len(runs) > 1 else ""),
+                     last_count(runs[-1])))
+    return rows
+
+
+def gap_above_prediction(curve: list[dict]) -> list[tuple[int, float, float, float]]:
+    """Per batch size: measured step, roofline prediction and the gap between them, in ms."""
+    return [(r["batch"], r["step_s"] * 1e3, r["predicted_s"] * 1e3, (r["step_s"] - r["predicted_s"]) * 1e3)
+            for r in curve if "step_s" in r and "predicted_s" in r]
 
 
 def _finish(fig, path: Path | None, ax=None):

@@ -106,10 +106,23 @@ def machine_from_parts(args):
 # ----------------------------------------------------------------------------- steps
 
 
+def structured_output_check() -> dict:
+    """Whether the grammar library imports on this machine's Python and compiles a JSON schema (or why not)."""
+    import sys
+    try:
+        import xgrammar
+        from importlib.metadata import version
+        info = xgrammar.TokenizerInfo([chr(97 + i) for i in range(26)] + ["{", "}", '"', ":"])
+        xgrammar.GrammarCompiler(info).compile_json_schema('{"type": "object"}')
+        return dict(python=sys.version.split()[0], xgrammar=version("xgrammar"), compiles=True)
+    except Exception as exc:       # noqa: BLE001 -- a missing or broken wheel is the finding
+        return dict(python=sys.version.split()[0], available=False, error=f"{type(exc).__name__}: {exc}")
+
+
 def step_env(args) -> dict:
     from lifeofprompt import env_info
 
-    out = {"env": env_info(), "dry_run": dry(args)}
+    out = {"env": env_info(), "dry_run": dry(args), "structured_output": structured_output_check()}
     if not dry(args):
         props = torch.cuda.get_device_properties(0)
         out["gpu"] = dict(name=props.name, total_memory=props.total_memory, sms=props.multi_processor_count,

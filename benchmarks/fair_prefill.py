@@ -43,6 +43,16 @@ def mixed_throughput(engine, long_ids, short_ids, num_short: int) -> dict:
     return {"elapsed_s": elapsed, "tokens": tokens, "tokens_per_s": tokens / elapsed, "steps": len(engine.step_records)}
 
 
+def run_description() -> dict:
+    """Which machine, threads, versions and load this run had (every result file says so)."""
+    import os
+    from lifeofprompt import env_info
+    from lifeofprompt.env import cpu_model
+
+    return {"env": env_info(), "cpu": cpu_model(), "threads": torch.get_num_threads(), "dtype": "float32",
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_average": os.getloadavg()[0]}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -74,7 +84,7 @@ def main(argv=None) -> int:
     print(f"mixed throughput, default / off: {ratio:.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump(dict(run_description(), ratio_mixed_default_over_off=ratio, **results), f, indent=1)
     return 0
 
 

@@ -31,7 +31,7 @@ import torch
 from ..model.attention import PagedCacheMetadata, PagedKVCache
 from ..errors import ConfigError, InvalidRequestError, OutOfMemoryError, RequestFailedError
 from .memory import kv_bytes_per_block, plan_memory
-from ..model.cpu_decode import decode_attention_faster, layer_shapes, supports as cpu_decode_supports, usable_rows as cpu_decode_rows
+from ..model.cpu_decode import decode_attention_faster, layer_shapes, supports as cpu_decode_supports, takes_step as cpu_decode_takes_step, usable_rows as cpu_decode_rows
 from ..model.huge_pages import move_weights_to_huge_pages
 from ..model.linear import apply_plans
 from ..model.linear_calibration import choose_cpu_linear
@@ -200,7 +200,7 @@ class ModelRunner:
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedCacheMetadata) -> torch.Tensor:
         """The model's forward as this runner runs it: the fused C decode step, the fused Triton kernels, or plain."""
         fused = self.fused_kernels
-        if 0 < input_ids.shape[0] <= self.cpu_decode_rows and meta.cache.kv.dtype == torch.float32:
+        if cpu_decode_takes_step(input_ids.shape[0], self.cpu_decode_rows, meta.cache.kv):
             fused = "cpu"
         if self.last_launch:
             self.last_launch["fused"] = fused

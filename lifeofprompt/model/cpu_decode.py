@@ -88,6 +88,11 @@ def usable_rows(plans: dict | None, shapes, timings: dict | None = None) -> int:
     return rows
 
 
+def takes_step(num_rows: int, max_rows: int, kv: torch.Tensor) -> bool:
+    """Whether a step of ``num_rows`` rows over the pool ``kv`` runs as one C call (``max_rows``: the runner's limit)."""
+    return 0 < num_rows <= max_rows and kv.dtype == torch.float32
+
+
 def layer_shapes(model) -> set[tuple[int, int]]:
     """The weight shapes the fused step multiplies (every layer's four matrices)."""
     layer = model.layers[0]

@@ -106,6 +106,62 @@ def test_rowwise_within_noise_of_the_best_still_takes_the_c_step():
     assert cpu_decode.usable_rows(plans, shapes, far) == 1
 
 
+def fake_step_timer(c_ms: dict, torch_ms: dict, calls: list):
+    """A ``measure(rows, fused)`` that returns set times (ms) and records what was asked."""
+    def measure(rows, fused):
+        calls.append((rows, fused))
+        times = c_ms if fused == "cpu" else torch_ms
+        value = times[rows]
+        return (value.pop(0) if isinstance(value, list) and len(value) > 1 else
+                (value[0] if isinstance(value, list) else value)) / 1e3
+    return measure
+
+
+def test_whole_steps_decide_the_rows_and_the_timing_stops_at_the_first_loss():
+    """The C step takes steps up to the largest row count where it won, all smaller counts won too,
+    and counts above the first loss are never timed."""
+    calls = []
+    c = {1: 20, 2: 22, 4: 30, 8: 58, 12: 90, 16: 130}
+    eager = {1: 30, 2: 33, 4: 44, 8: 63, 12: 77, 16: 96}
+    rows, why = cpu_decode.measured_rows(fake_step_timer(c, eager, calls))
+    assert rows == 8
+    assert "8 rows: C 58.0 ms, torch 63.0 ms" in why and "12 rows: C 90.0 ms, torch 77.0 ms" in why
+    assert {r for r, _ in calls} == {1, 2, 4, 8, 12}                 # 16 rows was never run
+    # a loss at a small count ends it there, even where larger counts would win
+    rows, _ = cpu_decode.measured_rows(fake_step_timer({**c, 2: 40}, eager, []))
+    assert rows == 1
+    # each side is its fastest round: one slow round of the C step does not lose the count
+    noisy = {r: [t * 3, t * 3, t] for r, t in c.items()}             # warm-up, round 1 slow; round 2 fast
+    rows, _ = cpu_decode.measured_rows(fake_step_timer(noisy, eager, []), rounds=2)
+    assert rows == 8
+
+
+def test_a_spent_budget_stops_the_timing_and_says_so():
+    rows, why = cpu_decode.measured_rows(fake_step_timer({1: 1, 2: 1}, {1: 2, 2: 2}, []), row_counts=(1, 2), budget_s=0)
+    assert rows == 0 and "budget was spent" in why
+
+
+def test_an_unpinned_runner_times_whole_steps_once_and_reads_the_cache_after(tmp_path, monkeypatch):
+    monkeypatch.setenv("LIFEOFPROMPT_CACHE", str(tmp_path))
+    monkeypatch.delenv("LIFEOFPROMPT_CPU_LINEAR", raising=False)
+    model = random_model(random.Random(3))
+    asked = []
+
+    def fake_rows(measure, **_):
+        asked.append(measure(2, "cpu") > 0 and measure(2, False) > 0)    # the runner's real step runs both ways
+        return 4, "2 rows: C 1.0 ms, torch 2.0 ms"
+
+    monkeypatch.setattr("lifeofprompt.engine.model_runner.measured_rows", fake_rows)
+    first = ModelRunner(model, num_blocks=512, block_size=4, backend="torch")
+    assert first.linear_choice.pinned is None
+    assert (first.cpu_decode_rows, first.cpu_decode_reason) == (4, "2 rows: C 1.0 ms, torch 2.0 ms")
+    assert asked == [True]
+    second = ModelRunner(model, num_blocks=512, block_size=4, backend="torch")
+    assert second.cpu_decode_rows == 4 and asked == [True]           # from the cache: not timed again
+    small = ModelRunner(random_model(random.Random(3)), num_blocks=16, block_size=4, backend="torch")
+    assert small.cpu_decode_rows == 0 and "not measured" in small.cpu_decode_reason
+
+
 def test_the_runner_uses_it_only_where_asked_or_measured():
     model = random_model(random.Random(0))
     pinned = ModelRunner(model, num_blocks=16, block_size=4, backend="torch", cpu_linear="linear")

@@ -33,7 +33,6 @@ from dataclasses import replace
 import torch
 
 from .block_manager import BlockManager
-from ..model.cpu_decode import ROWWISE_SLACK
 from ..errors import (ConfigError, InvalidRequestError, LifeOfPromptError, QueueFullError, RequestFailedError,
                       SpeculativeConfigError)
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -236,9 +235,9 @@ class LLMEngine:
             lines += self.runner.linear_choice.describe()
         rows = getattr(self.runner, "cpu_decode_rows", 0)
         if rows:
+            why = getattr(self.runner, "cpu_decode_reason", "")
             lines.append(f"steps of {'1 row' if rows == 1 else f'1-{rows} rows'} (decodes, verifies, short prompt "
-                         "chunks): all layers in one C call (model/cpu_decode.c), where rowwise products were chosen "
-                         f"or measured within {ROWWISE_SLACK:.0%} of the best")
+                         "chunks): all layers in one C call (model/cpu_decode.c)" + (f"; {why}" if why else ""))
         if getattr(self.runner, "decode_attention_reason", ""):
             how = "in C, from the pool" if self.runner.decode_attention_in_c else "gather + SDPA (torch)"
             lines.append(f"decode attention: {how} ({self.runner.decode_attention_reason})")

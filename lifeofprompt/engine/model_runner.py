@@ -31,7 +31,7 @@ import torch
 from ..model.attention import PagedCacheMetadata, PagedKVCache
 from ..errors import ConfigError, InvalidRequestError, OutOfMemoryError, RequestFailedError
 from .memory import kv_bytes_per_block, plan_memory
-from ..model.cpu_decode import decode_attention_faster, layer_shapes, supports as cpu_decode_supports, takes_step as cpu_decode_takes_step, usable_rows as cpu_decode_rows
+from ..model.cpu_decode import STEP_ROW_COUNTS, decode_attention_faster, layer_shapes, measured_rows, supports as cpu_decode_supports, takes_step as cpu_decode_takes_step, usable_rows as cpu_decode_rows
 from ..model.huge_pages import move_weights_to_huge_pages
 from ..model.linear import apply_plans
 from ..model.linear_calibration import choose_cpu_linear
@@ -120,8 +120,9 @@ class ModelRunner:
         if self.device.type == "cpu" and model.dtype == torch.float32:
             self.linear_choice = choose_cpu_linear(model, cpu_linear, prepack=prepack_cpu_weights)
         self.prepacked_bytes = apply_plans(model, self.linear_choice.plans if self.linear_choice else None)
-        self.cpu_decode_rows = self.choose_cpu_decode_rows(cpu_decode)
         self.decode_attention_in_c, self.decode_attention_reason = self.choose_decode_attention(cpu_decode)
+        self.cpu_decode_reason = ""                # how the C step's row limit was chosen (start-up log)
+        self.cpu_decode_rows = self.choose_cpu_decode_rows(cpu_decode)   # after the attention: the torch step uses it
         self.last_output: SamplerOutput | None = None
         self.last_logprobs: list | None = None     # per seq: None or (logprob, {token_id: logprob, ...})
         self.last_failures: dict[str, BaseException] = {}   # seq_id -> why its row could not be sampled
@@ -168,17 +169,54 @@ class ModelRunner:
     def choose_cpu_decode_rows(self, cpu_decode: bool | None) -> int:
         """Up to how many rows a step runs as one C call (``model/cpu_decode.py``); 0 for never.
 
-        ``None``: where the calibration chose the ``rowwise`` product for every layer matrix (the
-        C step multiplies the same way, and saves the eager ops around the products). ``True``:
-        every step of up to 16 rows (tests); ``False``: never.
+        ``None``: as far as whole steps measured faster in C than through the torch forward on
+        this machine (``cpu_decode.measured_rows``, once, then cached); with the products pinned,
+        where ``rowwise`` is every layer matrix's plan, so no timing can move a test's tokens.
+        ``True``: every step of up to 16 rows (tests); ``False``: never.
         """
         if cpu_decode is False or self.backend != "torch" or not cpu_decode_supports(self.model):
             return 0
         if cpu_decode:
+            self.cpu_decode_reason = "asked for"
             return 16
         if not self.linear_choice:
             return 0
-        return cpu_decode_rows(self.linear_choice.plans, layer_shapes(self.model), self.linear_choice.timings)
+        if self.linear_choice.pinned is not None:
+            self.cpu_decode_reason = f"follows the pinned {self.linear_choice.pinned} path"
+            return cpu_decode_rows(self.linear_choice.plans, layer_shapes(self.model), self.linear_choice.timings)
+        rows, self.cpu_decode_reason = self.measure_cpu_decode_rows()
+        return rows
+
+    def measure_cpu_decode_rows(self) -> tuple[int, str]:
+        """``cpu_decode.measured_rows`` on decode steps of this runner's own model and pool, cached per machine."""
+        from ..model.linear_calibration import cached_answer, measured_step_key
+
+        key = measured_step_key(self.model, self.linear_choice.plans, self.block_size, self.decode_attention_in_c)
+        context = 64                                       # cached tokens per dummy sequence
+        most = max(STEP_ROW_COUNTS)
+        if self.num_blocks * self.block_size < most * context:
+            return 0, f"not measured: the pool holds fewer than {most} x {context} tokens"
+
+        def measure(rows: int, fused) -> float:
+            input_ids, positions, meta = self.dummy_decode(rows, context)
+            start = time.perf_counter()
+            with torch.no_grad():
+                self.model(input_ids, positions, meta, fused_kernels=fused)
+            return time.perf_counter() - start
+
+        return cached_answer(key, lambda: (*measured_rows(measure), {}))
+
+    def dummy_decode(self, rows: int, context: int):
+        """Inputs of one decode step of ``rows`` sequences with ``context`` tokens each, in the runner's pool (timing)."""
+        from .sampling_params import SamplingParams
+        blocks = math.ceil(context / self.block_size)
+        seqs = []
+        for i in range(rows):
+            seq = Sequence(f"timing-{i}", [i % self.config.vocab_size] * context, SamplingParams(temperature=0))
+            seq.block_table = list(range(i * blocks, (i + 1) * blocks))
+            seq.num_computed_tokens = context - 1
+            seqs.append(seq)
+        return self.prepare(seqs, [1] * rows)
 
     def choose_decode_attention(self, cpu_decode: bool | None) -> tuple[bool, str]:
         """Whether the decode rows of every step attend in C, straight from the pool (``cpu_decode.decode_attention``).

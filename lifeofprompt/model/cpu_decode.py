@@ -4,8 +4,10 @@ The torch forward (``llama.py``) is the reference and runs every step that is no
 At batch 1 it spends about 0.3 ms a layer outside the matrix products, in dozens of tiny eager
 ops; that is a quarter of SmolLM2's step (``benchmarks/NOTES.md``). ``decode_hidden_states``
 does the same layers for a batch of one-token decode rows in C, reading each weight row once,
-front to back, as the ``rowwise`` product path does. So the engine uses it exactly where the
-calibration measured ``rowwise`` fastest, or within noise of it, for every matrix of the model (``usable_rows``).
+front to back, as the ``rowwise`` product path does. The engine uses it for steps of up to as
+many rows as it measured the whole C step faster than the torch forward on this machine
+(``measured_rows``, cached); with the products pinned (tests), where ``rowwise`` is every layer
+matrix's plan (``usable_rows``), so no timing moves a token.
 
 It serves fp32 Llama weights on the CPU, the engine's paged KV pool and steps of a few rows:
 one-token decodes, the k + 1 rows of a speculative verify, a short prefill chunk, mixed as
@@ -86,6 +88,42 @@ def usable_rows(plans: dict | None, shapes, timings: dict | None = None) -> int:
                             for s in shapes if s in plans):
         rows += 1
     return rows
+
+
+# Row counts whose whole step the runner times both ways at start-up, in order; the C step takes
+# every step up to the largest count where it won and all smaller counts won too.
+STEP_ROW_COUNTS = (1, 2, 4, 8, 12, 16)
+STEP_BUDGET_S = 3.0
+
+
+def measured_rows(measure, row_counts=STEP_ROW_COUNTS, rounds: int = 3, budget_s: float = STEP_BUDGET_S) -> tuple[int, str]:
+    """Up to how many rows the C step is faster than the torch forward, timing whole steps both ways.
+
+    A product measured alone does not decide it: at 8 rows oneDNN multiplies faster than the
+    rowwise loop, yet the C step also skips the ~40 eager ops a layer around the products, and
+    on the AMD EPYC this was written on that won the whole step (64 against 73 ms). So each row
+    count runs ``measure(rows, fused) -> seconds`` (one forward; ``fused`` is ``"cpu"`` or False)
+    alternately, fastest of ``rounds``. Counts go up until the C step loses or ``budget_s`` runs
+    out; both are said in ``why``.
+    """
+    deadline = time.perf_counter() + budget_s
+    rows, notes = 0, []
+    for count in row_counts:
+        if time.perf_counter() > deadline:
+            notes.append(f"stopped at {count} rows: the {budget_s:.0f} s budget was spent")
+            break
+        best = {"cpu": float("inf"), False: float("inf")}
+        for fused in ("cpu", False):                      # warm-up: first-call set-up of each path
+            measure(count, fused)
+        for _ in range(rounds):
+            for fused in ("cpu", False):
+                best[fused] = min(best[fused], measure(count, fused))
+        won = best["cpu"] <= best[False]
+        notes.append(f"{count} row{'s' if count > 1 else ''}: C {best['cpu'] * 1e3:.1f} ms, torch {best[False] * 1e3:.1f} ms")
+        if not won:
+            break
+        rows = count
+    return rows, "; ".join(notes)
 
 
 def takes_step(num_rows: int, max_rows: int, kv: torch.Tensor) -> bool:

@@ -121,19 +121,30 @@ def test_whole_steps_decide_the_rows_and_the_timing_stops_at_the_first_loss():
     """The C step takes steps up to the largest row count where it won, all smaller counts won too,
     and counts above the first loss are never timed."""
     calls = []
-    c = {1: 20, 2: 22, 4: 30, 8: 58, 12: 90, 16: 130}
-    eager = {1: 30, 2: 33, 4: 44, 8: 63, 12: 77, 16: 96}
-    rows, why = cpu_decode.measured_rows(fake_step_timer(c, eager, calls))
+    c = {n: 10 * n for n in range(1, 17)}
+    eager = {n: 10 * n + (5 if n <= 8 else -5) for n in range(1, 17)}      # C wins up to 8 rows
+    rows, why = cpu_decode.measured_rows(fake_step_timer(c, eager, calls), row_counts=(1, 2, 4, 8, 12, 16))
     assert rows == 8
-    assert "8 rows: C 58.0 ms, torch 63.0 ms" in why and "12 rows: C 90.0 ms, torch 77.0 ms" in why
-    assert {r for r, _ in calls} == {1, 2, 4, 8, 12}                 # 16 rows was never run
+    assert "8 rows: C 80.0 ms, torch 85.0 ms" in why and "12 rows: C 120.0 ms, torch 115.0 ms" in why
+    assert {r for r, _ in calls} == {1, 2, 4, 8, 12, 10, 9}          # 16 is above the first loss: never run
     # a loss at a small count ends it there, even where larger counts would win
     rows, _ = cpu_decode.measured_rows(fake_step_timer({**c, 2: 40}, eager, []))
     assert rows == 1
     # each side is its fastest round: one slow round of the C step does not lose the count
     noisy = {r: [t * 3, t * 3, t] for r, t in c.items()}             # warm-up, round 1 slow; round 2 fast
-    rows, _ = cpu_decode.measured_rows(fake_step_timer(noisy, eager, []), rounds=2)
+    rows, _ = cpu_decode.measured_rows(fake_step_timer(noisy, eager, []), row_counts=(1, 2, 4, 8), rounds=2)
     assert rows == 8
+
+
+def test_the_gap_between_the_last_win_and_the_first_loss_is_halved_until_it_closes():
+    """4 won, 8 lost: 6 and then 5 or 7 are measured, so a 5-row verify is not sent eager for want of a measurement."""
+    c = {n: 10 * n for n in range(1, 17)}
+    eager = {n: 10 * n + (5 if n <= 6 else -5) for n in range(1, 17)}      # C wins up to 6 rows
+    calls = []
+    rows, why = cpu_decode.measured_rows(fake_step_timer(c, eager, calls), row_counts=(1, 2, 4, 8, 16))
+    assert rows == 6
+    assert {r for r, _ in calls} == {1, 2, 4, 8, 6, 7}
+    assert why.index("6 rows") < why.index("7 rows") < why.index("8 rows")   # listed by row count
 
 
 def test_a_spent_budget_stops_the_timing_and_says_so():

@@ -101,28 +101,46 @@ def measured_rows(measure, row_counts=STEP_ROW_COUNTS, rounds: int = 3, budget_s
 
     A product measured alone does not decide it: at 8 rows oneDNN multiplies faster than the
     rowwise loop, yet the C step also skips the ~40 eager ops a layer around the products, and
-    on the AMD EPYC this was written on that won the whole step (64 against 73 ms). So each row
+    on the AMD EPYC this was written on that won whole steps of up to 4-8 rows. So each row
     count runs ``measure(rows, fused) -> seconds`` (one forward; ``fused`` is ``"cpu"`` or False)
-    alternately, fastest of ``rounds``. Counts go up until the C step loses or ``budget_s`` runs
-    out; both are said in ``why``.
+    alternately, fastest of ``rounds``. Counts go up ``row_counts`` until the C step loses; the
+    gap between the last win and that loss is then halved until it closes (a verify of k = 4
+    drafts is 5 rows: it should not go eager because 4 won and 8 lost). Timing stops when
+    ``budget_s`` runs out. ``why`` says every count measured.
     """
     deadline = time.perf_counter() + budget_s
-    rows, notes = 0, []
-    for count in row_counts:
+    notes, results = [], {}
+
+    def c_wins(count: int) -> bool | None:
         if time.perf_counter() > deadline:
-            notes.append(f"stopped at {count} rows: the {budget_s:.0f} s budget was spent")
-            break
+            notes.append(f"stopped before {count} rows: the {budget_s:.0f} s budget was spent")
+            return None
         best = {"cpu": float("inf"), False: float("inf")}
         for fused in ("cpu", False):                      # warm-up: first-call set-up of each path
             measure(count, fused)
         for _ in range(rounds):
             for fused in ("cpu", False):
                 best[fused] = min(best[fused], measure(count, fused))
-        won = best["cpu"] <= best[False]
-        notes.append(f"{count} row{'s' if count > 1 else ''}: C {best['cpu'] * 1e3:.1f} ms, torch {best[False] * 1e3:.1f} ms")
+        results[count] = best
+        return best["cpu"] <= best[False]
+
+    rows, lost = 0, None
+    for count in row_counts:
+        won = c_wins(count)
+        if won is None:
+            break
         if not won:
+            lost = count
             break
         rows = count
+    while lost is not None and lost - rows > 1:          # the crossover lies between rows and lost
+        middle = (rows + lost) // 2
+        won = c_wins(middle)
+        if won is None:
+            break
+        rows, lost = (middle, lost) if won else (rows, middle)
+    notes[:0] = [f"{n} row{'s' if n > 1 else ''}: C {t['cpu'] * 1e3:.1f} ms, torch {t[False] * 1e3:.1f} ms"
+                 for n, t in sorted(results.items())]
     return rows, "; ".join(notes)
 
 

@@ -8,7 +8,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-from lifeofprompt.figures.speculation import update_speculation, verify_cells, verify_figure, yield_figure  # noqa: E402
+from lifeofprompt.figures.speculation import update_speculation, verify_cells, verify_figure, visible_token, yield_figure  # noqa: E402
 from lifeofprompt.lessons.speculation import SpeculationRun, expected_tokens_per_step  # noqa: E402
 
 
@@ -25,6 +25,15 @@ def test_cells_put_the_models_token_where_the_first_rejection_was():
     assert verify_cells(step) == [(5, "kept"), (6, "kept"), (99, "own"), (7, "rejected"), (8, "rejected")]
     assert verify_cells(Step(3, [1, 2], 2, [1, 2, 4])) == [(1, "kept"), (2, "kept"), (4, "own")]
     assert verify_cells(Step(3, [1, 2], 1, [1])) == [(1, "kept"), (2, "rejected")]      # a stop after the kept draft
+
+
+def test_whitespace_tokens_print_as_visible_marks():
+    """Indentation drafts (common in code) must not leave blank cells."""
+    assert visible_token("    ") == "␣␣␣␣"
+    assert visible_token("\n\t") == "⏎⇥"
+    assert visible_token("") == "∅"
+    assert visible_token(" return") == "␣return"
+    assert visible_token("abcdefghijkl") == "abcdefghi"
 
 
 def test_verify_figure_draws_a_cell_per_token_and_says_what_colours_mean():

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from lifeofprompt.lessons.speculation import (accepted_fraction, alpha_from_accepted_fraction, alpha_from_counts,
+from lifeofprompt.lessons.speculation import (accepted_fraction, alpha_from_accepted_fraction, alpha_from_counts, benchmark_rows,
                                               expected_tokens_per_step, predicted_speedup)
 
 
@@ -48,3 +48,11 @@ def test_edges_and_bad_input():
                 lambda: alpha_from_counts([0, 0], [0, 0]), lambda: alpha_from_counts([3], [2])):
         with pytest.raises(ValueError):
             bad()
+
+
+def test_benchmark_rows_put_each_run_in_a_line_with_its_ratio():
+    run = lambda plain, lookup: {"batch": 1, "none": {"tokens_per_s": plain}, "ngram": {"tokens_per_s": lookup},  # noqa: E731
+                                 "ngram_speedup": lookup / plain}
+    lines = benchmark_rows({"runs": {"code_batch1": run(50.0, 77.7), "open_batch8": {**run(186.7, 147.6), "batch": 8}}})
+    assert lines[1].split() == ["code", "1", "50.0", "77.7", "1.55x"]
+    assert lines[2].split() == ["open", "8", "186.7", "147.6", "0.79x"]

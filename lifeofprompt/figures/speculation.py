@@ -24,6 +24,12 @@ def verify_cells(step) -> list[tuple[int, str]]:
     return kept + own + [(t, "rejected") for t in drafts[n:]]
 
 
+def visible_token(text: str, width: int = 9) -> str:
+    """A token's text as a cell can show it: spaces as ␣, newlines as ⏎ and tabs as ⇥ (code
+    drafts are often just indentation, which would otherwise print as an empty cell)."""
+    return text.replace(" ", "␣").replace("\n", "⏎").replace("\t", "⇥")[:width] or "∅"
+
+
 def verify_figure(steps, token_text, title: str = "", max_steps: int = 12):
     """One row per verify step: green drafts kept, red drafts rolled back, blue the model's own token.
 
@@ -41,8 +47,8 @@ def verify_figure(steps, token_text, title: str = "", max_steps: int = 12):
     for row, step in enumerate(steps):
         for col, (token, state) in enumerate(verify_cells(step)):
             ax.add_patch(plt.Rectangle((col, row), 0.94, 0.86, color=colors[state], alpha=0.85))
-            text = token_text(token).replace("\n", "⏎")
-            ax.text(col + 0.47, row + 0.43, text[:9], ha="center", va="center", fontsize=8, color="white")
+            ax.text(col + 0.47, row + 0.43, visible_token(token_text(token)), ha="center", va="center",
+                    fontsize=8, color="white")
         ax.text(-0.15, row + 0.43, f"pos {step.position}", ha="right", va="center", fontsize=8)
     ax.set_xlim(-1.6, width)
     ax.set_ylim(len(steps), -0.2)

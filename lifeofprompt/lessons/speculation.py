@@ -201,3 +201,15 @@ def run_requests(llm, prompts, max_tokens: int, batch: int, label: str, k: int =
     after = counts()
     return SpeculationRun(label, k or stats.num_speculative_tokens, tokens, seconds, after[0] - before[0],
                           [a - b for a, b in zip(after[1], before[1])], [a - b for a, b in zip(after[2], before[2])])
+
+
+def benchmark_rows(result: dict) -> list[str]:
+    """``benchmarks/bench_spec.py``'s result as table lines: workload, batch, tok/s without and with
+    prompt lookup, and the ratio (each the best of alternating rounds)."""
+    lines = [f"{'workload':8s} {'batch':>5s} {'plain tok/s':>12s} {'lookup tok/s':>13s} {'speedup':>8s}"]
+    for name, row in result["runs"].items():
+        workload = name.split("_batch")[0]
+        lines.append(f"{workload:8s} {row['batch']:5d} {row['none']['tokens_per_s']:12.1f} "
+                     f"{row['ngram']['tokens_per_s']:13.1f} {row['ngram_speedup']:7.2f}x")
+    return lines
+

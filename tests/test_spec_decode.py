@@ -288,6 +288,28 @@ def test_ngram_proposer_takes_the_longest_suffix_and_its_earliest_match():
     assert (defaults.prompt_lookup_min, defaults.prompt_lookup_max) == (3, 3)    # one bound given: the other follows
 
 
+def test_drafts_are_cut_to_the_rows_the_c_step_takes():
+    """With a row budget (the C step's measured limit) the drafts of a step's decodes add up to at most
+    the rows left after one per decode, given in order; without one every decode drafts its k."""
+    from lifeofprompt.engine.spec_decode import SpecDecoder
+
+    config = SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 4,
+                                          "prompt_lookup_min": 1, "prompt_lookup_max": 2})
+    decoder = SpecDecoder(config, model=None, tokenizer=None, block_size=16)
+
+    def decoding_seqs():
+        seqs = [Sequence(f"s{i}", [1, 2, 3, 4, 5, 6, 1, 2], SamplingParams(temperature=0)) for i in range(3)]
+        for seq in seqs:
+            seq.num_computed_tokens = len(seq) - 1
+        return seqs
+
+    for budget, drafts in ((0, [4, 4, 4]), (8, [4, 1, 0]), (3, [0, 0, 0]), (16, [4, 4, 4])):
+        decoder.row_budget = budget
+        seqs = decoding_seqs()
+        decoder.propose(seqs, lambda seq: 4, clock=lambda: 0.0)
+        assert [len(s.spec_token_ids) for s in seqs] == drafts, budget
+
+
 # ----------------------------------------------------------------------------- a draft model
 
 SELF_DRAFT_LAYERS = 8

@@ -23,6 +23,11 @@ class SpecDecoder:
         self.stats = SpecDecodeStats(config.k)
         self.draft_model = None
         self.proposer = None
+        # Rows a step may hold with its drafts (0: no cap). On the CPU, the C step's measured row
+        # limit: past it a step leaves the one-call path for the eager forward, and a verify then
+        # costs more than its accepted drafts save (at batch 8 on the AMD EPYC this was written on,
+        # prompt lookup ran 0.79-0.91x plain decoding). Set by ``attach``.
+        self.row_budget = 0
         if config.method == "draft_model":
             from .draft_model import load_draft
             self.draft_model = load_draft(config, model, tokenizer)
@@ -50,7 +55,9 @@ class SpecDecoder:
         return kv_bytes_per_block(self.draft_model.config, self.draft_model.dtype, self.block_size)
 
     def attach(self, runner, num_blocks: int) -> None:
-        """Give a draft model its pool (as many blocks as the target's) and hook its mirror into the runner."""
+        """Give a draft model its pool (as many blocks as the target's) and hook its mirror into the runner;
+        cap the drafts at the runner's one-call step (``row_budget``)."""
+        self.row_budget = getattr(runner, "cpu_decode_rows", 0)
         if self.draft_model is None:
             return
         from .draft_model import DraftModelProposer
@@ -66,10 +73,12 @@ class SpecDecoder:
     def propose(self, running, max_num_drafts, clock) -> None:
         """Drafts for the next step, for each running request that is decoding (its prompt done)."""
         start = clock()
-        for seq in running:
-            if seq.num_computed_tokens != len(seq) - 1:
-                continue
+        decoding = [seq for seq in running if seq.num_computed_tokens == len(seq) - 1]
+        spare_rows = self.row_budget - len(decoding) if self.row_budget else None   # rows left for drafts
+        for seq in decoding:
             limit = max_num_drafts(seq) if may_speculate(seq.sampling_params) else 0
+            if spare_rows is not None:
+                limit = min(limit, spare_rows)
             if limit <= 0:
                 seq.set_spec([])
             elif hasattr(self.proposer, "placeholders"):      # a draft model drafts after scheduling
@@ -80,6 +89,8 @@ class SpecDecoder:
                 if grammar is not None and draft:           # drafts the grammar refuses could never be kept
                     draft = draft[:grammar.valid_prefix(draft)]
                 seq.set_spec(draft)
+            if spare_rows is not None:
+                spare_rows -= len(seq.spec_token_ids)
         self.stats.draft_time += clock() - start
 
     def fill(self, seqs, clock) -> None:
@@ -102,6 +113,9 @@ class SpecDecoder:
     def startup_lines(self, target_kv_bytes: int, num_blocks: int) -> list[str]:
         from .memory import format_bytes
         lines = [self.config.describe() + "; verify steps run eagerly (no CUDA graph)"]
+        if self.row_budget:
+            lines.append(f"drafts are cut so a step holds at most {self.row_budget} rows, the one-call C step's "
+                         "measured limit: beyond it a verify would leave that path and cost more than it saves")
         if self.draft_model is not None:
             draft_kv = self.proposer.kv_cache.nbytes
             name = getattr(self.draft_model, "source", self.draft_model.config.name)

@@ -189,7 +189,8 @@ class ModelRunner:
 
     def measure_cpu_decode_rows(self) -> tuple[int, str]:
         """``cpu_decode.measured_rows`` on decode steps of this runner's own model and pool, cached per machine."""
-        from ..model.linear_calibration import cached_answer, measured_step_key
+        from ..model.cpu_decode import measured_step_key
+        from ..model.linear_calibration import cached_answer
 
         key = measured_step_key(self.model, self.linear_choice.plans, self.block_size, self.decode_attention_in_c)
         context = 64                                       # cached tokens per dummy sequence

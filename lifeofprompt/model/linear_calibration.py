@@ -262,22 +262,6 @@ def cached_verdict(key: dict, measure) -> tuple[bool, str]:
     return bool(faster), why
 
 
-def measured_step_key(model: nn.Module, plans: dict, block_size: int, decode_attention_in_c: bool) -> dict:
-    """What the C step's measured row limit depends on: the machine, the model's shape, the
-    products' plans (the torch step's speed), the attention path and both C sources."""
-    from .cpu_decode import SOURCE
-    from .native_build import source_texts
-
-    config = model.config
-    return dict(version=1, what="whole decode steps: the C step against the torch forward", cpu=cpu_model(),
-                flags=" ".join(sorted(cpu_flags())), torch=torch.__version__, threads=torch.get_num_threads(),
-                dtype=str(model.dtype), layers=config.num_layers, vocab=config.vocab_size,
-                heads=[config.num_heads, config.num_kv_heads, config.head_dim], block_size=block_size,
-                plans={f"{o}x{i}": p.describe() for (o, i), p in sorted(plans.items())},
-                decode_attention_in_c=decode_attention_in_c, huge_pages=huge_pages_setting(),
-                source=hashlib.sha256("\n".join(source_texts(SOURCE)).encode()).hexdigest()[:16])
-
-
 def write_cached(path: Path, key: dict, plans: dict, timings: dict, seconds: float) -> None:
     write_json(path, dict(key=key, seconds=round(seconds, 3), timings=timings,
                           plans={f"{o}x{i}": dict(by_rows=list(p.by_rows), large=p.large) for (o, i), p in plans.items()}))

@@ -61,8 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     _model_arg(gen)
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (loopback by default)",
-                           description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
-                                       "/metrics (Prometheus) on one engine thread. Ctrl-C stops it.")
+                           description="Serve /v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
+                                       "/detokenize, /health and /metrics (Prometheus) on one engine thread. "
+                                       "Ctrl-C or SIGTERM stops it.")
     _model_arg(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     serve.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")

@@ -5,7 +5,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from lifeofprompt.serving.arrivals import Dispatcher, all_at_once, closed_loop, drive, poisson, sample_lengths
+from lifeofprompt.serving.arrivals import Dispatcher, all_at_once, at_times, closed_loop, drive, poisson, sample_lengths
 from lifeofprompt.errors import InvalidRequestError
 
 
@@ -25,6 +25,16 @@ def test_open_loop_dispatch_by_time():
     t = d.times
     assert d.due(t[0] - 1e-9) == [] and d.next_time() == t[0]
     assert d.due(t[1]) == [0, 1] and d.due(10 * t[2]) == [2]
+
+
+def test_given_times_are_kept():
+    d = Dispatcher(at_times([0.0, 0.5, 0.5, 2.0]))
+    assert d.due(0.0) == [0] and d.next_time() == 0.5
+    assert d.due(0.49) == [] and d.due(0.5) == [1, 2] and d.due(5.0) == [3] and d.done
+    assert "4 requests at given times" in at_times([0, 1, 1, 3]).describe()
+    for bad in ([1.0, 0.5], [-1.0]):
+        with pytest.raises(InvalidRequestError):
+            at_times(bad)
 
 
 def test_closed_loop_keeps_n_in_flight():

@@ -25,6 +25,17 @@ def test_help_lists_the_commands():
         assert word in out.stdout
 
 
+def test_serve_help_lists_every_route(capsys):
+    from lifeofprompt.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = capsys.readouterr().out
+    for route in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health",
+                  "/metrics"):
+        assert route in text, route
+
+
 @pytest.mark.numerics
 def test_demo_prints_the_story_token_ids_and_completions():
     out = run("demo", "--max-tokens", "4", "--dtype", "float32")     # the default dtype is chosen per CPU

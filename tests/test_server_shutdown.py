@@ -74,7 +74,7 @@ def server_process(tmp_path):
 
     wait_for(up, 120, "the server to start")
     try:
-        yield proc, url
+        yield proc, url, tmp_path / "server.log"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -83,7 +83,7 @@ def server_process(tmp_path):
 
 
 def test_sigterm_aborts_queued_now_running_after_the_timeout_then_exits(server_process):
-    proc, url = server_process
+    proc, url, log = server_process
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
     streamed, results = [], {}
 
@@ -115,6 +115,10 @@ def test_sigterm_aborts_queued_now_running_after_the_timeout_then_exits(server_p
     assert proc.wait(30) in (0, -signal.SIGTERM)     # uvicorn re-raises the signal once it has drained
     with pytest.raises(httpx.TransportError):
         httpx.get(url + "/health", timeout=2)
+    # and it said so on stderr (before, the server's logger had no handler: its INFO lines were dropped)
+    said = log.read_text()
+    assert "server: door: API key off;" in said and "queue: 1 running + 4 waiting" in said
+    assert "INFO" in said and "server: shutting down: queued requests aborted now, running ones in 2 s at most" in said
 
 
 def test_while_draining_new_requests_get_503_and_health_says_so(tiny_model):

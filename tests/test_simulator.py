@@ -80,3 +80,70 @@ def test_calibrate_and_compare_on_timed_steps():
     gap = compare_steps(fitted, SMOLLM2_135M, torch.float32, records)
     assert gap["median_ratio"] == pytest.approx(1.0) and gap["mean_abs_error"] < 1e-9
     assert gap["num_tokens"] == [12, 3, 3, 2]
+
+
+# ----------------------------------------------------------------------------- fair chunked prefill
+
+
+def test_the_simulator_takes_the_engines_threshold():
+    from lifeofprompt.errors import ConfigError
+
+    assert Simulator(machine=MACHINE).scheduler.long_prefill_token_threshold == 512          # 2,048 / 4, as LLMEngine
+    assert Simulator(machine=MACHINE, max_num_batched_tokens=256).scheduler.long_prefill_token_threshold == 64
+    assert Simulator(machine=MACHINE, long_prefill_token_threshold=0).scheduler.long_prefill_token_threshold is None
+    assert Simulator(machine=MACHINE, long_prefill_token_threshold=300).scheduler.long_prefill_token_threshold == 300
+    assert Simulator(machine=MACHINE, max_num_batched_tokens=8).scheduler.long_prefill_token_threshold is None
+    with pytest.raises(ConfigError):
+        Simulator(machine=MACHINE, long_prefill_token_threshold=-1)
+
+
+def scene(threshold=None, budget=256):
+    from lifeofprompt.lessons.fair_prefill import simulated_short_beside_long
+
+    sim = Simulator(machine=MACHINE, num_blocks=160, max_num_batched_tokens=budget,
+                    long_prefill_token_threshold=threshold)
+    return simulated_short_beside_long(sim, 1000, 5, short_max_tokens=4)
+
+
+def test_a_short_request_beside_a_long_prompt_waits_one_step_with_the_threshold_and_three_without():
+    off, on = scene(0), scene()
+    assert (off.threshold, on.threshold) == (None, 64)
+    assert (off.steps_to_first_token, on.steps_to_first_token) == (3, 1)
+    assert [s.long_tokens for s in off.spans] == [256, 256, 256, 232, 0, 0, 0]   # then the short one's 3 decodes
+    # capped to 64 while the short request runs (its prompt, 3 decodes), the whole budget again once it is done
+    assert [(s.long_tokens, s.short_tokens) for s in on.spans] == [(256, 0), (64, 5), (64, 1), (64, 1), (64, 1),
+                                                                  (256, 0), (232, 0)]
+    assert (off.long_prefill_steps, on.long_prefill_steps) == (4, 7)             # what the cap costs the long prompt
+    assert on.short_arrival_s == pytest.approx(step_time(256, 0)) and on.short_arrival_s == off.short_arrival_s
+    assert on.ttft_s == pytest.approx(on.spans[1].duration_s) and on.ttft_s < off.ttft_s   # roofline seconds
+    assert off.ttft_s == pytest.approx(sum(s.duration_s for s in off.spans[1:4]))
+
+
+def test_the_simulator_cuts_the_same_chunks_as_the_engine_on_the_same_queue():
+    """Same queue, same budget, same threshold: every step's tokens per request equal the real engine's."""
+    from tiny_models import build_tiny_model
+    from lifeofprompt.engine.llm_engine import LLMEngine
+    from lifeofprompt.lessons.fair_prefill import short_beside_long, synthetic_ids
+
+    model, tokenizer = build_tiny_model(max_position_embeddings=2048)
+    for threshold in (0, None, 100):
+        engine = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=160, max_num_batched_tokens=256,
+                           long_prefill_token_threshold=threshold, log_stats=False)
+        real = short_beside_long(engine, synthetic_ids(300, 1000), synthetic_ids(300, 5, stride=13))
+        simulated = scene(threshold)
+        assert simulated.threshold == real.threshold
+        assert [(s.long_tokens, s.short_tokens) for s in simulated.spans] == [(s.long_tokens, s.short_tokens)
+                                                                             for s in real.spans], threshold
+        assert (simulated.steps_to_first_token, simulated.long_prefill_steps) == (real.steps_to_first_token,
+                                                                                 real.long_prefill_steps)
+
+
+def test_the_runs_table_shows_steps_and_seconds_only_when_asked():
+    from lifeofprompt.lessons.fair_prefill import format_runs
+
+    runs = {"simulator, off": scene(0), "simulator, on": scene()}
+    steps_only = format_runs(runs, seconds=False).splitlines()
+    assert steps_only[1].split() == ["simulator,", "off", "off", "3", "steps", "4", "steps", "256", "256", "256", "232"]
+    assert steps_only[2].split() == ["simulator,", "on", "64", "1", "step", "7", "steps", "256", "64"]
+    with_seconds = format_runs(runs).splitlines()
+    assert f"1 step, {runs['simulator, on'].ttft_s:.2f} s" in with_seconds[2]

@@ -24,7 +24,6 @@ output there and streaming hands out each step's kept tokens together.
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from collections import deque
@@ -33,6 +32,7 @@ from dataclasses import replace
 import torch
 
 from .block_manager import BlockManager
+from .logs import log_to_stderr
 from ..errors import (ConfigError, InvalidRequestError, LifeOfPromptError, QueueFullError, RequestFailedError,
                       SpeculativeConfigError)
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -43,12 +43,7 @@ from .request_state import IncrementalDetokenizer, _Completion, _Request, _unpac
 from .speculative import SpeculativeConfig
 
 logger = logging.getLogger("lifeofprompt.engine")
-if not logger.handlers:                     # like vLLM: the start-up lines show without any logging set-up
-    _handler = logging.StreamHandler(sys.stderr)
-    _handler.setFormatter(logging.Formatter("INFO %(asctime)s engine: %(message)s", "%H:%M:%S"))
-    logger.addHandler(_handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
+log_to_stderr(logger, "engine", defer_to_root=False)   # like vLLM: the start-up lines show without any set-up
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
 MIN_FAIR_CHUNK = 64          # fair prefill never cuts a prompt's chunk thinner than this (see below)

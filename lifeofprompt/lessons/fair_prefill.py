@@ -11,6 +11,11 @@ for ``arrive_after`` steps, then the short request arrives. Its time to first to
 own ``RequestMetrics`` (arrival to first token), and every step from the long prompt's arrival is
 kept with its duration and each request's share, so a figure can draw the timeline. Notebook 09
 draws it; ``benchmarks/fair_prefill.py`` measures it with the mixed workload's throughput.
+
+``simulated_short_beside_long`` plays the same scene on the simulator (``lessons.simulator``: the
+same scheduler on the roofline clock), so notebook 07 can put the two side by side, and
+``format_runs`` prints them as one table: steps always, seconds when asked (steps depend on the
+scheduler alone; seconds on the machine and its load).
 """
 
 from __future__ import annotations
@@ -56,6 +61,16 @@ class ShortBesideLong:
         return [s for s in self.spans if s.start_s >= self.short_arrival_s]
 
     @property
+    def long_prefill_steps(self) -> int | None:
+        """Steps from the long prompt's arrival to the end of its prefill (None: aborted before)."""
+        done = 0
+        for i, span in enumerate(self.spans):
+            done += span.long_tokens
+            if done >= self.long_len:
+                return i + 1
+        return None
+
+    @property
     def first_token_step_s(self) -> float:
         """The duration of the step that gave the short request its first token."""
         return self.after_arrival[self.steps_to_first_token - 1].duration_s
@@ -93,17 +108,65 @@ def short_beside_long(engine, long_ids, short_ids, arrive_after: int = 1, short_
         engine.step()
         if not finish and "short" not in engine.requests and "long" in engine.requests:
             engine.abort("long")
-    records = list(engine.step_records)[first_step:]
-    spans = [StepSpan(r.start_time - origin, r.end_time - origin,
-                      sum(s.num_tokens for s in r.scheduled if s.request_id == "long"),
-                      sum(s.num_tokens for s in r.scheduled if s.request_id == "short")) for r in records]
-    after = list(engine.step_records)[arrival_step:]
-    steps_to_first = next(i + 1 for i, r in enumerate(after) if any(
-        s.request_id == "short" and s.end >= len(short_ids) for s in r.scheduled))
+    spans = _spans(list(engine.step_records)[first_step:], origin, "long", "short")
+    steps_to_first = _steps_to_first_token(list(engine.step_records)[arrival_step:], "short", len(short_ids))
     return ShortBesideLong(engine.scheduler.long_prefill_token_threshold, len(long_ids), len(short_ids),
                            short_metrics.arrival_time - origin,
                            short_metrics.first_token_time - short_metrics.arrival_time, steps_to_first, spans,
                            None if long_metrics.first_token_time is None else long_metrics.first_token_time - origin)
+
+
+def _spans(records, origin: float, long_id: str, short_id: str) -> list[StepSpan]:
+    return [StepSpan(r.start_time - origin, r.end_time - origin,
+                     sum(s.num_tokens for s in r.scheduled if s.request_id == long_id),
+                     sum(s.num_tokens for s in r.scheduled if s.request_id == short_id)) for r in records]
+
+
+def _steps_to_first_token(records_after_arrival, short_id: str, short_len: int) -> int:
+    """Steps from the short request's arrival to the one that finished its prompt (and sampled its first token)."""
+    return next(i + 1 for i, r in enumerate(records_after_arrival) if any(
+        s.request_id == short_id and s.end >= short_len for s in r.scheduled))
+
+
+def simulated_short_beside_long(sim, long_len: int, short_len: int, short_max_tokens: int = 4) -> ShortBesideLong:
+    """The same scene on a fresh ``Simulator``: its scheduler, its threshold, its roofline clock.
+
+    The long prompt arrives at 0 s and its first step runs alone; the short request is sent a
+    nanosecond later, so the simulator takes it in between the first and the second step, as
+    ``short_beside_long(arrive_after=1)`` does on the engine. Both run to the end (simulated time
+    costs nothing). Fresh: a simulator that has served these prompts before would find them cached.
+    """
+    from ..serving.arrivals import at_times
+    from .simulator import SimRequest
+
+    result = sim.run([SimRequest(long_len, 1), SimRequest(short_len, short_max_tokens)], at_times([0.0, 1e-9]))
+    long_timing, short_timing = result.timings
+    arrival = short_timing.arrival_time
+    after = [r for r in result.steps if r.start_time >= arrival]
+    return ShortBesideLong(sim.scheduler.long_prefill_token_threshold, long_len, short_len, arrival,
+                           short_timing.first_token_time - arrival, _steps_to_first_token(after, "r1", short_len),
+                           _spans(result.steps, 0.0, "r0", "r1"), long_timing.first_token_time)
+
+
+def format_runs(runs: dict[str, ShortBesideLong], seconds: bool = True) -> str:
+    """One line per run: the threshold, the short request's first token and the long prompt's prefill
+    in steps (and seconds), and the long prompt's tokens in each step until the short one's first token."""
+    width = max(len(name) for name in runs) + 2
+
+    def when(steps, s):
+        text = "-" if steps is None else f"{steps} step{'s' if steps != 1 else ''}"
+        return f"{text}, {s:.2f} s" if seconds and s is not None else text
+
+    cols = 22 if seconds else 18
+    lines = [f"{'':{width}}{'threshold':>10}  {'short: first token':<{cols}}  {'long: prefill done':<{cols}}  "
+             "long prompt's tokens per step, to the short one's first token"]
+    for name, run in runs.items():
+        shown = len(run.spans) - len(run.after_arrival) + run.steps_to_first_token
+        chunks = " ".join(str(s.long_tokens) for s in run.spans[:shown])
+        threshold = "off" if run.threshold is None else str(run.threshold)
+        lines.append(f"{name:{width}}{threshold:>10}  {when(run.steps_to_first_token, run.ttft_s):<{cols}}  "
+                     f"{when(run.long_prefill_steps, run.long_first_token_s):<{cols}}  {chunks}")
+    return "\n".join(lines)
 
 
 def short_alone(engine, short_ids) -> float:

@@ -6,6 +6,9 @@ not need the model, only its timing: the simulator runs the very same scheduler 
 advances a virtual clock by ``roofline.predict_step_time`` for each step's shape (new tokens,
 cached context, sequences). Tokens are fake (every output token is 0; prompts are seeded
 random ids, so nothing is shared by accident) and each request stops at its ``max_tokens``.
+Its knobs are the engine's, with the engine's defaults: ``long_prefill_token_threshold`` (fair
+chunked prefill) goes through the same ``fair_prefill_threshold`` rule into the same
+``Scheduler.fair_chunk``, so a simulated step is cut exactly as a real one would be.
 
 ``calibrate`` fits the machine's fixed per-step overhead on steps measured on the real engine,
 and ``compare_steps`` puts predicted and measured step times side by side: the gap is the
@@ -23,6 +26,7 @@ import torch
 
 from ..serving.arrivals import ArrivalPattern, Dispatcher, all_at_once, sample_lengths
 from ..engine.block_manager import BlockManager
+from ..engine.llm_engine import fair_prefill_threshold
 from ..model.config import SMOLLM2_135M, ModelConfig
 from ..errors import RequestTooLargeError
 from ..serving.metrics import RequestTiming, summarize
@@ -71,7 +75,10 @@ class Simulator:
     def __init__(self, config: ModelConfig = SMOLLM2_135M, dtype=torch.float32, machine: Machine | None = None,
                  num_blocks: int = 1024, block_size: int = 16, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
-                 static_batch_size: int | None = None, keep_steps: bool = True):
+                 static_batch_size: int | None = None, keep_steps: bool = True,
+                 long_prefill_token_threshold: int | None = None):
+        """``long_prefill_token_threshold`` as ``LLMEngine``'s: None takes the engine's default (a quarter
+        of the budget), 0 turns fair prefill off. Static batching never chunks, so it has none."""
         self.config, self.dtype = config, dtype
         self.machine = machine or DEFAULT_MACHINE
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
@@ -80,7 +87,8 @@ class Simulator:
             from .static_batching import StaticScheduler
             self.scheduler = StaticScheduler(self.block_manager, static_batch_size, max_model_len)
         else:
-            self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, max_model_len)
+            self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, max_model_len,
+                                       fair_prefill_threshold(long_prefill_token_threshold, max_num_batched_tokens))
         self.keep_steps = keep_steps
         self._step_time_cache: dict[tuple[int, int, int], float] = {}
 

@@ -1,4 +1,4 @@
-"""When requests arrive: all at once, a closed loop of N clients, or Poisson at a rate.
+"""When requests arrive: all at once, a closed loop of N clients, Poisson at a rate, or at given times.
 
 Three ways to load a server, and they answer different questions:
 
@@ -8,6 +8,9 @@ Three ways to load a server, and they answer different questions:
 * **Poisson at a rate** — independent users: gaps drawn from an exponential distribution with
   mean 1 / rate (seeded). Arrivals bunch by chance, a queue forms even below capacity, and
   that queue is where p99 time to first token lives.
+
+A fourth, ``at_times``, sends each request at a time given in advance: a recorded trace, or a
+lesson's scene (a short request that arrives while a long prompt prefills).
 
 One ``ArrivalPattern`` describes the load; ``Dispatcher`` releases requests from it in a
 synchronous loop (the engine and the simulator), ``drive`` in an asyncio program (the load
@@ -25,7 +28,7 @@ import numpy as np
 
 from ..errors import InvalidRequestError
 
-KINDS = ("all_at_once", "closed_loop", "poisson")
+KINDS = ("all_at_once", "closed_loop", "poisson", "at_times")
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,7 @@ class ArrivalPattern:
     rate: float | None = None       # requests per second (poisson)
     num_clients: int | None = None  # clients in the closed loop
     seed: int | None = 0            # poisson gaps are drawn from this seed
+    times: tuple[float, ...] | None = None   # at_times: each request's send time, in seconds from the start
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -45,6 +49,11 @@ class ArrivalPattern:
             raise InvalidRequestError(f"a Poisson load needs a rate > 0 requests/s, got {self.rate!r}", param="rate")
         if self.kind == "closed_loop" and not (isinstance(self.num_clients, int) and self.num_clients >= 1):
             raise InvalidRequestError(f"a closed loop needs num_clients >= 1, got {self.num_clients!r}", param="num_clients")
+        if self.kind == "at_times":
+            times = list(self.times or ())
+            if len(times) != self.num_requests or any(t < 0 for t in times) or times != sorted(times):
+                raise InvalidRequestError(f"at_times needs {self.num_requests} non-decreasing times >= 0, got "
+                                          f"{self.times!r}", param="times")
 
     @property
     def is_closed_loop(self) -> bool:
@@ -57,6 +66,8 @@ class ArrivalPattern:
         if self.kind == "poisson":
             gaps = np.random.default_rng(self.seed).exponential(1.0 / self.rate, self.num_requests)
             return [float(t) for t in np.cumsum(gaps)]
+        if self.kind == "at_times":
+            return [float(t) for t in self.times]
         raise InvalidRequestError("a closed loop has no send times: each client sends when its last request finishes")
 
     def describe(self) -> str:
@@ -64,6 +75,8 @@ class ArrivalPattern:
             return f"{self.num_requests} requests all at once"
         if self.kind == "poisson":
             return f"{self.num_requests} requests, Poisson at {self.rate:g} req/s (seed {self.seed})"
+        if self.kind == "at_times":
+            return f"{self.num_requests} requests at given times, the last at {self.times[-1]:g} s"
         return f"{self.num_requests} requests from a closed loop of {self.num_clients} clients"
 
 
@@ -77,6 +90,12 @@ def poisson(num_requests: int, rate: float, seed: int | None = 0) -> ArrivalPatt
 
 def closed_loop(num_requests: int, num_clients: int) -> ArrivalPattern:
     return ArrivalPattern("closed_loop", num_requests, num_clients=num_clients)
+
+
+def at_times(times) -> ArrivalPattern:
+    """Request ``i`` is sent at ``times[i]`` seconds (non-decreasing)."""
+    times = tuple(float(t) for t in times)
+    return ArrivalPattern("at_times", len(times), times=times)
 
 
 # ----------------------------------------------------------------------------- synchronous release

@@ -40,10 +40,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from ..errors import InvalidRequestError, ModelNotFoundError
 from ..engine.llm import render_chat
+from ..engine.logs import log_to_stderr
 from .auth import ApiKeyMiddleware, exposure_warning
 from .engine_loop import EngineLoop
 from .http_errors import document_errors, error_body, error_responses, install_error_handlers
-from .limits import (BodySizeLimit, PromptTokenizer, ServerLimits, check_prompt_chars, default_max_waiting,
+from .limits import (MAX_N, BodySizeLimit, PromptTokenizer, ServerLimits, check_prompt_chars, default_max_waiting,
                      longest_token_chars)
 from .choices import Choices
 from .openai_protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
@@ -54,7 +55,7 @@ from .tools import check_auto, parse_tools, tool_mode, tool_structure
 from .server_metrics import render_metrics
 from .submission import EventStream, Submission, stream_deltas, wait_or_disconnect
 
-__all__ = ["EngineLoop", "ServerConfig", "ServerThread", "build_app", "serve"]
+__all__ = ["EngineLoop", "ServerConfig", "ServerThread", "build_app", "door_settings", "serve"]
 
 logger = logging.getLogger("lifeofprompt.server")
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
@@ -297,12 +298,40 @@ class ServerThread:
         self.stop()
 
 
+def _bytes(n: int) -> str:
+    return f"{n // 2**20} MiB" if n % 2**20 == 0 else f"{n:,} bytes"
+
+
+def door_settings(engine, config: ServerConfig) -> str:
+    """The start-up line that says how the door is set: the key, what a request may carry, how many
+    wait, and how much of a step one long prompt may take (every one a ``serve`` flag)."""
+    limits = config.limits or ServerLimits()
+    sched = engine.scheduler
+    key = ("API key on (/v1/*, /tokenize, /detokenize; /health and /metrics open)" if config.api_key is not None
+           else "API key off")
+    cors = f"CORS for {', '.join(config.allowed_origins)}" if config.allowed_origins else "CORS off"
+    waiting = "unbounded waiting" if engine.max_waiting is None else f"{engine.max_waiting} waiting"
+    threshold = sched.long_prefill_token_threshold
+    fair = (f"a prompt's chunk at most {threshold} of {sched.max_num_batched_tokens} tokens a step while others "
+            "wait or run" if threshold else f"off (a prompt's chunk may take all {sched.max_num_batched_tokens} "
+            "tokens of a step)")
+    return (f"door: {key}; docs {'on' if config.enable_docs else 'off'}; {cors}; requests: bodies up to "
+            f"{_bytes(limits.max_request_bytes)}, up to {limits.max_prompts_per_request} prompts and n <= {MAX_N}; "
+            f"queue: {sched.max_num_seqs} running + {waiting}, then 503 with Retry-After; fair prefill: {fair}; "
+            f"shutdown: running requests get {config.shutdown_timeout:g} s")
+
+
 def serve(engine, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
           config: ServerConfig | None = None, log_level: str = "info") -> None:
-    """Run the server in the foreground until Ctrl-C or SIGTERM (then it drains: ``engine_loop.py``)."""
+    """Run the server in the foreground until Ctrl-C or SIGTERM (then it drains: ``engine_loop.py``).
+
+    The server's log lines (the exposure warning, the door's settings, the shutdown) go to stderr
+    unless the program has set logging up itself."""
     config = config or ServerConfig()
+    log_to_stderr(logger, "server")
     warning = exposure_warning(host, config.api_key)
     if warning:
         logger.warning(warning)
-    _uvicorn_server(build_app(engine, model_name=model_name, config=config), host, port, log_level,
-                    config.shutdown_timeout).run()
+    app = build_app(engine, model_name=model_name, config=config)
+    logger.info(door_settings(engine, config))
+    _uvicorn_server(app, host, port, log_level, config.shutdown_timeout).run()

@@ -1,4 +1,4 @@
-"""Pipeline overlap at P = 2 (gloo, one torch thread a rank, a tiny random model with SmolLM2's head layout).
+"""Pipeline overlap at P = 2 (gloo, one torch thread a rank, the tiny random model with SmolLM2's head layout).
 
 With two or more requests the engine keeps two steps in flight, one per micro-batch group, and stage 1
 runs one group's step while stage 0 runs the other's, as the ranks' own clocks show; with one request
@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from dataclasses import replace
 
 import pytest
 
@@ -25,23 +24,13 @@ from lifeofprompt.engine.sampling_params import SamplingParams
 from lifeofprompt.errors import WorkerFailedError
 from test_tensor_parallel import ENGINE, PROMPTS, greedy
 from test_tensor_parallel_faults import DEADLINE_S, spawned_children, wait_gone
-from tiny_models import TINY_SMOLLM2_LAYOUT, assert_parallel_agrees, tiny_model
+from tiny_models import assert_parallel_agrees, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# SmolLM2-135M's head layout and layer widths, 2 layers, a vocabulary of 320: a stage's layer takes long
-# enough next to rank 0's own work between two submissions (scheduling, packing) that the ranks' clocks
-# can catch both stages at work at once.
-WIDE = replace(TINY_SMOLLM2_LAYOUT, name="tiny-random-smollm2-widths", hidden_size=576, intermediate_size=1536,
-               head_dim=64)
-
-
-def wide_model():
-    return tiny_model(config=WIDE)
-
 
 def pipelined(**kwargs) -> LLM:
-    model, tokenizer = wide_model()
+    model, tokenizer = tiny_model()
     return LLM(model, tokenizer=tokenizer, pipeline_parallel_size=2, **(ENGINE | kwargs))
 
 
@@ -56,7 +45,7 @@ def run(llm: LLM, prompts) -> dict:
 
 @pytest.fixture(scope="module")
 def single(one_thread):
-    model, tokenizer = wide_model()
+    model, tokenizer = tiny_model()
     return run_single(LLM(model, tokenizer=tokenizer, **ENGINE))
 
 
@@ -96,7 +85,7 @@ def stage_times(llm: LLM) -> tuple[dict, dict]:
 def test_overlapped_steps_give_the_single_and_the_plain_engines_tokens(single, plain, overlapped):
     llm, runs = overlapped
     tokens = runs["many"]["tokens"]
-    full, _ = wide_model()
+    full, _ = tiny_model()
     assert_parallel_agrees(llm.engine.model, full, PROMPTS, tokens, single)
     assert_parallel_agrees(llm.engine.model, full, PROMPTS, tokens, plain)      # at every step its margin decides
     assert llm.engine.scheduler.num_preemptions > 0       # two groups, one pool of 12 blocks: it ran dry

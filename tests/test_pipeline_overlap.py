@@ -46,10 +46,10 @@ def run(llm: LLM, prompts) -> dict:
 @pytest.fixture(scope="module")
 def single(one_thread):
     model, tokenizer = tiny_model()
-    return run_single(LLM(model, tokenizer=tokenizer, **ENGINE))
+    return tokens_of(LLM(model, tokenizer=tokenizer, **ENGINE))
 
 
-def run_single(llm: LLM) -> list:
+def tokens_of(llm: LLM) -> list:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy())]
 
 
@@ -59,7 +59,7 @@ def plain(one_thread):
     llm = pipelined(pipeline_overlap=False)
     try:
         assert llm.engine.pipeline is None
-        return run_single(llm)
+        return tokens_of(llm)
     finally:
         llm.shutdown()
 

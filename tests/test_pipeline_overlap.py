@@ -152,3 +152,10 @@ def test_a_worker_killed_with_steps_in_flight_gives_the_typed_error_within_30_s(
         assert wait_gone(pids, 5) == [] and spawned_children() == []
     finally:
         llm.shutdown()
+
+
+def test_serve_can_turn_the_overlap_off():
+    from lifeofprompt.cli import build_parser
+
+    assert build_parser().parse_args(["serve"]).pipeline_overlap is None             # the engine's default: on
+    assert build_parser().parse_args(["serve", "--no-pipeline-overlap"]).pipeline_overlap is False

@@ -159,3 +159,26 @@ def test_serve_can_turn_the_overlap_off():
 
     assert build_parser().parse_args(["serve"]).pipeline_overlap is None             # the engine's default: on
     assert build_parser().parse_args(["serve", "--no-pipeline-overlap"]).pipeline_overlap is False
+
+
+def test_a_group_preempts_only_its_own_requests():
+    """Group 1's step is in the pipe; group 0 runs the shared pool dry and evicts its own newest, never group 1's."""
+    from lifeofprompt.engine.block_manager import BlockManager
+    from lifeofprompt.engine.scheduler import Scheduler
+    from lifeofprompt.engine.sequence import Sequence, SequenceStatus
+
+    scheduler = Scheduler(BlockManager(6, 4, enable_prefix_caching=False), max_num_batched_tokens=64, num_groups=2)
+    a, b, c, d = (Sequence(name, list(range(1, 1 + n)), SamplingParams(max_tokens=4))
+                  for name, n in (("a", 8), ("b", 8), ("c", 4), ("d", 4)))
+    for seq in (a, b, c, d):
+        scheduler.add(seq)
+    assert [s.group for s in (a, b, c, d)] == [0, 1, 0, 1]          # each to the group with the fewest
+    first = scheduler.schedule(group=0)
+    in_flight = scheduler.schedule(group=1)
+    assert first.seqs == [a, c] and in_flight.seqs == [b, d] and scheduler.block_manager.num_free_blocks == 0
+    scheduler.update(first, [7, 7])
+    tables = {s.request_id: list(s.block_table) for s in (b, d)}
+    again = scheduler.schedule(group=0)                             # a needs a third block: the pool is empty
+    assert again.preempted == ["c"] and again.seqs == [a]
+    assert {s.request_id: list(s.block_table) for s in (b, d)} == tables
+    assert b.status == d.status == SequenceStatus.RUNNING

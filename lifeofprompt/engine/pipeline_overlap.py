@@ -26,6 +26,12 @@ and hands it back, and the engine updates exactly as after a single step. With f
 than stages (one request, or all but one group finished) fewer steps are in flight and stages idle:
 that is the bubble, and ``StepRecord.overlapped`` (the steps in flight beside each one) shows it.
 
+What it costs: each group's step is a forward of its own, so P groups take about P times the
+steps, each with its fixed costs (scheduling, packing, the sends, sampling; on GPUs, kernels over
+fewer rows). It pays when a stage's compute is larger than those; with the tiny test model on a
+busy 2-core machine it is not, and one step at a time is faster (notebook 11 measures both;
+``pipeline_overlap=False`` turns it off).
+
 Speculative decoding keeps one step at a time: its drafter proposes for every running request
 after each step, which would hand drafts to requests whose step is still in the pipe.
 """

@@ -129,6 +129,30 @@ def test_the_block_manager_is_whole_after_overlapped_steps(overlapped):
     assert "up to 2 steps in flight" in next(line for line in engine.startup_log if line.startswith("pipeline"))
 
 
+def test_an_abort_while_its_step_is_in_the_pipe_frees_its_blocks_safely(single, overlapped):
+    """Its blocks go back at once and the other group's later steps may take them: every stage runs the steps
+    in order, so those steps write after the aborted one's. The survivor keeps the single engine's tokens."""
+    llm, _ = overlapped
+    engine = llm.engine
+    engine.add_request("keep", PROMPTS[0], greedy())
+    engine.add_request("drop", PROMPTS[2], greedy())
+    in_pipe = lambda rid: any(s.request_id == rid for f in engine.pipeline.in_flight for s in f.record.scheduled)  # noqa: E731
+    done = []
+    for _ in range(20):
+        done += [o for o in engine.step() if o.finished]
+        if in_pipe("drop") and engine.step_records[-1].step > 3:
+            break
+    assert in_pipe("drop")
+    engine.abort("drop")
+    done += engine.run_until_done()
+    kept = next(o for o in done if o.request_id == "keep")
+    assert sorted(o.outputs[0].finish_reason for o in done) == ["abort", "length"]
+    full, _ = tiny_model()
+    assert_parallel_agrees(engine.model, full, PROMPTS[:1], [kept.outputs[0].token_ids], single[:1])
+    assert engine.block_manager.num_used_blocks == 0 and not engine.pipeline.in_flight
+    engine.block_manager.check_invariants(engine.scheduler.seqs)
+
+
 def test_shutdown_ends_every_worker_of_the_overlapped_engine(overlapped):
     llm, _ = overlapped
     pids = llm.engine.parallel.worker_pids

@@ -4,8 +4,9 @@ With two or more requests the engine keeps two steps in flight, one per micro-ba
 runs one group's step while stage 0 runs the other's, as the ranks' own clocks show; with one request
 only one step is ever in flight and stage 0 waits for every step's logits (the bubble). Greedy tokens
 equal the single-process engine's and the non-overlapped P = 2 engine's; no sequence is ever in two
-steps in flight; the block manager's invariants hold after every step (``check_invariants``) and at the
-end; no worker outlives shutdown, nor a worker killed mid-run (the typed error, within 30 s).
+steps in flight, and a group's preemptions touch only its own requests; the block manager's invariants
+hold after every step (``check_invariants``), at the end, and after an abort whose step was still in the
+pipe; no worker outlives shutdown, nor a worker killed mid-run (the typed error, within 30 s).
 
 One parallel engine at a time per process: the non-overlapped engine runs and is gone before the
 overlapped one starts, and the overlapped one is shut down (and checked) before the fault test's.

@@ -137,7 +137,10 @@ def test_an_abort_while_its_step_is_in_the_pipe_frees_its_blocks_safely(single, 
     engine = llm.engine
     engine.add_request("keep", PROMPTS[0], greedy())
     engine.add_request("drop", PROMPTS[2], greedy())
-    in_pipe = lambda rid: any(s.request_id == rid for f in engine.pipeline.in_flight for s in f.record.scheduled)  # noqa: E731
+
+    def in_pipe(rid: str) -> bool:
+        return any(s.request_id == rid for f in engine.pipeline.in_flight for s in f.record.scheduled)
+
     done = []
     for _ in range(20):
         done += [o for o in engine.step() if o.finished]

@@ -97,7 +97,8 @@ class StepRecord:
         head = (f"step {self.step:3d}: {self.num_batched_tokens:4d} tokens, {len(self.seqs)} running, "
                 f"{self.num_waiting} waiting, {self.num_free_blocks} blocks free")
         if self.group is not None:
-            head += f"; group {self.group}" + (f", beside step {', '.join(map(str, self.overlapped))}" if self.overlapped else "")
+            beside = f", beside step {', '.join(map(str, self.overlapped))}" if self.overlapped else ""
+            head += f"; group {self.group}{beside}"
         lines = [head]
         for r in self.scheduled:
             cached = f", {r.num_cached_tokens} cached" if r.num_cached_tokens else ""

@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="split each layer over this many processes (torch.distributed; SmolLM2: 1 or 3)")
     serve.add_argument("--pipeline-parallel-size", type=int, default=None,
                        help="split the layers into this many stages, each on its own processes")
+    serve.add_argument("--no-pipeline-overlap", action="store_const", const=False, default=None,
+                       dest="pipeline_overlap",
+                       help="with several stages, run one step at a time (default: up to one step per stage in flight)")
 
     load = sub.add_parser("loadtest", help="load-test any OpenAI-compatible endpoint with random arrivals",
                           description="Send streaming requests at Poisson times (--rate), from a closed loop of "

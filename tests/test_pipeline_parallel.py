@@ -1,7 +1,9 @@
 """Pipeline parallelism (contiguous layer stages, hidden states sent stage to stage) on the tiny model
 with SmolLM2's head layout: P = 2 alone and T x P = 3 x 2 give the single-process engine's greedy tokens
 through chunked prefill, prefix caching and preemption; each rank holds its stage's layers (and only
-its heads of them) in its weights and its KV pool."""
+its heads of them) in its weights and its KV pool. These run one step at a time (``pipeline_overlap=False``:
+the same batches as the single engine, so the same prefix-cache hits); test_pipeline_overlap.py runs
+the overlapped default."""
 
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ def test_stages_are_contiguous_and_cover_every_layer():
 @pytest.mark.parametrize("tp, pp", [(1, 2), (3, 2)])
 def test_stages_give_the_single_process_tokens(single, tp, pp):
     model, tokenizer = tiny_model()
-    llm = LLM(model, tokenizer=tokenizer, tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE)
+    llm = LLM(model, tokenizer=tokenizer, tensor_parallel_size=tp, pipeline_parallel_size=pp, pipeline_overlap=False,
+              **ENGINE)
     try:
         outputs = llm.generate(PROMPTS, greedy())
         engine = llm.engine
@@ -73,7 +76,8 @@ from tiny_models import tiny_model
 from lifeofprompt import LLM, SamplingParams
 from test_tensor_parallel import ENGINE, PROMPTS, greedy
 model, tokenizer = tiny_model()
-llm = LLM(model, tokenizer=tokenizer, pipeline_parallel_size=2, **ENGINE)     # rank 1 serves here, then exits
+llm = LLM(model, tokenizer=tokenizer, pipeline_parallel_size=2, pipeline_overlap=False,   # the single engine's batches
+          **ENGINE)                                                                    # rank 1 serves here, then exits
 tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy())]
 print("TOKENS " + json.dumps(dict(rank=int(os.environ["RANK"]), tokens=tokens)), flush=True)
 llm.shutdown()

@@ -1,5 +1,5 @@
 """Tensor and pipeline parallelism through ``torch.distributed``. Public face: ``group.ParallelGroup``, ``sizes.ShardPlan``.
 
 ``sizes`` says which splits a model allows, ``sharded_model`` is the Llama built from one rank's shapes, ``step`` broadcasts
-each forward's inputs from rank 0 (``collectives`` counts them), ``group`` is rank 0's side and ``worker`` the others.
+each forward's inputs (``pipeline``: down the stages), ``collectives`` counts them; ``group`` is rank 0's side, ``worker`` the others.
 """

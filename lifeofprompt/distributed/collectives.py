@@ -45,8 +45,8 @@ def _run(op: str, tensor: torch.Tensor, call, *args, **kwargs):
     return result
 
 
-def broadcast(tensor: torch.Tensor, src: int = 0) -> None:
-    _run("broadcast", tensor, dist.broadcast, tensor, src=src, group=WORLD)
+def broadcast(tensor: torch.Tensor, src: int = 0, group=None) -> None:
+    _run("broadcast", tensor, dist.broadcast, tensor, src=src, group=group or WORLD)
 
 
 def all_reduce(tensor: torch.Tensor, group=None) -> None:
@@ -57,9 +57,18 @@ def gather(tensor: torch.Tensor, parts, dst: int, group=None) -> None:
     _run("gather", tensor, dist.gather, tensor, parts, dst=dst, group=group or WORLD)
 
 
-def send(tensor: torch.Tensor, dst: int) -> None:
-    _run("send", tensor, dist.send, tensor, dst=dst, group=WORLD)
+def send(tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+    _run("send", tensor, dist.send, tensor, dst=dst, group=WORLD, tag=tag)
 
 
 def recv(tensor: torch.Tensor, src: int) -> None:
     _run("recv", tensor, dist.recv, tensor, src=src, group=WORLD)
+
+
+def irecv(tensor: torch.Tensor, src: int, tag: int = 0):
+    """A receive posted now and waited for later (``wait_recv``): counted, and timed, when it is waited for."""
+    return dist.irecv(tensor, src=src, group=WORLD, tag=tag)
+
+
+def wait_recv(tensor: torch.Tensor, work) -> None:
+    _run("recv", tensor, work.wait)

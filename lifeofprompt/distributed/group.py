@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError, WorkerFailedError
-from . import collectives, step
+from . import collectives, pipeline, step
 from .sharded_model import ShardedLlamaForCausalLM, load_shard, shard_weights, weight_report
 from .sizes import ShardPlan, check_pipeline_parallel_size, check_tensor_parallel_size
 from .worker import WorkerSpec, main as worker_main, tensor_parallel_groups
@@ -64,6 +64,8 @@ class ParallelGroup:
         self.error: WorkerFailedError | None = None
         self.dead: tuple[int, int | None] | None = None     # (rank, exit code) the monitor saw die
         self.closed = False
+        self.stage_group = None                            # stage 0's tensor-parallel group (P > 1)
+        self.driver_plan = None                            # rank 0's ShardPlan, once the weights are out
         self._lock = threading.RLock()                     # one step's collectives at a time
         self._closing = threading.Event()
         self._monitor = threading.Thread(target=self._watch, name="lifeofprompt-tp-monitor", daemon=True)
@@ -170,11 +172,12 @@ class ParallelGroup:
         """Each rank's slice of each weight it holds, sent from here one tensor at a time; rank 0 keeps its own."""
         config = full_model.config
         groups = tensor_parallel_groups(self.size, self.stages, timedelta(seconds=self.timeout_s))   # every rank, first
+        self.stage_group = groups[0]
         for rank in range(1, self.world_size):
             plan = ShardPlan.for_world_rank(config, rank, self.size, self.stages)
             for tensor in shard_weights(full_model, plan).values():
                 dist.send(tensor.to(self.device), dst=rank)
-        plan = ShardPlan.for_world_rank(config, 0, self.size, self.stages)
+        plan = self.driver_plan = ShardPlan.for_world_rank(config, 0, self.size, self.stages)
         model = ShardedLlamaForCausalLM.empty(plan, self.device, full_model.dtype, self.guard)
         model.set_tp_group(groups[0])
         load_shard(model, shard_weights(full_model, plan))
@@ -256,7 +259,7 @@ class ParallelGroup:
         if graceful and dist.is_initialized():
             try:
                 with self._lock:
-                    step.send_command(step.STOP, self.device)
+                    self._command(step.STOP)
             except Exception:
                 graceful = False
         for p in self.processes:
@@ -266,6 +269,15 @@ class ParallelGroup:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
         collectives.use_world(None)
+
+    def _command(self, command: int) -> None:
+        """Stop, report or plans to every rank: broadcast with one stage, down the pipe with several (``pipeline.py``)."""
+        if self.stages == 1:
+            step.send_command(command, self.device)
+        else:
+            if self.driver_plan is None:
+                raise WorkerFailedError("the parallel group never finished starting")
+            pipeline.send_command(self.driver_plan, command, self.device, self.stage_group)
 
     def _kill_workers(self) -> None:
         for p in self.processes:
@@ -305,7 +317,7 @@ class ParallelGroup:
             plans = theirs.plans
             self.worker_plans_source = f"for {self.worker_threads} thread(s) a rank ({theirs.source})"
         with self.guard():
-            step.send_command(step.PLANS, self.device)
+            self._command(step.PLANS)
             dist.broadcast_object_list([plans], src=0, group=collectives.WORLD)
 
     def report(self, driver_model, driver_cache) -> list[dict]:
@@ -313,12 +325,12 @@ class ParallelGroup:
         from .worker import shard_report
 
         with self.guard():
-            step.send_command(step.REPORT, self.device)
+            self._command(step.REPORT)
             reports = [None] * self.world_size
             dist.gather_object(shard_report(driver_model, driver_cache), reports, dst=0)
         return reports
 
-    def describe(self, driver_model, full_bytes: int) -> list[str]:
+    def describe(self, driver_model, full_bytes: int, steps_in_flight: int = 1) -> list[str]:
         """The start-up log's lines about the split: who is who, what each rank holds, and why."""
         plan, c = driver_model.plan, driver_model.full_config
         h, k, i = plan.config.num_heads, plan.config.num_kv_heads, plan.config.intermediate_size
@@ -344,8 +356,11 @@ class ParallelGroup:
         if self.stages > 1:
             stages = [ShardPlan.for_world_rank(c, s * self.size, self.size, self.stages).layers for s in range(self.stages)]
             lines.insert(3, "pipeline: contiguous stages of layers " + ", ".join(f"{a}-{b - 1}" for a, b in stages)
-                         + "; hidden states go stage to stage by send/recv, one step at a time (no overlap: "
-                           "each stage waits while the others run, the bubble)")
+                         + "; each step goes stage to stage with its hidden states by send/recv, "
+                         + (f"up to {steps_in_flight} steps in flight, one per micro-batch group of requests, so the "
+                            "stages overlap (vLLM's virtual engines); fewer busy groups than stages leave stages idle "
+                            "(the bubble)" if steps_in_flight > 1 else
+                            "one step at a time (no overlap: each stage waits while the others run, the bubble)"))
         if self.worker_plans_source:
             lines.append(f"workers' CPU matrix products: {self.worker_plans_source}, sent to every rank")
         return lines

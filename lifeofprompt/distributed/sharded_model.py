@@ -21,21 +21,24 @@ logits a step. (A choice from the bytes, not a timing.)
 
 Pipeline stages: the config's ``num_layers`` is the stage's share, so its layers (and its KV
 pool) are numbered from 0; the first stage keeps the embedding, the last the final norm and
-the LM head (a copy of the embedding's shard when they are tied). A stage receives the hidden
-states of the one before it and sends its own on (``dist.send``/``dist.recv``); the last
-stage's tensor-parallel rank 0 sends the logits to rank 0, which samples.
+the LM head (a copy of the embedding's shard when they are tied). A stage receives the step and
+the hidden states of the one before it and sends them on (``pipeline.py``); the last stage's
+tensor-parallel rank 0 sends the logits to rank 0, which samples. On rank 0, ``submit`` runs
+stage 0's part and returns the logits still on their way (P > 1), so the engine can keep
+several steps in the pipe; ``forward`` is ``submit`` and wait.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 from torch import nn
 
 from ..model.linear import Linear
 from ..model.llama import LlamaForCausalLM
-from . import collectives, step
+from . import collectives, pipeline, step
 from .sizes import ShardPlan
 
 
@@ -78,6 +81,7 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
         self.collective_guard = collective_guard      # the driver's fault handling around each step
         self.last_block_tables = None                 # what the last paged step ran (tests compare ranks)
         self.tp_group = None
+        self.stage_clock = pipeline.StageClock()      # when this rank ran its layers, step by step (P > 1)
         c = plan.config
         self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, plan.vocab[0])
         if c.tie_word_embeddings:
@@ -129,13 +133,32 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
             return super().forward(input_ids, positions, meta, fused_kernels)
         if not self.is_driver:
             return self.shard_forward(input_ids, positions, meta, fused_kernels)
+        if self.plan.num_stages > 1:
+            return self.submit(input_ids, positions, meta, fused_kernels).wait()
         guard = self.collective_guard
         with guard() if guard is not None else contextlib.nullcontext():
             step.broadcast_step(input_ids, positions, meta, fused_kernels)
             return self.shard_forward(input_ids, positions, meta, fused_kernels)
 
+    def submit(self, input_ids, positions, meta, fused_kernels=False) -> pipeline.PendingLogits:
+        """Rank 0 with P > 1: stage 0's part of one step, sent down the pipe; its logits come back later.
+
+        The receive of the logits is posted first, so the last stage can always send them, whatever
+        rank 0 is doing when they are ready (``pipeline.py``).
+        """
+        plan = self.plan
+        guard = self.collective_guard or contextlib.nullcontext
+        with guard():
+            header, payload = step.pack(input_ids, positions, meta, fused_kernels)
+            pipeline.first_hop(plan, header, payload, self.tp_group)
+            rows = input_ids.shape[0] if meta.logits_indices is None else meta.logits_indices.shape[0]
+            pending = pipeline.PendingLogits(rows, plan.full.vocab_size, plan.peer(plan.num_stages - 1) - plan.rank,
+                                             pipeline.logits_tag(self.stage_clock.num_steps), self.device, guard)
+            self.shard_forward(input_ids, positions, meta, fused_kernels, wire=(header, payload))
+        return pending
+
     def hidden_states(self, input_ids, positions, meta, fused_kernels=False):
-        """This stage's layers: from the embedding or the previous stage, to the final norm or the next stage (None)."""
+        """This stage's layers: from the embedding or the previous stage, to the final norm (last stage) or not."""
         plan = self.plan
         if plan.num_stages == 1:
             return super().hidden_states(input_ids, positions, meta, fused_kernels)
@@ -144,33 +167,32 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
         else:
             hidden = torch.empty(input_ids.shape[0], plan.full.hidden_size, dtype=self.dtype, device=self.device)
             collectives.recv(hidden, src=plan.peer(plan.stage - 1))
+        start = time.monotonic()
         cos_sin = self.rotary.at(positions)
         for layer in self.layers:
             hidden = layer(hidden, cos_sin, meta)
-        if not plan.is_last_stage:
-            collectives.send(hidden.contiguous(), dst=plan.peer(plan.stage + 1))
-            return None
-        return self.norm(hidden)
+        self.stage_clock.note(start)
+        return self.norm(hidden) if plan.is_last_stage else hidden
 
-    def shard_forward(self, input_ids, positions, meta, fused_kernels=False):
-        """This rank's part of one forward; the full logits on rank 0, None elsewhere."""
+    def shard_forward(self, input_ids, positions, meta, fused_kernels=False, wire=None):
+        """This rank's part of one forward; the full logits on rank 0 with one stage, None elsewhere.
+
+        ``wire`` (P > 1): the step's header and payload as rank 0 packed them, sent on to the next
+        stage ahead of this stage's hidden states.
+        """
         self.last_block_tables = getattr(meta, "block_tables", None)
         plan = self.plan
         hidden = self.hidden_states(input_ids, positions, meta, fused_kernels)
-        rows = input_ids.shape[0] if meta.logits_indices is None else meta.logits_indices.shape[0]
-        if hidden is None:                         # not the last stage: rank 0 waits for the last stage's logits
-            if not self.is_driver:
-                return None
-            logits = torch.empty(rows, plan.full.vocab_size, dtype=torch.float32, device=self.device)
-            collectives.recv(logits, src=plan.peer(plan.num_stages - 1) - plan.rank)
-            return logits
+        if not plan.is_last_stage:
+            pipeline.send_on(plan, *wire, hidden)
+            return None
         if meta.logits_indices is not None:
             hidden = hidden[meta.logits_indices]
         local = self.lm_head(hidden).float()
         first = plan.peer(plan.stage) - plan.rank           # this stage's tensor-parallel rank 0
         logits = step.gather_logits(local, plan.full.vocab_size, plan.size, group=self.tp_group, dst=first)
-        if logits is not None and plan.num_stages > 1:
-            collectives.send(logits.contiguous(), dst=0)
+        if logits is not None and plan.num_stages > 1:             # the step this rank just counted
+            collectives.send(logits.contiguous(), dst=0, tag=pipeline.logits_tag(self.stage_clock.num_steps - 1))
             return None
         return logits
 

@@ -6,7 +6,8 @@ runner already built for the driver's own shard: token ids, positions, where eac
 rows start, its length, the rows that want logits, and, for the paged cache, the block tables
 and the slot of every new row. So the driver packs those tensors into one int64 payload and
 broadcasts a fixed-size header (the command and the sizes) followed by the payload: two
-collectives a step, whatever the batch. Every rank then holds the same block table.
+collectives a step, whatever the batch. Every rank then holds the same block table. (With
+several pipeline stages the same header and payload go down the stages instead: ``pipeline.py``.)
 
 After the forward, each rank's logits cover its slice of the vocabulary; they are gathered
 to rank 0 (through the last pipeline stage), which samples (the other ranks never see a sampled token: the next step's

@@ -1,5 +1,5 @@
-"""A worker process: ranks 1 … T-1. It holds one shard of the weights and of the KV pool, and
-runs whatever step rank 0 broadcasts, until rank 0 says stop or goes away.
+"""A worker process: ranks 1 … T×P-1. It holds one shard of the weights and of the KV pool, and
+runs whatever step rank 0 sends (broadcast, or down the pipeline), until rank 0 says stop or goes away.
 
 Started with ``spawn`` (a fresh interpreter: no forked torch threads or CUDA state). It
 leaves by itself when the driver dies, however it dies: a watchdog thread sees the parent pid
@@ -122,11 +122,19 @@ def tensor_parallel_groups(size: int, stages: int, timeout) -> list:
 
 @torch.no_grad()
 def serve(model, cache, device) -> None:
-    """Run every broadcast step on this shard; answer reports; return on stop."""
-    from . import collectives, step
+    """Run every step rank 0 sends on this shard; answer reports; return on stop.
 
+    One stage: each step is broadcast from rank 0 (``step.receive``). Several: it comes down the
+    pipe from the stage before (``pipeline.receive``) and goes on with this stage's hidden states.
+    """
+    from . import collectives, pipeline, step
+
+    staged = model.plan.num_stages > 1
     while True:
-        header, payload = step.receive(device)
+        if staged:
+            wire, header, payload = pipeline.receive(model.plan, device, model.tp_group)
+        else:
+            header, payload = step.receive(device)
         if header[0] == step.STOP:
             return
         if header[0] == step.REPORT:
@@ -139,7 +147,7 @@ def serve(model, cache, device) -> None:
             apply_plans(model, plans[0])
             continue
         input_ids, positions, meta, fused = step.unpack(header, payload, cache)
-        model(input_ids, positions, meta, fused_kernels=fused)
+        model.shard_forward(input_ids, positions, meta, fused, wire=(wire, payload) if staged else None)
 
 
 def shard_report(model, cache) -> dict:
@@ -153,5 +161,5 @@ def shard_report(model, cache) -> dict:
     products = {name: module.plan.describe() if getattr(module, "plan", None) else None
                 for name, module in model.named_modules() if hasattr(module, "prepack")}
     return dict(products=products, rank=plan.world_rank, collectives=collectives.snapshot(), tp_rank=plan.rank, stage=plan.stage, layers=plan.layers, pid=os.getpid(),
-                weights=weight_report(model), kv_shape=tuple(cache.kv.shape),
+                weights=weight_report(model), kv_shape=tuple(cache.kv.shape), stage_times=list(model.stage_clock.times),
                 kv_nbytes=cache.nbytes, block_tables=None if tables is None else tables.tolist())

@@ -7,7 +7,8 @@
 
 ``tensor_parallel_size=T`` / ``pipeline_parallel_size=P`` split the model over T×P processes
 (``lifeofprompt.distributed``; this one is rank 0 and keeps the scheduler); ``shutdown()`` ends
-them, as garbage collection and interpreter exit do.
+them, as garbage collection and interpreter exit do. With P > 1 up to P steps are in flight, one per
+group of requests, so the stages overlap (``pipeline_overlap=False``: one step at a time).
 
 ``generate`` checks every request before any work starts (a bad one raises a typed error that
 names its index, and nothing runs), adds them all to an ``LLMEngine`` and steps it until they

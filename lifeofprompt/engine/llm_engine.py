@@ -19,6 +19,10 @@ With ``speculative_config`` (``speculative.py``) each step ends by asking the dr
 tokens of every decoding request; the next step verifies them, and the tokens a verify keeps are
 then taken one by one, exactly as single tokens are, so a stop inside an accepted run ends the
 output there and streaming hands out each step's kept tokens together.
+
+With ``pipeline_parallel_size`` P > 1 (and ``pipeline_overlap``, the default) a ``step()`` keeps up
+to P steps in flight, one per micro-batch group of requests, so the stages work at once; each call
+collects the oldest and returns what it changed (``pipeline_overlap.py``).
 """
 
 from __future__ import annotations
@@ -84,7 +88,7 @@ class LLMEngine:
                  max_step_records: int = 10_000, log_stats: bool = True, clock=time.monotonic,
                  prepack_cpu_weights: bool = True, cpu_linear: str | None = None,
                  cpu_decode: bool | None = None, speculative_config=None, tensor_parallel_size: int = 1,
-                 pipeline_parallel_size: int = 1):
+                 pipeline_parallel_size: int = 1, pipeline_overlap: bool = True):
         if isinstance(model, str):
             from ..model.loader import load_model
             self.model, self.tokenizer = load_model(model, dtype=dtype, device=device)
@@ -132,8 +136,15 @@ class LLMEngine:
             self.spec.attach(self.runner, self.runner.kv_cache.num_blocks)
         self.num_kv_blocks = self.runner.kv_cache.num_blocks
         self.block_manager = BlockManager(self.num_kv_blocks, block_size, enable_prefix_caching)
+        # P > 1: up to P steps in flight, one per micro-batch group (pipeline_overlap.py); not with a drafter
+        depth = pipeline_parallel_size if pipeline_overlap and self.spec is None else 1
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, context_len,
-                                   fair_prefill_threshold(long_prefill_token_threshold, max_num_batched_tokens))
+                                   fair_prefill_threshold(long_prefill_token_threshold, max_num_batched_tokens),
+                                   num_groups=depth)
+        self.pipeline = None
+        if depth > 1:
+            from .pipeline_overlap import PipelineOverlap
+            self.pipeline = PipelineOverlap(self.scheduler, self.runner, depth, self._start_step)
         self.max_model_len = self.scheduler.max_model_len
         self.eos_token_ids = set(self.config.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
@@ -239,7 +250,8 @@ class LLMEngine:
         if self.spec is not None:
             lines += self.spec.startup_lines(kv, self.num_kv_blocks)
         if self.parallel is not None:
-            lines += self.parallel.describe(self.model, self._full_weight_bytes)
+            lines += self.parallel.describe(self.model, self._full_weight_bytes,
+                                            self.pipeline.depth if self.pipeline is not None else 1)
         if getattr(self.model, "is_random", False):
             lines.append("NOTE: random weights - generated text is meaningless (speed and memory work only)")
         return lines
@@ -356,7 +368,8 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         with self._lock:
-            return bool(self._inbox or self._pending_outputs) or self.scheduler.has_unfinished()
+            return (bool(self._inbox or self._pending_outputs) or self.scheduler.has_unfinished()
+                    or bool(self.pipeline is not None and self.pipeline.in_flight))
 
     def get_num_unfinished_requests(self) -> int:
         with self._lock:
@@ -392,74 +405,91 @@ class LLMEngine:
                 self._owner.pop(c.seq.seq_id, None)
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and return the requests that changed (new tokens or finished)."""
+        """Schedule, run the model once, and return the requests that changed (new tokens or finished).
+
+        With pipeline overlap one call submits steps until P are in flight and collects the oldest.
+        """
         with self._step_lock:
             self._drain_inbox()
             outputs, self._pending_outputs = self._pending_outputs, []
+            if self.pipeline is not None:
+                done = self.pipeline.advance()
+                if done is not None:
+                    outputs += self._finish_step(*done)
+                return outputs
             record = self.scheduler.schedule()
             if record.is_empty:
                 return outputs
-            if self.spec is not None:
-                self.spec.fill(record.seqs, self.clock)    # a draft model drafts now, into the slots just given
-            record.start_time = self.clock()
-            for seq in record.seqs:
-                request, _ = self._owner[seq.seq_id]
-                metrics = request.metrics
-                if metrics.first_scheduled_time is None:
-                    metrics.first_scheduled_time = record.start_time
-                    metrics.num_cached_tokens = seq.num_cached_tokens
-                metrics.num_preemptions = sum(c.seq.num_preemptions for c in request.completions)
-            drafts = {seq.seq_id: list(seq.spec_token_ids) for seq in record.seqs if seq.spec_token_ids}
+            drafts = self._start_step(record)
             sampled = self.runner.execute(record.seqs, record.num_scheduled_tokens)
-            logprob_rows = getattr(self.runner, "last_logprobs", None) or [None] * len(record.seqs)
-            failures = getattr(self.runner, "last_failures", None) or {}
-            sampled = [None if seq.seq_id in failures else token for seq, token in zip(record.seqs, sampled)]
-            now = record.end_time = self.clock()
-            if drafts:
-                self.spec_stats.verify_time += now - record.start_time
-            entries = {seq.seq_id: lp for seq, lp in zip(record.seqs, logprob_rows)}
-            new_tokens = {seq.seq_id: (t if isinstance(t, list) else [t]) for seq, t in zip(record.seqs, sampled)
-                          if t is not None}
-            starts = {seq.seq_id: seq.num_computed_tokens for seq in record.seqs}
-            shares = {seq.seq_id: share for seq, share in zip(record.seqs, record.scheduled)}
-            changed: dict[str, _Request] = {}
-            for seq in self.scheduler.update(record, sampled):
-                request, completion = self._owner[seq.seq_id]
-                if request.error is not None:
-                    continue
-                tokens = new_tokens[seq.seq_id]
-                if seq.seq_id in drafts:
-                    kept = self.spec.observe(request.metrics, starts[seq.seq_id], drafts[seq.seq_id], tokens)
-                    shares[seq.seq_id].num_accepted_tokens = kept
-                try:
-                    self._on_tokens(request, completion, tokens, entries.get(seq.seq_id), now)
-                except Exception as exc:     # this request's detokenizer or stop check: it alone ends
-                    self._fail(request, exc, "while turning its token into text", now)
-                    changed[request.request_id] = request
-                    continue
-                if completion.finished:
-                    record.finished.append(seq.request_id)
-                if request.pending and completion.index == 0:
-                    # n > 1: the prompt's full blocks are cached now, so the other answers share them
-                    for sibling in reversed(request.pending):
-                        self.scheduler.add(sibling.seq, front=True)
-                    request.pending.clear()
+            return outputs + self._finish_step(record, drafts, sampled)
+
+    def _start_step(self, record: StepRecord) -> dict:
+        """Before a step runs: a draft model drafts, the clock starts, first-scheduled metrics; its drafts by seq_id."""
+        if self.spec is not None:
+            self.spec.fill(record.seqs, self.clock)    # a draft model drafts now, into the slots just given
+        record.start_time = self.clock()
+        for seq in record.seqs:
+            request, _ = self._owner[seq.seq_id]
+            metrics = request.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = record.start_time
+                metrics.num_cached_tokens = seq.num_cached_tokens
+            metrics.num_preemptions = sum(c.seq.num_preemptions for c in request.completions)
+        return {seq.seq_id: list(seq.spec_token_ids) for seq in record.seqs if seq.spec_token_ids}
+
+    def _finish_step(self, record: StepRecord, drafts: dict, sampled: list) -> list[RequestOutput]:
+        """After a step ran: tokens into text, stops, failures; the outputs of the requests it changed."""
+        outputs = []
+        logprob_rows = getattr(self.runner, "last_logprobs", None) or [None] * len(record.seqs)
+        failures = getattr(self.runner, "last_failures", None) or {}
+        sampled = [None if seq.seq_id in failures else token for seq, token in zip(record.seqs, sampled)]
+        now = record.end_time = self.clock()
+        if drafts:
+            self.spec_stats.verify_time += now - record.start_time
+        entries = {seq.seq_id: lp for seq, lp in zip(record.seqs, logprob_rows)}
+        new_tokens = {seq.seq_id: (t if isinstance(t, list) else [t]) for seq, t in zip(record.seqs, sampled)
+                      if t is not None}
+        starts = {seq.seq_id: seq.num_computed_tokens for seq in record.seqs}
+        shares = {seq.seq_id: share for seq, share in zip(record.seqs, record.scheduled)}
+        changed: dict[str, _Request] = {}
+        for seq in self.scheduler.update(record, sampled):
+            request, completion = self._owner[seq.seq_id]
+            if request.error is not None:
+                continue
+            tokens = new_tokens[seq.seq_id]
+            if seq.seq_id in drafts:
+                kept = self.spec.observe(request.metrics, starts[seq.seq_id], drafts[seq.seq_id], tokens)
+                shares[seq.seq_id].num_accepted_tokens = kept
+            try:
+                self._on_tokens(request, completion, tokens, entries.get(seq.seq_id), now)
+            except Exception as exc:     # this request's detokenizer or stop check: it alone ends
+                self._fail(request, exc, "while turning its token into text", now)
                 changed[request.request_id] = request
-            for seq_id, exc in failures.items():
-                if seq_id in self._owner:
-                    request, _ = self._owner[seq_id]
-                    self._fail(request, exc, "in the sampler", now)
-                    changed[request.request_id] = request
-            for request in changed.values():
-                outputs.append(self._make_output(request))
-                if request.finished:
-                    self._forget(request)
-            self.step_records.append(record)
-            if self.spec is not None:
-                self.spec.propose(self.scheduler.running, self.scheduler.max_num_drafts, self.clock)
-            if self.check_invariants:
-                self.block_manager.check_invariants(self.scheduler.seqs)
-            return outputs
+                continue
+            if completion.finished:
+                record.finished.append(seq.request_id)
+            if request.pending and completion.index == 0:
+                # n > 1: the prompt's full blocks are cached now, so the other answers share them
+                for sibling in reversed(request.pending):
+                    self.scheduler.add(sibling.seq, front=True)
+                request.pending.clear()
+            changed[request.request_id] = request
+        for seq_id, exc in failures.items():
+            if seq_id in self._owner:
+                request, _ = self._owner[seq_id]
+                self._fail(request, exc, "in the sampler", now)
+                changed[request.request_id] = request
+        for request in changed.values():
+            outputs.append(self._make_output(request))
+            if request.finished:
+                self._forget(request)
+        self.step_records.append(record)
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running, self.scheduler.max_num_drafts, self.clock)
+        if self.check_invariants:
+            self.block_manager.check_invariants(self.scheduler.seqs)
+        return outputs
 
     def _fail(self, request: _Request, exc: BaseException, where: str, now: float) -> None:
         """End one request with a typed error (its own input's fault: 4xx; else a 500); free its blocks."""

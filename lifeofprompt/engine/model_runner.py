@@ -347,7 +347,28 @@ class ModelRunner:
         ``self.last_failures`` maps the seq_id of each row that could not be sampled to why (its
         token is meaningless: the engine ends that request alone).
         """
-        logits = self.forward(seqs, num_scheduled_tokens)
+        return self.sample_step(seqs, num_scheduled_tokens, self.forward(seqs, num_scheduled_tokens))
+
+    @torch.no_grad()
+    def submit(self, seqs: list[Sequence], num_scheduled_tokens: list[int]):
+        """Start one step on a pipelined model (P > 1) and return before its logits are back.
+
+        Stage 0 runs its layers here and sends the step on (``ShardedLlamaForCausalLM.submit``);
+        ``collect`` waits for the logits and samples. Always eager: a step in the pipe keeps no
+        static buffer, so another step can be prepared while it runs.
+        """
+        self.last_launch = dict(mode="pipelined eager", rows=sum(num_scheduled_tokens), padded_to=None,
+                                backend=self.backend, fused=self.fused_kernels)
+        input_ids, positions, meta = self.prepare(seqs, num_scheduled_tokens)
+        return self.model.submit(input_ids, positions, meta, fused_kernels=self.fused_kernels)
+
+    @torch.no_grad()
+    def collect(self, pending, seqs: list[Sequence], num_scheduled_tokens: list[int]) -> list:
+        """The end of a ``submit``ted step: its logits, then exactly ``execute``'s sampling."""
+        return self.sample_step(seqs, num_scheduled_tokens, pending.wait())
+
+    def sample_step(self, seqs: list[Sequence], num_scheduled_tokens: list[int], logits: torch.Tensor) -> list:
+        """``execute``'s second half: one step's samples (and ``last_logprobs``, ``last_failures``) from its logits."""
         if any(s.spec_token_ids for s in seqs):
             return self.execute_verify(seqs, num_scheduled_tokens, logits)
         sampling = [s for s, n in zip(seqs, num_scheduled_tokens) if s.num_computed_tokens + n == len(s)]

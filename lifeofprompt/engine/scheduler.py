@@ -24,6 +24,13 @@ accepted drafts: ``num_computed_tokens`` steps back past the rejected ones and t
 they reached go back to the pool (``BlockManager.trim``), before any full block is registered in
 the prefix cache, so no cached block ever holds an unverified token.
 
+Micro-batch groups (pipeline overlap, ``pipeline_overlap.py``). With ``num_groups`` = P > 1 each
+new request joins the group with the fewest requests, and ``schedule(group=g)`` builds a step of
+group g's requests only: its running ones, its own place in the waiting line, and, when the pool
+runs dry, its own most recent admission as the victim. A step of one group can then be in the
+pipeline while another group's is scheduled, and neither touches the other's sequences. Every
+group draws blocks from the one block manager. ``schedule()`` with no group is the plain step.
+
 A request whose prompt plus ``max_tokens`` needs more blocks than the whole pool could never
 finish; ``add`` rejects it with ``RequestTooLargeError`` instead of letting it evict everyone
 forever. Every step leaves a ``StepRecord`` (who ran, how many tokens, which blocks) for the
@@ -72,6 +79,8 @@ class StepRecord:
     num_waiting: int = 0                                 # after scheduling
     num_running: int = 0
     num_free_blocks: int = 0
+    group: int | None = None                             # its micro-batch group (pipeline overlap), else None
+    overlapped: list[int] = field(default_factory=list)  # steps still in flight when this one was submitted
     start_time: float | None = None                      # filled in by whoever runs the step
     end_time: float | None = None
 
@@ -87,6 +96,9 @@ class StepRecord:
         """One line per scheduled request: kind, token positions, blocks."""
         head = (f"step {self.step:3d}: {self.num_batched_tokens:4d} tokens, {len(self.seqs)} running, "
                 f"{self.num_waiting} waiting, {self.num_free_blocks} blocks free")
+        if self.group is not None:
+            beside = f", beside step {', '.join(map(str, self.overlapped))}" if self.overlapped else ""
+            head += f"; group {self.group}{beside}"
         lines = [head]
         for r in self.scheduled:
             cached = f", {r.num_cached_tokens} cached" if r.num_cached_tokens else ""
@@ -128,13 +140,15 @@ def format_steps(records, fold_quiet: bool = False) -> str:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 max_model_len: int | None = None, long_prefill_token_threshold: int | None = None):
+                 max_model_len: int | None = None, long_prefill_token_threshold: int | None = None,
+                 num_groups: int = 1):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_seqs and max_num_batched_tokens must be >= 1, got {max_num_seqs}, {max_num_batched_tokens}")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.long_prefill_token_threshold = long_prefill_token_threshold   # None or 0: off (see fair_chunk)
+        self.num_groups = num_groups            # micro-batch groups (pipeline overlap); 1: none
         pool_tokens = block_manager.num_blocks * block_manager.block_size
         self.max_model_len = min(max_model_len or pool_tokens, pool_tokens)
         self.waiting: deque[Sequence] = deque()
@@ -163,6 +177,8 @@ class Scheduler:
     def add(self, seq: Sequence, front: bool = False) -> None:
         """Queue a request (``front=True``: ahead of everyone, as for a preempted one)."""
         self.check_fits(seq)
+        if self.num_groups > 1 and seq.group is None:
+            seq.group = self.emptiest_group()
         seq.status = SequenceStatus.WAITING
         if front:
             self.waiting.appendleft(seq)
@@ -182,14 +198,28 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def emptiest_group(self) -> int:
+        """The micro-batch group with the fewest unfinished requests (the lowest on a tie), as vLLM
+        gives a new request to the virtual engine with the fewest."""
+        counts = [0] * self.num_groups
+        for seq in self.seqs:
+            if seq.group is not None:
+                counts[seq.group] += 1
+        return counts.index(min(counts))
+
+    def has_work(self, group: int | None = None) -> bool:
+        """Whether ``group`` (None: anyone) has a request running or waiting."""
+        return any(group is None or seq.group == group for seq in self.seqs)
+
     @property
     def seqs(self) -> list[Sequence]:
         """Every sequence that may hold blocks (for ``check_invariants``)."""
         return list(self.running) + list(self.waiting)
 
     # ---------------------------------------------------------------- one step
-    def schedule(self) -> StepRecord:
-        record = StepRecord(step=self.num_steps)
+    def schedule(self, group: int | None = None) -> StepRecord:
+        """One step: of every request, or (``group``) of one micro-batch group's requests only."""
+        record = StepRecord(step=self.num_steps, group=group)
         self.num_steps += 1
         budget = self.max_num_batched_tokens
         bm = self.block_manager
@@ -198,6 +228,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if group is not None and seq.group != group:
+                i += 1
+                continue
             if seq.spec_token_ids:                  # a verify: 1 + k rows, k cut to what the budget leaves
                 seq.set_spec(seq.spec_token_ids[:budget - 1], seq.spec_probs)
             n = (1 + len(seq.spec_token_ids) if seq.spec_token_ids
@@ -207,7 +240,7 @@ class Scheduler:
                     seq.set_spec([])
                     n = 1
                     continue
-                victim = self.running[-1]
+                victim = next(s for s in reversed(self.running) if group is None or s.group == group)
                 self._preempt(victim)
                 record.preempted.append(victim.request_id)
                 if victim is seq:
@@ -221,8 +254,10 @@ class Scheduler:
 
         # 2. waiting requests, in order, while there is room (not in a step that had to preempt)
         admitting = self.admission_open()
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not record.preempted and admitting:
-            seq = self.waiting[0]
+        while budget > 0 and len(self.running) < self.max_num_seqs and not record.preempted and admitting:
+            seq = next((s for s in self.waiting if group is None or s.group == group), None)
+            if seq is None:
+                break
             cached = bm.claim_cached_prefix(seq)
             seq.num_computed_tokens = cached
             n = self.fair_chunk(min(len(seq) - cached, budget))
@@ -230,7 +265,7 @@ class Scheduler:
                 bm.cancel_claim(seq)                 # give the claimed prefix back; try again next step
                 seq.num_computed_tokens = 0
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             if seq.num_preemptions == 0 and not seq.output_token_ids:

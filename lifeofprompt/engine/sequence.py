@@ -46,6 +46,7 @@ class Sequence:
         self.num_preemptions = 0            # times evicted (blocks freed) and recomputed
         self.spec_token_ids: list[int] = []  # draft tokens to verify next (speculative decoding)
         self.spec_probs = None              # the drafter's q for each draft token [k, V] (None: one-hot, n-gram)
+        self.group: int | None = None       # its micro-batch group with pipeline overlap (the scheduler's), else None
 
     @property
     def token_ids(self) -> list[int]:

@@ -117,6 +117,11 @@ class EngineRun:
     startup_lines: list = field(default_factory=list)
     tokens: list = field(default_factory=list)
     step_tokens: list = field(default_factory=list)     # rows of each step: the all-reduces' sizes
+    wall_s: float = float("nan")                        # the whole measured generate
+    max_in_flight: int = 1                              # most steps in the pipe at once (pipeline overlap)
+
+    def tokens_per_s(self) -> float:
+        return sum(len(t) for t in self.tokens) / self.wall_s
 
     @property
     def label(self) -> str:
@@ -146,7 +151,9 @@ def measure_engine(model_factory, prompts, max_tokens: int, tensor_parallel_size
         engine = llm.engine
         collectives.reset()
         before = len(engine.step_records)
+        start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - start
         records = list(engine.step_records)[before:]
         stats = collectives.snapshot()
         reports = engine.parallel.report(engine.model, engine.runner.kv_cache) if engine.parallel else []
@@ -159,4 +166,5 @@ def measure_engine(model_factory, prompts, max_tokens: int, tensor_parallel_size
     return EngineRun(tensor_parallel_size, pipeline_parallel_size, len(records),
                      statistics.median(decode) if decode else float("nan"),
                      sum(times) / max(len(times), 1), stats, reports, lines,
-                     [o.outputs[0].token_ids for o in outputs], [r.num_batched_tokens for r in records])
+                     [o.outputs[0].token_ids for o in outputs], [r.num_batched_tokens for r in records], wall,
+                     max((1 + len(r.overlapped) for r in records), default=1))

@@ -162,7 +162,7 @@ def test_an_unpinned_runner_times_whole_steps_once_and_reads_the_cache_after(tmp
         asked.append(measure(2, "cpu") > 0 and measure(2, False) > 0)    # the runner's real step runs both ways
         return 4, "2 rows: C 1.0 ms, torch 2.0 ms"
 
-    monkeypatch.setattr("lifeofprompt.engine.model_runner.measured_rows", fake_rows)
+    monkeypatch.setattr("lifeofprompt.engine.cpu_paths.measured_rows", fake_rows)
     first = ModelRunner(model, num_blocks=512, block_size=4, backend="torch")
     assert first.linear_choice.pinned is None
     assert (first.cpu_decode_rows, first.cpu_decode_reason) == (4, "2 rows: C 1.0 ms, torch 2.0 ms")

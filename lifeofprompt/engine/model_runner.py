@@ -19,23 +19,27 @@ Two paths share this code:
 
 Sampling runs on the device (``lifeofprompt.engine.sampler``); the one host synchronisation of a step
 is reading the chosen ids back.
+
+The CPU's measured fast paths are chosen in ``cpu_paths.py`` and the decode graphs' buffers live in
+``cuda_graphs.py``; ``ModelRunner`` inherits both.
 """
 
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
 from ..model.attention import PagedCacheMetadata, PagedKVCache
 from ..errors import ConfigError, InvalidRequestError, OutOfMemoryError, RequestFailedError
 from .memory import kv_bytes_per_block, plan_memory
-from ..model.cpu_decode import STEP_ROW_COUNTS, decode_attention_faster, layer_shapes, measured_rows, supports as cpu_decode_supports, takes_step as cpu_decode_takes_step, usable_rows as cpu_decode_rows
+from ..model.cpu_decode import takes_step as cpu_decode_takes_step
 from ..model.huge_pages import move_weights_to_huge_pages
 from ..model.linear import apply_plans
 from ..model.linear_calibration import choose_cpu_linear
 from . import rejection_sampler
+from .cpu_paths import CpuPathChoices
+from .cuda_graphs import DecodeGraphs
 from .sampler import Sampler, SamplerOutput, make_generator
 from .structured_output import grammar_bitmask
 from .sequence import Sequence
@@ -67,7 +71,7 @@ def padded_batch_size(batch: int, sizes: list[int]) -> int | None:
     return None
 
 
-class ModelRunner:
+class ModelRunner(CpuPathChoices, DecodeGraphs):
     """Runs steps of a model over a paged KV pool.
 
     ``num_blocks=None`` sizes the pool: on a GPU from the memory free after a profiling forward
@@ -165,76 +169,6 @@ class ModelRunner:
             seqs.append(seq)
         input_ids, positions, meta = self.prepare(seqs, lengths, cache=cache)
         return self.run_model(input_ids, positions, meta)
-
-    def choose_cpu_decode_rows(self, cpu_decode: bool | None) -> int:
-        """Up to how many rows a step runs as one C call (``model/cpu_decode.py``); 0 for never.
-
-        ``None``: as far as whole steps measured faster in C than through the torch forward on
-        this machine (``cpu_decode.measured_rows``, once, then cached); with the products pinned,
-        where ``rowwise`` is every layer matrix's plan, so no timing can move a test's tokens.
-        ``True``: every step of up to 16 rows (tests); ``False``: never.
-        """
-        if cpu_decode is False or self.backend != "torch" or not cpu_decode_supports(self.model):
-            return 0
-        if cpu_decode:
-            self.cpu_decode_reason = "asked for"
-            return 16
-        if not self.linear_choice:
-            return 0
-        if self.linear_choice.pinned is not None:
-            self.cpu_decode_reason = f"follows the pinned {self.linear_choice.pinned} path"
-            return cpu_decode_rows(self.linear_choice.plans, layer_shapes(self.model), self.linear_choice.timings)
-        rows, self.cpu_decode_reason = self.measure_cpu_decode_rows()
-        return rows
-
-    def measure_cpu_decode_rows(self) -> tuple[int, str]:
-        """``cpu_decode.measured_rows`` on decode steps of this runner's own model and pool, cached per machine."""
-        from ..model.cpu_decode import measured_step_key
-        from ..model.linear_calibration import cached_answer
-
-        key = measured_step_key(self.model, self.linear_choice.plans, self.block_size, self.decode_attention_in_c)
-        context = 64                                       # cached tokens per dummy sequence
-        most = max(STEP_ROW_COUNTS)
-        if self.num_blocks * self.block_size < most * context:
-            return 0, f"not measured: the pool holds fewer than {most} x {context} tokens"
-
-        def measure(rows: int, fused) -> float:
-            input_ids, positions, meta = self.dummy_decode(rows, context)
-            start = time.perf_counter()
-            with torch.no_grad():
-                self.model(input_ids, positions, meta, fused_kernels=fused)
-            return time.perf_counter() - start
-
-        return cached_answer(key, lambda: (*measured_rows(measure), {}))
-
-    def dummy_decode(self, rows: int, context: int):
-        """Inputs of one decode step of ``rows`` sequences with ``context`` tokens each, in the runner's pool (timing)."""
-        from .sampling_params import SamplingParams
-        blocks = math.ceil(context / self.block_size)
-        seqs = []
-        for i in range(rows):
-            seq = Sequence(f"timing-{i}", [i % self.config.vocab_size] * context, SamplingParams(temperature=0))
-            seq.block_table = list(range(i * blocks, (i + 1) * blocks))
-            seq.num_computed_tokens = context - 1
-            seqs.append(seq)
-        return self.prepare(seqs, [1] * rows)
-
-    def choose_decode_attention(self, cpu_decode: bool | None) -> tuple[bool, str]:
-        """Whether the decode rows of every step attend in C, straight from the pool (``cpu_decode.decode_attention``).
-
-        Measured once per machine against the torch path (gather + SDPA); never timed when the
-        products are pinned (tests, checked notebook cells): then pinned ``rowwise`` means the C
-        paths and any other pinned path the torch ones, so no timing can move a token.
-        """
-        if cpu_decode is False or self.backend != "torch" or not cpu_decode_supports(self.model):
-            return False, ""
-        if cpu_decode:
-            return True, "asked for"
-        pinned = self.linear_choice.pinned if self.linear_choice else None
-        if pinned is not None:
-            return pinned == "rowwise", f"follows the pinned {pinned} path"
-        config = self.config
-        return decode_attention_faster(config.num_heads, config.num_kv_heads, config.head_dim, self.block_size)
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedCacheMetadata) -> torch.Tensor:
         """The model's forward as this runner runs it: the fused C decode step, the fused Triton kernels, or plain."""
@@ -464,73 +398,6 @@ class ModelRunner:
             else:
                 rows.append((chosen[i], dict(zip(top_ids[i][:n], top_lp[i][:n]))))
         return rows
-
-    # ------------------------------------------------------------------ CUDA graphs
-
-    def _alloc_static_buffers(self) -> None:
-        """Fixed-address inputs of the decode graphs, sized for the largest batch."""
-        n, device = self.max_num_seqs, self.device
-        self.static_input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.static_positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.static_slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
-        self.static_seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.static_block_tables = torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.static_query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-
-    def static_decode_metadata(self, size: int) -> PagedCacheMetadata:
-        """Metadata over the first ``size`` rows of the static buffers (what a graph of that size reads)."""
-        return PagedCacheMetadata(
-            query_start_loc=self.static_query_start_loc[:size + 1], seq_lens=self.static_seq_lens[:size],
-            max_query_len=1, max_seq_len=self.max_model_len, logits_indices=None, cache=self.kv_cache,
-            block_tables=self.static_block_tables[:size], slot_mapping=self.static_slot_mapping[:size],
-            backend=self.backend)
-
-    def fill_static_decode(self, seqs: list[Sequence], size: int) -> None:
-        """Copy a decode step of ``len(seqs)`` sequences into the static buffers, padding rows up to ``size``.
-
-        Padding rows: token 0 at position 0, slot -1 (stored nowhere), length 1 over block 0.
-        """
-        pad = size - len(seqs)
-        width = self.max_blocks_per_seq
-        last = [len(seq) - 1 for seq in seqs]
-        ids = torch.tensor([seq.token_ids[-1] for seq in seqs] + [0] * pad, dtype=torch.long)
-        positions = torch.tensor(last + [0] * pad, dtype=torch.long)
-        slots = torch.tensor([seq.block_table[p // self.block_size] * self.block_size + p % self.block_size
-                              for seq, p in zip(seqs, last)] + [-1] * pad, dtype=torch.long)
-        seq_lens = torch.tensor([p + 1 for p in last] + [1] * pad, dtype=torch.int32)
-        tables = torch.tensor([(seq.block_table + [0] * width)[:width] for seq in seqs] + [[0] * width] * pad,
-                              dtype=torch.int32)
-        for static, host in ((self.static_input_ids, ids), (self.static_positions, positions),
-                             (self.static_slot_mapping, slots), (self.static_seq_lens, seq_lens),
-                             (self.static_block_tables, tables)):
-            static[:size].copy_(host, non_blocking=True)
-
-    @torch.no_grad()
-    def run_static_decode(self, seqs: list[Sequence], size: int) -> torch.Tensor:
-        """The graph's computation run eagerly: the padded static-buffer decode (tests it on any device)."""
-        self.fill_static_decode(seqs, size)
-        return self.run_model(self.static_input_ids[:size], self.static_positions[:size],
-                              self.static_decode_metadata(size))[:len(seqs)]
-
-    @torch.no_grad()
-    def capture_graphs(self) -> None:
-        """Capture one decode graph per ladder size, largest first so smaller ones reuse its memory pool."""
-        start = time.perf_counter()
-        pool = None
-        self.graphs = {}
-        for size in reversed(self.graph_sizes):
-            meta = self.static_decode_metadata(size)
-            ids, positions = self.static_input_ids[:size], self.static_positions[:size]
-            self.run_model(ids, positions, meta)                   # warm-up: autotune, allocate
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self.run_model(ids, positions, meta)
-            if pool is None:
-                pool = graph.pool()
-            self.graphs[size] = (graph, logits)
-        torch.cuda.synchronize()
-        self.graph_capture_seconds = time.perf_counter() - start
 
 
 def run_greedy_loop(runner: ModelRunner, prompts: list[list[int]], max_tokens: int | list[int],

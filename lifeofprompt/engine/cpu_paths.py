@@ -1,0 +1,94 @@
+"""``CpuPathChoices``: which CPU fast paths a model runner takes, each measured on this machine once.
+
+* the one-call C step (``model/cpu_decode.c``) for steps of up to ``cpu_decode_rows`` rows: as far
+  as whole steps measured faster in C than through the torch forward (``measured_rows``, cached);
+* the decode rows' attention in C, straight from the paged pool, where that measured faster than
+  torch's gather + SDPA.
+
+With the matrix products pinned (tests, checked notebook cells) neither is timed: pinned
+``rowwise`` means the C paths, any other pinned path the torch ones, so no timing moves a token.
+``ModelRunner`` inherits this.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from ..model.cpu_decode import (STEP_ROW_COUNTS, decode_attention_faster, layer_shapes, measured_rows,
+                                supports as cpu_decode_supports, usable_rows as cpu_decode_rows)
+from .sequence import Sequence
+
+
+class CpuPathChoices:
+    def choose_cpu_decode_rows(self, cpu_decode: bool | None) -> int:
+        """Up to how many rows a step runs as one C call (``model/cpu_decode.py``); 0 for never.
+
+        ``None``: as far as whole steps measured faster in C than through the torch forward on
+        this machine (``cpu_decode.measured_rows``, once, then cached); with the products pinned,
+        where ``rowwise`` is every layer matrix's plan, so no timing can move a test's tokens.
+        ``True``: every step of up to 16 rows (tests); ``False``: never.
+        """
+        if cpu_decode is False or self.backend != "torch" or not cpu_decode_supports(self.model):
+            return 0
+        if cpu_decode:
+            self.cpu_decode_reason = "asked for"
+            return 16
+        if not self.linear_choice:
+            return 0
+        if self.linear_choice.pinned is not None:
+            self.cpu_decode_reason = f"follows the pinned {self.linear_choice.pinned} path"
+            return cpu_decode_rows(self.linear_choice.plans, layer_shapes(self.model), self.linear_choice.timings)
+        rows, self.cpu_decode_reason = self.measure_cpu_decode_rows()
+        return rows
+
+    def measure_cpu_decode_rows(self) -> tuple[int, str]:
+        """``cpu_decode.measured_rows`` on decode steps of this runner's own model and pool, cached per machine."""
+        from ..model.cpu_decode import measured_step_key
+        from ..model.linear_calibration import cached_answer
+
+        key = measured_step_key(self.model, self.linear_choice.plans, self.block_size, self.decode_attention_in_c)
+        context = 64                                       # cached tokens per dummy sequence
+        most = max(STEP_ROW_COUNTS)
+        if self.num_blocks * self.block_size < most * context:
+            return 0, f"not measured: the pool holds fewer than {most} x {context} tokens"
+
+        def measure(rows: int, fused) -> float:
+            input_ids, positions, meta = self.dummy_decode(rows, context)
+            start = time.perf_counter()
+            with torch.no_grad():
+                self.model(input_ids, positions, meta, fused_kernels=fused)
+            return time.perf_counter() - start
+
+        return cached_answer(key, lambda: (*measured_rows(measure), {}))
+
+    def dummy_decode(self, rows: int, context: int):
+        """Inputs of one decode step of ``rows`` sequences with ``context`` tokens each, in the runner's pool (timing)."""
+        from .sampling_params import SamplingParams
+        blocks = math.ceil(context / self.block_size)
+        seqs = []
+        for i in range(rows):
+            seq = Sequence(f"timing-{i}", [i % self.config.vocab_size] * context, SamplingParams(temperature=0))
+            seq.block_table = list(range(i * blocks, (i + 1) * blocks))
+            seq.num_computed_tokens = context - 1
+            seqs.append(seq)
+        return self.prepare(seqs, [1] * rows)
+
+    def choose_decode_attention(self, cpu_decode: bool | None) -> tuple[bool, str]:
+        """Whether the decode rows of every step attend in C, straight from the pool (``cpu_decode.decode_attention``).
+
+        Measured once per machine against the torch path (gather + SDPA); never timed when the
+        products are pinned (tests, checked notebook cells): then pinned ``rowwise`` means the C
+        paths and any other pinned path the torch ones, so no timing can move a token.
+        """
+        if cpu_decode is False or self.backend != "torch" or not cpu_decode_supports(self.model):
+            return False, ""
+        if cpu_decode:
+            return True, "asked for"
+        pinned = self.linear_choice.pinned if self.linear_choice else None
+        if pinned is not None:
+            return pinned == "rowwise", f"follows the pinned {pinned} path"
+        config = self.config
+        return decode_attention_faster(config.num_heads, config.num_kv_heads, config.head_dim, self.block_size)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 
 from tiny_models import build_tiny_model
-from lifeofprompt.engine.llm_engine import MIN_FAIR_CHUNK, LLMEngine, fair_prefill_threshold
+from lifeofprompt.engine.llm_engine import LLMEngine
+from lifeofprompt.engine.scheduler import MIN_FAIR_CHUNK, fair_prefill_threshold
 from lifeofprompt.engine.sampling_params import SamplingParams
 from lifeofprompt.errors import ConfigError
 

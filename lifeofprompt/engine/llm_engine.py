@@ -2,9 +2,10 @@
 
 One step = the scheduler picks who runs and how many tokens (``scheduler.py``), the block
 manager gives their cache slots (``block_manager.py``), the model runner computes them and
-samples (``model_runner.py``), and this file turns each new token into text and decides when a
-request is done: EOS (unless ``ignore_eos``), a stop token id, a stop string, ``max_tokens``,
-or the context limit. Finished and aborted requests give their blocks back at once.
+samples (``model_runner.py``), and each new token is turned into text and checked for the end of
+its request (``completions.py``): EOS (unless ``ignore_eos``), a stop token id, a stop string,
+``max_tokens``, or the context limit. Finished and aborted requests give their blocks back at once.
+The start-up log is written in ``startup_log.py``.
 
 Requests may arrive while it runs. ``add_request`` and ``abort`` are safe from other threads
 (the HTTP server calls them from its event loop while an engine thread drives ``step()``):
@@ -36,48 +37,27 @@ from dataclasses import replace
 import torch
 
 from .block_manager import BlockManager
+from .completions import CompletionUpdates
 from .logs import log_to_stderr
 from ..errors import (ConfigError, InvalidRequestError, LifeOfPromptError, QueueFullError, RequestFailedError,
                       SpeculativeConfigError)
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .outputs import RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, StepRecord, format_steps
+from .scheduler import Scheduler, StepRecord, fair_prefill_threshold, format_steps
 from .sequence import Sequence, SequenceStatus
-from .request_state import IncrementalDetokenizer, _Completion, _Request, _unpack_logprobs
+from .request_state import IncrementalDetokenizer, _Completion, _Request
 from .speculative import SpeculativeConfig
 
 logger = logging.getLogger("lifeofprompt.engine")
 log_to_stderr(logger, "engine", defer_to_root=False)   # like vLLM: the start-up lines show without any set-up
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
-MIN_FAIR_CHUNK = 64          # fair prefill never cuts a prompt's chunk thinner than this (see below)
-
-
-def fair_prefill_threshold(requested: int | None, max_num_batched_tokens: int) -> int | None:
-    """The scheduler's ``long_prefill_token_threshold``: ``requested`` if given (0 = off), else a
-    quarter of the step's budget (512 of 2,048), never under ``MIN_FAIR_CHUNK`` tokens.
-
-    A quarter leaves three quarters of every step to the others while a long prompt prefills, so a
-    short request's first token comes one step after it arrives, in a step about a quarter as long;
-    and since the cap holds only while others wait or run, a lone prompt keeps the whole budget. The
-    floor keeps chunks thick enough for fast matrix products, and leaves tiny budgets (a lesson's 8
-    tokens a step) with plain chunked prefill. vLLM's own default is off (4% of max_model_len when
-    ``max_num_partial_prefills`` > 1).
-    """
-    if requested is not None:
-        if requested < 0:
-            raise ConfigError(f"long_prefill_token_threshold must be >= 0 (0 = off), got {requested}")
-        return requested or None
-    threshold = max(max_num_batched_tokens // 4, MIN_FAIR_CHUNK)
-    return threshold if threshold < max_num_batched_tokens else None
-
-
 
 
 # ----------------------------------------------------------------------------- the engine
 
 
-class LLMEngine:
+class LLMEngine(CompletionUpdates):
     def __init__(self, model="smollm2-135m", *, tokenizer=None, dtype=None, device=None, block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
@@ -217,44 +197,8 @@ class LLMEngine:
             self.parallel.shutdown()
 
     def _startup_lines(self, context_len: int) -> list[str]:
-        from .memory import format_bytes
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        packed = getattr(self.runner, "prepacked_bytes", 0)
-        kv = self.runner.kv_cache.nbytes
-        tokens = self.num_kv_blocks * self.block_size
-        lines = [
-            f"model {getattr(self.model, 'source', self.model_name)}",
-            f"{self.model.dtype} on {self.model.device}"
-            + (f" ({self.model.dtype_reason})" if getattr(self.model, "dtype_reason", "") else "")
-            + f"; weights take {format_bytes(weights)}"
-            + (f" (+ {format_bytes(packed)} prepacked for oneDNN)" if packed else "")
-            + ("; in 2 MiB pages" if getattr(self.runner, "huge_page_bytes", 0) else ""),
-            f"KV cache: {format_bytes(kv)} = {self.num_kv_blocks} blocks × {self.block_size} tokens "
-            f"= {tokens} tokens ({format_bytes(kv / max(tokens, 1))} per token)",
-            f"maximum concurrency for {self.config.max_position_embeddings} tokens per request: "
-            f"{tokens / self.config.max_position_embeddings:.2f}x",
-            f"scheduler: up to {self.scheduler.max_num_seqs} sequences and {self.scheduler.max_num_batched_tokens} "
-            f"tokens per step; requests up to {self.max_model_len} tokens; prefix caching "
-            f"{'on' if self.block_manager.enable_prefix_caching else 'off'}",
-        ]
-        if self.runner.linear_choice is not None:
-            lines += self.runner.linear_choice.describe()
-        rows = getattr(self.runner, "cpu_decode_rows", 0)
-        if rows:
-            why = getattr(self.runner, "cpu_decode_reason", "")
-            lines.append(f"steps of {'1 row' if rows == 1 else f'1-{rows} rows'} (decodes, verifies, short prompt "
-                         "chunks): all layers in one C call (model/cpu_decode.c)" + (f"; {why}" if why else ""))
-        if getattr(self.runner, "decode_attention_reason", ""):
-            how = "in C, from the pool" if self.runner.decode_attention_in_c else "gather + SDPA (torch)"
-            lines.append(f"decode attention: {how} ({self.runner.decode_attention_reason})")
-        if self.spec is not None:
-            lines += self.spec.startup_lines(kv, self.num_kv_blocks)
-        if self.parallel is not None:
-            lines += self.parallel.describe(self.model, self._full_weight_bytes,
-                                            self.pipeline.depth if self.pipeline is not None else 1)
-        if getattr(self.model, "is_random", False):
-            lines.append("NOTE: random weights - generated text is meaningless (speed and memory work only)")
-        return lines
+        from .startup_log import startup_lines
+        return startup_lines(self, context_len)
 
     # ---------------------------------------------------------------- requests in (any thread)
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
@@ -506,79 +450,6 @@ class LLMEngine:
                 self.scheduler.finish(c.seq, "error")
         request.pending.clear()
         request.metrics.finished_time = now
-
-    def _on_tokens(self, request: _Request, completion: _Completion, tokens: list[int], logprob_entry, now: float) -> None:
-        """A step's new tokens, one by one; a stop among them ends the output there and drops the rest."""
-        seq = completion.seq
-        base = len(seq.output_token_ids) - len(tokens)
-        for j, token in enumerate(tokens):
-            last = j == len(tokens) - 1
-            entry = logprob_entry[j] if isinstance(logprob_entry, list) else (logprob_entry if last else None)
-            self._on_token(request, completion, token, entry, now, base + j + 1)
-            if completion.finished and not last:
-                del seq.output_token_ids[base + j + 1:]
-                break
-
-    def _on_token(self, request: _Request, completion: _Completion, token: int, logprob_entry, now: float,
-                  num_output: int | None = None) -> None:
-        """One new token: its time, text and logprobs, and whether it ends the request.
-
-        ``num_output``: the output's length counting this token (a verify appends several at once).
-        """
-        seq, params, metrics = completion.seq, completion.seq.sampling_params, request.metrics
-        num_output = len(seq.output_token_ids) if num_output is None else num_output
-        metrics.token_times.append(now)
-        if metrics.first_token_time is None:
-            metrics.first_token_time = now
-        completion.new_token_ids.append(token)
-        if completion.logprobs is not None:
-            chosen, top = _unpack_logprobs(logprob_entry)
-            completion.logprobs.append(dict(top or {}) | ({token: chosen} if chosen is not None else {}))
-            if chosen is not None:
-                completion.cumulative_logprob += chosen
-        with self._tokenizer_lock:
-            completion.detokenizer.add(token)
-        reason, stop_reason = None, None
-        may_stop = num_output >= params.min_tokens                     # min_tokens holds every stop back
-        if num_output >= (params.max_tokens or self.max_model_len) or seq.num_prompt_tokens + num_output >= self.max_model_len:
-            reason = "length"
-        elif may_stop and not params.ignore_eos and token in self.eos_token_ids:
-            reason, stop_reason = "stop", None
-        elif may_stop and token in params.stop_token_ids:
-            reason, stop_reason = "stop", token
-        text = completion.detokenizer.text
-        for stop in params.stop if may_stop else ():
-            at = text.find(stop, max(0, len(completion.text) - len(stop) + 1))
-            if at != -1:
-                text, reason, stop_reason = text[:at], "stop", stop
-                break
-        completion.text = text
-        if reason is not None:
-            seq.stop_reason = stop_reason
-            self.scheduler.finish(seq, reason)
-            if request.finished:
-                metrics.finished_time = now
-
-    def _make_output(self, request: _Request) -> RequestOutput:
-        """A snapshot: cumulative text and ids of every answer, plus what changed since the last snapshot."""
-        completions = []
-        for c in request.completions:
-            seq = c.seq
-            visible = len(c.text)
-            if not c.finished and request.params.stop:   # hold back what could be the start of a stop string
-                visible = max(c.emitted_text_len, len(c.text) - max(map(len, request.params.stop)) + 1)
-            new_text = c.text[c.emitted_text_len:visible]
-            c.emitted_text_len = visible
-            new_ids, c.new_token_ids = c.new_token_ids, []
-            completions.append(CompletionOutput(
-                index=c.index, text=c.text[:visible], token_ids=list(seq.output_token_ids),
-                finish_reason=seq.finish_reason if c.finished else None, stop_reason=seq.stop_reason,
-                logprobs=list(c.logprobs) if c.logprobs is not None else None,
-                cumulative_logprob=c.cumulative_logprob, new_token_ids=new_ids, new_text=new_text))
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
-                             request.finished, request.metrics,
-                             num_cached_tokens=request.completions[0].seq.num_cached_tokens,
-                             random_weights=getattr(self.model, "is_random", False), error=request.error)
 
     # ---------------------------------------------------------------- looking inside
     @property

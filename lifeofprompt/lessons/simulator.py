@@ -26,7 +26,7 @@ import torch
 
 from ..serving.arrivals import ArrivalPattern, Dispatcher, all_at_once, sample_lengths
 from ..engine.block_manager import BlockManager
-from ..engine.llm_engine import fair_prefill_threshold
+from ..engine.scheduler import fair_prefill_threshold
 from ..model.config import SMOLLM2_135M, ModelConfig
 from ..errors import RequestTooLargeError
 from ..serving.metrics import RequestTiming, summarize

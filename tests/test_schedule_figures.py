@@ -94,3 +94,13 @@ def test_in_steps_retimes_a_run_by_step_index():
     assert [t.first_token_time for t in timings.values()] == [1.0, 1.0, 7.0, 7.0]   # second batch after 6 steps
     assert [t.finished_time for t in timings.values()] == [2.0, 6.0, 8.0, 12.0]
     assert timings["r2"].first_scheduled_time == 6.0 and timings["r2"].arrival_time == 0.0
+
+
+def test_the_roofline_check_draws_both_panels_with_a_machine_footer():
+    from lifeofprompt.figures.schedule import plot_roofline_check
+
+    gap = {"measured_s": [0.02, 0.03, 0.05], "predicted_s": [0.02, 0.02, 0.04], "num_tokens": [8, 3, 12]}
+    fig = plot_roofline_check(gap, label="measured on a test machine")
+    assert [ax.get_title() for ax in fig.axes] == ["Real steps against the calibrated roofline", "The gap, by step size"]
+    assert list(fig.axes[1].collections[0].get_offsets()[:, 1]) == [1.0, 1.5, 1.25]
+    assert "measured on a test machine" in [t.get_text() for t in fig.texts]

@@ -279,3 +279,27 @@ class SchedulePanel:
         )
         out = w.interactive_output(self.update, sliders)
         return w.VBox([w.HBox(list(sliders.values())[:2]), w.HBox(list(sliders.values())[2:]), out])
+
+
+def plot_roofline_check(gap: dict, label: str | None = None):
+    """The simulator's clock checked against the engine (notebook 07, part 4): each real step's time
+    beside its roofline prediction, and their ratio by the step's size; a footer names the machine
+    and its load, since every measured millisecond belongs to it (``lessons.simulator.compare_steps``)."""
+    import matplotlib.pyplot as plt
+
+    from .serving import _finish
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
+    steps = range(len(gap["measured_s"]))
+    ax1.plot(steps, [t * 1e3 for t in gap["measured_s"]], "o-", label="measured (engine)")
+    ax1.plot(steps, [t * 1e3 for t in gap["predicted_s"]], "s--", label="predicted (roofline + overhead)")
+    ax1.set_xlabel("step of the continuous run")
+    ax1.set_ylabel("step time (ms)")
+    ax1.set_title("Real steps against the calibrated roofline")
+    ax1.legend(fontsize=8)
+    ax2.scatter(gap["num_tokens"], [m / p for m, p in zip(gap["measured_s"], gap["predicted_s"])])
+    ax2.axhline(1.0, color="grey", linestyle=":")
+    ax2.set_xlabel("tokens in the step")
+    ax2.set_ylabel("measured / predicted")
+    ax2.set_title("The gap, by step size")
+    return _finish(fig, label)

@@ -8,7 +8,11 @@ from lifeofprompt.lessons import seed_arithmetic as seed
 def test_every_figure_of_the_seed_follows_from_its_inputs():
     rows = seed.checks()
     assert len(rows) == 18
-    assert all(row.agrees for row in rows), "\n".join(row.line() for row in rows if not row.agrees)
+    differ = [row for row in rows if not row.agrees]
+    # one of the seed's figures is itself imprecise: its p99 of 60 is not the second slowest sample
+    assert [row.claim for row in differ] == [next(r.claim for r in rows if r.claim.startswith("p99 of 60"))], \
+        "\n".join(row.line() for row in differ)
+    assert "DIFFERS" in differ[0].line() and "58.4" in differ[0].line()
 
 
 def test_p99_of_60_is_interpolated_between_the_two_slowest():
@@ -29,7 +33,7 @@ def test_select_picks_by_claim_and_refuses_nothing():
 
     assert [c.claim for c in select("decode floor (ms)")] == ["decode floor (ms)"]
     assert len(select("p99", "TPOT")) == 2
-    assert report("p99").endswith("agrees")
+    assert report("p99").endswith("DIFFERS") and report("TPOT").endswith("agrees")
     import pytest
     with pytest.raises(KeyError):
         select("no such claim")

@@ -61,3 +61,13 @@ def test_yield_curves_rise_with_alpha():
     fig = yield_figure(6)
     tops = [line.get_ydata()[-1] for line in fig.axes[0].get_lines()]
     assert tops == sorted(tops) and len(tops) == 5
+
+
+def test_labels_of_close_runs_at_the_same_k_are_lifted_apart():
+    from types import SimpleNamespace as Run
+
+    from lifeofprompt.figures.speculation import label_lifts
+
+    runs = [Run(k=4, tokens_per_step=1.59), Run(k=4, tokens_per_step=1.50), Run(k=4, tokens_per_step=3.24),
+            Run(k=2, tokens_per_step=1.55)]
+    assert label_lifts(runs) == [24, 0, 0, 0]          # the higher of the two close ones moves; others stay

@@ -127,8 +127,8 @@ def plot_naive_vs_cached(toy: ToyAttention):
     scores_new = q_new @ toy.K.T / toy.X.shape[1] ** 0.5
     context_new = scores_new.softmax(dim=-1) @ toy.V
     cached = [("q (newest only)", q_new, [[NEEDED] * 4], new, dims),
-              ("K (3 from the cache + 1 new)", toy.K, old_rows(4, NEEDED, CACHED), toy.tokens, dims),
-              ("V (3 from the cache + 1 new)", toy.V, old_rows(4, NEEDED, CACHED), toy.tokens, dims),
+              ("K: 3 cached + 1 new", toy.K, old_rows(4, NEEDED, CACHED), toy.tokens, dims),
+              ("V: 3 cached + 1 new", toy.V, old_rows(4, NEEDED, CACHED), toy.tokens, dims),
               ("scores", scores_new, [[NEEDED] * n], new, toy.tokens),
               ("context", context_new, [[NEEDED] * 4], new, dims)]
     for ax, (name, values, colours, rows, cols) in zip(axes[1], cached):

@@ -62,6 +62,18 @@ def verify_figure(steps, token_text, title: str = "", max_steps: int = 12):
     return fig
 
 
+def label_lifts(runs, near: float = 0.5, step_points: int = 24) -> list[int]:
+    """Points to raise each run's label by, so runs at the same k with close yields (two drafters
+    at α ≈ 0.35 both near 1.5 tokens) do not print their labels on top of each other."""
+    lifts, placed = [0] * len(runs), []
+    for i in sorted(range(len(runs)), key=lambda i: runs[i].tokens_per_step):
+        run = runs[i]
+        crowd = [j for j in placed if runs[j].k == run.k and abs(runs[j].tokens_per_step - run.tokens_per_step) < near]
+        lifts[i] = step_points * len(crowd)
+        placed.append(i)
+    return lifts
+
+
 def yield_figure(max_k: int = 8, alphas=ALPHAS, runs: list[SpeculationRun] = (), ax=None, highlight=None):
     """Expected tokens per verify step against k, one curve per α; measured runs as labelled points."""
     import matplotlib.pyplot as plt
@@ -71,10 +83,11 @@ def yield_figure(max_k: int = 8, alphas=ALPHAS, runs: list[SpeculationRun] = (),
     ks = list(range(0, max_k + 1))
     for alpha in alphas:
         ax.plot(ks, [expected_tokens_per_step(alpha, k) for k in ks], marker=".", label=f"α = {alpha:g}")
-    for run in runs:
+    for run, lift in zip(runs, label_lifts(runs)):
         ax.plot([run.k], [run.tokens_per_step], marker="*", markersize=13, color="black", linestyle="none")
         ax.annotate(f"{run.label}\n(α ≈ {run.alpha:.2f})", (run.k, run.tokens_per_step), textcoords="offset points",
-                    xytext=(8, -4), fontsize=8)
+                    xytext=(8, -4 + lift), fontsize=8,
+                    arrowprops=dict(arrowstyle="-", color="grey", lw=0.6) if lift else None)
     if highlight is not None:
         k, alpha = highlight
         ax.plot([k], [expected_tokens_per_step(alpha, k)], marker="o", markersize=11, markerfacecolor="none",

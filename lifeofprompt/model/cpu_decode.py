@@ -147,11 +147,9 @@ def measured_rows(measure, row_counts=STEP_ROW_COUNTS, rounds: int = 3, budget_s
 def measured_step_key(model, plans: dict, block_size: int, decode_attention_in_c: bool) -> dict:
     """What the C step's measured row limit depends on: the machine, the model's shape, the
     products' plans (the torch step's speed), the attention path and both C sources."""
-    import hashlib
-
     from ..env import cpu_flags, cpu_model
     from .huge_pages import huge_pages_setting
-    from .native_build import source_texts
+    from .native_build import source_digest
 
     config = model.config
     return dict(version=1, what="whole decode steps: the C step against the torch forward", cpu=cpu_model(),
@@ -160,7 +158,7 @@ def measured_step_key(model, plans: dict, block_size: int, decode_attention_in_c
                 heads=[config.num_heads, config.num_kv_heads, config.head_dim], block_size=block_size,
                 plans={f"{o}x{i}": p.describe() for (o, i), p in sorted(plans.items())},
                 decode_attention_in_c=decode_attention_in_c, huge_pages=huge_pages_setting(),
-                source=hashlib.sha256("\n".join(source_texts(SOURCE)).encode()).hexdigest()[:16])
+                source=source_digest(SOURCE))
 
 
 def takes_step(num_rows: int, max_rows: int, kv: torch.Tensor) -> bool:

@@ -214,9 +214,9 @@ def cache_key(model: nn.Module, paths: tuple[str, ...]) -> dict:
 def rowwise_source_digest() -> str:
     """A digest of the rowwise kernel's C source: a changed kernel is timed again."""
     from .cpu_rows import SOURCE
-    from .native_build import source_texts
+    from .native_build import source_digest
 
-    return hashlib.sha256("\n".join(source_texts(SOURCE)).encode()).hexdigest()[:16]
+    return source_digest(SOURCE)
 
 
 def cache_file(key: dict) -> Path:

@@ -41,6 +41,11 @@ def source_texts(source: Path) -> list[str]:
     return [text] + [(source.parent / name).read_text() for name in headers]
 
 
+def source_digest(source: Path) -> str:
+    """A short digest of ``source`` and its local headers: a choice timed with a changed kernel is timed again."""
+    return hashlib.sha256("\n".join(source_texts(source)).encode()).hexdigest()[:16]
+
+
 def library_path(source: Path, cc: str) -> Path:
     """Where this machine's build of ``source`` lives: one file per (source and headers, compiler, CPU)."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout

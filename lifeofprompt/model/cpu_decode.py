@@ -147,18 +147,15 @@ def measured_rows(measure, row_counts=STEP_ROW_COUNTS, rounds: int = 3, budget_s
 def measured_step_key(model, plans: dict, block_size: int, decode_attention_in_c: bool) -> dict:
     """What the C step's measured row limit depends on: the machine, the model's shape, the
     products' plans (the torch step's speed), the attention path and both C sources."""
-    from ..env import cpu_flags, cpu_model
-    from .huge_pages import huge_pages_setting
+    from .linear_calibration import machine_key
     from .native_build import source_digest
 
     config = model.config
-    return dict(version=1, what="whole decode steps: the C step against the torch forward", cpu=cpu_model(),
-                flags=" ".join(sorted(cpu_flags())), torch=torch.__version__, threads=torch.get_num_threads(),
+    return dict(machine_key(), version=1, what="whole decode steps: the C step against the torch forward",
                 dtype=str(model.dtype), layers=config.num_layers, vocab=config.vocab_size,
                 heads=[config.num_heads, config.num_kv_heads, config.head_dim], block_size=block_size,
                 plans={f"{o}x{i}": p.describe() for (o, i), p in sorted(plans.items())},
-                decode_attention_in_c=decode_attention_in_c, huge_pages=huge_pages_setting(),
-                source=source_digest(SOURCE))
+                decode_attention_in_c=decode_attention_in_c, source=source_digest(SOURCE))
 
 
 def takes_step(num_rows: int, max_rows: int, kv: torch.Tensor) -> bool:
@@ -266,12 +263,10 @@ def decode_attention_faster(num_heads: int, num_kv_heads: int, head_dim: int, bl
     Timed on 16 sequences of 256 cached tokens in scattered blocks, alternating the two, best
     of several rounds: the kind of decode group a busy engine step holds.
     """
-    from .linear_calibration import cached_verdict
-    from ..env import cpu_flags, cpu_model
+    from .linear_calibration import cached_verdict, machine_key
     from .paged_attention import AttentionPlan, paged_attention
 
-    key = dict(version=1, what="decode attention: C against gather + SDPA", cpu=cpu_model(),
-               flags=" ".join(sorted(cpu_flags())), torch=torch.__version__, threads=torch.get_num_threads(),
+    key = dict(machine_key(), version=1, what="decode attention: C against gather + SDPA",
                heads=[num_heads, num_kv_heads, head_dim], block_size=block_size)
 
     def measure():

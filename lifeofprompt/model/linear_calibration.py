@@ -203,12 +203,18 @@ def calibrate(model: nn.Module, paths: tuple[str, ...], measure=None, budget_s: 
 # ----------------------------------------------------------------------------- the cached choice
 
 
+def machine_key() -> dict:
+    """The machine fields every cached timing depends on: the CPU and its flags, torch's kernels,
+    the thread count and whether weights sit in huge pages. Each cache key adds what it timed."""
+    return dict(cpu=cpu_model(), flags=" ".join(sorted(cpu_flags())), torch=torch.__version__,
+                threads=torch.get_num_threads(), huge_pages=huge_pages_setting())
+
+
 def cache_key(model: nn.Module, paths: tuple[str, ...]) -> dict:
     """Everything the fastest path depends on; a change in any of it means timing again."""
-    return dict(version=CALIBRATION_VERSION, cpu=cpu_model(), flags=" ".join(sorted(cpu_flags())),
-                torch=torch.__version__, threads=torch.get_num_threads(), dtype=str(model.dtype),
+    return dict(machine_key(), version=CALIBRATION_VERSION, dtype=str(model.dtype),
                 shapes=sorted(f"{o}x{i}" for o, i in weights_by_shape(model)), paths=list(paths),
-                huge_pages=huge_pages_setting(), rowwise_source=rowwise_source_digest())
+                rowwise_source=rowwise_source_digest())
 
 
 def rowwise_source_digest() -> str:
@@ -318,8 +324,7 @@ def bf16_decode_faster() -> tuple[bool, str]:
     them at more than half the rate of the *fastest* fp32 path here (the one the engine would
     choose); timed for 1 and 8 rows.
     """
-    key = dict(version=CALIBRATION_VERSION, what="bf16 vs the fastest fp32 path", cpu=cpu_model(), flags=" ".join(sorted(cpu_flags())),
-               torch=torch.__version__, threads=torch.get_num_threads(), huge_pages=huge_pages_setting())
+    key = dict(machine_key(), version=CALIBRATION_VERSION, what="bf16 vs the fastest fp32 path")
 
     def measure():
         fp32_paths = [p for p in available_paths() if p != "transposed"]      # doubled covers it for one row

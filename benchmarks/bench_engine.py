@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import random
 import re
 import statistics
@@ -343,7 +344,8 @@ def decode_step_curve(runner, batch_sizes: list[int], context: int, steps: int =
             start = time.perf_counter()
             run_step(runner, seqs, [1] * batch)
             times.append(time.perf_counter() - start)
-        rows.append(dict(batch=batch, context=context, step_s=statistics.median(times), min_step_s=min(times)))
+        rows.append(dict(batch=batch, context=context, step_s=statistics.median(times), min_step_s=min(times),
+                         timed_steps=steps))
     return rows
 
 
@@ -535,7 +537,8 @@ def cpu_run(args) -> dict:
     read = measure_read_bandwidth("cpu")
     step_s = next(r["step_s"] for r in results["batching_curve"] if r["batch"] == 1 and "step_s" in r)
     floor_s = decode_weight_bytes(runner.config, runner.model.dtype) / read
-    results["batch1_step"] = dict(step_s=step_s, read_bandwidth=read, floor_s=floor_s, ratio=step_s / floor_s)
+    results["batch1_step"] = dict(step_s=step_s, read_bandwidth=read, floor_s=floor_s, ratio=step_s / floor_s,
+                                  load_average=os.getloadavg()[0])     # notebook 08 sets it beside the profile's
     print(f"batch-1 step {step_s * 1e3:.1f} ms, floor {floor_s * 1e3:.1f} ms ({read / 1e9:.1f} GB/s read): "
           f"{step_s / floor_s:.2f}x", flush=True)
     results["targets"] = targets(results)

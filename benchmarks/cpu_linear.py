@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -94,7 +95,7 @@ def main(argv=None) -> int:
             print(f"M={rows:<4} " + "  ".join(f"{k} {v['ms']:7.1f} ms {v['weight_GB_per_s']:5.1f} GB/s"
                                               for k, v in row.items() if k != "rows"), flush=True)
     result = {"env": env_info(), "threads": args.threads, "weight_bytes": nbytes,
-              "sum_read_GB_per_s": read_bandwidth() / 1e9, "rows": rows_out}
+              "sum_read_GB_per_s": read_bandwidth() / 1e9, "load_average": os.getloadavg()[0], "rows": rows_out}
     print(f"{args.threads} thread(s) read memory with sum() at {result['sum_read_GB_per_s']:.1f} GB/s")
     args.out.mkdir(parents=True, exist_ok=True)
     from bench_engine import cpu_slug            # results are named after the CPU they ran on

@@ -233,12 +233,57 @@ def test_serving_figures_label_axes_and_name_the_machine():
     for fig in figures:
         assert any(t.get_text() == "machine X" for t in fig.texts)
         for ax in fig.axes:
-            assert ax.get_xlabel() and ax.get_ylabel() and ax.get_title()
+            if ax.axison:                              # a table beside a plot has a title only
+                assert ax.get_xlabel() and ax.get_ylabel() and ax.get_title()
+            else:
+                assert ax.get_title() and ax.tables
     ttft_ax = figures[1].axes[0]
     p99_line = ttft_ax.get_lines()[1]
     assert list(p99_line.get_ydata()) == [r.summary["ttft_s"]["p99"] for r in sweep]
     assert len(figures[2].axes[0].get_lines()) == 2            # one queue line per rate
     plt.close("all")
+
+
+def _overlapping_texts(fig, ax):
+    """Pairs of the plot's visible labels (tick labels, run numbers, legend) whose drawn boxes intersect."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    texts = [t for t in [*ax.get_xticklabels(), *ax.get_yticklabels(), *ax.texts, *ax.get_legend().get_texts()]
+             if t.get_visible() and t.get_text()]
+    boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in texts]
+    return [(a, b) for i, (a, box_a) in enumerate(boxes) for b, box_b in boxes[i + 1:] if box_a.overlaps(box_b)]
+
+
+def test_the_ttft_figure_keeps_nearby_runs_readable():
+    """Runs at 0.9x and 0.95x capacity land close together: numbers, not labels, mark them; a table says which."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lifeofprompt.figures.serving import log_ticks, plot_ttft_against_rate, ttft_rows
+
+    from types import SimpleNamespace
+
+    capacity = 4.24          # notebook 09's stored sweep: set factor, achieved rate, p50, p99
+    runs = [SimpleNamespace(config=SimpleNamespace(rate=f * capacity),
+                            summary=dict(achieved_arrival_rate=got, ttft_s=dict(p50=p50, p99=p99)))
+            for f, got, p50, p99 in [(1.25, 4.74, 0.61, 1.78), (0.5, 1.90, 0.15, 0.29), (0.9, 3.42, 0.26, 1.25),
+                                     (0.95, 3.61, 0.23, 1.17)]]
+    rows = ttft_rows(runs, capacity)
+    assert [row["number"] for row in rows] == [1, 2, 3, 4]
+    assert [row["got"] for row in rows] == sorted(r.summary["achieved_arrival_rate"] for r in runs)
+    assert [round(row["set_factor"], 2) for row in rows] == [0.5, 0.9, 0.95, 1.25]
+    fig = plot_ttft_against_rate(runs, capacity, label="machine X")
+    ax, side = fig.axes
+    assert sorted(t.get_text() for t in ax.texts) == ["1", "2", "3", "4"]          # one number per run
+    cells = side.tables[0].get_celld()
+    assert [cells[(i + 1, 0)].get_text().get_text() for i in range(4)] == ["1", "2", "3", "4"]
+    assert [cells[(i + 1, 4)].get_text().get_text() for i in range(4)] == [f"{row['p99']:.2f}" for row in rows]
+    assert _overlapping_texts(fig, ax) == []
+    assert [t.get_text() for t in ax.get_yticklabels()] == [f"{t:g}" for t in ax.get_yticks()]
+    plt.close(fig)
+    assert log_ticks(0.1, 2.0) == [0.1, 0.2, 0.3, 0.5, 1.0, 2.0] and log_ticks(0.15, 0.45) == [0.2, 0.3]
 
 
 def test_the_sweep_table_puts_the_achieved_rate_beside_every_percentile():

@@ -66,31 +66,61 @@ def plot_batching_curve(points, predicted_s, floor_s: float, title: str = "The b
     return _finish(fig, label)
 
 
+def ttft_rows(results, capacity: float) -> list[dict]:
+    """One row per run, in order of the rate achieved: the numbers the TTFT figure plots and tabulates."""
+    rows = [dict(set_factor=r.config.rate / capacity, set_rate=r.config.rate, got=r.summary["achieved_arrival_rate"],
+                 p50=r.summary["ttft_s"]["p50"], p99=r.summary["ttft_s"]["p99"]) for r in results]
+    rows.sort(key=lambda row: row["got"])
+    return [dict(row, number=i + 1) for i, row in enumerate(rows)]
+
+
+def log_ticks(low: float, high: float, mantissas=(1, 2, 3, 5)) -> list[float]:
+    """Tick values for a log axis from ``low`` to ``high``: 1, 2, 3, 5 in every decade, none crowding the next."""
+    ticks = []
+    for exponent in range(int(np.floor(np.log10(low))) - 1, int(np.ceil(np.log10(high))) + 1):
+        ticks += [float(f"{m}e{exponent}") for m in mantissas if low <= m * 10.0**exponent <= high]
+    return ticks
+
+
 def plot_ttft_against_rate(results, capacity: float, label: str | None = None):
-    """Median and p99 time to first token against the achieved arrival rate, capacity marked."""
+    """Median and p99 time to first token against the achieved arrival rate, capacity marked.
+
+    Each run is a numbered pair of points; its numbers (set and achieved rate, p50, p99) stand in
+    a table beside the plot rather than as labels on it, where runs at nearby rates collide.
+    """
     import matplotlib.pyplot as plt
 
-    rates = np.array([r.summary["achieved_arrival_rate"] for r in results])
-    p50 = np.array([r.summary["ttft_s"]["p50"] for r in results])
-    p99 = np.array([r.summary["ttft_s"]["p99"] for r in results])
-    order = np.argsort(rates)
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    ax.plot(rates[order], p50[order], "o-", label="median (p50)")
-    ax.plot(rates[order], p99[order], "^-", label="p99")
+    rows = ttft_rows(results, capacity)
+    got = np.array([row["got"] for row in rows])
+    p50, p99 = np.array([row["p50"] for row in rows]), np.array([row["p99"] for row in rows])
+    fig, (ax, side) = plt.subplots(1, 2, figsize=(10.5, 4.5), gridspec_kw={"width_ratios": [2.3, 1]})
+    ax.plot(got, p50, "o-", label="median (p50)")
+    ax.plot(got, p99, "^-", label="p99")
     ax.axvline(capacity, color="gray", linestyle=":", label=f"closed-loop capacity {capacity:.2f} req/s")
-    for r, x, y in zip(results, rates, p99):
-        ax.annotate(f"set {r.config.rate / capacity:.3g}×", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
-    span = (max(rates.max(), capacity) - min(rates.min(), capacity)) or capacity or 1.0
-    ax.set_xlim(min(rates.min(), capacity) - 0.05 * span, max(rates.max(), capacity) + 0.12 * span)   # room for the labels
-    from matplotlib.ticker import FormatStrFormatter
-
-    ax.set(yscale="log", xlabel="achieved arrival rate (requests per second, Poisson)",
+    for row in rows:         # the run's number under its median, where no other label is
+        ax.annotate(str(row["number"]), (row["got"], row["p50"]), textcoords="offset points", xytext=(0, -13),
+                    ha="center", fontsize=8, fontweight="bold", color="C0")
+    low, high = float(min(p50.min(), p99.min())) / 1.6, float(max(p50.max(), p99.max())) * 1.4
+    span = (max(got.max(), capacity) - min(got.min(), capacity)) or capacity or 1.0
+    ax.set_xlim(min(got.min(), capacity) - 0.06 * span, max(got.max(), capacity) + 0.06 * span)
+    ax.set(yscale="log", ylim=(low, high), xlabel="achieved arrival rate (requests per second, Poisson)",
            ylabel="time to first token (s, log scale)", title="The queue is where p99 lives")
-    ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
-    ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
-    ax.tick_params(axis="y", which="minor", labelsize=7)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.set_yticks(log_ticks(low, high), [f"{t:g}" for t in log_ticks(low, high)])
+    ax.yaxis.set_minor_locator(plt.NullLocator())
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    side.axis("off")
+    height = 0.09 * (len(rows) + 1)
+    table = side.table(cellText=[[str(row["number"]), f"{row['set_factor']:.3g}×", f"{row['got']:.2f}",
+                                  f"{row['p50']:.2f}", f"{row['p99']:.2f}"] for row in rows],
+                       colLabels=["run", "set", "got", "p50", "p99"], cellLoc="center",
+                       bbox=(0, 1 - height, 1, height))
+    table.auto_set_font_size(False)
+    table.set_fontsize(9)
+    side.text(0, 1 - height - 0.04, "run: its number on the plot\nset: the rate asked for, × capacity\n"
+              "got: the rate the arrivals achieved, req/s\np50, p99: time to first token, s",
+              fontsize=8, va="top", color="dimgray", transform=side.transAxes)
+    side.set_title("the runs", fontsize=10)
     return _finish(fig, label)
 
 

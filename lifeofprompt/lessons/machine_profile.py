@@ -23,6 +23,8 @@ from ..env import cache_dir, cpu_model
 from . import roofline
 
 VERSION = 1
+PROFILE_CONTEXT = 128           # tokens of context of the timed decode steps
+PROFILE_DECODE_STEPS = 8        # decode steps timed; the fastest is the profile's step
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,12 @@ class MachineProfile:
     def machine(self) -> roofline.Machine:
         """The roofline's view: copy bandwidth and matmul rate."""
         return roofline.Machine(self.name, self.copy_bandwidth, self.matmul_flops)
+
+    @property
+    def threads(self) -> int | None:
+        """The CPU threads it was measured with (``name`` ends "N thread(s)"); None for a GPU profile."""
+        last = self.name.rsplit(", ", 1)[-1].split()
+        return int(last[0]) if len(last) == 2 and last[0].isdigit() and last[1].startswith("thread") else None
 
     def footer(self) -> str:
         """One line for under a figure: which machine, when, and how busy it was."""
@@ -77,15 +85,19 @@ def profile_path(key: dict):
     return cache_dir() / "machine" / f"{slug.lower()}-v{key['version']}.json"
 
 
-def measure_decode_step(context: int = 128) -> float:
-    """The engine's batch-1 decode step on the embedded model in fp32 (fastest of a few steps)."""
+def measure_decode_step(context: int = PROFILE_CONTEXT) -> float:
+    """The engine's batch-1 decode step on the embedded model in fp32: the fastest of ``PROFILE_DECODE_STEPS``.
+
+    A fresh engine serves one request; the engine's step records time each step from after
+    scheduling to the sampled token (the runner's ``execute``: forward and sampling).
+    """
     from ..engine.llm_engine import LLMEngine
     from .serving_study import time_decode_steps
 
     engine = LLMEngine("smollm2-135m", dtype=torch.float32, device="cpu", num_kv_blocks=64, max_num_seqs=1,
                        log_stats=False)
     time_decode_steps(engine, 1, prompt_len=16, decode_steps=2)                 # warm-up
-    return time_decode_steps(engine, 1, prompt_len=context, decode_steps=8).step_s
+    return time_decode_steps(engine, 1, prompt_len=context, decode_steps=PROFILE_DECODE_STEPS).step_s
 
 
 def machine_profile(device: str = "cpu", refresh: bool = False) -> MachineProfile:

@@ -48,6 +48,12 @@ class Machine:
                 f"break-even {self.break_even:.0f} FLOP/byte, overhead {self.overhead_s * 1e3:.2f} ms")
 
 
+# What the CPU bandwidth measurements move (notebook 08 prints these beside the rates they give).
+CPU_COPY_BYTES = 64 * 2**20     # a copy: past the caches, quick
+CPU_READ_BYTES = 512 * 2**20    # a read: far past any cache, in the 2 MiB pages the engine's weights live in
+BANDWIDTH_REPEATS = 5           # best of
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -65,27 +71,27 @@ def _best_time(fn, device, repeats: int) -> float:
     return best
 
 
-def measure_copy_bandwidth(device="cpu", nbytes: int | None = None, repeats: int = 5) -> float:
+def measure_copy_bandwidth(device="cpu", nbytes: int | None = None, repeats: int = BANDWIDTH_REPEATS) -> float:
     """Bytes/s of a large tensor copy, counting the read and the write (best of ``repeats``).
 
     Default size: 64 MiB on the CPU (well past the caches, quick), 1 GiB on a GPU.
     """
     device = torch.device(device)
-    nbytes = nbytes or (2**30 if device.type == "cuda" else 64 * 2**20)
+    nbytes = nbytes or (2**30 if device.type == "cuda" else CPU_COPY_BYTES)
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     seconds = _best_time(lambda: dst.copy_(src), device, repeats)
     return 2 * src.numel() * 4 / seconds
 
 
-def measure_read_bandwidth(device="cpu", nbytes: int | None = None, repeats: int = 5) -> float:
+def measure_read_bandwidth(device="cpu", nbytes: int | None = None, repeats: int = BANDWIDTH_REPEATS) -> float:
     """Bytes/s the current threads *read* (a ``sum()`` over a large tensor: no write), best of ``repeats``.
 
     This is the ceiling for a decode step, which mostly reads weights. Default size: 512 MiB on
     the CPU (far past any cache), 1 GiB on a GPU.
     """
     device = torch.device(device)
-    nbytes = nbytes or (2**30 if device.type == "cuda" else 512 * 2**20)
+    nbytes = nbytes or (2**30 if device.type == "cuda" else CPU_READ_BYTES)
     if device.type == "cpu":            # the pages the engine keeps its weights in (model/huge_pages.py)
         data = huge_page_buffer(nbytes // 4 * 4).view(torch.float32).fill_(1.0)
     else:

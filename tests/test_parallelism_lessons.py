@@ -180,9 +180,12 @@ def test_figures_draw_what_they_say():
 def test_time_collectives_spawns_and_times_every_op():
     from lifeofprompt.lessons.collective_bench import time_collectives
 
-    times = time_collectives(2, [64, 4096], ops=("all_reduce", "broadcast", "gather", "send"), repeats=3)
-    assert set(times) == {(op, n) for op in ("all_reduce", "broadcast", "gather", "send") for n in (64, 4096)}
-    assert all(0 < t < 5 for t in times.values())
+    both = time_collectives(2, [64, 4096], ops=("all_reduce", "broadcast", "gather", "send"), repeats=3,
+                            statistic="both")
+    assert set(both) == {"mean", "median"}
+    for times in both.values():
+        assert set(times) == {(op, n) for op in ("all_reduce", "broadcast", "gather", "send") for n in (64, 4096)}
+        assert all(0 < t < 5 for t in times.values())
 
 
 def test_measure_engine_single_process():

@@ -3,6 +3,7 @@
 2 layers, 9 query / 3 KV heads, intermediate 96 (divisible by 3 like SmolLM2's 1536), tied
 embeddings, and a vocabulary of 320 that 3 does not divide, so the padded vocab shard runs too.
 It splits exactly as SmolLM2-135M does (T ∈ {1, 3}, P ∈ {1, 2}) and steps in milliseconds.
+``TINY_EVEN_LAYOUT`` (``tiny_even_model``) is its twin with 8 query / 4 KV heads, for T ∈ {1, 2, 4, 8}.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ with two steps in flight; it is sampled and rolled back when it comes back, and 
 group get new drafts. Greedy tokens equal the single-process engine's with the same speculation, and
 without any (greedy speculation is exact), at every step the fp32 margin decides; each request is
 drafted and keeps exactly what the single engine's drafted and kept; the counters agree with the step
-records; the block manager's invariants hold after every step (``check_invariants``), through
-preemptions, and at the end.
+records; seeded sampling draws what the single engine draws; the block manager's invariants hold after
+every step (``check_invariants``), through preemptions, and at the end.
 
 One parallel engine for the module (a P = 2 start spawns an interpreter); the single-process engines
 are cheap. Run A fits the pool; run B, more and longer requests, runs it dry.
@@ -40,12 +40,18 @@ def prompts_of(run: str) -> list[list[int]]:
     return [tokenizer.encode(t) for t in TEXTS[:RUNS[run][0]]]
 
 
-def generate(llm: LLM, run: str) -> dict:
-    """Greedy outputs of one run, and the step records it added."""
+def generate(llm: LLM, run: str, seeded: bool = False) -> dict:
+    """Greedy outputs of one run (``seeded``: sampled at temperature 0.3, each request its own seed), and
+    the step records it added."""
     engine = llm.engine
     before = len(engine.step_records)
-    params = SamplingParams(temperature=0, max_tokens=RUNS[run][1], ignore_eos=True)
-    outputs = llm.generate(prompts_of(run), params, use_tqdm=False)
+    prompts = prompts_of(run)
+    if seeded:
+        params = [SamplingParams(temperature=0.3, seed=100 + i, max_tokens=RUNS[run][1], ignore_eos=True)
+                  for i in range(len(prompts))]
+    else:
+        params = SamplingParams(temperature=0, max_tokens=RUNS[run][1], ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     return dict(tokens=[o.outputs[0].token_ids for o in outputs], outputs=outputs,
                 records=list(engine.step_records)[before:])
 
@@ -56,7 +62,9 @@ def single(one_thread):
     model, tokenizer = tiny_model()
     with_spec = LLM(model, tokenizer=tokenizer, speculative_config=SPEC, **ENGINE)
     without = LLM(model, tokenizer=tokenizer, **ENGINE)
-    return {run: dict(spec=generate(with_spec, run), plain=generate(without, run)) for run in RUNS}
+    runs = {run: dict(spec=generate(with_spec, run), plain=generate(without, run)) for run in RUNS}
+    runs["seeded"] = generate(with_spec, "A", seeded=True)
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +79,7 @@ def overlapped(one_thread):
             runs[run] = generate(llm, run)
             runs[run].update(accepted=stats.num_accepted_tokens - accepted, drafts=stats.num_drafts - drafts,
                              preemptions=llm.engine.scheduler.num_preemptions)
+        runs["seeded"] = generate(llm, "A", seeded=True)
         runs["stages"] = stage_times(llm)
         yield llm, runs
     finally:
@@ -108,6 +117,17 @@ def test_each_request_is_drafted_and_keeps_what_the_single_engine_did(single, ov
         assert verifies_within(a, len(prompt), agreed) == verifies_within(b, len(prompt), agreed)
         compared += len(verifies_within(a, len(prompt), agreed))
     assert compared >= 0.9 * sum(len(o.metrics.spec_steps) for o in theirs["outputs"]) > 0
+
+
+def test_seeded_sampling_speculates_as_in_the_single_engine(single, overlapped):
+    """At temperature 0.3 each request draws from its own seeded generator, in its own order, whichever group
+    it is in and whatever else is in the pipe: the rejection sampler keeps and draws the same tokens."""
+    _, runs = overlapped
+    mine, theirs = runs["seeded"], single["seeded"]
+    assert mine["tokens"] == theirs["tokens"]
+    assert sum(s.num_accepted for o in mine["outputs"] for s in o.metrics.spec_steps) > 0     # drafts were kept
+    assert [[(s.position, s.draft_token_ids, s.num_accepted) for s in o.metrics.spec_steps] for o in mine["outputs"]] \
+        == [[(s.position, s.draft_token_ids, s.num_accepted) for s in o.metrics.spec_steps] for o in theirs["outputs"]]
 
 
 def test_verifies_are_in_flight_beside_the_other_groups_steps(overlapped):

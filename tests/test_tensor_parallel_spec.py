@@ -34,19 +34,21 @@ verifies = sum(len(o.metrics.spec_steps) for o in outs)
 accepted = llm.engine.spec_stats.num_accepted_tokens
 assert_parallel_agrees(llm.engine.model, tiny_model()[0], prompts, tokens, single)
 llm.shutdown()
-print(json.dumps(dict(verifies=verifies, accepted=accepted, lengths=[len(t) for t in tokens])))
+in_flight = llm.engine.pipeline.max_in_flight if llm.engine.pipeline is not None else 1
+print(json.dumps(dict(verifies=verifies, accepted=accepted, lengths=[len(t) for t in tokens], in_flight=in_flight)))
 """
 
 
-@pytest.mark.parametrize("t,p,overlap", [(3, 1, True), (1, 2, True), (1, 2, False)])
+@pytest.mark.parametrize("t,p,overlap", [(3, 1, True), (1, 2, True), (1, 2, False), (3, 2, True)])
 def test_ngram_speculation_keeps_the_single_engines_tokens(t, p, overlap):
-    """P = 2 with its steps overlapped (the default) and one step at a time."""
+    """P = 2 with its steps overlapped (the default) and one step at a time; T x P = 3 x 2 overlapped."""
     done = subprocess.run([sys.executable, "-c", SCRIPT.format(here=str(HERE), t=t, p=p, overlap=overlap)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["verifies"] > 0 and result["accepted"] > 0          # the drafter fired and was right sometimes
     assert result["lengths"] == [24, 24, 24]
+    assert result["in_flight"] == (2 if p > 1 and overlap else 1)
 
 
 def test_a_draft_model_with_parallel_sizes_is_a_typed_error():

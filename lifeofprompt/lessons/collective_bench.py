@@ -216,8 +216,9 @@ def check_cost_model(model_factory, prompts, max_tokens: int, tensor_parallel_si
     """Time the collectives on ``grid`` in ``T`` fresh processes, run the engine at that ``T``, time them again.
 
     The fit is the average of the two timings, for each kind on the sizes outside the engine's own
-    messages of that kind (``parallelism.split_sizes``), so a load that rises or falls while this runs weighs on the
-    fit about as it weighed on the engine, where one timing before (or after) would not see it.
+    messages of that kind (``parallelism.split_sizes``), so a load that rises or falls while this
+    runs weighs on the fit about as it weighed on the engine, where one timing before (or after)
+    would not see it. The engine runs with ``P = 1``.
     Rank 0's wait in a collective also holds its wait for the slowest rank to arrive, which the
     back-to-back timing never sees and which grows with the load; ``last_arrival`` reads each
     all-reduce at its shortest wait over the ranks instead, the link's own time.

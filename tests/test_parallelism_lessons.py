@@ -180,9 +180,12 @@ def test_figures_draw_what_they_say():
 def test_time_collectives_spawns_and_times_every_op():
     from lifeofprompt.lessons.collective_bench import time_collectives
 
-    times = time_collectives(2, [64, 4096], ops=("all_reduce", "broadcast", "gather", "send"), repeats=3)
-    assert set(times) == {(op, n) for op in ("all_reduce", "broadcast", "gather", "send") for n in (64, 4096)}
-    assert all(0 < t < 5 for t in times.values())
+    both = time_collectives(2, [64, 4096], ops=("all_reduce", "broadcast", "gather", "send"), repeats=3,
+                            statistic="both")
+    assert set(both) == {"mean", "median"}
+    for times in both.values():
+        assert set(times) == {(op, n) for op in ("all_reduce", "broadcast", "gather", "send") for n in (64, 4096)}
+        assert all(0 < t < 5 for t in times.values())
 
 
 def test_measure_engine_single_process():
@@ -193,3 +196,65 @@ def test_measure_engine_single_process():
                          log_stats=False)
     assert run.label == "T=1, P=1" and run.steps == 4 and [len(t) for t in run.tokens] == [4, 4]
     assert run.collectives == {} and run.reports == [] and math.isfinite(run.decode_step_s)
+
+
+# ----------------------------------------------------------------------------- the cost model against the engine
+
+
+def test_the_fit_leaves_out_the_engines_own_sizes():
+    fit, held_out = par.split_sizes([64, 256, 1024, 4096, 16384, 65536], [1728, 5184, 6912])
+    assert held_out == [1024, 4096] and fit == [64, 256, 16384, 65536]
+
+
+def test_a_typical_call_is_its_sizes_median_so_a_stall_moves_only_the_sum():
+    calls = [(100, 1e-3), (100, 1e-3), (100, 50e-3), (200, 2e-3), (200, 4e-3)]   # one 50 ms stall
+    assert par.typical_seconds(calls) == pytest.approx(3 * 1e-3 + 2 * 3e-3)
+    model = par.CostModel(1e-3, 1e9)
+    p = par.predict_calls("all_reduce", calls, model, par.CostModel(0.5e-3, 1e9))
+    assert (p.calls, p.nbytes) == (5, 700)
+    assert p.measured == pytest.approx(58e-3) and p.predicted == pytest.approx(5e-3 + 700e-9)
+    assert p.typical_predicted == pytest.approx(2.5e-3 + 700e-9)
+    assert p.error == pytest.approx(p.predicted / 58e-3 - 1) and p.typical_error == pytest.approx(p.typical_predicted / 9e-3 - 1)
+    other = par.predict_calls("gather", [(100, 2e-3)], model, model)
+    assert par.total_error([p, other]) == pytest.approx((p.predicted + other.predicted) / (58e-3 + 2e-3) - 1)
+
+
+def test_check_cost_model_fits_on_timings_before_and_after_the_engine():
+    """The engine runs between two timings, the fit is their average, each kind on sizes it never sent."""
+    from types import SimpleNamespace
+
+    from lifeofprompt.lessons.collective_bench import check_cost_model
+
+    events, grid = [], (64, 256, 1024, 4096, 65536, 2**20)
+
+    def timer(world, sizes, ops, repeats, statistic):
+        events.append(("timer", world))
+        scale = 1.0 if len(events) == 1 else 3.0            # the load doubled the times while the engine ran
+        return {stat: {(op, n): scale * factor * (1e-3 + n / 1e9) for op in ops for n in sizes}
+                for stat, factor in (("mean", 1.2), ("median", 1.0))}
+
+    def engine(factory, prompts, max_tokens, t, p, **kwargs):
+        events.append(("engine", t, p))
+        calls = {"all_reduce": [(1024, 2e-3 + 1024 / 1e9 * 2)] * 10, "broadcast": [(64, 2e-3 + 128e-9)] * 4, "gather": []}
+        worker = [(4096, 1.0)] + [(1024, 2e-3 + 1024 / 1e9 * 2 - 1e-3)] * 10         # one more call, earlier
+        return SimpleNamespace(call_samples=calls, reports=[{}, {"collective_calls": {"all_reduce": worker}}])
+
+    check = check_cost_model(None, [], 4, 3, grid=grid, timer=timer, engine=engine)
+    assert events == [("timer", 3), ("engine", 3, 1), ("timer", 3)]
+    assert check.fit_sizes == {"all_reduce": [64, 256, 4096, 65536, 2**20], "broadcast": [256, 1024, 4096, 65536, 2**20]}
+    assert check.held_out == {"all_reduce": [1024], "broadcast": [64]}
+    assert [p.op for p in check.predictions] == ["all_reduce", "broadcast"]          # nothing gathered: no line
+    assert check.typical_models["all_reduce"].alpha == pytest.approx(2e-3)             # (1 + 3) / 2 x 1 ms
+    assert check.models["all_reduce"].alpha == pytest.approx(2.4e-3)
+    assert check.typical_error == pytest.approx(0, abs=1e-9)
+    assert check.held_out_errors("all_reduce", typical=True) == pytest.approx([0], abs=1e-9)
+    assert len(check.loads) == 3
+    assert check.last_arrival.measured == pytest.approx(10 * (1e-3 + 2048e-9))       # the worker waited less
+
+
+def test_the_last_rank_to_arrive_gives_the_links_own_time():
+    rank0 = [(100, 5e-3), (100, 1e-3), (200, 2e-3)]
+    rank1 = [(64, 9.0), (100, 1e-3), (100, 4e-3), (200, 2.5e-3)]      # it ran one call before rank 0 counted
+    assert par.last_arrival_calls([rank0, rank1]) == [(100, 1e-3), (100, 1e-3), (200, 2e-3)]
+    with pytest.raises(ConfigError, match="differ"):
+        par.last_arrival_calls([rank0, [(100, 1e-3), (200, 1e-3), (100, 1e-3)]])

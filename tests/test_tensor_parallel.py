@@ -182,6 +182,12 @@ def test_every_collective_of_a_step_is_counted(parallel):
     assert all(v["seconds"] > 0 for v in stats.values())
     workers = engine.parallel.report(engine.model, engine.runner.kv_cache)[1:]
     assert all(w["collectives"]["all_reduce"]["calls"] >= stats["all_reduce"]["calls"] for w in workers)
+    # each call, by size, on every rank: the same all-reduces in the same order (the cost model's last arrival)
+    mine = collectives.samples()["all_reduce"]
+    assert [n for n, _ in mine] == [t * 144 * 4 for r in records for t in [r.num_batched_tokens] * 5]
+    from lifeofprompt.lessons.parallelism import last_arrival_calls
+    last = last_arrival_calls([mine] + [w["collective_calls"]["all_reduce"] for w in workers])
+    assert [n for n, _ in last] == [n for n, _ in mine] and all(t <= s for (_, t), (_, s) in zip(last, mine))
 
 
 def test_shutdown_ends_every_worker(parallel):

@@ -10,12 +10,16 @@ done, so the wall time around one is its cost; under NCCL it is only the launch.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 
 import torch
 import torch.distributed as dist
 
 STATS: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0, "bytes": 0, "seconds": 0.0})
+# The last calls of each kind, one (bytes, seconds) each: a typical call's time by size, which a long
+# stall (the OS running another process first) moves far less than it moves the sum.
+SAMPLES: dict[str, deque] = defaultdict(lambda: deque(maxlen=SAMPLES_PER_OP))
+SAMPLES_PER_OP = 8192
 WORLD = None        # the group of every rank the step's broadcasts and sends use (None: the default group)
 
 
@@ -28,6 +32,12 @@ def use_world(group) -> None:
 
 def reset() -> None:
     STATS.clear()
+    SAMPLES.clear()
+
+
+def samples() -> dict[str, list[tuple[int, float]]]:
+    """``op -> [(bytes, seconds), ...]`` of the last ``SAMPLES_PER_OP`` calls of each kind, in order."""
+    return {op: list(values) for op, values in SAMPLES.items()}
 
 
 def snapshot() -> dict[str, dict[str, float]]:
@@ -38,10 +48,12 @@ def snapshot() -> dict[str, dict[str, float]]:
 def _run(op: str, tensor: torch.Tensor, call, *args, **kwargs):
     start = time.perf_counter()
     result = call(*args, **kwargs)
+    seconds, nbytes = time.perf_counter() - start, tensor.numel() * tensor.element_size()
     entry = STATS[op]
     entry["calls"] += 1
-    entry["bytes"] += tensor.numel() * tensor.element_size()
-    entry["seconds"] += time.perf_counter() - start
+    entry["bytes"] += nbytes
+    entry["seconds"] += seconds
+    SAMPLES[op].append((nbytes, seconds))
     return result
 
 

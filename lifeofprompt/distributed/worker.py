@@ -160,6 +160,7 @@ def shard_report(model, cache) -> dict:
     plan = model.plan
     products = {name: module.plan.describe() if getattr(module, "plan", None) else None
                 for name, module in model.named_modules() if hasattr(module, "prepack")}
-    return dict(products=products, rank=plan.world_rank, collectives=collectives.snapshot(), tp_rank=plan.rank, stage=plan.stage, layers=plan.layers, pid=os.getpid(),
+    return dict(products=products, rank=plan.world_rank, collectives=collectives.snapshot(),
+                collective_calls=collectives.samples(), tp_rank=plan.rank, stage=plan.stage, layers=plan.layers, pid=os.getpid(),
                 weights=weight_report(model), kv_shape=tuple(cache.kv.shape), stage_times=list(model.stage_clock.times),
                 kv_nbytes=cache.nbytes, block_tables=None if tables is None else tables.tolist())

@@ -23,7 +23,9 @@ output there and streaming hands out each step's kept tokens together.
 
 With ``pipeline_parallel_size`` P > 1 (and ``pipeline_overlap``, the default) a ``step()`` keeps up
 to P steps in flight, one per micro-batch group of requests, so the stages work at once; each call
-collects the oldest and returns what it changed (``pipeline_overlap.py``).
+collects the oldest and returns what it changed (``pipeline_overlap.py``). With n-gram speculation
+a group's verify travels down the stages like any step, and only that group gets new drafts when it
+comes back (``Scheduler.running_of``).
 """
 
 from __future__ import annotations
@@ -116,8 +118,8 @@ class LLMEngine(CompletionUpdates):
             self.spec.attach(self.runner, self.runner.kv_cache.num_blocks)
         self.num_kv_blocks = self.runner.kv_cache.num_blocks
         self.block_manager = BlockManager(self.num_kv_blocks, block_size, enable_prefix_caching)
-        # P > 1: up to P steps in flight, one per micro-batch group (pipeline_overlap.py); not with a drafter
-        depth = pipeline_parallel_size if pipeline_overlap and self.spec is None else 1
+        # P > 1: up to P steps in flight, one per micro-batch group (pipeline_overlap.py), verifies included
+        depth = pipeline_parallel_size if pipeline_overlap else 1
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, context_len,
                                    fair_prefill_threshold(long_prefill_token_threshold, max_num_batched_tokens),
                                    num_groups=depth)
@@ -430,7 +432,8 @@ class LLMEngine(CompletionUpdates):
                 self._forget(request)
         self.step_records.append(record)
         if self.spec is not None:
-            self.spec.propose(self.scheduler.running, self.scheduler.max_num_drafts, self.clock)
+            # with overlap only this step's group: another's step may be in the pipe with its drafts packed
+            self.spec.propose(self.scheduler.running_of(record.group), self.scheduler.max_num_drafts, self.clock)
         if self.check_invariants:
             self.block_manager.check_invariants(self.scheduler.seqs)
         return outputs

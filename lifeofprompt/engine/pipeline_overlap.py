@@ -32,8 +32,16 @@ fewer rows). It pays when a stage's compute is larger than those; with the tiny 
 busy 2-core machine it is not, and one step at a time is faster (notebook 11 measures both;
 ``pipeline_overlap=False`` turns it off).
 
-Speculative decoding keeps one step at a time: its drafter proposes for every running request
-after each step, which would hand drafts to requests whose step is still in the pipe.
+N-gram speculation overlaps too. A group's verify (its last token and drafts, 1 + k rows per
+request) is packed at submit time and travels down the stages like any step; when it comes back,
+``collect`` samples it (``ModelRunner.execute_verify``) and the scheduler keeps the accepted drafts
+and rolls the rest back (``Scheduler.update``), as after a single step. Only that group then gets
+new drafts (``Scheduler.running_of``): the other groups' requests may have steps in the pipe whose
+rows were packed from their drafts, and drafting for them would change what their sampling and
+rollback read. So a request's drafts change only while its group has no step in flight, and
+``advance`` checks, as each step comes back, that they are still the ones it was sent with. Blocks
+that only rejected drafts reached go back at collection, after every stage has run that step. A
+draft model stays out (it runs in one process only: ``SpeculativeConfigError`` at P > 1).
 """
 
 from __future__ import annotations
@@ -65,6 +73,7 @@ class PipelineOverlap:
         if not self.in_flight:
             return None
         done = self.in_flight.popleft()
+        self.check_drafts(done)
         sampled = self.runner.collect(done.pending, done.record.seqs, done.record.num_scheduled_tokens)
         return done.record, done.drafts, sampled
 
@@ -86,3 +95,12 @@ class PipelineOverlap:
             pending = self.runner.submit(record.seqs, record.num_scheduled_tokens)
             self.in_flight.append(InFlight(record, drafts, pending))
             self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
+
+    @staticmethod
+    def check_drafts(done: InFlight) -> None:
+        """A verify's rows were packed from its drafts when it was submitted: sampling and rollback read
+        ``seq.spec_token_ids`` again now, so nobody may have drafted for its requests in between."""
+        now = {seq.seq_id: list(seq.spec_token_ids) for seq in done.record.seqs if seq.spec_token_ids}
+        if now != done.drafts:
+            raise AssertionError(f"step {done.record.step}: drafts changed while it was in the pipe "
+                                 f"(sent {done.drafts}, now {now})")

@@ -211,6 +211,14 @@ class Scheduler:
         """Whether ``group`` (None: anyone) has a request running or waiting."""
         return any(group is None or seq.group == group for seq in self.seqs)
 
+    def running_of(self, group: int | None) -> list[Sequence]:
+        """The running sequences of ``group`` (None: all): who gets drafts after that group's step.
+
+        With pipeline overlap another group's step may be in the pipe, its verify rows packed from
+        its drafts; drafting for it now would change what its sampling and rollback read when it
+        comes back. The group just collected has no other step in flight, so none of its are."""
+        return self.running if group is None else [seq for seq in self.running if seq.group == group]
+
     @property
     def seqs(self) -> list[Sequence]:
         """Every sequence that may hold blocks (for ``check_invariants``)."""

@@ -44,6 +44,10 @@ def startup_lines(engine, context_len: int) -> list[str]:
     if engine.parallel is not None:
         lines += engine.parallel.describe(engine.model, engine._full_weight_bytes,
                                         engine.pipeline.depth if engine.pipeline is not None else 1)
+    if engine.spec is not None and engine.pipeline is not None:
+        lines.append(f"speculation with pipeline overlap: each group's verify (last token + drafts) goes down the "
+                     f"{engine.pipeline.depth} stages like a plain step; accepted drafts are kept and the rest rolled "
+                     "back when it comes back, and only then does that group get new drafts")
     if getattr(engine.model, "is_random", False):
         lines.append("NOTE: random weights - generated text is meaningless (speed and memory work only)")
     return lines

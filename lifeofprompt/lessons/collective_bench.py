@@ -10,7 +10,8 @@ times into α and β.
 
 ``measure_engine`` runs ``LLM(tensor_parallel_size=T, pipeline_parallel_size=P)`` on a model,
 and returns its step times and the collectives rank 0 ran (``distributed.collectives``), so
-the fit can be set beside what the engine measured.
+the fit can be set beside what the engine measured. ``check_cost_model`` does both at one ``T``,
+the engine between two timings, and sets each kind of the engine's calls beside the fit.
 """
 
 from __future__ import annotations
@@ -64,17 +65,19 @@ def _bench_worker(rank: int, world: int, init_file: str, ops, sizes, repeats: in
                     _one_call(op, tensors[n], parts[n], rank)
                     if i >= 3:
                         times[op, n].append(time.perf_counter() - start)
-        # the mean, not the median: the engine's collective time is a sum of calls, stalls included
-        results = {(op, tensors[n].numel() * 4): statistics.fmean(t) / (2 if op == "send" else 1)
-                   for (op, n), t in times.items()}
+        # the mean: the engine's collective time is a sum of calls, stalls included; the median: a typical call
+        results = {stat: {(op, tensors[n].numel() * 4): f(t) / (2 if op == "send" else 1) for (op, n), t in times.items()}
+                   for stat, f in (("mean", statistics.fmean), ("median", statistics.median))}
         if rank == 0:
             queue.put(results)
     finally:
         dist.destroy_process_group()
 
 
-def time_collectives(world: int, sizes, ops=OPS, repeats: int = 30, timeout_s: float = 300) -> dict:
-    """``{(op, bytes): mean seconds of one call on rank 0}`` for ``world`` spawned gloo processes."""
+def time_collectives(world: int, sizes, ops=OPS, repeats: int = 30, timeout_s: float = 300,
+                     statistic: str = "mean") -> dict:
+    """``{(op, bytes): mean seconds of one call on rank 0}`` for ``world`` spawned gloo processes
+    (``statistic="median"``: the median call; ``"both"``: ``{"mean": ..., "median": ...}``)."""
     import multiprocessing
 
     from ..distributed.group import _main_module_hidden
@@ -97,7 +100,7 @@ def time_collectives(world: int, sizes, ops=OPS, repeats: int = 30, timeout_s: f
                 if p.is_alive():
                     p.kill()
                     p.join(5)
-    return results
+    return results if statistic == "both" else results[statistic]
 
 
 # ----------------------------------------------------------------------------- the engine, measured
@@ -119,6 +122,7 @@ class EngineRun:
     step_tokens: list = field(default_factory=list)     # rows of each step: the all-reduces' sizes
     wall_s: float = float("nan")                        # the whole measured generate
     max_in_flight: int = 1                              # most steps in the pipe at once (pipeline overlap)
+    call_samples: dict = field(default_factory=dict)    # op -> [(bytes, seconds), ...] of rank 0's calls
 
     def tokens_per_s(self) -> float:
         return sum(len(t) for t in self.tokens) / self.wall_s
@@ -155,7 +159,7 @@ def measure_engine(model_factory, prompts, max_tokens: int, tensor_parallel_size
         outputs = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - start
         records = list(engine.step_records)[before:]
-        stats = collectives.snapshot()
+        stats, calls = collectives.snapshot(), collectives.samples()
         reports = engine.parallel.report(engine.model, engine.runner.kv_cache) if engine.parallel else []
         lines = engine._startup_lines(engine.max_model_len)
     finally:
@@ -167,4 +171,75 @@ def measure_engine(model_factory, prompts, max_tokens: int, tensor_parallel_size
                      statistics.median(decode) if decode else float("nan"),
                      sum(times) / max(len(times), 1), stats, reports, lines,
                      [o.outputs[0].token_ids for o in outputs], [r.num_batched_tokens for r in records], wall,
-                     max((1 + len(r.overlapped) for r in records), default=1))
+                     max((1 + len(r.overlapped) for r in records), default=1), calls)
+
+
+# ----------------------------------------------------------------------------- the cost model, checked
+
+GRID = (64, 256, 1024, 4096, 16384, 65536, 262144, 2**20, 2**22, 2**24)   # message sizes timed, in bytes
+
+
+@dataclass
+class CostModelCheck:
+    """``check_cost_model``'s answer: one engine run beside α + n/β fitted on the sizes it never sent."""
+
+    run: EngineRun
+    fit_sizes: dict         # op -> the grid's sizes outside that op's own messages: the fit's
+    held_out: dict          # op -> the grid's sizes among them: timed, kept aside to judge the fit
+    timed: dict             # (op, bytes) -> mean seconds of a call, the timings before and after averaged
+    typical: dict           # (op, bytes) -> median seconds of a call, likewise
+    models: dict            # op -> CostModel fitted to the means on fit_sizes
+    typical_models: dict    # op -> CostModel fitted to the medians
+    predictions: list       # parallelism.CollectivePrediction per op (rank 0's waits)
+    last_arrival: object    # the all-reduces at each call's shortest wait over the ranks (the link alone)
+    loads: tuple            # 1-minute load average before the first timing, after the engine, after the second
+
+    @property
+    def total_error(self) -> float:
+        from .parallelism import total_error
+        return total_error(self.predictions)
+
+    @property
+    def typical_error(self) -> float:
+        from .parallelism import total_error
+        return total_error(self.predictions, typical=True)
+
+    def held_out_errors(self, op: str, typical: bool = False) -> list[float]:
+        from .parallelism import relative_errors
+        times = self.typical if typical else self.timed
+        model = (self.typical_models if typical else self.models)[op]
+        return relative_errors(model, self.held_out[op], [times[op, n] for n in self.held_out[op]])
+
+
+def check_cost_model(model_factory, prompts, max_tokens: int, tensor_parallel_size: int, grid=GRID, ops=OPS,
+                     repeats: int = 20, timer=time_collectives, engine=measure_engine, **engine_kwargs) -> CostModelCheck:
+    """Time the collectives on ``grid`` in ``T`` fresh processes, run the engine at that ``T``, time them again.
+
+    The fit is the average of the two timings, for each kind on the sizes outside the engine's own
+    messages of that kind (``parallelism.split_sizes``), so a load that rises or falls while this
+    runs weighs on the fit about as it weighed on the engine, where one timing before (or after)
+    would not see it. The engine runs with ``P = 1``.
+    Rank 0's wait in a collective also holds its wait for the slowest rank to arrive, which the
+    back-to-back timing never sees and which grows with the load; ``last_arrival`` reads each
+    all-reduce at its shortest wait over the ranks instead, the link's own time.
+    ``timer`` and ``engine`` stand in for the real ones in tests.
+    """
+    from .parallelism import fit_cost_model, last_arrival_calls, predict_calls, split_sizes
+
+    loads = [os.getloadavg()[0]]
+    before = timer(tensor_parallel_size, grid, ops=ops, repeats=repeats, statistic="both")
+    run = engine(model_factory, prompts, max_tokens, tensor_parallel_size, 1, **engine_kwargs)
+    loads.append(os.getloadavg()[0])
+    after = timer(tensor_parallel_size, grid, ops=ops, repeats=repeats, statistic="both")
+    loads.append(os.getloadavg()[0])
+    timed = {key: (before["mean"][key] + after["mean"][key]) / 2 for key in before["mean"]}
+    typical = {key: (before["median"][key] + after["median"][key]) / 2 for key in before["median"]}
+    ops = [op for op in ops if run.call_samples.get(op)]           # T = 1 sends nothing
+    split = {op: split_sizes(grid, [n for n, _ in run.call_samples[op]]) for op in ops}
+    fit, held_out = {op: split[op][0] for op in ops}, {op: split[op][1] for op in ops}
+    models = {op: fit_cost_model(fit[op], [timed[op, n] for n in fit[op]]) for op in ops}
+    typical_models = {op: fit_cost_model(fit[op], [typical[op, n] for n in fit[op]]) for op in ops}
+    predictions = [predict_calls(op, run.call_samples[op], models[op], typical_models[op]) for op in ops]
+    ranks = [run.call_samples["all_reduce"]] + [r["collective_calls"]["all_reduce"] for r in run.reports[1:]]
+    last = predict_calls("all_reduce", last_arrival_calls(ranks), models["all_reduce"], typical_models["all_reduce"])
+    return CostModelCheck(run, fit, held_out, timed, typical, models, typical_models, predictions, last, tuple(loads))

@@ -9,7 +9,8 @@ pipeline parallelism move between them, and a cost model of the links that move 
   after ``down_proj`` in every layer (plus one after a vocab-parallel embedding); a pipeline sends
   ``[tokens, hidden]`` once per stage boundary.
 * **Cost.** A message of ``n`` bytes costs ``α + n / β`` (latency, bandwidth): ``CostModel``.
-  ``fit_cost_model`` fits α and β to measured times by least squares; a ring all-reduce over
+  ``fit_cost_model`` fits α and β to measured times by least squares, on sizes the engine never
+  sends (``split_sizes``); ``predict_calls`` sets an engine's calls beside it; a ring all-reduce over
   ``T`` ranks takes ``2(T − 1)`` such steps of ``n / T`` bytes (``ring_all_reduce_s``).
 * **Bubbles.** ``pipeline_schedule`` places each step's stages on a timeline: with one request
   in flight every stage waits for the others; ``m`` independent micro-batches leave idle a
@@ -168,6 +169,86 @@ def fit_cost_model(sizes, seconds) -> CostModel:
 def relative_errors(model: CostModel, sizes, seconds) -> list[float]:
     """``(predicted − measured) / measured`` at each size: what a fit is judged by on sizes it never saw."""
     return [(model.seconds(n) - s) / s for n, s in zip(sizes, seconds)]
+
+
+def split_sizes(grid, sent) -> tuple[list[int], list[int]]:
+    """``(fit, held_out)``: the grid's sizes outside ``[min(sent) / 2, 2 max(sent)]``, where the engine
+    never sends, to fit on; and those inside, timed too but kept aside to judge the fit."""
+    low, high = min(sent) / 2, 2 * max(sent)
+    fit = [n for n in grid if not low <= n <= high]
+    return fit, [n for n in grid if low <= n <= high]
+
+
+def typical_seconds(calls) -> float:
+    """``calls``: ``[(bytes, seconds), ...]``. The calls' time with each one at its size's median:
+    a stall (the OS running another process first) lengthens one call, not its size's median."""
+    by_size: dict[int, list[float]] = {}
+    for nbytes, seconds in calls:
+        by_size.setdefault(nbytes, []).append(seconds)
+    return sum(len(t) * _median(t) for t in by_size.values())
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+@dataclass(frozen=True)
+class CollectivePrediction:
+    """One kind of collective of one engine run, measured on rank 0 and predicted, two ways:
+
+    * ``measured`` (every call's wall time, stalls included: what the engine paid) against
+      ``predicted``, a model fitted to mean call times;
+    * ``typical`` (each call at its size's median) against ``typical_predicted``, a model fitted to
+      median call times: the link's cost, which a loaded machine's stalls move far less.
+    """
+
+    op: str
+    calls: int
+    nbytes: int
+    measured: float
+    predicted: float
+    typical: float
+    typical_predicted: float
+
+    @property
+    def error(self) -> float:
+        return (self.predicted - self.measured) / self.measured
+
+    @property
+    def typical_error(self) -> float:
+        return (self.typical_predicted - self.typical) / self.typical
+
+
+def predict_calls(op: str, calls, mean_model: CostModel, median_model: CostModel) -> CollectivePrediction:
+    """``calls`` (``[(bytes, seconds), ...]``, one kind's, from ``distributed.collectives.samples``) beside
+    what each model predicts for the same calls."""
+    nbytes = sum(n for n, _ in calls)
+    return CollectivePrediction(op, len(calls), nbytes, sum(t for _, t in calls), mean_model.total(len(calls), nbytes),
+                                typical_seconds(calls), median_model.total(len(calls), nbytes))
+
+
+def last_arrival_calls(rank_calls: list[list[tuple[int, float]]]) -> list[tuple[int, float]]:
+    """One collective's calls, each at the shortest wait of any rank: the rank that arrived last waited for
+    the link alone, the others also for it (on a loaded machine, for the OS to run it).
+
+    ``rank_calls``: each rank's ``[(bytes, seconds), ...]`` of that kind, rank 0's first; every rank ran the
+    same calls in the same order (an all-reduce of one tensor-parallel group), the others perhaps more
+    before rank 0's count began, so each is aligned on its last ``len(rank_calls[0])``.
+    """
+    count = len(rank_calls[0])
+    aligned = [calls[len(calls) - count:] for calls in rank_calls]
+    if any(len(calls) != count or [n for n, _ in calls] != [n for n, _ in aligned[0]] for calls in aligned):
+        raise ConfigError("the ranks' calls differ: last_arrival_calls needs the same collective on every rank")
+    return [(nbytes, min(calls[i][1] for calls in aligned)) for i, (nbytes, _) in enumerate(aligned[0])]
+
+
+def total_error(predictions, typical: bool = False) -> float:
+    """Predicted over measured, summed over the kinds, minus one."""
+    measured = sum(p.typical if typical else p.measured for p in predictions)
+    predicted = sum(p.typical_predicted if typical else p.predicted for p in predictions)
+    return (predicted - measured) / measured
 
 
 # ----------------------------------------------------------------------------- real links

@@ -11,6 +11,8 @@
 #   aten-avx2            ATEN_CPU_CAPABILITY=avx2: torch's element-wise and reduction kernels for AVX2
 #   onednn-avx2          ONEDNN_MAX_CPU_ISA=AVX2: oneDNN (and so its bf16 and packed products) without AVX-512/AMX
 #   aten-onednn-avx2     both
+#   c-avx2               LIFEOFPROMPT_NATIVE_MARCH=x86-64-v3: our C kernels (model/cpu_*.c) built for AVX2, so
+#                        their narrower tiles run (the packed tile of 2 rows, 8 lanes) on an AVX-512 machine
 #   path-<name>          LIFEOFPROMPT_CPU_LINEAR=<name> for every engine, one per path lifeofprompt.model.linear.PATHS
 #                        names (linear is the default's); skipped where the chooser says it is unavailable
 #   threads-2            LIFEOFPROMPT_TEST_THREADS=2 (1 is the default's): BLAS splits products otherwise
@@ -25,7 +27,7 @@ export PYTHONHASHSEED=0 TOKENIZERS_PARALLELISM=false
 # The product paths the engine's chooser knows, and those this machine can run (empty: no chooser).
 KNOWN=$("$PYTHON" -c 'from lifeofprompt.model.linear import PATHS; print(" ".join(PATHS))' 2>/dev/null)
 PATHS=$("$PYTHON" -c 'from lifeofprompt.model.linear import available_paths; print(" ".join(available_paths()))' 2>/dev/null)
-ALL=(default aten-avx2 onednn-avx2 aten-onednn-avx2)
+ALL=(default aten-avx2 onednn-avx2 aten-onednn-avx2 c-avx2)
 for path in ${KNOWN:-transposed transposed_doubled onednn rowwise}; do
   [ "$path" = linear ] || ALL+=("path-$path")
 done
@@ -38,6 +40,7 @@ environment() {       # the variables of one setting, as NAME=value words
     aten-avx2) echo "ATEN_CPU_CAPABILITY=avx2" ;;
     onednn-avx2) echo "ONEDNN_MAX_CPU_ISA=AVX2" ;;
     aten-onednn-avx2) echo "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2" ;;
+    c-avx2) echo "LIFEOFPROMPT_NATIVE_MARCH=x86-64-v3" ;;
     path-*) echo "LIFEOFPROMPT_CPU_LINEAR=${1#path-}" ;;
     threads-*) echo "LIFEOFPROMPT_TEST_THREADS=${1#threads-}" ;;
     *) return 1 ;;

@@ -22,11 +22,16 @@ pytestmark = [pytest.mark.numerics,
               pytest.mark.skipif(cpu_decode.step_kernel() is None, reason="no C compiler: the fused step is not offered")]
 
 
-def random_model(rng: random.Random) -> LlamaForCausalLM:
-    """A 2-layer Llama of random shape: GQA groups of 1-3, head sizes and widths that are not multiples of the vector width."""
+def random_model(rng: random.Random, packable: bool = False) -> LlamaForCausalLM:
+    """A 2-layer Llama of random shape: GQA groups of 1-3, head sizes and widths that are not multiples
+    of the vector width (some matrices then stay row-major in the C step); with ``packable``, shapes
+    whose four matrices all take the packed layout."""
     kv_heads, group, head_dim = rng.choice([1, 2, 3]), rng.choice([1, 2, 3]), rng.choice([8, 16, 34])
-    config = ModelConfig(name="random", vocab_size=97, hidden_size=rng.choice([40, 64, 100]),
-                         intermediate_size=rng.choice([36, 96, 130]), num_layers=2, num_heads=kv_heads * group,
+    hidden, inter = rng.choice([40, 64, 100]), rng.choice([36, 96, 130])
+    if packable:
+        head_dim, hidden, inter = 16, rng.choice([32, 64, 96]), rng.choice([32, 96, 160])
+    config = ModelConfig(name="random", vocab_size=97, hidden_size=hidden,
+                         intermediate_size=inter, num_layers=2, num_heads=kv_heads * group,
                          num_kv_heads=kv_heads, head_dim=head_dim, tie_word_embeddings=rng.random() < 0.5)
     torch.manual_seed(rng.randrange(1 << 30))
     model = LlamaForCausalLM(config).eval()
@@ -61,9 +66,11 @@ def step_batch(runner: ModelRunner, rng: random.Random, num_seqs: int, mixed: bo
 def test_the_c_step_computes_the_torch_forward(seed, threads):
     """Random shapes, block sizes, contexts and scattered blocks; one-token decodes, and (odd seeds)
     steps that mix them with rows of verifies and prompt chunks: the same hidden states and the
-    same KV rows written."""
+    same KV rows written. Seeds from 8 on take shapes the packed layout holds for every matrix."""
     rng = random.Random(seed)
-    model = random_model(rng)
+    model = random_model(rng, packable=seed >= 8)
+    if seed >= 8:
+        assert cpu_decode.packed_mask(model) == sum(cpu_decode.PACKED_BITS.values())
     block_size = rng.choice([1, 4, 16])
     runner = ModelRunner(model, num_blocks=64 * 41 // block_size + 64, block_size=block_size, backend="torch",
                          max_num_seqs=8, cpu_linear="linear", cpu_decode=True)
@@ -84,6 +91,31 @@ def test_the_c_step_computes_the_torch_forward(seed, threads):
     assert written.any()
     assert torch.equal((runner.kv_cache.kv != before).flatten(0, 1).flatten(2).any(-1), written)
     torch.testing.assert_close(runner.kv_cache.kv, want_kv, rtol=1e-4, atol=1e-5)
+
+
+def test_the_packed_layout_interleaves_four_rows_a_vector_at_a_time():
+    """Element (row, column) of a packed weight sits in its block of ``block_rows`` rows, at its
+    chunk of ``lanes`` columns, at its row within the block: checked on every element."""
+    block_rows, lanes = cpu_decode.packed_layout()
+    out, inner = 3 * block_rows, 2 * lanes
+    weight = torch.arange(out * inner, dtype=torch.float32).view(out, inner)
+    packed = cpu_decode.pack(weight).flatten()
+    rows, cols = torch.meshgrid(torch.arange(out), torch.arange(inner), indexing="ij")
+    where = (rows // block_rows) * block_rows * inner + (cols // lanes) * block_rows * lanes \
+        + (rows % block_rows) * lanes + cols % lanes
+    assert torch.equal(packed[where.flatten()], weight.flatten())
+
+
+def test_the_packed_copy_follows_the_weights():
+    """A weight written in place after the first C step is packed again: the C step never reads stale weights."""
+    model = random_model(random.Random(3), packable=True)
+    first = cpu_decode.weight_pointers(model)
+    assert cpu_decode.weight_pointers(model) is first              # unchanged weights: the same copy
+    with torch.no_grad():
+        model.layers[0].mlp.down_proj.weight.mul_(2)
+    assert cpu_decode.weight_pointers(model) is not first
+    packed = model._cpu_step_weights[1][9]                       # layer 0's packed down_proj
+    torch.testing.assert_close(packed, cpu_decode.pack(model.layers[0].mlp.down_proj.weight), rtol=0, atol=0)
 
 
 def test_rows_follow_the_calibrated_choice():

@@ -23,16 +23,19 @@
  *   residual += (silu(normed @ w_gate^T) * (normed @ w_up^T)) @ w_down^T
  * and at the end hidden = rms_norm(residual) * w_final. The LM head stays with the caller.
  *
- * The products read each weight row once, front to back, for all m rows at a time (the
- * "rowwise" path; the inner loop is cpu_rows.h): one sequential stream per thread, which the
- * prefetcher follows at close to the machine's read rate. Threads split the heads of the qkv
+ * The products read each weight once, front to back, for all m rows at a time, from the C
+ * step's own packed copy (four weight rows interleaved, cpu_rows.h): one sequential stream per
+ * thread, which the prefetcher follows at close to the machine's read rate, and each x vector
+ * loaded once for four weight rows. A matrix whose shape the layout cannot hold is read row-major,
+ * and so is every matrix in a one-row step, where the plain row loop reads memory fastest. Threads split the heads of the qkv
  * product (each rotates and stores its own), the (row, head) pairs of attention and chunks of
  * output rows of the other products; SiLU x up is done a chunk of gate and up rows at a time,
  * and each thread normalises the residual for itself.
  *
  * Layouts (all fp32, row-major, contiguous):
- *   weights[6 * layer + i]: in_norm [H], qkv [(NQ + 2 NKV) D, H], o [H, NQ D], post_norm [H],
- *                            gate_up [2 I, H], down [H, I]
+ *   weights[10 * layer + i]: in_norm [H], qkv [(NQ + 2 NKV) D, H], o [H, NQ D], post_norm [H],
+ *                            gate_up [2 I, H], down [H, I], then qkv, o, gate_up and down again in
+ *                            the packed layout (cpu_rows.h) where Dims.packed marks them
  *   kv: [layers, 2, num_blocks, block_size, NKV, D]; token slot s of a sequence is
  *       block_tables[r][j / block_size] * block_size + j % block_size for its position j
  *   cos, sin: [max_positions, D / 2]
@@ -51,7 +54,18 @@ typedef struct {
     long hidden, num_heads, num_kv_heads, head_dim, intermediate, num_layers;
     long num_blocks, block_size, max_blocks, max_seq_len;
     float eps, scale;
+    long packed;        /* which matrices are packed (bits: PACKED_QKV ...); the others are row-major */
 } Dims;
+
+enum { PACKED_QKV = 1, PACKED_O = 2, PACKED_GATE_UP = 4, PACKED_DOWN = 8 };
+
+/* A product through the packed copy where the caller made one (its rows and columns fit the
+ * layout: see cpu_rows.h), else straight from the row-major weight. */
+static void times_weight(int packed, const float *x, long x_stride, long m, const float *w, long n, long first,
+                         long last, float *y, long y_stride, int accumulate) {
+    if (packed) packed_times_weight_range(x, x_stride, m, w, n, first, last, y, y_stride, accumulate);
+    else rows_times_weight_range(x, x_stride, m, w, n, first, last, y, y_stride, accumulate);
+}
 
 static void rms_norm(const float *x, const float *weight, float *y, long m, long n, float eps) {
     for (long r = 0; r < m; r++) {
@@ -154,24 +168,24 @@ static long chunk_last(long c, long rows) { return (c + 1) * CHUNK_ROWS < rows ?
 /* act[r][i] = silu(normed[r] . gate[i]) * (normed[r] . up[i]) for i in [first, last): gate row i
  * and up row I + i of the stacked gate_up weight, both products done here so no barrier
  * separates them. */
-static void gate_up_chunk(const float *normed, const float *w_gate_up, long m, long H, long I, long first, long last,
+static void gate_up_chunk(int packed, const float *normed, const float *w_gate_up, long m, long H, long I, long first, long last,
                           float *act) {
     long width = last - first;
     float gate[m * width], up[m * width];
-    rows_times_weight_range(normed, H, m, w_gate_up + first * H, H, 0, width, gate, width, 0);
-    rows_times_weight_range(normed, H, m, w_gate_up + (I + first) * H, H, 0, width, up, width, 0);
+    times_weight(packed, normed, H, m, w_gate_up + first * H, H, 0, width, gate, width, 0);
+    times_weight(packed, normed, H, m, w_gate_up + (I + first) * H, H, 0, width, up, width, 0);
     for (long r = 0; r < m; r++)
         for (long i = 0; i < width; i++) act[r * I + first + i] = silu(gate[r * width + i]) * up[r * width + i];
 }
 
 /* q, k and v of one head for every row (`head` counts q heads, then k heads, then v heads):
  * its D rows of the qkv product, rotated if a q or k head, stored into the pool if a k or v head. */
-static void project_head(const float *normed, const float *w_qkv, float *qkv, long head, long m, const Dims *d,
+static void project_head(int packed, const float *normed, const float *w_qkv, float *qkv, long head, long m, const Dims *d,
                          const int64_t *positions, const int64_t *slots, const float *cos_table,
                          const float *sin_table, float *k_pool, float *v_pool) {
     long H = d->hidden, D = d->head_dim, NQ = d->num_heads, NKV = d->num_kv_heads;
     long width = (NQ + 2 * NKV) * D, half = D / 2;
-    rows_times_weight_range(normed, H, m, w_qkv, H, head * D, (head + 1) * D, qkv, width, 0);
+    times_weight(packed, normed, H, m, w_qkv, H, head * D, (head + 1) * D, qkv, width, 0);
     for (long r = 0; r < m; r++) {
         float *out = qkv + r * width + head * D;
         if (head < NQ + NKV)
@@ -198,28 +212,36 @@ void decode_step(const Dims *d, const int64_t *weights, const float *final_norm,
     #pragma omp parallel num_threads(threads)
     {
         float *normed = normed_all + (long)omp_get_thread_num() * m * H;
+        long packed = m > 1 ? d->packed : 0;      /* one row reads the row-major weights: see cpu_rows.h */
         for (long layer = 0; layer < d->num_layers; layer++) {
-            const float *const *w = (const float *const *)(weights + 6 * layer);
+            const float *const *w = (const float *const *)(weights + 10 * layer), *const *p = w + 6;
+            const float *w_qkv = packed & PACKED_QKV ? p[0] : w[1], *w_o = packed & PACKED_O ? p[1] : w[2];
+            const float *w_gate_up = packed & PACKED_GATE_UP ? p[2] : w[4], *w_down = packed & PACKED_DOWN ? p[3] : w[5];
             float *k_pool = kv + (2 * layer) * pool, *v_pool = kv + (2 * layer + 1) * pool;
             rms_norm(hidden, w[0], normed, m, H, d->eps);
             #pragma omp for schedule(static)
             for (long head = 0; head < NQ + 2 * NKV; head++)
-                project_head(normed, w[1], qkv, head, m, d, positions, slots, cos_table, sin_table, k_pool, v_pool);
+                project_head(packed & PACKED_QKV, normed, w_qkv, qkv, head, m, d, positions, slots, cos_table, sin_table, k_pool, v_pool);
             attend_rows(qkv, qkv_width, k_pool, v_pool, block_tables, seq_lens, d, m, scores, context, NQ * D, threads);
             #pragma omp for schedule(static)
             for (long c = 0; c < chunks(H); c++)
-                rows_times_weight_range(context, NQ * D, m, w[2], NQ * D, chunk_first(c), chunk_last(c, H), hidden, H, 1);
+                times_weight(packed & PACKED_O, context, NQ * D, m, w_o, NQ * D, chunk_first(c), chunk_last(c, H), hidden, H, 1);
             rms_norm(hidden, w[3], normed, m, H, d->eps);
             #pragma omp for schedule(static)
             for (long c = 0; c < chunks(I); c++)         /* gate rows, then the up rows I apart, then SiLU(gate) * up */
-                gate_up_chunk(normed, w[4], m, H, I, chunk_first(c), chunk_last(c, I), act);
+                gate_up_chunk(packed & PACKED_GATE_UP, normed, w_gate_up, m, H, I, chunk_first(c), chunk_last(c, I), act);
             #pragma omp for schedule(static)
             for (long c = 0; c < chunks(H); c++)
-                rows_times_weight_range(act, I, m, w[5], I, chunk_first(c), chunk_last(c, H), hidden, H, 1);
+                times_weight(packed & PACKED_DOWN, act, I, m, w_down, I, chunk_first(c), chunk_last(c, H), hidden, H, 1);
         }
     }
     rms_norm(hidden, final_norm, hidden, m, H, d->eps);
 }
+
+/* The packed layout's shape (cpu_rows.h), for the caller that packs the weights: weight rows per
+ * block, and floats per chunk (this build's vector width). */
+long packed_rows(void) { return PACK_ROWS; }
+long packed_lanes(void) { return LANES; }
 
 /* Attention alone, for the decode rows of any step (one query row per sequence, q [m, NQ, D]),
  * straight from the paged pool: the torch path would first copy every sequence's blocks into

@@ -35,7 +35,7 @@ class Dims(ctypes.Structure):
     _fields_ = [(name, ctypes.c_long) for name in
                 ("hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "num_layers",
                  "num_blocks", "block_size", "max_blocks", "max_seq_len")] + [
-               ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+               ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("packed", ctypes.c_long)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,13 +46,43 @@ def step_kernel():
 
 
 
+@functools.lru_cache(maxsize=None)
+def packed_layout() -> tuple[int, int] | None:
+    """``(weight rows per block, floats per chunk)`` of the packed weights this build reads (``cpu_rows.h``)."""
+    rows, lanes = (c_function(SOURCE, name, [], ctypes.c_long) for name in ("packed_rows", "packed_lanes"))
+    return (rows(), lanes()) if rows is not None and lanes is not None else None
+
+
 def supports(model) -> bool:
     """Whether ``model`` can run this path: fp32 weights on the CPU, each contiguous, and the kernel built."""
     if model.device.type != "cpu" or model.dtype != torch.float32:
         return False
     if any(not p.is_contiguous() for p in model.parameters()):
         return False
-    return step_kernel() is not None
+    return step_kernel() is not None and packed_layout() is not None
+
+
+# The bits of ``Dims.packed``, one per layer matrix, in the order of ``layer_tensors``.
+PACKED_BITS = {"qkv": 1, "o": 2, "gate_up": 4, "down": 8}
+
+
+def packable(model) -> dict[str, bool]:
+    """Which layer matrices the packed layout can hold: every row range the C step takes of it
+    (a head of qkv, chunks of 16 rows of the others, the up half at row I) starts at a whole
+    block, and its rows are whole chunks of the vector width."""
+    block_rows, lanes = packed_layout()
+    config = model.config
+    hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
+    q_width = config.num_heads * head_dim
+    return {"qkv": head_dim % block_rows == 0 and hidden % lanes == 0,
+            "o": hidden % block_rows == 0 and q_width % lanes == 0,
+            "gate_up": inter % block_rows == 0 and hidden % lanes == 0,
+            "down": hidden % block_rows == 0 and inter % lanes == 0}
+
+
+def packed_mask(model) -> int:
+    """``Dims.packed`` for this model: the bits of the matrices the C step reads packed."""
+    return sum(PACKED_BITS[name] for name, ok in packable(model).items() if ok)
 
 
 # A row count takes the C step when, for every layer shape, the rowwise product measured within
@@ -170,20 +200,51 @@ def layer_shapes(model) -> set[tuple[int, int]]:
             tuple(layer.mlp.gate_up_proj.weight.shape), tuple(layer.mlp.down_proj.weight.shape)}
 
 
-@functools.lru_cache(maxsize=8)
-def _weight_pointers(model_id: int, pointers: tuple[int, ...]) -> ctypes.Array:
-    return (ctypes.c_int64 * len(pointers))(*pointers)
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [out, in]`` in the packed layout of ``cpu_rows.h``: blocks of ``block_rows`` rows,
+    each stored ``lanes`` columns at a time, row after row (one read stream, four rows per x load)."""
+    block_rows, lanes = packed_layout()
+    out, inner = weight.shape
+    return (weight.detach().reshape(out // block_rows, block_rows, inner // lanes, lanes)
+            .permute(0, 2, 1, 3).contiguous().reshape(out, inner))
+
+
+def layer_tensors(model) -> list[tuple[torch.Tensor, bool]]:
+    """Every layer's ten tensors in the order ``cpu_decode.c`` reads them, each with whether it is
+    to be packed: the six row-major ones, then the four matrices again, packed where the layout holds them."""
+    ok = packable(model)
+    tensors = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        tensors += [(layer.input_layernorm.weight, False), (attn.qkv_proj.weight, False),
+                    (attn.o_proj.weight, False), (layer.post_attention_layernorm.weight, False),
+                    (mlp.gate_up_proj.weight, False), (mlp.down_proj.weight, False),
+                    (attn.qkv_proj.weight, ok["qkv"]), (attn.o_proj.weight, ok["o"]),
+                    (mlp.gate_up_proj.weight, ok["gate_up"]), (mlp.down_proj.weight, ok["down"])]
+    return tensors
 
 
 def weight_pointers(model) -> ctypes.Array:
-    """The six per-layer weight addresses in the order ``cpu_decode.c`` reads them (rebuilt if weights move)."""
-    pointers = []
-    for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for tensor in (layer.input_layernorm.weight, attn.qkv_proj.weight, attn.o_proj.weight,
-                       layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight):
-            pointers.append(tensor.data_ptr())
-    return _weight_pointers(id(model), tuple(pointers))
+    """The ten per-layer weight addresses ``cpu_decode.c`` reads: the row-major weights and the step's packed copy.
+
+    The copy is made on the first call and again whenever a weight moves or is written in
+    place (its address or version changes), so the C step never reads stale weights.
+    """
+    tensors = layer_tensors(model)
+    stamp = tuple((t.data_ptr(), t._version) for t, _ in tensors)
+    cached = getattr(model, "_cpu_step_weights", None)
+    if cached is None or cached[0] != stamp:
+        with torch.no_grad():
+            kept = [pack(t) if packed else t for t, packed in tensors]
+        pointers = (ctypes.c_int64 * len(kept))(*(t.data_ptr() for t in kept))
+        cached = (stamp, kept, pointers)
+        model._cpu_step_weights = cached
+    return cached[2]
+
+
+def packed_bytes(model) -> int:
+    """Bytes of the C step's packed copy of the layer matrices (made on its first step)."""
+    return sum(t.numel() * t.element_size() for t, packed in layer_tensors(model) if packed)
 
 
 def rows_of_step(meta, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,7 +271,7 @@ def decode_hidden_states(model, input_ids: torch.Tensor, positions: torch.Tensor
     dims = Dims(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
                 config.intermediate_size, config.num_layers, meta.cache.num_blocks, meta.cache.block_size,
                 block_tables.shape[1], max_seq_len, model.norm.eps,
-                meta.scale if meta.scale is not None else config.head_dim ** -0.5)
+                meta.scale if meta.scale is not None else config.head_dim ** -0.5, packed_mask(model))
     hidden = model.embed_tokens(input_ids).contiguous()
     positions = positions.to(torch.int64).contiguous()
     slots = meta.slot_mapping.to(torch.int64).contiguous()

@@ -130,4 +130,73 @@ static void rows_times_weight_range(const float *x, long x_stride, long m, const
     }
 }
 
+
+/* ------------------------------------------------------------------ the packed layout
+ *
+ * With several rows of x, the tile above still loads every x vector once per weight row: at
+ * 5 rows that is 10 x loads for 2 weight loads, and the loads, not the multiply-adds, set the
+ * pace. Taking PACK_ROWS weight rows at once lets each x vector serve PACK_ROWS multiply-adds.
+ * But four rows of a plain row-major matrix are four read streams, which the AMD EPYC this was
+ * developed on reads at half the rate of one. So the C step keeps its own copy of each weight
+ * with PACK_ROWS rows interleaved LANES columns at a time:
+ *
+ *   block b (rows 4b .. 4b+3), chunk c (columns c*LANES ..):  w[4b][c], w[4b+1][c], w[4b+2][c], w[4b+3][c]
+ *
+ * which is again one sequential stream, and the rows of a block sit together: a range of rows
+ * starting at a multiple of PACK_ROWS begins at p + first * n, as in the plain layout.
+ * Measured from memory on that machine (benchmarks/NOTES.md): 1.3-1.9x the tile above for 2-5
+ * rows, the same for one row. Requires out % PACK_ROWS == 0 and n % LANES == 0. */
+#define PACK_ROWS 4
+#if defined(__AVX512F__)
+#define PACK_TILE_ROWS 5   /* 4 x 5 accumulators + 4 weight vectors + 1 x vector of 32 registers */
+#else
+#define PACK_TILE_ROWS 2   /* 4 x 2 + 4 + 1 of AVX2's 16 */
+#endif
+
+/* PACK_ROWS weight rows (one packed block p) against `rows` rows of x (a constant after inlining). */
+static inline __attribute__((always_inline)) void packed_tile(const float *p, const float *x, long x_stride,
+                                                              const int rows, long n, float sums[][PACK_ROWS]) {
+    float_vector acc[PACK_ROWS][PACK_TILE_ROWS];
+    for (int a = 0; a < PACK_ROWS; a++)
+        for (int r = 0; r < rows; r++) acc[a][r] = (float_vector){0};
+    for (long c = 0; c < n; c += LANES, p += PACK_ROWS * LANES) {
+        float_vector w0 = load_vector(p), w1 = load_vector(p + LANES), w2 = load_vector(p + 2 * LANES),
+                     w3 = load_vector(p + 3 * LANES);
+        for (int r = 0; r < rows; r++) {
+            float_vector xv = load_vector(x + r * x_stride + c);
+            acc[0][r] += w0 * xv; acc[1][r] += w1 * xv; acc[2][r] += w2 * xv; acc[3][r] += w3 * xv;
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int a = 0; a < PACK_ROWS; a++) sums[r][a] = sum_vector(acc[a][r]);
+}
+
+/* rows_times_weight_range for a packed weight p (first and last multiples of PACK_ROWS). A block
+ * is read from memory by the first tile of x and from the L1 cache by the others. */
+static void packed_times_weight_range(const float *x, long x_stride, long m, const float *p, long n,
+                                      long first, long last, float *y, long y_stride, int accumulate) {
+    float sums[PACK_TILE_ROWS][PACK_ROWS];
+    for (long o = first; o < last; o += PACK_ROWS) {
+        const float *block = p + o * n;
+        for (long r0 = 0; r0 < m; r0 += PACK_TILE_ROWS) {
+            long rows = m - r0 < PACK_TILE_ROWS ? m - r0 : PACK_TILE_ROWS;
+            const float *xt = x + r0 * x_stride;
+            switch (rows) {                                  /* a constant tile height for each case */
+#if PACK_TILE_ROWS == 5
+                case 5: packed_tile(block, xt, x_stride, 5, n, sums); break;
+                case 4: packed_tile(block, xt, x_stride, 4, n, sums); break;
+                case 3: packed_tile(block, xt, x_stride, 3, n, sums); break;
+#endif
+                case 2: packed_tile(block, xt, x_stride, 2, n, sums); break;
+                default: packed_tile(block, xt, x_stride, 1, n, sums); break;
+            }
+            for (long r = 0; r < rows; r++)
+                for (int a = 0; a < PACK_ROWS; a++) {
+                    float *out = y + (r0 + r) * y_stride + o + a;
+                    *out = accumulate ? *out + sums[r][a] : sums[r][a];
+                }
+        }
+    }
+}
+
 #endif

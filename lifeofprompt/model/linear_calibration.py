@@ -205,9 +205,15 @@ def calibrate(model: nn.Module, paths: tuple[str, ...], measure=None, budget_s: 
 
 def machine_key() -> dict:
     """The machine fields every cached timing depends on: the CPU and its flags, torch's kernels,
-    the thread count and whether weights sit in huge pages. Each cache key adds what it timed."""
-    return dict(cpu=cpu_model(), flags=" ".join(sorted(cpu_flags())), torch=torch.__version__,
-                threads=torch.get_num_threads(), huge_pages=huge_pages_setting())
+    the thread count, whether weights sit in huge pages, and the C kernels' target where it is
+    not this CPU. Each cache key adds what it timed."""
+    from .native_build import MARCH_VARIABLE
+
+    key = dict(cpu=cpu_model(), flags=" ".join(sorted(cpu_flags())), torch=torch.__version__,
+               threads=torch.get_num_threads(), huge_pages=huge_pages_setting())
+    if os.environ.get(MARCH_VARIABLE):             # the C kernels built for another target
+        key["native_march"] = os.environ[MARCH_VARIABLE]
+    return key
 
 
 def cache_key(model: nn.Module, paths: tuple[str, ...]) -> dict:

@@ -25,6 +25,18 @@ from ..env import cache_dir, cpu_flags, cpu_model
 # Tried in order: the vectorised, threaded build first, then plainer ones for compilers that refuse a flag.
 BUILD_FLAGS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-mcpu=native", "-fopenmp"], ["-O3", "-fopenmp"], ["-O3"])
 
+# Build for another target than this CPU, e.g. ``x86-64-v3`` (AVX2, no AVX-512): how the
+# portability script runs the kernels' narrower code paths on a machine that has wider ones.
+MARCH_VARIABLE = "LIFEOFPROMPT_NATIVE_MARCH"
+
+
+def build_flags() -> list[list[str]]:
+    """The flag sets to try, with ``-march`` from ``LIFEOFPROMPT_NATIVE_MARCH`` where it is set."""
+    march = os.environ.get(MARCH_VARIABLE)
+    if not march:
+        return [list(flags) for flags in BUILD_FLAGS]
+    return [["-O3", f"-march={march}", "-fopenmp"], ["-O3", f"-march={march}"]]
+
 
 def compiler() -> str | None:
     """The C compiler to build with, or None where there is none."""
@@ -49,7 +61,8 @@ def source_digest(source: Path) -> str:
 def library_path(source: Path, cc: str) -> Path:
     """Where this machine's build of ``source`` lives: one file per (source and headers, compiler, CPU)."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\n".join([*source_texts(source), version, cpu_model(), " ".join(sorted(cpu_flags()))]).encode())
+    key = hashlib.sha256("\n".join([*source_texts(source), version, cpu_model(), " ".join(sorted(cpu_flags())),
+                                    *([os.environ[MARCH_VARIABLE]] if os.environ.get(MARCH_VARIABLE) else [])]).encode())
     return cache_dir() / "cpu_native" / f"{source.stem}-{key.hexdigest()[:16]}.so"
 
 
@@ -61,7 +74,7 @@ def build(source: Path, cc: str, target: Path) -> bool:
     with FileLock(str(target) + ".lock"):
         if target.exists():
             return True
-        for flags in BUILD_FLAGS:
+        for flags in build_flags():
             fd, staging = tempfile.mkstemp(suffix=".so", dir=target.parent)
             os.close(fd)
             done = subprocess.run([cc, *flags, "-shared", "-fPIC", str(source), "-o", staging, "-lm"],
@@ -88,12 +101,12 @@ def compiled(source: Path) -> ctypes.CDLL | None:
         return None
 
 
-def c_function(source: Path, name: str, argtypes: list):
-    """``name`` from this machine's build of ``source``, typed for ctypes (no return value), or None where it cannot be built."""
+def c_function(source: Path, name: str, argtypes: list, restype=None):
+    """``name`` from this machine's build of ``source``, typed for ctypes, or None where it cannot be built."""
     library = compiled(source)
     function = getattr(library, name, None) if library is not None else None
     if function is None:
         return None
     function.argtypes = argtypes
-    function.restype = None
+    function.restype = restype
     return function

@@ -114,8 +114,9 @@ def test_the_packed_copy_follows_the_weights():
     with torch.no_grad():
         model.layers[0].mlp.down_proj.weight.mul_(2)
     assert cpu_decode.weight_pointers(model) is not first
-    packed = model._cpu_step_weights[1][9]                       # layer 0's packed down_proj
-    torch.testing.assert_close(packed, cpu_decode.pack(model.layers[0].mlp.down_proj.weight), rtol=0, atol=0)
+    down = model.layers[0].mlp.down_proj
+    assert torch.equal(cpu_decode.packed_weight(down), cpu_decode.pack(down.weight))
+    assert cpu_decode.weight_pointers(model)[9] == cpu_decode.packed_weight(down).data_ptr()   # layer 0's packed down_proj
 
 
 def test_rows_follow_the_calibrated_choice():
@@ -232,6 +233,11 @@ def test_the_engine_gives_the_same_greedy_tokens_with_the_c_step(story_greedy, s
     prompts, want, _ = story_greedy[False]
     _, got, llm = story_greedy[True]
     assert llm.engine.runner.last_launch["fused"] == "cpu"
+    layers = llm.engine.model.layers
+    matrices = [m.weight for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                       layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    assert llm.engine.runner.cpu_step_packed_bytes == sum(w.numel() * 4 for w in matrices)    # made at start, all four
+    assert any("from a packed copy of the layer matrices" in line for line in llm.engine.startup_log)
     model, _ = smollm2
     margins = [top2_margins(teacher_forced_logits(model, p, w)) for p, w in zip(prompts, want)]
     assert_greedy_agrees(got, want, margins, FP32_TOLERANCE, min_steps=int(0.9 * sum(map(len, want))))

@@ -44,6 +44,14 @@ class CpuPathChoices:
         rows, self.cpu_decode_reason = self.measure_cpu_decode_rows()
         return rows
 
+    def pack_for_cpu_step(self) -> int:
+        """Make the C step's packed copies of the layer matrices now, not on the first step that needs
+        them (``cpu_decode.packed_weight``); returns their bytes, for the start-up log."""
+        from ..model import cpu_decode
+
+        cpu_decode.weight_pointers(self.model)
+        return cpu_decode.packed_bytes(self.model)
+
     def measure_cpu_decode_rows(self) -> tuple[int, str]:
         """``cpu_decode.measured_rows`` on decode steps of this runner's own model and pool, cached per machine."""
         from ..model.cpu_decode import measured_step_key

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from .native_build import c_function
 
@@ -209,42 +210,50 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
             .permute(0, 2, 1, 3).contiguous().reshape(out, inner))
 
 
-def layer_tensors(model) -> list[tuple[torch.Tensor, bool]]:
-    """Every layer's ten tensors in the order ``cpu_decode.c`` reads them, each with whether it is
-    to be packed: the six row-major ones, then the four matrices again, packed where the layout holds them."""
+def layer_tensors(model) -> list[tuple[torch.Tensor, nn.Module | None]]:
+    """Every layer's ten tensors in the order ``cpu_decode.c`` reads them: the six row-major ones,
+    then the four matrices again, each with its module where it is to be read packed (None: row-major)."""
     ok = packable(model)
     tensors = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        tensors += [(layer.input_layernorm.weight, False), (attn.qkv_proj.weight, False),
-                    (attn.o_proj.weight, False), (layer.post_attention_layernorm.weight, False),
-                    (mlp.gate_up_proj.weight, False), (mlp.down_proj.weight, False),
-                    (attn.qkv_proj.weight, ok["qkv"]), (attn.o_proj.weight, ok["o"]),
-                    (mlp.gate_up_proj.weight, ok["gate_up"]), (mlp.down_proj.weight, ok["down"])]
+        tensors += [(layer.input_layernorm.weight, None), (attn.qkv_proj.weight, None), (attn.o_proj.weight, None),
+                    (layer.post_attention_layernorm.weight, None), (mlp.gate_up_proj.weight, None),
+                    (mlp.down_proj.weight, None)]
+        for name, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
+                             ("down", mlp.down_proj)):
+            tensors.append((module.weight, module if ok[name] else None))
     return tensors
 
 
-def weight_pointers(model) -> ctypes.Array:
-    """The ten per-layer weight addresses ``cpu_decode.c`` reads: the row-major weights and the step's packed copy.
-
-    The copy is made on the first call and again whenever a weight moves or is written in
-    place (its address or version changes), so the C step never reads stale weights.
-    """
-    tensors = layer_tensors(model)
-    stamp = tuple((t.data_ptr(), t._version) for t, _ in tensors)
-    cached = getattr(model, "_cpu_step_weights", None)
+def packed_weight(module: nn.Module) -> torch.Tensor:
+    """``module``'s weight in the packed layout, kept on the module: made once, and again whenever
+    the weight moves or is written in place (its address or version changes), so the C step never
+    reads a stale copy. A draft that shares the target's layers shares their copies too."""
+    weight = module.weight
+    stamp = (weight.data_ptr(), weight._version)
+    cached = getattr(module, "_c_step_packed", None)
     if cached is None or cached[0] != stamp:
         with torch.no_grad():
-            kept = [pack(t) if packed else t for t, packed in tensors]
-        pointers = (ctypes.c_int64 * len(kept))(*(t.data_ptr() for t in kept))
-        cached = (stamp, kept, pointers)
-        model._cpu_step_weights = cached
-    return cached[2]
+            cached = (stamp, pack(weight))
+        module._c_step_packed = cached
+    return cached[1]
+
+
+def weight_pointers(model) -> ctypes.Array:
+    """The ten per-layer weight addresses ``cpu_decode.c`` reads: the row-major weights and their packed copies."""
+    kept = [packed_weight(module) if module is not None else tensor for tensor, module in layer_tensors(model)]
+    pointers = tuple(t.data_ptr() for t in kept)
+    cached = getattr(model, "_c_step_pointers", None)
+    if cached is None or cached[0] != pointers:
+        cached = (pointers, (ctypes.c_int64 * len(pointers))(*pointers))
+        model._c_step_pointers = cached
+    return cached[1]
 
 
 def packed_bytes(model) -> int:
-    """Bytes of the C step's packed copy of the layer matrices (made on its first step)."""
-    return sum(t.numel() * t.element_size() for t, packed in layer_tensors(model) if packed)
+    """Bytes of the C step's packed copies of the layer matrices."""
+    return sum(t.numel() * t.element_size() for t, module in layer_tensors(model) if module is not None)
 
 
 def rows_of_step(meta, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

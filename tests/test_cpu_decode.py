@@ -139,11 +139,14 @@ def test_rowwise_within_noise_of_the_best_still_takes_the_c_step():
     assert cpu_decode.usable_rows(plans, shapes, far) == 1
 
 
-def fake_step_timer(c_ms: dict, torch_ms: dict, calls: list):
+ONE = ("cpu",)          # the C step in one layout only (the row-limit tests)
+
+
+def fake_step_timer(c_ms: dict, torch_ms: dict, calls: list, row_major_ms: dict | None = None):
     """A ``measure(rows, fused)`` that returns set times (ms) and records what was asked."""
     def measure(rows, fused):
         calls.append((rows, fused))
-        times = c_ms if fused == "cpu" else torch_ms
+        times = {"cpu": c_ms, "cpu-rowmajor": row_major_ms, False: torch_ms}[fused]
         value = times[rows]
         return (value.pop(0) if isinstance(value, list) and len(value) > 1 else
                 (value[0] if isinstance(value, list) else value)) / 1e3
@@ -156,17 +159,17 @@ def test_whole_steps_decide_the_rows_and_the_timing_stops_at_the_first_loss():
     calls = []
     c = {n: 10 * n for n in range(1, 17)}
     eager = {n: 10 * n + (5 if n <= 8 else -5) for n in range(1, 17)}      # C wins up to 8 rows
-    rows, why = cpu_decode.measured_rows(fake_step_timer(c, eager, calls), row_counts=(1, 2, 4, 8, 12, 16))
-    assert rows == 8
+    answer, why = cpu_decode.measured_rows(fake_step_timer(c, eager, calls), row_counts=(1, 2, 4, 8, 12, 16), c_paths=ONE)
+    assert answer["rows"] == 8
     assert "8 rows: C 80.0 ms, torch 85.0 ms" in why and "12 rows: C 120.0 ms, torch 115.0 ms" in why
     assert {r for r, _ in calls} == {1, 2, 4, 8, 12, 10, 9}          # 16 is above the first loss: never run
     # a loss at a small count ends it there, even where larger counts would win
-    rows, _ = cpu_decode.measured_rows(fake_step_timer({**c, 2: 40}, eager, []))
-    assert rows == 1
+    answer, _ = cpu_decode.measured_rows(fake_step_timer({**c, 2: 40}, eager, []), c_paths=ONE)
+    assert answer["rows"] == 1
     # each side is its fastest round: one slow round of the C step does not lose the count
     noisy = {r: [t * 3, t * 3, t] for r, t in c.items()}             # warm-up, round 1 slow; round 2 fast
-    rows, _ = cpu_decode.measured_rows(fake_step_timer(noisy, eager, []), row_counts=(1, 2, 4, 8), rounds=2)
-    assert rows == 8
+    answer, _ = cpu_decode.measured_rows(fake_step_timer(noisy, eager, []), row_counts=(1, 2, 4, 8), rounds=2, c_paths=ONE)
+    assert answer["rows"] == 8
 
 
 def test_the_gap_between_the_last_win_and_the_first_loss_is_halved_until_it_closes():
@@ -174,15 +177,34 @@ def test_the_gap_between_the_last_win_and_the_first_loss_is_halved_until_it_clos
     c = {n: 10 * n for n in range(1, 17)}
     eager = {n: 10 * n + (5 if n <= 6 else -5) for n in range(1, 17)}      # C wins up to 6 rows
     calls = []
-    rows, why = cpu_decode.measured_rows(fake_step_timer(c, eager, calls), row_counts=(1, 2, 4, 8, 16))
-    assert rows == 6
+    answer, why = cpu_decode.measured_rows(fake_step_timer(c, eager, calls), row_counts=(1, 2, 4, 8, 16), c_paths=ONE)
+    assert answer["rows"] == 6
     assert {r for r, _ in calls} == {1, 2, 4, 8, 6, 7}
     assert why.index("6 rows") < why.index("7 rows") < why.index("8 rows")   # listed by row count
 
 
+def test_each_count_takes_its_faster_layout_and_the_c_step_the_faster_of_the_two():
+    """Packed wins at 2-4 rows, row-major from 8: the layouts follow; the row limit counts the faster
+    layout (at 10 and 11 rows only row-major beats torch); one row times one layout only."""
+    packed = {n: 10 * n + (0 if n < 10 else 15) for n in range(1, 17)}
+    row_major = {n: 10 * n + (3 if n < 8 else -8) for n in range(1, 17)}
+    eager = {n: 10 * n + (2 if n < 12 else -20) for n in range(1, 17)}     # 10 rows: packed 115 loses to 102
+    calls = []
+    answer, why = cpu_decode.measured_rows(fake_step_timer(packed, eager, calls, row_major), row_counts=(1, 2, 4, 8, 12))
+    assert answer["rows"] == 11                     # packed alone would have stopped at 9
+    assert answer["layouts"] == {1: "cpu", 2: "cpu", 4: "cpu", 8: "cpu-rowmajor", 12: "cpu-rowmajor",
+                                 10: "cpu-rowmajor", 11: "cpu-rowmajor"}
+    assert (1, "cpu-rowmajor") not in calls and (2, "cpu-rowmajor") in calls
+    assert "8 rows: C 80.0 ms (row-major 72.0), torch 82.0 ms" in why
+    # between measured counts, the largest measured count below decides; nothing measured: packed
+    assert [cpu_decode.layout_for(n, answer["layouts"]) for n in (3, 5, 7, 8, 11)] == \
+        ["cpu", "cpu", "cpu", "cpu-rowmajor", "cpu-rowmajor"]
+    assert cpu_decode.layout_for(5, None) == "cpu"
+
+
 def test_a_spent_budget_stops_the_timing_and_says_so():
-    rows, why = cpu_decode.measured_rows(fake_step_timer({1: 1, 2: 1}, {1: 2, 2: 2}, []), row_counts=(1, 2), budget_s=0)
-    assert rows == 0 and "budget was spent" in why
+    answer, why = cpu_decode.measured_rows(fake_step_timer({1: 1, 2: 1}, {1: 2, 2: 2}, []), row_counts=(1, 2), budget_s=0)
+    assert answer["rows"] == 0 and "budget was spent" in why
 
 
 def test_an_unpinned_runner_times_whole_steps_once_and_reads_the_cache_after(tmp_path, monkeypatch):
@@ -192,8 +214,8 @@ def test_an_unpinned_runner_times_whole_steps_once_and_reads_the_cache_after(tmp
     asked = []
 
     def fake_rows(measure, **_):
-        asked.append(measure(2, "cpu") > 0 and measure(2, False) > 0)    # the runner's real step runs both ways
-        return 4, "2 rows: C 1.0 ms, torch 2.0 ms"
+        asked.append(all(measure(2, path) > 0 for path in ("cpu", "cpu-rowmajor", False)))   # the real step, each way
+        return {"rows": 4, "layouts": {1: "cpu", 2: "cpu-rowmajor", 4: "cpu"}}, "2 rows: C 1.0 ms, torch 2.0 ms"
 
     monkeypatch.setattr("lifeofprompt.engine.cpu_paths.measured_rows", fake_rows)
     first = ModelRunner(model, num_blocks=512, block_size=4, backend="torch")
@@ -202,6 +224,8 @@ def test_an_unpinned_runner_times_whole_steps_once_and_reads_the_cache_after(tmp
     assert asked == [True]
     second = ModelRunner(model, num_blocks=512, block_size=4, backend="torch")
     assert second.cpu_decode_rows == 4 and asked == [True]           # from the cache: not timed again
+    assert [second.cpu_step_layout(n) for n in (1, 2, 3, 4)] == ["cpu", "cpu-rowmajor", "cpu-rowmajor", "cpu"]
+    assert second.cpu_step_packed_bytes == cpu_decode.packed_bytes(model) > 0     # 4 rows read the packed copies
     small = ModelRunner(random_model(random.Random(3)), num_blocks=16, block_size=4, backend="torch")
     assert small.cpu_decode_rows == 0 and "not measured" in small.cpu_decode_reason
 

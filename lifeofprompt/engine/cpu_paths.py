@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from ..model.cpu_decode import (STEP_ROW_COUNTS, decode_attention_faster, layer_shapes, measured_rows,
+from ..model.cpu_decode import (STEP_ROW_COUNTS, decode_attention_faster, layer_shapes, layout_for, measured_rows,
                                 supports as cpu_decode_supports, usable_rows as cpu_decode_rows)
 from .sequence import Sequence
 
@@ -41,19 +41,33 @@ class CpuPathChoices:
         if self.linear_choice.pinned is not None:
             self.cpu_decode_reason = f"follows the pinned {self.linear_choice.pinned} path"
             return cpu_decode_rows(self.linear_choice.plans, layer_shapes(self.model), self.linear_choice.timings)
-        rows, self.cpu_decode_reason = self.measure_cpu_decode_rows()
-        return rows
+        answer, self.cpu_decode_reason = self.measure_cpu_decode_rows()
+        if isinstance(answer, int):                        # measured as "not measurable" (a small pool)
+            return answer
+        self.cpu_step_layouts = {int(n): layout for n, layout in answer["layouts"].items()}
+        return answer["rows"]
+
+    def cpu_step_layout(self, rows: int) -> str:
+        """How the C step reads the weights in a step of ``rows``: as measured faster at that count
+        (``cpu_decode.layout_for``), packed where nothing was measured."""
+        return layout_for(rows, getattr(self, "cpu_step_layouts", None))
 
     def pack_for_cpu_step(self) -> int:
         """Make the C step's packed copies of the layer matrices now, not on the first step that needs
-        them (``cpu_decode.packed_weight``); returns their bytes, for the start-up log."""
+        them (``cpu_decode.packed_weight``), or free them where no step will read them; returns
+        their bytes, for the start-up log."""
         from ..model import cpu_decode
 
+        if not any(self.cpu_step_layout(n) == "cpu" for n in range(2, self.cpu_decode_rows + 1)):
+            if self.cpu_decode_rows:
+                cpu_decode.drop_packed(self.model)
+            return 0
         cpu_decode.weight_pointers(self.model)
         return cpu_decode.packed_bytes(self.model)
 
-    def measure_cpu_decode_rows(self) -> tuple[int, str]:
-        """``cpu_decode.measured_rows`` on decode steps of this runner's own model and pool, cached per machine."""
+    def measure_cpu_decode_rows(self) -> tuple[dict | int, str]:
+        """``cpu_decode.measured_rows`` on decode steps of this runner's own model and pool, cached per machine
+        (the row limit and the faster layout per count; 0 where the pool is too small to time)."""
         from ..model.cpu_decode import measured_step_key
         from ..model.linear_calibration import cached_answer
 

@@ -127,7 +127,7 @@ class ModelRunner(CpuPathChoices, DecodeGraphs):
         self.decode_attention_in_c, self.decode_attention_reason = self.choose_decode_attention(cpu_decode)
         self.cpu_decode_reason = ""                # how the C step's row limit was chosen (start-up log)
         self.cpu_decode_rows = self.choose_cpu_decode_rows(cpu_decode)   # after the attention: the torch step uses it
-        self.cpu_step_packed_bytes = self.pack_for_cpu_step() if self.cpu_decode_rows > 1 else 0
+        self.cpu_step_packed_bytes = self.pack_for_cpu_step()
         self.last_output: SamplerOutput | None = None
         self.last_logprobs: list | None = None     # per seq: None or (logprob, {token_id: logprob, ...})
         self.last_failures: dict[str, BaseException] = {}   # seq_id -> why its row could not be sampled
@@ -175,7 +175,7 @@ class ModelRunner(CpuPathChoices, DecodeGraphs):
         """The model's forward as this runner runs it: the fused C decode step, the fused Triton kernels, or plain."""
         fused = self.fused_kernels
         if cpu_decode_takes_step(input_ids.shape[0], self.cpu_decode_rows, meta.cache.kv):
-            fused = "cpu"
+            fused = self.cpu_step_layout(input_ids.shape[0])
         if self.last_launch:
             self.last_launch["fused"] = fused
         return self.model(input_ids, positions, meta, fused_kernels=fused)

@@ -127,17 +127,29 @@ STEP_ROW_COUNTS = (1, 2, 4, 8, 12, 16)
 STEP_BUDGET_S = 3.0
 
 
-def measured_rows(measure, row_counts=STEP_ROW_COUNTS, rounds: int = 3, budget_s: float = STEP_BUDGET_S) -> tuple[int, str]:
-    """Up to how many rows the C step is faster than the torch forward, timing whole steps both ways.
+# The C step's two ways of reading the layer matrices in a step of 2+ rows: its packed copies, or
+# the row-major weights (one-row steps always read these). Which is faster depends on the row
+# count and the machine, so the runner times both (``measured_rows``).
+C_STEP = "cpu"                     # packed copies where the layout holds them
+C_STEP_ROW_MAJOR = "cpu-rowmajor"  # row-major weights only
+
+
+def measured_rows(measure, row_counts=STEP_ROW_COUNTS, rounds: int = 3, budget_s: float = STEP_BUDGET_S,
+                  c_paths=(C_STEP, C_STEP_ROW_MAJOR)) -> tuple[dict, str]:
+    """Up to how many rows the C step is faster than the torch forward, timing whole steps, and which
+    of its layouts (``c_paths``) is faster at each count.
 
     A product measured alone does not decide it: at 8 rows oneDNN multiplies faster than the
     rowwise loop, yet the C step also skips the ~40 eager ops a layer around the products, and
     on the AMD EPYC this was written on that won whole steps of up to 4-8 rows. So each row
-    count runs ``measure(rows, fused) -> seconds`` (one forward; ``fused`` is ``"cpu"`` or False)
-    alternately, fastest of ``rounds``. Counts go up ``row_counts`` until the C step loses; the
-    gap between the last win and that loss is then halved until it closes (a verify of k = 4
-    drafts is 5 rows: it should not go eager because 4 won and 8 lost). Timing stops when
-    ``budget_s`` runs out. ``why`` says every count measured.
+    count runs ``measure(rows, fused) -> seconds`` (one forward; ``fused`` is one of ``c_paths``
+    or False) alternately, fastest of ``rounds``; the C step's time is its faster layout's.
+    Counts go up ``row_counts`` until the C step loses; the gap between the last win and that
+    loss is then halved until it closes (a verify of k = 4 drafts is 5 rows: it should not go
+    eager because 4 won and 8 lost). Timing stops when ``budget_s`` runs out.
+
+    Returns ``({"rows": limit, "layouts": {count: fastest c_path}}, why)``; ``why`` says every
+    count measured. One-row steps read row-major in either layout, so 1 row times only the first.
     """
     deadline = time.perf_counter() + budget_s
     notes, results = [], {}
@@ -146,14 +158,15 @@ def measured_rows(measure, row_counts=STEP_ROW_COUNTS, rounds: int = 3, budget_s
         if time.perf_counter() > deadline:
             notes.append(f"stopped before {count} rows: the {budget_s:.0f} s budget was spent")
             return None
-        best = {"cpu": float("inf"), False: float("inf")}
-        for fused in ("cpu", False):                      # warm-up: first-call set-up of each path
-            measure(count, fused)
+        paths = (*(c_paths if count > 1 else c_paths[:1]), False)
+        best = {path: float("inf") for path in paths}
+        for path in paths:                                # warm-up: first-call set-up of each path
+            measure(count, path)
         for _ in range(rounds):
-            for fused in ("cpu", False):
-                best[fused] = min(best[fused], measure(count, fused))
+            for path in paths:
+                best[path] = min(best[path], measure(count, path))
         results[count] = best
-        return best["cpu"] <= best[False]
+        return min(best[p] for p in paths if p is not False) <= best[False]
 
     rows, lost = 0, None
     for count in row_counts:
@@ -170,9 +183,25 @@ def measured_rows(measure, row_counts=STEP_ROW_COUNTS, rounds: int = 3, budget_s
         if won is None:
             break
         rows, lost = (middle, lost) if won else (rows, middle)
-    notes[:0] = [f"{n} row{'s' if n > 1 else ''}: C {t['cpu'] * 1e3:.1f} ms, torch {t[False] * 1e3:.1f} ms"
-                 for n, t in sorted(results.items())]
-    return rows, "; ".join(notes)
+    layouts = {n: min((p for p in t if p is not False), key=t.get) for n, t in sorted(results.items())}
+    notes[:0] = [describe_count(n, t) for n, t in sorted(results.items())]
+    return {"rows": rows, "layouts": layouts}, "; ".join(notes)
+
+
+def describe_count(rows: int, times: dict) -> str:
+    """One count's timings for the start-up log, e.g. ``4 rows: C 35.0 ms (row-major 37.5), torch 81.0 ms``."""
+    c = times[C_STEP] if C_STEP in times else min(t for p, t in times.items() if p is not False)
+    other = times.get(C_STEP_ROW_MAJOR)
+    return (f"{rows} row{'s' if rows > 1 else ''}: C {c * 1e3:.1f} ms"
+            + (f" (row-major {other * 1e3:.1f})" if other is not None else "")
+            + f", torch {times[False] * 1e3:.1f} ms")
+
+
+def layout_for(rows: int, layouts: dict | None) -> str:
+    """The C step's layout for a step of ``rows``: that of the largest measured count at or below
+    it (packed where nothing was measured, e.g. with pinned products)."""
+    measured = [n for n in (layouts or {}) if int(n) <= rows]
+    return layouts[max(measured, key=int)] if measured else C_STEP
 
 
 def measured_step_key(model, plans: dict, block_size: int, decode_attention_in_c: bool) -> dict:
@@ -182,7 +211,7 @@ def measured_step_key(model, plans: dict, block_size: int, decode_attention_in_c
     from .native_build import source_digest
 
     config = model.config
-    return dict(machine_key(), version=1, what="whole decode steps: the C step against the torch forward",
+    return dict(machine_key(), version=2, what="whole decode steps: the C step (packed and row-major) against the torch forward",
                 dtype=str(model.dtype), layers=config.num_layers, vocab=config.vocab_size,
                 heads=[config.num_heads, config.num_kv_heads, config.head_dim], block_size=block_size,
                 plans={f"{o}x{i}": p.describe() for (o, i), p in sorted(plans.items())},
@@ -240,15 +269,23 @@ def packed_weight(module: nn.Module) -> torch.Tensor:
     return cached[1]
 
 
-def weight_pointers(model) -> ctypes.Array:
-    """The ten per-layer weight addresses ``cpu_decode.c`` reads: the row-major weights and their packed copies."""
-    kept = [packed_weight(module) if module is not None else tensor for tensor, module in layer_tensors(model)]
+def weight_pointers(model, packed: bool = True) -> ctypes.Array:
+    """The ten per-layer weight addresses ``cpu_decode.c`` reads: the row-major weights and their packed
+    copies (without ``packed``, the row-major ones again: the C step is then told to read no copy)."""
+    kept = [packed_weight(module) if packed and module is not None else tensor for tensor, module in layer_tensors(model)]
     pointers = tuple(t.data_ptr() for t in kept)
     cached = getattr(model, "_c_step_pointers", None)
     if cached is None or cached[0] != pointers:
         cached = (pointers, (ctypes.c_int64 * len(pointers))(*pointers))
         model._c_step_pointers = cached
     return cached[1]
+
+
+def drop_packed(model) -> None:
+    """Free the packed copies (a runner that measured the row-major layout faster at every count)."""
+    for _, module in layer_tensors(model):
+        if module is not None:
+            module.__dict__.pop("_c_step_packed", None)
 
 
 def packed_bytes(model) -> int:
@@ -270,8 +307,9 @@ def rows_of_step(meta, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return block_tables, context_lens.to(torch.int32).contiguous()
 
 
-def decode_hidden_states(model, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-    """Final normalised hidden states ``[m, hidden]`` of a small step (``meta``: ``PagedCacheMetadata``; any rows)."""
+def decode_hidden_states(model, input_ids: torch.Tensor, positions: torch.Tensor, meta, packed: bool = True) -> torch.Tensor:
+    """Final normalised hidden states ``[m, hidden]`` of a small step (``meta``: ``PagedCacheMetadata``; any rows);
+    ``packed``: read the packed copies where the layout holds them (else the row-major weights only)."""
     config, attn = model.config, model.layers[0].self_attn
     m = input_ids.shape[0]
     kv = meta.cache.kv
@@ -280,7 +318,7 @@ def decode_hidden_states(model, input_ids: torch.Tensor, positions: torch.Tensor
     dims = Dims(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
                 config.intermediate_size, config.num_layers, meta.cache.num_blocks, meta.cache.block_size,
                 block_tables.shape[1], max_seq_len, model.norm.eps,
-                meta.scale if meta.scale is not None else config.head_dim ** -0.5, packed_mask(model))
+                meta.scale if meta.scale is not None else config.head_dim ** -0.5, packed_mask(model) if packed else 0)
     hidden = model.embed_tokens(input_ids).contiguous()
     positions = positions.to(torch.int64).contiguous()
     slots = meta.slot_mapping.to(torch.int64).contiguous()
@@ -288,7 +326,7 @@ def decode_hidden_states(model, input_ids: torch.Tensor, positions: torch.Tensor
     threads = torch.get_num_threads()
     scratch = [empty(threads, m, config.hidden_size), empty(m, attn.q_size + 2 * attn.kv_size), empty(m, attn.q_size),
                empty(m, config.intermediate_size), empty(m * config.num_heads, max_seq_len)]
-    step_kernel()(ctypes.byref(dims), ctypes.addressof(weight_pointers(model)), model.norm.weight.data_ptr(),
+    step_kernel()(ctypes.byref(dims), ctypes.addressof(weight_pointers(model, packed)), model.norm.weight.data_ptr(),
                   hidden.data_ptr(), m, positions.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
                   seq_lens.data_ptr(), kv.data_ptr(), model.rotary.cos.data_ptr(), model.rotary.sin.data_ptr(),
                   *(t.data_ptr() for t in scratch), threads)

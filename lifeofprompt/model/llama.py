@@ -155,11 +155,12 @@ class LlamaForCausalLM(nn.Module):
         """Final normalised hidden state of every row ``[T, hidden]``.
 
         ``fused_kernels``: True runs ``fused_hidden_states`` below (Triton); ``"cpu"`` runs a
-        decode step of the paged engine as one C call (``cpu_decode.py``, same layers, same weights).
+        decode step of the paged engine as one C call (``cpu_decode.py``, same layers, same weights;
+        ``"cpu-rowmajor"`` the same without its packed copies of the weights).
         """
-        if fused_kernels == "cpu":
+        if fused_kernels in ("cpu", "cpu-rowmajor"):
             from .cpu_decode import decode_hidden_states
-            return decode_hidden_states(self, input_ids, positions, meta)
+            return decode_hidden_states(self, input_ids, positions, meta, packed=fused_kernels == "cpu")
         if fused_kernels:
             return self.fused_hidden_states(input_ids, positions, meta)
         hidden = self.embed_tokens(input_ids)

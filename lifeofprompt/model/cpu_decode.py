@@ -271,14 +271,22 @@ def packed_weight(module: nn.Module) -> torch.Tensor:
 
 def weight_pointers(model, packed: bool = True) -> ctypes.Array:
     """The ten per-layer weight addresses ``cpu_decode.c`` reads: the row-major weights and their packed
-    copies (without ``packed``, the row-major ones again: the C step is then told to read no copy)."""
-    kept = [packed_weight(module) if packed and module is not None else tensor for tensor, module in layer_tensors(model)]
-    pointers = tuple(t.data_ptr() for t in kept)
-    cached = getattr(model, "_c_step_pointers", None)
-    if cached is None or cached[0] != pointers:
-        cached = (pointers, (ctypes.c_int64 * len(pointers))(*pointers))
-        model._c_step_pointers = cached
-    return cached[1]
+    copies (without ``packed``, the row-major ones again: the C step is then told to read no copy).
+
+    Called every step, so the answer is kept on the model with a stamp of every weight's address
+    and version: a step then costs one pass over ~300 integers, not a rebuild (which cost ~2 ms).
+    """
+    tensors = getattr(model, "_c_step_tensors", None)
+    if tensors is None:
+        tensors = model._c_step_tensors = layer_tensors(model)
+    stamp = [(t.data_ptr(), t._version) for t, _ in tensors]
+    cached = getattr(model, "_c_step_pointers", {}).get(packed)
+    if cached is not None and cached[0] == stamp:
+        return cached[1]
+    kept = [packed_weight(module) if packed and module is not None else tensor for tensor, module in tensors]
+    pointers = (ctypes.c_int64 * len(kept))(*(t.data_ptr() for t in kept))
+    model.__dict__.setdefault("_c_step_pointers", {})[packed] = (stamp, pointers, kept)
+    return pointers
 
 
 def drop_packed(model) -> None:
@@ -286,6 +294,7 @@ def drop_packed(model) -> None:
     for _, module in layer_tensors(model):
         if module is not None:
             module.__dict__.pop("_c_step_packed", None)
+    model.__dict__.get("_c_step_pointers", {}).pop(True, None)
 
 
 def packed_bytes(model) -> int:

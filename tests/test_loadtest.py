@@ -232,15 +232,17 @@ def test_serving_figures_label_axes_and_name_the_machine():
     ]
     for fig in figures:
         assert any(t.get_text() == "machine X" for t in fig.texts)
+        assert any(ax.get_xlabel() for ax in fig.axes)             # panels stacked on one x axis label the last
         for ax in fig.axes:
             if ax.axison:                              # a table beside a plot has a title only
-                assert ax.get_xlabel() and ax.get_ylabel() and ax.get_title()
+                assert ax.get_ylabel() and ax.get_title()
             else:
                 assert ax.get_title() and ax.tables
     ttft_ax = figures[1].axes[0]
     p99_line = ttft_ax.get_lines()[1]
     assert list(p99_line.get_ydata()) == [r.summary["ttft_s"]["p99"] for r in sweep]
-    assert len(figures[2].axes[0].get_lines()) == 2            # one queue line per rate
+    assert [len(ax.get_lines()) for ax in figures[2].axes] == [1, 1]     # one panel, one queue line, per rate
+    assert [ax.get_title() for ax in figures[2].axes] == ["0.50 req/s (0.5× capacity)", "2.00 req/s (2× capacity)"]
     plt.close("all")
 
 

@@ -125,18 +125,24 @@ def plot_ttft_against_rate(results, capacity: float, label: str | None = None):
 
 
 def plot_queue_growth(results, capacity: float, label: str | None = None):
-    """Requests sent but still without a first token, over time, one line per arrival rate."""
+    """Requests sent but still without a first token, over time: one panel per arrival rate (shared
+    axes), since four step lines drawn over each other cannot be told apart."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for r in sorted(results, key=lambda r: r.config.rate):
+    runs = sorted(results, key=lambda r: r.config.rate)
+    fig, axes = plt.subplots(len(runs), 1, figsize=(7.5, 1.25 * len(runs) + 1.2), sharex=True, sharey=True,
+                             squeeze=False)
+    for ax, r, colour in zip(axes[:, 0], runs, plt.rcParams["axes.prop_cycle"].by_key()["color"]):
         times, waiting = waiting_over_time(r)
-        ax.step(times, waiting, where="post", linewidth=1.2,
-                label=f"{r.config.rate:.2f} req/s ({r.config.rate / capacity:.3g}× capacity)")
-    ax.set(xlabel="seconds since the first request", ylabel="requests waiting for their first token",
-           title="Past capacity the queue grows as long as arrivals keep coming")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+        ax.step(times, waiting, where="post", linewidth=1.2, color=colour)
+        ax.fill_between(times, waiting, step="post", alpha=0.2, color=colour)
+        ax.set_title(f"{r.config.rate:.2f} req/s ({r.config.rate / capacity:.3g}× capacity)", fontsize=8,
+                     pad=2)
+        ax.set_ylabel("waiting", fontsize=8)
+        ax.grid(True, alpha=0.3)
+    axes[-1, 0].set_xlabel("seconds since the first request (waiting: requests sent, no first token yet)")
+    fig.suptitle("Bursts of Poisson arrivals build a queue, which drains in the lulls; the busier the rate, the taller",
+                 fontsize=10)
     return _finish(fig, label)
 
 

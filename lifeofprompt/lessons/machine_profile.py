@@ -4,18 +4,20 @@ Notebooks 03, 04, 05, 08 and 09 all talk about the same few numbers: how fast th
 memory, how fast it multiplies matrices, and how long the real engine's decode step takes. If
 each measured them itself, at its own moment and under its own load, they would disagree with
 each other. So ``machine_profile()`` measures them once, on first call, and caches the result
-under ``$LIFEOFPROMPT_CACHE/machine/``, keyed by the CPU (or GPU), the thread count and torch's
-version. Every notebook reads the same file and still runs on its own: the first one to ask
+under ``$LIFEOFPROMPT_CACHE/machine/``, keyed by the CPU (or GPU), the thread count, torch's
+version and a digest of the engine's code (the decode step it times). Every notebook reads the same file and still runs on its own: the first one to ask
 measures. ``refresh=True`` measures again (do it on a quiet machine; the profile records the load
 average it was taken under, and ``footer`` prints it under each figure).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -71,13 +73,25 @@ def run_footer(profile: MachineProfile, what: str = "measured in this run") -> s
     return f"{what} at {when}, load average {load_now():.2f}\nmachine profile: {profile.footer()}"
 
 
+def engine_digest() -> str:
+    """A digest of the model and engine code (Python and C): the profile times the engine's decode
+    step, so a profile taken on other code is measured again rather than quoted for this one."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted([*root.glob("model/*.py"), *root.glob("model/*.c"), *root.glob("model/*.h"),
+                        *root.glob("engine/*.py")]):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def profile_key(device: str = "cpu") -> dict:
     """What the numbers depend on: a change in any of it means measuring again."""
     if device == "cuda":
         what = torch.cuda.get_device_name()
     else:
         what = cpu_model()
-    return dict(version=VERSION, device=device, what=what, threads=torch.get_num_threads(), torch=torch.__version__)
+    return dict(version=VERSION, device=device, what=what, threads=torch.get_num_threads(), torch=torch.__version__,
+                engine=engine_digest())
 
 
 def profile_path(key: dict):

@@ -110,6 +110,7 @@ def checks() -> list[Check]:
         Check("prefill over decode, per token", "1,143 / 42.6 tok/s", PREFILL_TOK_S / DECODE_TOK_S, 27, 0.02),
         Check("operations per byte, one decode sequence", "(18e12 / 1,143) ops / 5.38 GB", ops_per_byte_decode, 3, 0.05),
         Check("break-even intensity (ops per byte)", "18e12 ops/s / 273 GB/s", PREFILL_OPS_S / READ_BANDWIDTH, 66, 0.01),
+        Check("one sequence's step (ms), as llama-server timed it", "1 / 42.6 tok/s", 1e3 / DECODE_TOK_S, 24, 0.03),
         Check("promised step at 32 sequences (ms)", "32 / 864 tok/s", BATCH / PROMISED_TOK_S * 1e3, 37, 0.01),
         Check("delivered step at 32 sequences (ms)", "32 / 164 tok/s", BATCH / DELIVERED_TOK_S * 1e3, 195, 0.01),
         Check("delivered over promised", "164 / 864", DELIVERED_TOK_S / PROMISED_TOK_S, 0.19, 0.02),

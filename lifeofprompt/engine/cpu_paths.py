@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from ..model.cpu_decode import (STEP_ROW_COUNTS, decode_attention_faster, layer_shapes, layout_for, measured_rows,
+from ..model.cpu_decode import (C_STEP, STEP_ROW_COUNTS, decode_attention_faster, layer_shapes, layout_for, measured_rows,
                                 supports as cpu_decode_supports, usable_rows as cpu_decode_rows)
 from .sequence import Sequence
 
@@ -58,7 +58,7 @@ class CpuPathChoices:
         their bytes, for the start-up log."""
         from ..model import cpu_decode
 
-        if not any(self.cpu_step_layout(n) == "cpu" for n in range(2, self.cpu_decode_rows + 1)):
+        if not any(self.cpu_step_layout(n) == C_STEP for n in range(2, self.cpu_decode_rows + 1)):
             if self.cpu_decode_rows:
                 cpu_decode.drop_packed(self.model)
             return 0

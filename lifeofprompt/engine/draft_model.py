@@ -131,8 +131,8 @@ class DraftModelProposer:
             self.cpu_decode_rows = cpu_decode.usable_rows(own.plans, cpu_decode.layer_shapes(self.model), own.timings)
 
     def _fused(self, rows: int) -> str | bool:
-        from ..model.cpu_decode import takes_step
-        return "cpu" if takes_step(rows, self.cpu_decode_rows, self.kv_cache.kv) else False
+        from ..model.cpu_decode import C_STEP, takes_step
+        return C_STEP if takes_step(rows, self.cpu_decode_rows, self.kv_cache.kv) else False
 
     def kv_bytes_per_block(self) -> int:
         return kv_bytes_per_block(self.model.config, self.model.dtype, self.block_size)

@@ -158,9 +158,10 @@ class LlamaForCausalLM(nn.Module):
         decode step of the paged engine as one C call (``cpu_decode.py``, same layers, same weights;
         ``"cpu-rowmajor"`` the same without its packed copies of the weights).
         """
-        if fused_kernels in ("cpu", "cpu-rowmajor"):
+        from .cpu_decode import C_STEP, C_STEP_ROW_MAJOR
+        if fused_kernels in (C_STEP, C_STEP_ROW_MAJOR):
             from .cpu_decode import decode_hidden_states
-            return decode_hidden_states(self, input_ids, positions, meta, packed=fused_kernels == "cpu")
+            return decode_hidden_states(self, input_ids, positions, meta, packed=fused_kernels == C_STEP)
         if fused_kernels:
             return self.fused_hidden_states(input_ids, positions, meta)
         hidden = self.embed_tokens(input_ids)

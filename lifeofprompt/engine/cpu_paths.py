@@ -58,10 +58,11 @@ class CpuPathChoices:
         their bytes, for the start-up log."""
         from ..model import cpu_decode
 
-        if not any(self.cpu_step_layout(n) == C_STEP for n in range(2, self.cpu_decode_rows + 1)):
+        if not any(self.cpu_step_layout(n) == C_STEP for n in range(1, self.cpu_decode_rows + 1)):
             if self.cpu_decode_rows:
                 cpu_decode.drop_packed(self.model)
             return 0
+        cpu_decode.pack_all(self.model)
         cpu_decode.weight_pointers(self.model)
         return cpu_decode.packed_bytes(self.model)
 
@@ -71,11 +72,13 @@ class CpuPathChoices:
         from ..model.cpu_decode import measured_step_key
         from ..model.linear_calibration import cached_answer
 
-        key = measured_step_key(self.model, self.linear_choice.plans, self.block_size, self.decode_attention_in_c)
         context = 64                                       # cached tokens per dummy sequence
-        most = max(STEP_ROW_COUNTS)
-        if self.num_blocks * self.block_size < most * context:
-            return 0, f"not measured: the pool holds fewer than {most} x {context} tokens"
+        per_block = math.ceil(context / self.block_size)
+        counts = tuple(n for n in STEP_ROW_COUNTS if n * per_block <= self.num_blocks)   # what the pool holds
+        if len(counts) < 4:
+            return 0, f"not measured: the pool holds fewer than {STEP_ROW_COUNTS[3]} x {context} tokens"
+        key = dict(measured_step_key(self.model, self.linear_choice.plans, self.block_size, self.decode_attention_in_c),
+                   row_counts=list(counts))
 
         def measure(rows: int, fused) -> float:
             input_ids, positions, meta = self.dummy_decode(rows, context)
@@ -84,7 +87,7 @@ class CpuPathChoices:
                 self.model(input_ids, positions, meta, fused_kernels=fused)
             return time.perf_counter() - start
 
-        return cached_answer(key, lambda: (*measured_rows(measure), {}))
+        return cached_answer(key, lambda: (*measured_rows(measure, row_counts=counts), {}))
 
     def dummy_decode(self, rows: int, context: int):
         """Inputs of one decode step of ``rows`` sequences with ``context`` tokens each, in the runner's pool (timing)."""

@@ -37,7 +37,8 @@ def startup_lines(engine, context_len: int) -> list[str]:
         copy = getattr(engine.runner, "cpu_step_packed_bytes", 0)
         lines.append(f"steps of {'1 row' if rows == 1 else f'1-{rows} rows'} (decodes, verifies, short prompt "
                      "chunks): all layers in one C call (model/cpu_decode.c)"
-                     + (f", 2+ rows from a packed copy of the layer matrices (+ {format_bytes(copy)})" if copy else "")
+                     + (f", from a packed copy of the layer matrices at the row counts it measured faster"
+                        f" (+ {format_bytes(copy)})" if copy else "")
                      + (f"; {why}" if why else ""))
     if getattr(engine.runner, "decode_attention_reason", ""):
         how = "in C, from the pool" if engine.runner.decode_attention_in_c else "gather + SDPA (torch)"

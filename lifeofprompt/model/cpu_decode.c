@@ -24,12 +24,13 @@
  * and at the end hidden = rms_norm(residual) * w_final. The LM head stays with the caller.
  *
  * The products read each weight once, front to back, for all m rows at a time, from the C
- * step's own packed copy (four weight rows interleaved, cpu_rows.h): one sequential stream per
- * thread, which the prefetcher follows at close to the machine's read rate, and each x vector
- * loaded once for four weight rows. A matrix whose shape the layout cannot hold is read row-major,
- * and so is every matrix in a one-row step, where the plain row loop reads memory fastest. Threads split the heads of the qkv
- * product (each rotates and stores its own), the (row, head) pairs of attention and chunks of
- * output rows of the other products; SiLU x up is done a chunk of gate and up rows at a time,
+ * step's own packed copy (panels of output rows stored column by column, cpu_rows.h): one
+ * sequential stream per thread, which the prefetcher follows at close to the machine's read
+ * rate, and each weight vector loaded once for a whole tile of rows. A matrix whose shape the
+ * layout cannot hold is read row-major; so is every matrix when the caller passes no packed copies
+ * (the runner measures both ways per row count). Threads split the heads of the qkv
+ * product (each rotates and stores its own), the (row, head) pairs of attention and panels of
+ * output rows of the other products; SiLU x up is done a panel of gate and up rows at a time,
  * and each thread normalises the residual for itself.
  *
  * Layouts (all fp32, row-major, contiguous):
@@ -59,7 +60,7 @@ typedef struct {
 
 enum { PACKED_QKV = 1, PACKED_O = 2, PACKED_GATE_UP = 4, PACKED_DOWN = 8 };
 
-/* A product through the packed copy where the caller made one (its rows and columns fit the
+/* A product through the packed copy where the caller made one (its rows fit the
  * layout: see cpu_rows.h), else straight from the row-major weight. */
 static void times_weight(int packed, const float *x, long x_stride, long m, const float *w, long n, long first,
                          long last, float *y, long y_stride, int accumulate) {
@@ -160,7 +161,7 @@ static void attend_rows(const float *q, long q_stride, const float *k_pool, cons
 
 static float silu(float x) { return x / (1.0f + expf(-x)); }
 
-/* Products are split among threads in chunks of CHUNK_ROWS weight rows. */
+/* Products are split among threads in chunks of CHUNK_ROWS weight rows (one panel). */
 static long chunks(long rows) { return (rows + CHUNK_ROWS - 1) / CHUNK_ROWS; }
 static long chunk_first(long c) { return c * CHUNK_ROWS; }
 static long chunk_last(long c, long rows) { return (c + 1) * CHUNK_ROWS < rows ? (c + 1) * CHUNK_ROWS : rows; }
@@ -212,7 +213,7 @@ void decode_step(const Dims *d, const int64_t *weights, const float *final_norm,
     #pragma omp parallel num_threads(threads)
     {
         float *normed = normed_all + (long)omp_get_thread_num() * m * H;
-        long packed = m > 1 ? d->packed : 0;      /* one row reads the row-major weights: see cpu_rows.h */
+        long packed = d->packed;
         for (long layer = 0; layer < d->num_layers; layer++) {
             const float *const *w = (const float *const *)(weights + 10 * layer), *const *p = w + 6;
             const float *w_qkv = packed & PACKED_QKV ? p[0] : w[1], *w_o = packed & PACKED_O ? p[1] : w[2];
@@ -239,8 +240,8 @@ void decode_step(const Dims *d, const int64_t *weights, const float *final_norm,
 }
 
 /* The packed layout's shape (cpu_rows.h), for the caller that packs the weights: weight rows per
- * block, and floats per chunk (this build's vector width). */
-long packed_rows(void) { return PACK_ROWS; }
+ * panel, and floats per vector (this build's vector width). */
+long packed_rows(void) { return PANEL_WIDTH; }
 long packed_lanes(void) { return LANES; }
 
 /* Attention alone, for the decode rows of any step (one query row per sequence, q [m, NQ, D]),

@@ -49,7 +49,7 @@ def step_kernel():
 
 @functools.lru_cache(maxsize=None)
 def packed_layout() -> tuple[int, int] | None:
-    """``(weight rows per block, floats per chunk)`` of the packed weights this build reads (``cpu_rows.h``)."""
+    """``(weight rows per panel, floats per vector)`` of the packed weights this build reads (``cpu_rows.h``)."""
     rows, lanes = (c_function(SOURCE, name, [], ctypes.c_long) for name in ("packed_rows", "packed_lanes"))
     return (rows(), lanes()) if rows is not None and lanes is not None else None
 
@@ -69,16 +69,13 @@ PACKED_BITS = {"qkv": 1, "o": 2, "gate_up": 4, "down": 8}
 
 def packable(model) -> dict[str, bool]:
     """Which layer matrices the packed layout can hold: every row range the C step takes of it
-    (a head of qkv, chunks of 16 rows of the others, the up half at row I) starts at a whole
-    block, and its rows are whole chunks of the vector width."""
-    block_rows, lanes = packed_layout()
+    (a head of qkv, a panel of the others, the up half at row I) starts at a whole panel. The
+    layout puts no condition on the columns."""
+    panel_rows, _ = packed_layout()
     config = model.config
     hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
-    q_width = config.num_heads * head_dim
-    return {"qkv": head_dim % block_rows == 0 and hidden % lanes == 0,
-            "o": hidden % block_rows == 0 and q_width % lanes == 0,
-            "gate_up": inter % block_rows == 0 and hidden % lanes == 0,
-            "down": hidden % block_rows == 0 and inter % lanes == 0}
+    return {"qkv": head_dim % panel_rows == 0, "o": hidden % panel_rows == 0,
+            "gate_up": inter % panel_rows == 0, "down": hidden % panel_rows == 0}
 
 
 def packed_mask(model) -> int:
@@ -123,13 +120,16 @@ def usable_rows(plans: dict | None, shapes, timings: dict | None = None) -> int:
 
 # Row counts whose whole step the runner times both ways at start-up, in order; the C step takes
 # every step up to the largest count where it won and all smaller counts won too.
-STEP_ROW_COUNTS = (1, 2, 4, 8, 12, 16)
+STEP_ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 STEP_BUDGET_S = 3.0
+# A C layout this much slower than the other at one count is not timed at larger ones: the gap
+# between the layouts grows with the rows (each row-major weight row is reloaded per tile of x).
+LAYOUT_SLACK = 0.25
 
 
-# The C step's two ways of reading the layer matrices in a step of 2+ rows: its packed copies, or
-# the row-major weights (one-row steps always read these). Which is faster depends on the row
-# count and the machine, so the runner times both (``measured_rows``).
+# The C step's two ways of reading the layer matrices: its packed copies (panels, ``cpu_rows.h``),
+# or the row-major weights. Which is faster depends on the row count and the machine, so the
+# runner times both (``measured_rows``).
 C_STEP = "cpu"                     # packed copies where the layout holds them
 C_STEP_ROW_MAJOR = "cpu-rowmajor"  # row-major weights only
 
@@ -144,29 +144,43 @@ def measured_rows(measure, row_counts=STEP_ROW_COUNTS, rounds: int = 3, budget_s
     on the AMD EPYC this was written on that won whole steps of up to 4-8 rows. So each row
     count runs ``measure(rows, fused) -> seconds`` (one forward; ``fused`` is one of ``c_paths``
     or False) alternately, fastest of ``rounds``; the C step's time is its faster layout's.
-    Counts go up ``row_counts`` until the C step loses; the gap between the last win and that
-    loss is then halved until it closes (a verify of k = 4 drafts is 5 rows: it should not go
-    eager because 4 won and 8 lost). Timing stops when ``budget_s`` runs out.
+    The first count warms every path up first (first-call set-up). Counts go up ``row_counts``
+    until the C step loses; the gap between the last win and that loss is then halved until it
+    closes (a verify of k = 4 drafts is 5 rows: it should not go eager because 4 won and 8 lost).
+    A layout more than ``LAYOUT_SLACK`` slower than the other is dropped for larger counts.
+    Timing stops before a count whose forecast (the last count's times, scaled by the rows)
+    would overrun ``budget_s``.
 
     Returns ``({"rows": limit, "layouts": {count: fastest c_path}}, why)``; ``why`` says every
-    count measured. One-row steps read row-major in either layout, so 1 row times only the first.
+    count measured.
     """
     deadline = time.perf_counter() + budget_s
     notes, results = [], {}
+    layouts_left = list(c_paths)
+
+    def forecast(count: int) -> float:
+        if not results:
+            return 0.0
+        last = max(results)
+        paths = (*layouts_left, False)
+        return rounds * sum(results[last][p] for p in paths) * count / last
 
     def c_wins(count: int) -> bool | None:
-        if time.perf_counter() > deadline:
-            notes.append(f"stopped before {count} rows: the {budget_s:.0f} s budget was spent")
+        if time.perf_counter() + forecast(count) > deadline:
+            notes.append(f"stopped before {count} rows: the {budget_s:.0f} s budget would be spent")
             return None
-        paths = (*(c_paths if count > 1 else c_paths[:1]), False)
+        paths = (*layouts_left, False)
         best = {path: float("inf") for path in paths}
-        for path in paths:                                # warm-up: first-call set-up of each path
-            measure(count, path)
+        if not results:
+            for path in paths:                            # warm-up: first-call set-up of each path
+                measure(count, path)
         for _ in range(rounds):
             for path in paths:
                 best[path] = min(best[path], measure(count, path))
         results[count] = best
-        return min(best[p] for p in paths if p is not False) <= best[False]
+        fastest = min(best[p] for p in layouts_left)
+        layouts_left[:] = [p for p in layouts_left if best[p] <= (1 + LAYOUT_SLACK) * fastest]
+        return fastest <= best[False]
 
     rows, lost = 0, None
     for count in row_counts:
@@ -211,7 +225,7 @@ def measured_step_key(model, plans: dict, block_size: int, decode_attention_in_c
     from .native_build import source_digest
 
     config = model.config
-    return dict(machine_key(), version=2, what="whole decode steps: the C step (packed and row-major) against the torch forward",
+    return dict(machine_key(), version=3, what="whole decode steps: the C step (panels and row-major) against the torch forward",
                 dtype=str(model.dtype), layers=config.num_layers, vocab=config.vocab_size,
                 heads=[config.num_heads, config.num_kv_heads, config.head_dim], block_size=block_size,
                 plans={f"{o}x{i}": p.describe() for (o, i), p in sorted(plans.items())},
@@ -230,13 +244,17 @@ def layer_shapes(model) -> set[tuple[int, int]]:
             tuple(layer.mlp.gate_up_proj.weight.shape), tuple(layer.mlp.down_proj.weight.shape)}
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight [out, in]`` in the packed layout of ``cpu_rows.h``: blocks of ``block_rows`` rows,
-    each stored ``lanes`` columns at a time, row after row (one read stream, four rows per x load)."""
-    block_rows, lanes = packed_layout()
-    out, inner = weight.shape
-    return (weight.detach().reshape(out // block_rows, block_rows, inner // lanes, lanes)
-            .permute(0, 2, 1, 3).contiguous().reshape(out, inner))
+def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``weight [out, in]`` in the packed layout of ``cpu_rows.h``: panels of ``panel_rows`` rows,
+    each stored column by column (one read stream; each weight vector serves a whole tile of x).
+    Into ``out`` (the same number of floats) where given, e.g. a view of a huge-page buffer."""
+    panel_rows, _ = packed_layout()
+    rows, inner = weight.shape
+    panels = weight.detach().reshape(rows // panel_rows, panel_rows, inner).transpose(1, 2)
+    if out is None:
+        return panels.contiguous().reshape(rows, inner)
+    out.view(rows // panel_rows, inner, panel_rows).copy_(panels)
+    return out.view(rows, inner)
 
 
 def layer_tensors(model) -> list[tuple[torch.Tensor, nn.Module | None]]:
@@ -267,6 +285,28 @@ def packed_weight(module: nn.Module) -> torch.Tensor:
             cached = (stamp, pack(weight))
         module._c_step_packed = cached
     return cached[1]
+
+
+def pack_all(model) -> int:
+    """Make every packed copy now, in one buffer of 2 MiB pages where the system gives them
+    (``huge_pages.py``: the row-major weights live in such pages, and one core reads them about a
+    quarter faster there); returns the bytes packed. A copy made later, for a weight changed in
+    place, goes to ordinary memory (``packed_weight``)."""
+    from .huge_pages import ALIGN, huge_page_buffer, huge_pages_available
+
+    modules = list({id(m): m for _, m in layer_tensors(model) if m is not None}.values())
+    if not modules or not huge_pages_available():
+        return sum(packed_weight(m).numel() * 4 for m in modules)
+    sizes = [m.weight.numel() * m.weight.element_size() for m in modules]
+    buffer = huge_page_buffer(sum(-(-n // ALIGN) * ALIGN for n in sizes))
+    offset = 0
+    with torch.no_grad():
+        for module, size in zip(modules, sizes):
+            view = buffer[offset:offset + size].view(torch.float32)
+            module._c_step_packed = ((module.weight.data_ptr(), module.weight._version), pack(module.weight, out=view))
+            offset += -(-size // ALIGN) * ALIGN
+    model.__dict__.get("_c_step_pointers", {}).pop(True, None)      # pointers to older copies
+    return sum(sizes)
 
 
 def weight_pointers(model, packed: bool = True) -> ctypes.Array:

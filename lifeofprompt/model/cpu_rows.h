@@ -25,7 +25,7 @@
 #define LANES 8
 #define TILE_ROWS 4        /* 8 accumulators of AVX2's 16 registers */
 #endif
-#define CHUNK_ROWS 16      /* weight rows a thread takes at a time */
+#define CHUNK_ROWS (2 * LANES)  /* weight rows a thread takes at a time: one panel of the packed layout */
 
 /* LANES floats as one vector register (GCC/Clang vector extensions: the target's own width,
  * whichever instruction set -march=native finds), and the same for unaligned loads. */
@@ -131,70 +131,84 @@ static void rows_times_weight_range(const float *x, long x_stride, long m, const
 }
 
 
-/* ------------------------------------------------------------------ the packed layout
+/* ------------------------------------------------------------------ the packed layout (panels)
  *
- * With several rows of x, the tile above still loads every x vector once per weight row: at
- * 5 rows that is 10 x loads for 2 weight loads, and the loads, not the multiply-adds, set the
- * pace. Taking PACK_ROWS weight rows at once lets each x vector serve PACK_ROWS multiply-adds.
- * But four rows of a plain row-major matrix are four read streams, which the AMD EPYC this was
- * developed on reads at half the rate of one. So the C step keeps its own copy of each weight
- * with PACK_ROWS rows interleaved LANES columns at a time:
+ * With several rows of x, the tile above still loads every x vector once per weight row and
+ * ends each weight row with a sum across the vector's lanes: at 5 rows that is 10 x loads and 5
+ * reductions for 2 weight loads, and the loads, not the multiply-adds, set the pace. So the C
+ * step keeps its own copy of each weight as panels of PANEL_WIDTH output rows stored column by
+ * column:
  *
- *   block b (rows 4b .. 4b+3), chunk c (columns c*LANES ..):  w[4b][c], w[4b+1][c], w[4b+2][c], w[4b+3][c]
+ *   panel q (weight rows q*PANEL_WIDTH ..), column i:  w[q*PW][i], w[q*PW + 1][i], .., w[q*PW + PW-1][i]
  *
- * which is again one sequential stream, and the rows of a block sit together: a range of rows
- * starting at a multiple of PACK_ROWS begins at p + first * n, as in the plain layout.
- * Measured from memory on that machine (benchmarks/NOTES.md): 1.3-1.9x the tile above for 2-5
- * rows, the same for one row. Requires out % PACK_ROWS == 0 and n % LANES == 0. */
-#define PACK_ROWS 4
+ * Then one column of a panel is two vectors holding PANEL_WIDTH outputs' weights for input i,
+ * and a product is a sum of outer products: for each i, every row r of x adds x[r][i] times
+ * those two vectors to its two accumulators (one broadcast, two multiply-adds). No lane sums,
+ * one load of the weight for the whole tile of x, and the weight is again one sequential stream
+ * (panel after panel, front to back). This is how BLAS libraries pack matrices for their own
+ * inner kernels. A tile of x holds up to PANEL_TILE_ROWS rows (2 accumulators a row, of the 32
+ * AVX-512 or 16 AVX2 registers); a taller step goes in equal tiles, each reading the panel
+ * again, from the L2 cache after the first (a panel is PANEL_WIDTH x n floats, 72-192 KiB for
+ * SmolLM2). Measured on the AMD EPYC this was written on (benchmarks/NOTES.md), from memory:
+ * 1.2-1.7x oneDNN's prepacked product at 1-64 rows, level at 256.
+ *
+ * A range of rows starting at a multiple of PANEL_WIDTH begins at p + first * n, as in the
+ * plain layout; the caller's row ranges must be whole panels (out % PANEL_WIDTH == 0). */
+#define PANEL_WIDTH (2 * LANES)
 #if defined(__AVX512F__)
-#define PACK_TILE_ROWS 5   /* 4 x 5 accumulators + 4 weight vectors + 1 x vector of 32 registers */
+#define PANEL_TILE_ROWS 12  /* 12 x 2 accumulators + 2 weight vectors + 1 broadcast of 32 registers */
 #else
-#define PACK_TILE_ROWS 2   /* 4 x 2 + 4 + 1 of AVX2's 16 */
+#define PANEL_TILE_ROWS 6   /* 6 x 2 + 2 + 1 of AVX2's 16 */
 #endif
 
-/* PACK_ROWS weight rows (one packed block p) against `rows` rows of x (a constant after inlining). */
-static inline __attribute__((always_inline)) void packed_tile(const float *p, const float *x, long x_stride,
-                                                              const int rows, long n, float sums[][PACK_ROWS]) {
-    float_vector acc[PACK_ROWS][PACK_TILE_ROWS];
-    for (int a = 0; a < PACK_ROWS; a++)
-        for (int r = 0; r < rows; r++) acc[a][r] = (float_vector){0};
-    for (long c = 0; c < n; c += LANES, p += PACK_ROWS * LANES) {
-        float_vector w0 = load_vector(p), w1 = load_vector(p + LANES), w2 = load_vector(p + 2 * LANES),
-                     w3 = load_vector(p + 3 * LANES);
+static inline void store_vector(float *p, float_vector v) { *(float_vector_unaligned *)p = v; }
+
+/* One panel p against `rows` rows of x (a constant after inlining); writes (or adds to) the
+ * PANEL_WIDTH outputs of each row at y + r * y_stride. */
+static inline __attribute__((always_inline)) void panel_tile(const float *p, const float *x, long x_stride,
+                                                             const int rows, long n, float *y, long y_stride,
+                                                             int accumulate) {
+    float_vector acc0[PANEL_TILE_ROWS], acc1[PANEL_TILE_ROWS];
+    for (int r = 0; r < rows; r++) acc0[r] = acc1[r] = (float_vector){0};
+    for (long i = 0; i < n; i++, p += PANEL_WIDTH) {
+        float_vector w0 = load_vector(p), w1 = load_vector(p + LANES);
         for (int r = 0; r < rows; r++) {
-            float_vector xv = load_vector(x + r * x_stride + c);
-            acc[0][r] += w0 * xv; acc[1][r] += w1 * xv; acc[2][r] += w2 * xv; acc[3][r] += w3 * xv;
+            float xi = x[r * x_stride + i];
+            acc0[r] += w0 * xi;
+            acc1[r] += w1 * xi;
         }
     }
-    for (int r = 0; r < rows; r++)
-        for (int a = 0; a < PACK_ROWS; a++) sums[r][a] = sum_vector(acc[a][r]);
+    for (int r = 0; r < rows; r++) {
+        float *out = y + r * y_stride;
+        if (accumulate) {
+            acc0[r] += load_vector(out);
+            acc1[r] += load_vector(out + LANES);
+        }
+        store_vector(out, acc0[r]);
+        store_vector(out + LANES, acc1[r]);
+    }
 }
 
-/* rows_times_weight_range for a packed weight p (first and last multiples of PACK_ROWS). A block
- * is read from memory by the first tile of x and from the L1 cache by the others. */
+#define PANEL_CASE(R) case R: panel_tile(panel, xt, x_stride, R, n, yt, y_stride, accumulate); break;
+
+/* rows_times_weight_range for a packed weight p (first and last multiples of PANEL_WIDTH). */
 static void packed_times_weight_range(const float *x, long x_stride, long m, const float *p, long n,
                                       long first, long last, float *y, long y_stride, int accumulate) {
-    float sums[PACK_TILE_ROWS][PACK_ROWS];
-    for (long o = first; o < last; o += PACK_ROWS) {
-        const float *block = p + o * n;
-        for (long r0 = 0; r0 < m; r0 += PACK_TILE_ROWS) {
-            long rows = m - r0 < PACK_TILE_ROWS ? m - r0 : PACK_TILE_ROWS;
+    long tiles = (m + PANEL_TILE_ROWS - 1) / PANEL_TILE_ROWS;
+    long tile = (m + tiles - 1) / tiles;                 /* equal tiles: 16 rows go 8 + 8, not 12 + 4 */
+    for (long o = first; o < last; o += PANEL_WIDTH) {
+        const float *panel = p + o * n;
+        for (long r0 = 0; r0 < m; r0 += tile) {
+            long rows = m - r0 < tile ? m - r0 : tile;
             const float *xt = x + r0 * x_stride;
+            float *yt = y + r0 * y_stride + o;
             switch (rows) {                                  /* a constant tile height for each case */
-#if PACK_TILE_ROWS == 5
-                case 5: packed_tile(block, xt, x_stride, 5, n, sums); break;
-                case 4: packed_tile(block, xt, x_stride, 4, n, sums); break;
-                case 3: packed_tile(block, xt, x_stride, 3, n, sums); break;
+#if PANEL_TILE_ROWS == 12
+                PANEL_CASE(12) PANEL_CASE(11) PANEL_CASE(10) PANEL_CASE(9) PANEL_CASE(8) PANEL_CASE(7)
 #endif
-                case 2: packed_tile(block, xt, x_stride, 2, n, sums); break;
-                default: packed_tile(block, xt, x_stride, 1, n, sums); break;
+                PANEL_CASE(6) PANEL_CASE(5) PANEL_CASE(4) PANEL_CASE(3) PANEL_CASE(2)
+                default: panel_tile(panel, xt, x_stride, 1, n, yt, y_stride, accumulate); break;
             }
-            for (long r = 0; r < rows; r++)
-                for (int a = 0; a < PACK_ROWS; a++) {
-                    float *out = y + (r0 + r) * y_stride + o + a;
-                    *out = accumulate ? *out + sums[r][a] : sums[r][a];
-                }
         }
     }
 }

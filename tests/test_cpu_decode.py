@@ -154,6 +154,12 @@ def test_rowwise_within_noise_of_the_best_still_takes_the_c_step():
 ONE = ("cpu",)          # the C step in one layout only (the row-limit tests)
 
 
+@pytest.fixture
+def all_rounds(monkeypatch):
+    """Every count timed the full number of rounds, however long its fake steps."""
+    monkeypatch.setattr(cpu_decode, "LONG_STEP_S", float("inf"))
+
+
 def fake_step_timer(c_ms: dict, torch_ms: dict, calls: list, row_major_ms: dict | None = None):
     """A ``measure(rows, fused)`` that returns set times (ms) and records what was asked."""
     def measure(rows, fused):
@@ -165,7 +171,7 @@ def fake_step_timer(c_ms: dict, torch_ms: dict, calls: list, row_major_ms: dict 
     return measure
 
 
-def test_whole_steps_decide_the_rows_and_the_timing_stops_at_the_first_loss():
+def test_whole_steps_decide_the_rows_and_the_timing_stops_at_the_first_loss(all_rounds):
     """The C step takes steps up to the largest row count where it won, all smaller counts won too,
     and counts above the first loss are never timed."""
     calls = []
@@ -184,7 +190,7 @@ def test_whole_steps_decide_the_rows_and_the_timing_stops_at_the_first_loss():
     assert answer["rows"] == 8
 
 
-def test_the_gap_between_the_last_win_and_the_first_loss_is_halved_until_it_closes():
+def test_the_gap_between_the_last_win_and_the_first_loss_is_halved_until_it_closes(all_rounds):
     """4 won, 8 lost: 6 and then 5 or 7 are measured, so a 5-row verify is not sent eager for want of a measurement."""
     c = {n: 10 * n for n in range(1, 17)}
     eager = {n: 10 * n + (5 if n <= 6 else -5) for n in range(1, 17)}      # C wins up to 6 rows
@@ -195,7 +201,7 @@ def test_the_gap_between_the_last_win_and_the_first_loss_is_halved_until_it_clos
     assert why.index("6 rows") < why.index("7 rows") < why.index("8 rows")   # listed by row count
 
 
-def test_each_count_takes_its_faster_layout_and_the_c_step_the_faster_of_the_two():
+def test_each_count_takes_its_faster_layout_and_the_c_step_the_faster_of_the_two(all_rounds):
     """Packed wins at 1-4 rows, row-major from 8: the layouts follow; the row limit counts the faster
     layout (at 10 and 11 rows only row-major beats torch)."""
     packed = {n: 10 * n + (0 if n < 10 else 15) for n in range(1, 17)}
@@ -214,7 +220,7 @@ def test_each_count_takes_its_faster_layout_and_the_c_step_the_faster_of_the_two
     assert cpu_decode.layout_for(5, None) == "cpu"
 
 
-def test_a_layout_far_behind_is_not_timed_at_larger_counts():
+def test_a_layout_far_behind_is_not_timed_at_larger_counts(all_rounds):
     """Row-major 30% behind the packed copy at 4 rows: from 8 rows on only the packed one and torch run."""
     packed = {n: 10 * n for n in range(1, 33)}
     row_major = {n: 10 * n * (1.1 if n < 4 else 1.3) for n in range(1, 33)}
@@ -226,12 +232,22 @@ def test_a_layout_far_behind_is_not_timed_at_larger_counts():
     assert {r for r, p in calls if p == "cpu"} == {1, 2, 4, 8, 16}
 
 
+def test_long_steps_are_timed_one_round_fewer():
+    """Steps forecast over ``LONG_STEP_S`` (here 8 rows and up: C 5 ms a row, torch 10) get rounds - 1."""
+    c = {n: 5 * n for n in range(1, 17)}
+    calls = []
+    cpu_decode.measured_rows(fake_step_timer(c, {n: 2 * t for n, t in c.items()}, calls), row_counts=(1, 2, 4, 8, 16),
+                             rounds=3, c_paths=ONE)
+    per_count = {n: sum(1 for r, p in calls if r == n and p == "cpu") for n in (1, 2, 4, 8, 16)}
+    assert per_count == {1: 4, 2: 3, 4: 3, 8: 2, 16: 2}          # 1 row: a warm-up and 3 rounds
+
+
 def test_the_timing_stops_before_a_count_that_would_overrun_the_budget():
     """The next count's forecast (the last count's times scaled by the rows) past the budget: not started."""
-    slow = {n: 100.0 * n for n in range(1, 65)}     # 0.1 s a row; 8 rows: 3 rounds x (0.4 + 0.8 s) x 2 = 7.2 s
+    slow = {n: 100.0 * n for n in range(1, 65)}     # 0.1 s a row; 8 rows: 2 rounds x (0.8 + 1.6 s) = 4.8 s
     calls = []
     answer, why = cpu_decode.measured_rows(fake_step_timer(slow, {n: 2 * t for n, t in slow.items()}, calls),
-                                           row_counts=(1, 2, 4, 8), budget_s=5.0, c_paths=ONE)
+                                           row_counts=(1, 2, 4, 8), budget_s=4.0, c_paths=ONE)
     assert answer["rows"] < 8 and not any(r == 8 for r, _ in calls)
     assert "stopped before" in why and "budget would be spent" in why
 

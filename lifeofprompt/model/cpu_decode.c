@@ -91,13 +91,60 @@ static void rotate(float *heads, long count, long head_dim, const float *cos, co
     }
 }
 
-/* sum_i a[i] * b[i] for a short vector (a head, 64-128 floats): one vector accumulator, reduced
- * in a tree (omp simd allows the reordering; without it the compiler must add in order). */
-static float short_dot(const float *a, const float *b, long n) {
+/* sum_i a[i] * b[i] for a short vector (a head, 64-128 floats): vector multiply-adds where the
+ * length is whole vectors, then one tree sum; a plain loop otherwise. */
+static inline float short_dot(const float *a, const float *b, long n) {
+    if (n % LANES == 0) {
+        float_vector acc = load_vector(a) * load_vector(b);
+        for (long i = LANES; i < n; i += LANES) acc += load_vector(a + i) * load_vector(b + i);
+        return sum_vector(acc);
+    }
     float sum = 0;
-    #pragma omp simd reduction(+:sum)
     for (long i = 0; i < n; i++) sum += a[i] * b[i];
     return sum;
+}
+
+/* e^x for LANES values x <= 0 (scores minus their running maximum), in vector registers (libm's
+ * expf is a call per element, and GCC does not vectorise a loop of them without -ffast-math):
+ * 2^(x log2 e) split into 2^n, built in the exponent bits, and e^y for |y| <= ln(2)/2 by its
+ * Taylor series to y^6 (relative error ~1e-7, about fp32's own rounding). */
+typedef int32_t int_vector __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+static inline float_vector exp_nonpositive(float_vector x) {
+    const float_vector floor_x = (float_vector){0} - 87.0f;       /* e^-87: near fp32's smallest normal */
+    int_vector low = x < floor_x;                                 /* -1 where x is below it */
+    x = (float_vector)((low & (int_vector)floor_x) | (~low & (int_vector)x));
+    float_vector t = x * 1.44269504f;
+    int_vector n = __builtin_convertvector(t - 0.5f, int_vector);  /* round to nearest, for t <= 0 */
+    float_vector y = (t - __builtin_convertvector(n, float_vector)) * 0.693147181f;
+    float_vector e = 1.0f + y * (1.0f + y * (0.5f + y * (1.0f / 6 + y * (1.0f / 24 + y * (1.0f / 120 + y * (1.0f / 720))))));
+    return e * (float_vector)((n + 127) << 23);
+}
+
+/* p[t] = e^(p[t] - max) for t < n, and their sum (p has room for n rounded up to whole vectors). */
+static float exp_scores(float *p, long n, float max) {
+    float total = 0;
+    for (long t = 0; t < n; t += LANES) store_vector(p + t, exp_nonpositive(load_vector(p + t) - max));
+    for (long t = 0; t < n; t++) total += p[t];
+    return total;
+}
+
+/* o = rescale * o + sum_t p[t] * v[t * stride]  (o: one head's output, D floats). With D whole
+ * vectors (up to 8: head sizes to 128 under AVX-512) o stays in registers across the tokens;
+ * a loop through memory would wait on its own stores each token. */
+static void add_weighted_rows(float *o, float rescale, const float *p, const float *v, long stride, long n, long D) {
+    if (D % LANES == 0 && D <= 8 * LANES) {
+        float_vector acc[8];
+        long vectors = D / LANES;
+        for (long c = 0; c < vectors; c++) acc[c] = load_vector(o + c * LANES) * rescale;
+        for (long t = 0; t < n; t++)
+            for (long c = 0; c < vectors; c++) acc[c] += load_vector(v + t * stride + c * LANES) * p[t];
+        for (long c = 0; c < vectors; c++) store_vector(o + c * LANES, acc[c]);
+        return;
+    }
+    for (long i = 0; i < D; i++) o[i] *= rescale;
+    for (long t = 0; t < n; t++)
+        for (long i = 0; i < D; i++) o[i] += p[t] * v[t * stride + i];
 }
 
 /* Where token `j0`'s block starts in a pool (all KV heads of a token are one row of NKV * D floats). */
@@ -105,56 +152,63 @@ static const float *block_start(const float *pool, const int32_t *block_table, l
     return pool + (long)block_table[j0 / d->block_size] * d->block_size * d->num_kv_heads * d->head_dim;
 }
 
-/* Query heads [first, first + count) of one row, over its sequence's cached keys and values.
- * Keys and values are walked block by block, each token's row of all KV heads at once: a
- * block is one contiguous stretch of the pool, which the prefetcher can follow, where a walk
- * of one KV head at a time would stride through it. `q`, `out`: the row's [NQ, D];
- * `scores`: [count, seq_len]. */
+/* Query heads [first, first + count) of one row, over its sequence's cached keys and values,
+ * one block at a time with a running softmax (flash-decoding): per head a running maximum and
+ * sum, and the output rescaled when the maximum grows, so keys and values are each read once,
+ * block by block (a contiguous stretch of the pool the prefetcher can follow), and a block's
+ * keys serve every query head of their group from the L1 cache. `q`, `out`: the row's [NQ, D]. */
 static void attend_heads(const float *q, const float *k_pool, const float *v_pool, const int32_t *block_table,
-                         long seq_len, const Dims *d, long first, long count, float *scores, float *out) {
-    long D = d->head_dim, NKV = d->num_kv_heads, group = d->num_heads / NKV, stride = NKV * D;
+                         long seq_len, const Dims *d, long first, long count, float *out) {
+    long D = d->head_dim, NKV = d->num_kv_heads, group = d->num_heads / NKV, stride = NKV * D, B = d->block_size;
     for (long i = first * D; i < (first + count) * D; i++) out[i] = 0;
     if (seq_len == 0) return;                     /* sees no key: zeros, as the torch path */
-    for (long j0 = 0; j0 < seq_len; j0 += d->block_size) {
-        const float *k = block_start(k_pool, block_table, j0, d);
-        if (j0 + d->block_size < seq_len) __builtin_prefetch(block_start(k_pool, block_table, j0 + d->block_size, d));
-        long end = j0 + d->block_size < seq_len ? j0 + d->block_size : seq_len;
-        for (long j = j0; j < end; j++, k += stride)
-            for (long h = first; h < first + count; h++)
-                scores[(h - first) * seq_len + j] = short_dot(q + h * D, k + (h / group) * D, D) * d->scale;
-    }
-    for (long h = 0; h < count; h++) {
-        float *s = scores + h * seq_len, best = -INFINITY, total = 0;
-        for (long j = 0; j < seq_len; j++) best = s[j] > best ? s[j] : best;
-        for (long j = 0; j < seq_len; j++) { s[j] = expf(s[j] - best); total += s[j]; }
-        for (long j = 0; j < seq_len; j++) s[j] /= total;
-    }
-    for (long j0 = 0; j0 < seq_len; j0 += d->block_size) {
-        const float *v = block_start(v_pool, block_table, j0, d);
-        if (j0 + d->block_size < seq_len) __builtin_prefetch(block_start(v_pool, block_table, j0 + d->block_size, d));
-        long end = j0 + d->block_size < seq_len ? j0 + d->block_size : seq_len;
-        for (long j = j0; j < end; j++, v += stride)
-            for (long h = first; h < first + count; h++) {
-                float p = scores[(h - first) * seq_len + j], *o = out + h * D;
-                const float *vh = v + (h / group) * D;
-                #pragma omp simd
-                for (long i = 0; i < D; i++) o[i] += p * vh[i];
+    float running_max[count], running_sum[count], p[B + LANES];      /* p: one block's scores, whole vectors */
+    for (long h = 0; h < count; h++) { running_max[h] = -INFINITY; running_sum[h] = 0; }
+    for (long j0 = 0; j0 < seq_len; j0 += B) {
+        const float *k = block_start(k_pool, block_table, j0, d), *v = block_start(v_pool, block_table, j0, d);
+        if (j0 + B < seq_len) {                   /* the next block, all of it: blocks lie anywhere in the pool */
+            const char *next_k = (const char *)block_start(k_pool, block_table, j0 + B, d);
+            const char *next_v = (const char *)block_start(v_pool, block_table, j0 + B, d);
+            long bytes = (seq_len - j0 - B < B ? seq_len - j0 - B : B) * stride * (long)sizeof(float);
+            for (long line = 0; line < bytes; line += 64) {
+                __builtin_prefetch(next_k + line);
+                __builtin_prefetch(next_v + line);
             }
+        }
+        long n = j0 + B < seq_len ? B : seq_len - j0;
+        for (long h = first; h < first + count; h++) {
+            const float *qh = q + h * D, *kh = k + (h / group) * D, *vh = v + (h / group) * D;
+            float *o = out + h * D, block_max = -INFINITY;
+            for (long t = 0; t < n; t++) {
+                p[t] = short_dot(qh, kh + t * stride, D) * d->scale;
+                block_max = p[t] > block_max ? p[t] : block_max;
+            }
+            float old_max = running_max[h - first], new_max = block_max > old_max ? block_max : old_max;
+            float rescale = old_max == -INFINITY ? 0.0f : expf(old_max - new_max), total = 0;
+            total = exp_scores(p, n, new_max);
+            running_sum[h - first] = running_sum[h - first] * rescale + total;
+            running_max[h - first] = new_max;
+            add_weighted_rows(o, rescale, p, vh, stride, n, D);
+        }
+    }
+    for (long h = first; h < first + count; h++) {
+        float inverse = 1.0f / running_sum[h - first], *o = out + h * D;
+        for (long i = 0; i < D; i++) o[i] *= inverse;
     }
 }
 
 /* Attention of m decode rows, inside a parallel region: a row per task, or with fewer rows than
- * threads a (row, KV head) per task so every thread has work. `scores`: [m * NQ, max_seq_len]. */
+ * threads a (row, KV head) per task so every thread has work. */
 static void attend_rows(const float *q, long q_stride, const float *k_pool, const float *v_pool,
                         const int32_t *block_tables, const int32_t *seq_lens, const Dims *d, long m,
-                        float *scores, float *out, long out_stride, int threads) {
+                        float *out, long out_stride, int threads) {
     long NQ = d->num_heads, NKV = d->num_kv_heads, group = NQ / NKV;
     long split = m < threads ? NKV : 1, per_task = NQ / split;
     #pragma omp for schedule(static)
     for (long task = 0; task < m * split; task++) {
         long r = task / split, first = (task % split) * per_task;
         attend_heads(q + r * q_stride, k_pool, v_pool, block_tables + r * d->max_blocks, seq_lens[r], d,
-                     first, per_task, scores + (r * NQ + first) * d->max_seq_len, out + r * out_stride);
+                     first, per_task, out + r * out_stride);
     }
     (void)group;
 }
@@ -199,14 +253,14 @@ static void project_head(int packed, const float *normed, const float *w_qkv, fl
 }
 
 /* The whole step. Scratch buffers (caller-owned): normed [threads, m, H] (each thread normalises
- * for itself, which saves a barrier), qkv [m, (NQ + 2 NKV) D], context [m, NQ D], act [m, I],
- * scores [m * NQ, max_seq_len]. `hidden` holds the embeddings on entry and the final
+ * for itself, which saves a barrier), qkv [m, (NQ + 2 NKV) D], context [m, NQ D], act [m, I].
+ * `hidden` holds the embeddings on entry and the final
  * normalised hidden states on return. Five barriers a layer, one after each step whose
  * results every thread needs next. */
 void decode_step(const Dims *d, const int64_t *weights, const float *final_norm, float *hidden, long m,
                  const int64_t *positions, const int64_t *slots, const int32_t *block_tables,
                  const int32_t *seq_lens, float *kv, const float *cos_table, const float *sin_table,
-                 float *normed_all, float *qkv, float *context, float *act, float *scores, int threads) {
+                 float *normed_all, float *qkv, float *context, float *act, int threads) {
     long H = d->hidden, D = d->head_dim, NQ = d->num_heads, NKV = d->num_kv_heads, I = d->intermediate;
     long qkv_width = (NQ + 2 * NKV) * D;
     long pool = d->num_blocks * d->block_size * NKV * D;           /* floats in one layer's K (or V) */
@@ -223,7 +277,7 @@ void decode_step(const Dims *d, const int64_t *weights, const float *final_norm,
             #pragma omp for schedule(static)
             for (long head = 0; head < NQ + 2 * NKV; head++)
                 project_head(packed & PACKED_QKV, normed, w_qkv, qkv, head, m, d, positions, slots, cos_table, sin_table, k_pool, v_pool);
-            attend_rows(qkv, qkv_width, k_pool, v_pool, block_tables, seq_lens, d, m, scores, context, NQ * D, threads);
+            attend_rows(qkv, qkv_width, k_pool, v_pool, block_tables, seq_lens, d, m, context, NQ * D, threads);
             #pragma omp for schedule(static)
             for (long c = 0; c < chunks(H); c++)
                 times_weight(packed & PACKED_O, context, NQ * D, m, w_o, NQ * D, chunk_first(c), chunk_last(c, H), hidden, H, 1);
@@ -248,9 +302,9 @@ long packed_lanes(void) { return LANES; }
  * straight from the paged pool: the torch path would first copy every sequence's blocks into
  * one padded tensor. Used by the engine's torch attention on the CPU (paged_attention.py). */
 void decode_attention(const Dims *d, const float *q, const float *k_pool, const float *v_pool,
-                      const int32_t *block_tables, const int32_t *seq_lens, float *out, float *scores, long m,
+                      const int32_t *block_tables, const int32_t *seq_lens, float *out, long m,
                       int threads) {
     long width = d->num_heads * d->head_dim;
     #pragma omp parallel num_threads(threads)
-    attend_rows(q, width, k_pool, v_pool, block_tables, seq_lens, d, m, scores, out, width, threads);
+    attend_rows(q, width, k_pool, v_pool, block_tables, seq_lens, d, m, out, width, threads);
 }

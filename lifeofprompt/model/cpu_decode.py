@@ -43,7 +43,7 @@ class Dims(ctypes.Structure):
 def step_kernel():
     """The compiled ``decode_step`` function, or None where it cannot be built here."""
     return c_function(SOURCE, "decode_step", [ctypes.POINTER(Dims)] + [ctypes.c_void_p] * 3 + [ctypes.c_long]
-                      + [ctypes.c_void_p] * 12 + [ctypes.c_int])
+                      + [ctypes.c_void_p] * 11 + [ctypes.c_int])
 
 
 
@@ -125,6 +125,9 @@ STEP_BUDGET_S = 3.0
 # A C layout this much slower than the other at one count is not timed at larger ones: the gap
 # between the layouts grows with the rows (each row-major weight row is reloaded per tile of x).
 LAYOUT_SLACK = 0.25
+# Counts whose steps take longer than this (forecast from the count before) get one round fewer:
+# a long step varies less, relative to its length, than a short one.
+LONG_STEP_S = 0.05
 
 
 # The C step's two ways of reading the layer matrices: its packed copies (panels, ``cpu_rows.h``),
@@ -147,9 +150,9 @@ def measured_rows(measure, row_counts=STEP_ROW_COUNTS, rounds: int = 3, budget_s
     The first count warms every path up first (first-call set-up). Counts go up ``row_counts``
     until the C step loses; the gap between the last win and that loss is then halved until it
     closes (a verify of k = 4 drafts is 5 rows: it should not go eager because 4 won and 8 lost).
-    A layout more than ``LAYOUT_SLACK`` slower than the other is dropped for larger counts.
-    Timing stops before a count whose forecast (the last count's times, scaled by the rows)
-    would overrun ``budget_s``.
+    A layout more than ``LAYOUT_SLACK`` slower than the other is dropped for larger counts, and
+    steps forecast (the last count's times, scaled by the rows) to take over ``LONG_STEP_S`` are
+    timed one round fewer. Timing stops before a count whose forecast would overrun ``budget_s``.
 
     Returns ``({"rows": limit, "layouts": {count: fastest c_path}}, why)``; ``why`` says every
     count measured.
@@ -158,15 +161,17 @@ def measured_rows(measure, row_counts=STEP_ROW_COUNTS, rounds: int = 3, budget_s
     notes, results = [], {}
     layouts_left = list(c_paths)
 
-    def forecast(count: int) -> float:
+    def step_forecast(count: int) -> float:
+        """Seconds of one round at ``count`` rows (every path still timed), from the largest count measured."""
         if not results:
             return 0.0
         last = max(results)
-        paths = (*layouts_left, False)
-        return rounds * sum(results[last][p] for p in paths) * count / last
+        return sum(results[last][p] for p in (*layouts_left, False)) * count / last
 
     def c_wins(count: int) -> bool | None:
-        if time.perf_counter() + forecast(count) > deadline:
+        one_round = step_forecast(count)
+        count_rounds = rounds - 1 if rounds > 1 and one_round / (len(layouts_left) + 1) > LONG_STEP_S else rounds
+        if time.perf_counter() + count_rounds * one_round > deadline:
             notes.append(f"stopped before {count} rows: the {budget_s:.0f} s budget would be spent")
             return None
         paths = (*layouts_left, False)
@@ -174,7 +179,7 @@ def measured_rows(measure, row_counts=STEP_ROW_COUNTS, rounds: int = 3, budget_s
         if not results:
             for path in paths:                            # warm-up: first-call set-up of each path
                 measure(count, path)
-        for _ in range(rounds):
+        for _ in range(count_rounds):
             for path in paths:
                 best[path] = min(best[path], measure(count, path))
         results[count] = best
@@ -225,7 +230,7 @@ def measured_step_key(model, plans: dict, block_size: int, decode_attention_in_c
     from .native_build import source_digest
 
     config = model.config
-    return dict(machine_key(), version=3, what="whole decode steps: the C step (panels and row-major) against the torch forward",
+    return dict(machine_key(), version=4, what="whole decode steps: the C step (panels and row-major) against the torch forward",
                 dtype=str(model.dtype), layers=config.num_layers, vocab=config.vocab_size,
                 heads=[config.num_heads, config.num_kv_heads, config.head_dim], block_size=block_size,
                 plans={f"{o}x{i}": p.describe() for (o, i), p in sorted(plans.items())},
@@ -374,7 +379,7 @@ def decode_hidden_states(model, input_ids: torch.Tensor, positions: torch.Tensor
     empty = functools.partial(torch.empty, dtype=torch.float32)
     threads = torch.get_num_threads()
     scratch = [empty(threads, m, config.hidden_size), empty(m, attn.q_size + 2 * attn.kv_size), empty(m, attn.q_size),
-               empty(m, config.intermediate_size), empty(m * config.num_heads, max_seq_len)]
+               empty(m, config.intermediate_size)]
     step_kernel()(ctypes.byref(dims), ctypes.addressof(weight_pointers(model, packed)), model.norm.weight.data_ptr(),
                   hidden.data_ptr(), m, positions.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
                   seq_lens.data_ptr(), kv.data_ptr(), model.rotary.cos.data_ptr(), model.rotary.sin.data_ptr(),
@@ -386,7 +391,7 @@ def decode_hidden_states(model, input_ids: torch.Tensor, positions: torch.Tensor
 def attention_kernel():
     """The compiled ``decode_attention`` function, or None where it cannot be built here."""
     return c_function(SOURCE, "decode_attention",
-                      [ctypes.POINTER(Dims)] + [ctypes.c_void_p] * 7 + [ctypes.c_long, ctypes.c_int])
+                      [ctypes.POINTER(Dims)] + [ctypes.c_void_p] * 6 + [ctypes.c_long, ctypes.c_int])
 
 
 def attention_supports(query: torch.Tensor, k_pool: torch.Tensor) -> bool:
@@ -407,9 +412,8 @@ def decode_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
                 block_tables.shape[1], max_seq_len, 0.0, scale)
     query = query.contiguous()
     out = torch.empty_like(query)
-    scores = torch.empty(m * num_heads, max_seq_len, dtype=torch.float32)
     attention_kernel()(ctypes.byref(dims), query.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
-                       block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), scores.data_ptr(), m,
+                       block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), m,
                        torch.get_num_threads())
     return out
 

@@ -53,7 +53,7 @@ static int omp_get_thread_num(void) { return 0; }
 
 typedef struct {
     long hidden, num_heads, num_kv_heads, head_dim, intermediate, num_layers;
-    long num_blocks, block_size, max_blocks, max_seq_len;
+    long num_blocks, block_size, max_blocks;
     float eps, scale;
     long packed;        /* which matrices are packed (bits: PACKED_QKV ...); the others are row-major */
 } Dims;

@@ -35,7 +35,7 @@ class Dims(ctypes.Structure):
 
     _fields_ = [(name, ctypes.c_long) for name in
                 ("hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "num_layers",
-                 "num_blocks", "block_size", "max_blocks", "max_seq_len")] + [
+                 "num_blocks", "block_size", "max_blocks")] + [
                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("packed", ctypes.c_long)]
 
 
@@ -368,10 +368,9 @@ def decode_hidden_states(model, input_ids: torch.Tensor, positions: torch.Tensor
     m = input_ids.shape[0]
     kv = meta.cache.kv
     block_tables, seq_lens = rows_of_step(meta, positions)
-    max_seq_len = max(1, int(meta.max_seq_len))
     dims = Dims(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
                 config.intermediate_size, config.num_layers, meta.cache.num_blocks, meta.cache.block_size,
-                block_tables.shape[1], max_seq_len, model.norm.eps,
+                block_tables.shape[1], model.norm.eps,
                 meta.scale if meta.scale is not None else config.head_dim ** -0.5, packed_mask(model) if packed else 0)
     hidden = model.embed_tokens(input_ids).contiguous()
     positions = positions.to(torch.int64).contiguous()
@@ -407,9 +406,8 @@ def decode_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     num_blocks, block_size, num_kv_heads, _ = k_pool.shape
     block_tables = block_tables.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()
-    max_seq_len = max(1, int(seq_lens.max())) if m else 1
     dims = Dims(num_heads * head_dim, num_heads, num_kv_heads, head_dim, 0, 0, num_blocks, block_size,
-                block_tables.shape[1], max_seq_len, 0.0, scale)
+                block_tables.shape[1], 0.0, scale)
     query = query.contiguous()
     out = torch.empty_like(query)
     attention_kernel()(ctypes.byref(dims), query.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),

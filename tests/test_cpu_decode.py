@@ -214,6 +214,7 @@ def test_each_count_takes_its_faster_layout_and_the_c_step_the_faster_of_the_two
                                  10: "cpu-rowmajor", 11: "cpu-rowmajor"}
     assert (1, "cpu-rowmajor") in calls and (2, "cpu-rowmajor") in calls
     assert "8 rows: C 80.0 ms (row-major 72.0), torch 82.0 ms" in why
+    assert answer["seconds"][8] == pytest.approx(0.072) and answer["seconds"][2] == pytest.approx(0.020)   # the faster layout's
     # between measured counts, the largest measured count below decides; nothing measured: packed
     assert [cpu_decode.layout_for(n, answer["layouts"]) for n in (3, 5, 7, 8, 11)] == \
         ["cpu", "cpu", "cpu", "cpu-rowmajor", "cpu-rowmajor"]
@@ -265,7 +266,8 @@ def test_an_unpinned_runner_times_whole_steps_once_and_reads_the_cache_after(tmp
 
     def fake_rows(measure, **_):
         asked.append(all(measure(2, path) > 0 for path in ("cpu", "cpu-rowmajor", False)))   # the real step, each way
-        return {"rows": 4, "layouts": {1: "cpu", 2: "cpu-rowmajor", 4: "cpu"}}, "2 rows: C 1.0 ms, torch 2.0 ms"
+        return ({"rows": 4, "layouts": {1: "cpu", 2: "cpu-rowmajor", 4: "cpu"}, "seconds": {1: 1e-3, 2: 1e-3, 4: 2e-3}},
+                "2 rows: C 1.0 ms, torch 2.0 ms")
 
     monkeypatch.setattr("lifeofprompt.engine.cpu_paths.measured_rows", fake_rows)
     first = ModelRunner(model, num_blocks=512, block_size=4, backend="torch")

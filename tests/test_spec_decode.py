@@ -503,3 +503,71 @@ def test_requests_with_penalties_or_logit_bias_decode_plainly_beside_speculating
     assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
     assert not outs[0].metrics.spec_steps and not outs[1].metrics.spec_steps
     assert outs[2].metrics.spec_steps                        # the plain request still speculates
+
+
+# ------------------------------------------------------------------ drafts priced by their rows
+
+def drafting_seqs(acceptance: list[tuple[int, int]], k: int = 4) -> list[Sequence]:
+    """Decoding sequences with ``k`` drafts each and the given (accepted, reached) history."""
+    seqs = []
+    for i, (accepted, reached) in enumerate(acceptance):
+        seq = Sequence(f"d{i}", [5, 6, 7], SamplingParams(temperature=0))
+        seq.num_computed_tokens = 2
+        seq.spec_accepted, seq.spec_reached = accepted, reached
+        seq.set_spec([8 + j for j in range(k)])
+        seqs.append(seq)
+    return seqs
+
+
+def test_step_time_reads_between_and_beyond_the_measured_counts():
+    from lifeofprompt.engine.spec_decode import step_time
+    measured = {1: 0.020, 2: 0.022, 8: 0.040, 16: 0.064}
+    assert step_time(1, measured) == 0.020 and step_time(4, measured) == pytest.approx(0.028)
+    assert step_time(32, measured) == pytest.approx(0.064 + 16 * 0.003)          # the last two's slope
+    assert step_time(1, {4: 0.04}) == 0.04 and step_time(8, {4: 0.04}) == pytest.approx(0.08)
+
+
+def test_drafts_stay_where_rows_are_cheap_and_go_where_they_cost_more_than_they_bring():
+    """A flat (memory-bound) curve: every draft stays, however poor the acceptance. The AMD EPYC's
+    C step at 1 thread: a poor request alone keeps some; at batch 8 rarely accepted drafts all go,
+    often accepted ones keep their first positions, and a mixed batch keeps the good requests' drafts."""
+    from lifeofprompt.engine.spec_decode import drafts_worth_their_rows
+    flat = {1: 0.026, 8: 0.026, 16: 0.050}
+    poor = drafting_seqs([(2, 10)])                                   # alpha 0.25 with the prior
+    assert drafts_worth_their_rows(poor, flat) == 4 and len(poor[0].spec_token_ids) == 4
+    amd = {1: 0.026, 2: 0.024, 4: 0.028, 8: 0.038, 16: 0.062, 32: 0.112}
+    poor = drafting_seqs([(2, 10)])
+    assert drafts_worth_their_rows(poor, amd) >= 1
+    batch = drafting_seqs([(2, 10)] * 8)
+    assert drafts_worth_their_rows(batch, amd) == 0 and all(not s.spec_token_ids for s in batch)
+    good = drafting_seqs([(80, 100)] * 8)                            # alpha ~ 0.8
+    kept = drafts_worth_their_rows(good, amd)
+    assert 0 < kept < 32 and all(s.spec_token_ids == [8] for s in good)          # a first draft each
+    mixed = drafting_seqs([(80, 100)] * 4 + [(2, 10)] * 4)
+    drafts_worth_their_rows(mixed, amd)
+    assert [len(s.spec_token_ids) for s in mixed[4:]] == [0] * 4 and all(s.spec_token_ids for s in mixed[:4])
+
+
+def test_without_the_price_a_batch_speculates_and_loses():
+    """The cut is what prevents the loss: the same poor batch, every draft kept, expects fewer tokens
+    per second than plain decoding on that curve (so a test without the cut would catch the 0.89x)."""
+    from lifeofprompt.engine.spec_decode import acceptance_estimate, step_time
+    flat = {1: 0.026, 8: 0.038, 16: 0.062, 32: 0.112}
+    batch = drafting_seqs([(2, 10)] * 8)
+    alpha = acceptance_estimate(batch[0])
+    with_all = (8 + 8 * sum(alpha ** (i + 1) for i in range(4))) / step_time(40, flat)
+    assert with_all < 8 / step_time(8, flat)
+
+
+def test_a_request_s_own_verifies_move_its_estimate():
+    """``observe`` counts reached and accepted positions on the sequence; a new one starts at 1/2."""
+    from lifeofprompt.engine.outputs import RequestMetrics
+    from lifeofprompt.engine.spec_decode import SpecDecoder, acceptance_estimate
+    seq = drafting_seqs([(0, 0)])[0]
+    assert acceptance_estimate(seq) == 0.5
+    decoder = SpecDecoder(SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 4}), None, None, 16)
+    metrics = RequestMetrics(arrival_time=0.0, spec_decode=decoder.new_request_stats())
+    decoder.observe(metrics, 2, [8, 9, 10, 11], [8, 42], seq)        # first draft kept, second rejected
+    assert (seq.spec_accepted, seq.spec_reached) == (1, 2) and acceptance_estimate(seq) == 0.5
+    decoder.observe(metrics, 4, [8, 9, 10, 11], [3], seq)            # the first rejected
+    assert (seq.spec_accepted, seq.spec_reached) == (1, 3) and acceptance_estimate(seq) == 0.4

@@ -45,6 +45,7 @@ class CpuPathChoices:
         if isinstance(answer, int):                        # measured as "not measurable" (a small pool)
             return answer
         self.cpu_step_layouts = {int(n): layout for n, layout in answer["layouts"].items()}
+        self.cpu_step_seconds = {int(n): s for n, s in answer["seconds"].items() if int(n) <= answer["rows"]}
         return answer["rows"]
 
     def cpu_step_layout(self, rows: int) -> str:

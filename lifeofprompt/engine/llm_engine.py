@@ -405,7 +405,7 @@ class LLMEngine(CompletionUpdates):
                 continue
             tokens = new_tokens[seq.seq_id]
             if seq.seq_id in drafts:
-                kept = self.spec.observe(request.metrics, starts[seq.seq_id], drafts[seq.seq_id], tokens)
+                kept = self.spec.observe(request.metrics, starts[seq.seq_id], drafts[seq.seq_id], tokens, seq)
                 shares[seq.seq_id].num_accepted_tokens = kept
             try:
                 self._on_tokens(request, completion, tokens, entries.get(seq.seq_id), now)

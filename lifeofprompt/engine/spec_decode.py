@@ -3,7 +3,9 @@
 ``LLMEngine`` owns one when ``speculative_config`` is given and calls it at three points of a step:
 
 * ``propose`` at the end of a step: drafts (n-gram) or draft slots (a draft model) for every running
-  request that is decoding, at most what its ``max_tokens`` and context still allow;
+  request that is decoding, at most what its ``max_tokens`` and context still allow; on the CPU,
+  prompt lookup's drafts are then cut to those whose expected tokens pay for their rows
+  (``drafts_worth_their_rows``);
 * ``fill`` after scheduling: a draft model drafts into the slots the scheduler just gave;
 * ``observe`` after the verify: the counts (engine-wide and per request) and the step's record.
 
@@ -28,6 +30,9 @@ class SpecDecoder:
         # costs more than its accepted drafts save (at batch 8 on the AMD EPYC this was written on,
         # prompt lookup ran 0.79-0.91x plain decoding). Set by ``attach``.
         self.row_budget = 0
+        # Seconds of a whole step by its rows, where the runner measured them (the CPU's C step):
+        # the price of a draft's row, against the tokens it is expected to bring. Set by ``attach``.
+        self.step_seconds: dict[int, float] | None = None
         if config.method == "draft_model":
             from .draft_model import load_draft
             self.draft_model = load_draft(config, model, tokenizer)
@@ -59,6 +64,7 @@ class SpecDecoder:
         cap the drafts at the runner's one-call step (``row_budget``)."""
         self.row_budget = getattr(runner, "cpu_decode_rows", 0)
         if self.draft_model is None:
+            self.step_seconds = getattr(runner, "cpu_step_seconds", None) or None
             return
         from .draft_model import DraftModelProposer
         self.proposer = DraftModelProposer(self.config, self.draft_model, num_blocks, self.block_size, runner.backend)
@@ -91,6 +97,8 @@ class SpecDecoder:
                 seq.set_spec(draft)
             if spare_rows is not None:
                 spare_rows -= len(seq.spec_token_ids)
+        if self.step_seconds:
+            drafts_worth_their_rows(decoding, self.step_seconds)
         self.stats.draft_time += clock() - start
 
     def fill(self, seqs, clock) -> None:
@@ -101,9 +109,13 @@ class SpecDecoder:
             self.proposer.fill(verifying)
             self.stats.draft_time += clock() - start
 
-    def observe(self, metrics, position: int, draft: list[int], tokens: list[int]) -> int:
-        """Count one verify (engine-wide and in the request's metrics) and keep its record; return drafts kept."""
+    def observe(self, metrics, position: int, draft: list[int], tokens: list[int], seq=None) -> int:
+        """Count one verify (engine-wide, in the request's metrics and on ``seq``) and keep its record;
+        return drafts kept."""
         accepted = len(tokens) - 1
+        if seq is not None:
+            seq.spec_reached += min(len(draft), accepted + 1)
+            seq.spec_accepted += accepted
         self.stats.observe(len(draft), accepted)
         metrics.spec_decode.observe(len(draft), accepted)
         metrics.spec_steps.append(SpecStep(position, draft, accepted, list(tokens)))
@@ -116,6 +128,9 @@ class SpecDecoder:
         if self.row_budget:
             lines.append(f"drafts are cut so a step holds at most {self.row_budget} rows, the one-call C step's "
                          "measured limit: beyond it a verify would leave that path and cost more than it saves")
+        if self.step_seconds:
+            lines.append("drafts kept only where their expected tokens (each request's own acceptance so far) pay "
+                         "for their rows, priced by the C step's measured time per row count")
         if self.draft_model is not None:
             draft_kv = self.proposer.kv_cache.nbytes
             name = getattr(self.draft_model, "source", self.draft_model.config.name)
@@ -124,6 +139,58 @@ class SpecDecoder:
                          f"block: {format_bytes(target_kv_bytes)} target, {format_bytes(draft_kv)} draft); "
                          "every step runs eagerly")
         return lines
+
+
+def step_time(rows: int, step_seconds: dict[int, float]) -> float:
+    """A step's seconds at ``rows``, read off the measured counts: linear between two, flat below the
+    first, and on the last two's slope above the last."""
+    counts = sorted(step_seconds)
+    if rows <= counts[0] or len(counts) == 1:
+        return step_seconds[counts[0]] if rows <= counts[0] else step_seconds[counts[0]] * rows / counts[0]
+    low = max((n for n in counts if n <= rows), default=counts[0])
+    high = min((n for n in counts if n > rows), default=None)
+    if high is None:
+        low, high = counts[-2], counts[-1]
+    slope = (step_seconds[high] - step_seconds[low]) / (high - low)
+    return step_seconds[low] + slope * (rows - low)
+
+
+def acceptance_estimate(seq) -> float:
+    """A request's per-token acceptance α so far, with one accepted and one rejected trial added
+    (a new request starts at 1/2 and moves with its own verifies)."""
+    return (seq.spec_accepted + 1) / (seq.spec_reached + 2)
+
+
+def drafts_worth_their_rows(decoding, step_seconds: dict[int, float]) -> int:
+    """Cut the drafts of this step's decoding sequences to the number that maximises expected tokens per second.
+
+    A draft token at position i of a request that accepts with rate α brings α^(i+1) tokens on
+    average (``lessons/speculation.py``) and costs one more row of the step. While the step is
+    memory-bound a row is nearly free; once it is compute-bound (a batch of 8, say) each row costs
+    its share, and a draft that is rarely accepted slows the batch (on open text at batch 8
+    prompt lookup ran 0.89x plain decoding before this cut). So the candidates are ranked by
+    expected gain, and the first N are kept for the N with the most ``(rows + gain) / step_time``;
+    N = 0, plain decoding, is among the choices. Returns the drafts kept.
+    """
+    rows = len(decoding)
+    candidates = sorted(((acceptance_estimate(seq) ** (i + 1), index, i)
+                         for index, seq in enumerate(decoding) for i in range(len(seq.spec_token_ids))),
+                        key=lambda c: (-c[0], c[2]))
+    if not candidates:
+        return 0
+    best_n, best_rate, gain = 0, rows / step_time(rows, step_seconds), 0.0
+    for n, (expected, _, _) in enumerate(candidates, start=1):
+        gain += expected
+        rate = (rows + gain) / step_time(rows + n, step_seconds)
+        if rate > best_rate:
+            best_n, best_rate = n, rate
+    keep = [0] * rows
+    for _, index, i in candidates[:best_n]:
+        keep[index] = max(keep[index], i + 1)
+    for seq, n in zip(decoding, keep):
+        if n < len(seq.spec_token_ids):
+            seq.set_spec(seq.spec_token_ids[:n], seq.spec_probs)
+    return best_n
 
 
 def may_speculate(params) -> bool:

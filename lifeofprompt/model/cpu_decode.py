@@ -154,8 +154,8 @@ def measured_rows(measure, row_counts=STEP_ROW_COUNTS, rounds: int = 3, budget_s
     steps forecast (the last count's times, scaled by the rows) to take over ``LONG_STEP_S`` are
     timed one round fewer. Timing stops before a count whose forecast would overrun ``budget_s``.
 
-    Returns ``({"rows": limit, "layouts": {count: fastest c_path}}, why)``; ``why`` says every
-    count measured.
+    Returns ``({"rows": limit, "layouts": {count: fastest c_path}, "seconds": {count: the C step's
+    time in it}}, why)``; ``why`` says every count measured.
     """
     deadline = time.perf_counter() + budget_s
     notes, results = [], {}
@@ -203,8 +203,9 @@ def measured_rows(measure, row_counts=STEP_ROW_COUNTS, rounds: int = 3, budget_s
             break
         rows, lost = (middle, lost) if won else (rows, middle)
     layouts = {n: min((p for p in t if p is not False), key=t.get) for n, t in sorted(results.items())}
+    seconds = {n: results[n][layout] for n, layout in layouts.items()}
     notes[:0] = [describe_count(n, t) for n, t in sorted(results.items())]
-    return {"rows": rows, "layouts": layouts}, "; ".join(notes)
+    return {"rows": rows, "layouts": layouts, "seconds": seconds}, "; ".join(notes)
 
 
 def describe_count(rows: int, times: dict) -> str:
@@ -230,7 +231,7 @@ def measured_step_key(model, plans: dict, block_size: int, decode_attention_in_c
     from .native_build import source_digest
 
     config = model.config
-    return dict(machine_key(), version=4, what="whole decode steps: the C step (panels and row-major) against the torch forward",
+    return dict(machine_key(), version=5, what="whole decode steps: the C step (panels and row-major) against the torch forward",
                 dtype=str(model.dtype), layers=config.num_layers, vocab=config.vocab_size,
                 heads=[config.num_heads, config.num_kv_heads, config.head_dim], block_size=block_size,
                 plans={f"{o}x{i}": p.describe() for (o, i), p in sorted(plans.items())},

@@ -156,8 +156,9 @@ ONE = ("cpu",)          # the C step in one layout only (the row-limit tests)
 
 @pytest.fixture
 def all_rounds(monkeypatch):
-    """Every count timed the full number of rounds, however long its fake steps."""
+    """Every count timed the given number of rounds, however long or short its fake steps."""
     monkeypatch.setattr(cpu_decode, "LONG_STEP_S", float("inf"))
+    monkeypatch.setattr(cpu_decode, "SHORT_STEP_S", 0.0)
 
 
 def fake_step_timer(c_ms: dict, torch_ms: dict, calls: list, row_major_ms: dict | None = None):
@@ -233,14 +234,15 @@ def test_a_layout_far_behind_is_not_timed_at_larger_counts(all_rounds):
     assert {r for r, p in calls if p == "cpu"} == {1, 2, 4, 8, 16}
 
 
-def test_long_steps_are_timed_one_round_fewer():
-    """Steps forecast over ``LONG_STEP_S`` (here 8 rows and up: C 5 ms a row, torch 10) get rounds - 1."""
+def test_long_steps_are_timed_one_round_fewer_and_short_ones_two_more():
+    """C 5 ms a row, torch 10: steps forecast over ``LONG_STEP_S`` (8 rows and up) get rounds - 1,
+    the first count and those under ``SHORT_STEP_S`` (2 rows) rounds + 2."""
     c = {n: 5 * n for n in range(1, 17)}
     calls = []
     cpu_decode.measured_rows(fake_step_timer(c, {n: 2 * t for n, t in c.items()}, calls), row_counts=(1, 2, 4, 8, 16),
                              rounds=3, c_paths=ONE)
     per_count = {n: sum(1 for r, p in calls if r == n and p == "cpu") for n in (1, 2, 4, 8, 16)}
-    assert per_count == {1: 4, 2: 3, 4: 3, 8: 2, 16: 2}          # 1 row: a warm-up and 3 rounds
+    assert per_count == {1: 6, 2: 5, 4: 3, 8: 2, 16: 2}          # 1 row: a warm-up and 5 rounds
 
 
 def test_the_timing_stops_before_a_count_that_would_overrun_the_budget():

@@ -128,6 +128,9 @@ LAYOUT_SLACK = 0.25
 # Counts whose steps take longer than this (forecast from the count before) get one round fewer:
 # a long step varies less, relative to its length, than a short one.
 LONG_STEP_S = 0.05
+# ... and counts whose steps take under this, two rounds more: the shortest steps vary the most,
+# and the one-row step is batch-1 decoding, the step a lone request runs all the time.
+SHORT_STEP_S = 0.03
 
 
 # The C step's two ways of reading the layer matrices: its packed copies (panels, ``cpu_rows.h``),
@@ -150,9 +153,9 @@ def measured_rows(measure, row_counts=STEP_ROW_COUNTS, rounds: int = 3, budget_s
     The first count warms every path up first (first-call set-up). Counts go up ``row_counts``
     until the C step loses; the gap between the last win and that loss is then halved until it
     closes (a verify of k = 4 drafts is 5 rows: it should not go eager because 4 won and 8 lost).
-    A layout more than ``LAYOUT_SLACK`` slower than the other is dropped for larger counts, and
-    steps forecast (the last count's times, scaled by the rows) to take over ``LONG_STEP_S`` are
-    timed one round fewer. Timing stops before a count whose forecast would overrun ``budget_s``.
+    A layout more than ``LAYOUT_SLACK`` slower than the other is dropped for larger counts; steps
+    forecast (the last count's times, scaled by the rows) to take over ``LONG_STEP_S`` are timed
+    one round fewer, and the first count and steps under ``SHORT_STEP_S`` two rounds more. Timing stops before a count whose forecast would overrun ``budget_s``.
 
     Returns ``({"rows": limit, "layouts": {count: fastest c_path}, "seconds": {count: the C step's
     time in it}}, why)``; ``why`` says every count measured.
@@ -170,7 +173,9 @@ def measured_rows(measure, row_counts=STEP_ROW_COUNTS, rounds: int = 3, budget_s
 
     def c_wins(count: int) -> bool | None:
         one_round = step_forecast(count)
-        count_rounds = rounds - 1 if rounds > 1 and one_round / (len(layouts_left) + 1) > LONG_STEP_S else rounds
+        per_step = one_round / (len(layouts_left) + 1)
+        count_rounds = (rounds + 2 if per_step < SHORT_STEP_S else
+                        rounds - 1 if rounds > 1 and per_step > LONG_STEP_S else rounds)
         if time.perf_counter() + count_rounds * one_round > deadline:
             notes.append(f"stopped before {count} rows: the {budget_s:.0f} s budget would be spent")
             return None
@@ -231,7 +236,7 @@ def measured_step_key(model, plans: dict, block_size: int, decode_attention_in_c
     from .native_build import source_digest
 
     config = model.config
-    return dict(machine_key(), version=5, what="whole decode steps: the C step (panels and row-major) against the torch forward",
+    return dict(machine_key(), version=6, what="whole decode steps: the C step (panels and row-major) against the torch forward",
                 dtype=str(model.dtype), layers=config.num_layers, vocab=config.vocab_size,
                 heads=[config.num_heads, config.num_kv_heads, config.head_dim], block_size=block_size,
                 plans={f"{o}x{i}": p.describe() for (o, i), p in sorted(plans.items())},

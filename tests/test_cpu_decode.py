@@ -268,8 +268,8 @@ def test_an_unpinned_runner_times_whole_steps_once_and_reads_the_cache_after(tmp
 
     def fake_rows(measure, **_):
         asked.append(all(measure(2, path) > 0 for path in ("cpu", "cpu-rowmajor", False)))   # the real step, each way
-        return ({"rows": 4, "layouts": {1: "cpu", 2: "cpu-rowmajor", 4: "cpu"}, "seconds": {1: 1e-3, 2: 1e-3, 4: 2e-3}},
-                "2 rows: C 1.0 ms, torch 2.0 ms")
+        return ({"rows": 4, "layouts": {1: "cpu", 2: "cpu-rowmajor", 4: "cpu"}, "seconds": {1: 1e-3, 2: 1e-3, 4: 2e-3},
+                 "stopped_before": None}, "2 rows: C 1.0 ms, torch 2.0 ms")
 
     monkeypatch.setattr("lifeofprompt.engine.cpu_paths.measured_rows", fake_rows)
     first = ModelRunner(model, num_blocks=512, block_size=4, backend="torch")
@@ -282,6 +282,28 @@ def test_an_unpinned_runner_times_whole_steps_once_and_reads_the_cache_after(tmp
     assert second.cpu_step_packed_bytes == cpu_decode.packed_bytes(model) > 0     # 4 rows read the packed copies
     small = ModelRunner(random_model(random.Random(3)), num_blocks=16, block_size=4, backend="torch")
     assert small.cpu_decode_rows == 0 and "not measured" in small.cpu_decode_reason
+
+
+def test_a_measurement_the_budget_cut_short_is_used_but_not_kept(tmp_path, monkeypatch):
+    """A busy machine spends the budget at 1-2 rows: that start uses what it measured, says so, and the
+    next start measures again (a cached 1-row limit would have switched speculation off for good)."""
+    monkeypatch.setenv("LIFEOFPROMPT_CACHE", str(tmp_path))
+    monkeypatch.delenv("LIFEOFPROMPT_CPU_LINEAR", raising=False)
+    model = random_model(random.Random(3))
+    asked = []
+
+    def fake_rows(measure, **_):
+        asked.append(True)
+        stopped = 2 if len(asked) == 1 else None                     # busy the first time, idle the second
+        return ({"rows": 1 if stopped else 8, "layouts": {1: "cpu"}, "seconds": {1: 1e-3}, "stopped_before": stopped},
+                "1 row: C 1.0 ms, torch 2.0 ms" + ("; stopped before 2 rows: the 3 s budget would be spent" if stopped else ""))
+
+    monkeypatch.setattr("lifeofprompt.engine.cpu_paths.measured_rows", fake_rows)
+    busy = ModelRunner(model, num_blocks=512, block_size=4, backend="torch")
+    assert busy.cpu_decode_rows == 1 and "not cached" in busy.cpu_decode_reason
+    again = ModelRunner(model, num_blocks=512, block_size=4, backend="torch")
+    assert again.cpu_decode_rows == 8 and len(asked) == 2               # measured again, and this time kept
+    assert ModelRunner(model, num_blocks=512, block_size=4, backend="torch").cpu_decode_rows == 8 and len(asked) == 2
 
 
 def test_the_runner_uses_it_only_where_asked_or_measured():

@@ -508,12 +508,13 @@ def test_requests_with_penalties_or_logit_bias_decode_plainly_beside_speculating
 # ------------------------------------------------------------------ drafts priced by their rows
 
 def drafting_seqs(acceptance: list[tuple[int, int]], k: int = 4) -> list[Sequence]:
-    """Decoding sequences with ``k`` drafts each and the given (accepted, reached) history."""
+    """Decoding sequences with ``k`` drafts each and a request history of (accepted, reached) positions."""
+    from lifeofprompt.engine.speculative import SpecDecodeStats
     seqs = []
     for i, (accepted, reached) in enumerate(acceptance):
         seq = Sequence(f"d{i}", [5, 6, 7], SamplingParams(temperature=0))
         seq.num_computed_tokens = 2
-        seq.spec_accepted, seq.spec_reached = accepted, reached
+        seq.spec_stats = SpecDecodeStats(k, num_accepted_tokens=accepted, num_reached_per_pos=[reached] + [0] * (k - 1))
         seq.set_spec([8 + j for j in range(k)])
         seqs.append(seq)
     return seqs
@@ -559,15 +560,16 @@ def test_without_the_price_a_batch_speculates_and_loses():
     assert with_all < 8 / step_time(8, flat)
 
 
-def test_a_request_s_own_verifies_move_its_estimate():
-    """``observe`` counts reached and accepted positions on the sequence; a new one starts at 1/2."""
-    from lifeofprompt.engine.outputs import RequestMetrics
-    from lifeofprompt.engine.spec_decode import SpecDecoder, acceptance_estimate
-    seq = drafting_seqs([(0, 0)])[0]
-    assert acceptance_estimate(seq) == 0.5
-    decoder = SpecDecoder(SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 4}), None, None, 16)
-    metrics = RequestMetrics(arrival_time=0.0, spec_decode=decoder.new_request_stats())
-    decoder.observe(metrics, 2, [8, 9, 10, 11], [8, 42], seq)        # first draft kept, second rejected
-    assert (seq.spec_accepted, seq.spec_reached) == (1, 2) and acceptance_estimate(seq) == 0.5
-    decoder.observe(metrics, 4, [8, 9, 10, 11], [3], seq)            # the first rejected
-    assert (seq.spec_accepted, seq.spec_reached) == (1, 3) and acceptance_estimate(seq) == 0.4
+def test_a_request_s_own_verifies_move_its_estimate(smollm2, story_ids):
+    """The engine hands each sequence its request's counters: a new request starts at 1/2, and its
+    verifies move it (accepted over reached positions, the prior's two trials added)."""
+    from lifeofprompt.engine.spec_decode import acceptance_estimate
+    engine = make_engine(smollm2, NGRAM)
+    engine.add_request("r", story_ids[1], SamplingParams(temperature=0, max_tokens=2))
+    request = engine.requests["r"]
+    seq = request.completions[0].seq
+    assert seq.spec_stats is request.metrics.spec_decode and acceptance_estimate(seq) == 0.5
+    seq.spec_stats.observe(4, 1)                                     # first draft kept, second rejected
+    assert acceptance_estimate(seq) == 0.5                           # (1 + 1) / (2 + 2)
+    seq.spec_stats.observe(4, 0)
+    assert acceptance_estimate(seq) == 0.4                           # (1 + 1) / (3 + 2)

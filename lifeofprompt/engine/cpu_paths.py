@@ -17,8 +17,9 @@ import time
 
 import torch
 
-from ..model.cpu_decode import (C_STEP, STEP_ROW_COUNTS, decode_attention_faster, layer_shapes, layout_for, measured_rows,
-                                supports as cpu_decode_supports, usable_rows as cpu_decode_rows)
+from ..model.cpu_decode import (C_STEP, MIN_CACHED_ROWS, STEP_ROW_COUNTS, decode_attention_faster, layer_shapes,
+                                layout_for, measured_rows, supports as cpu_decode_supports,
+                                usable_rows as cpu_decode_rows)
 from .sequence import Sequence
 
 
@@ -88,7 +89,15 @@ class CpuPathChoices:
                 self.model(input_ids, positions, meta, fused_kernels=fused)
             return time.perf_counter() - start
 
-        return cached_answer(key, lambda: (*measured_rows(measure, row_counts=counts), {}))
+        def measure_all():
+            answer, why = measured_rows(measure, row_counts=counts)
+            stopped = answer["stopped_before"]
+            if stopped is not None and stopped <= MIN_CACHED_ROWS:
+                return answer, why + f"; not cached (the budget ran out before {stopped} rows, a sign of a busy " \
+                    "machine): measured again at the next start", None
+            return answer, why, {}
+
+        return cached_answer(key, measure_all)
 
     def dummy_decode(self, rows: int, context: int):
         """Inputs of one decode step of ``rows`` sequences with ``context`` tokens each, in the runner's pool (timing)."""

@@ -274,6 +274,8 @@ class LLMEngine(CompletionUpdates):
                                            cumulative_logprob=0.0 if params.logprobs is not None else None))
         metrics = RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(ids),
                                  spec_decode=self.spec.new_request_stats() if self.spec is not None else None)
+        for completion in completions:                   # the drafts' price reads the request's own acceptance
+            completion.seq.spec_stats = metrics.spec_decode
         request = _Request(request_id, text, ids, params, metrics, completions, pending=completions[1:])
         with self._lock:
             if request_id in self.requests:
@@ -405,7 +407,7 @@ class LLMEngine(CompletionUpdates):
                 continue
             tokens = new_tokens[seq.seq_id]
             if seq.seq_id in drafts:
-                kept = self.spec.observe(request.metrics, starts[seq.seq_id], drafts[seq.seq_id], tokens, seq)
+                kept = self.spec.observe(request.metrics, starts[seq.seq_id], drafts[seq.seq_id], tokens)
                 shares[seq.seq_id].num_accepted_tokens = kept
             try:
                 self._on_tokens(request, completion, tokens, entries.get(seq.seq_id), now)

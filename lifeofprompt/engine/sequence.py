@@ -46,8 +46,7 @@ class Sequence:
         self.num_preemptions = 0            # times evicted (blocks freed) and recomputed
         self.spec_token_ids: list[int] = []  # draft tokens to verify next (speculative decoding)
         self.spec_probs = None              # the drafter's q for each draft token [k, V] (None: one-hot, n-gram)
-        self.spec_reached = 0               # draft positions its verifies reached (every draft before accepted)
-        self.spec_accepted = 0              # ... and accepted: its own acceptance rate, for the cost of drafting
+        self.spec_stats = None              # its request's speculation counters (SpecDecodeStats): its own acceptance
         self.group: int | None = None       # its micro-batch group with pipeline overlap (the scheduler's), else None
 
     @property

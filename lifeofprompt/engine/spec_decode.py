@@ -109,13 +109,9 @@ class SpecDecoder:
             self.proposer.fill(verifying)
             self.stats.draft_time += clock() - start
 
-    def observe(self, metrics, position: int, draft: list[int], tokens: list[int], seq=None) -> int:
-        """Count one verify (engine-wide, in the request's metrics and on ``seq``) and keep its record;
-        return drafts kept."""
+    def observe(self, metrics, position: int, draft: list[int], tokens: list[int]) -> int:
+        """Count one verify (engine-wide and in the request's metrics) and keep its record; return drafts kept."""
         accepted = len(tokens) - 1
-        if seq is not None:
-            seq.spec_reached += min(len(draft), accepted + 1)
-            seq.spec_accepted += accepted
         self.stats.observe(len(draft), accepted)
         metrics.spec_decode.observe(len(draft), accepted)
         metrics.spec_steps.append(SpecStep(position, draft, accepted, list(tokens)))
@@ -142,23 +138,26 @@ class SpecDecoder:
 
 
 def step_time(rows: int, step_seconds: dict[int, float]) -> float:
-    """A step's seconds at ``rows``, read off the measured counts: linear between two, flat below the
-    first, and on the last two's slope above the last."""
+    """A step's seconds at ``rows``, read off the measured counts: flat below the first, linear between
+    two, and on the last two's slope above the last (in proportion to the rows with one count)."""
     counts = sorted(step_seconds)
-    if rows <= counts[0] or len(counts) == 1:
-        return step_seconds[counts[0]] if rows <= counts[0] else step_seconds[counts[0]] * rows / counts[0]
-    low = max((n for n in counts if n <= rows), default=counts[0])
-    high = min((n for n in counts if n > rows), default=None)
-    if high is None:
-        low, high = counts[-2], counts[-1]
+    if rows <= counts[0]:
+        return step_seconds[counts[0]]
+    if len(counts) == 1:
+        return step_seconds[counts[0]] * rows / counts[0]
+    high = next((n for n in counts if n > rows), counts[-1])
+    low = counts[counts.index(high) - 1]
     slope = (step_seconds[high] - step_seconds[low]) / (high - low)
     return step_seconds[low] + slope * (rows - low)
 
 
 def acceptance_estimate(seq) -> float:
-    """A request's per-token acceptance α so far, with one accepted and one rejected trial added
-    (a new request starts at 1/2 and moves with its own verifies)."""
-    return (seq.spec_accepted + 1) / (seq.spec_reached + 2)
+    """A request's per-token acceptance α so far (accepted over reached draft positions, its
+    ``SpecDecodeStats``), with one accepted and one rejected trial added: a new request starts at 1/2
+    and moves with its own verifies."""
+    stats = seq.spec_stats
+    accepted, reached = (stats.num_accepted_tokens, sum(stats.num_reached_per_pos)) if stats is not None else (0, 0)
+    return (accepted + 1) / (reached + 2)
 
 
 def drafts_worth_their_rows(decoding, step_seconds: dict[int, float]) -> int:

@@ -117,7 +117,8 @@ static inline float_vector exp_nonpositive(float_vector x) {
     float_vector t = x * 1.44269504f;
     int_vector n = __builtin_convertvector(t - 0.5f, int_vector);  /* round to nearest, for t <= 0 */
     float_vector y = (t - __builtin_convertvector(n, float_vector)) * 0.693147181f;
-    float_vector e = 1.0f + y * (1.0f + y * (0.5f + y * (1.0f / 6 + y * (1.0f / 24 + y * (1.0f / 120 + y * (1.0f / 720))))));
+    float_vector e = 1.0f + y * (1.0f + y * (0.5f + y * (1.0f / 6 + y * (1.0f / 24
+                     + y * (1.0f / 120 + y * (1.0f / 720))))));
     return e * (float_vector)((n + 127) << 23);
 }
 

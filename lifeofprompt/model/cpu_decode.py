@@ -122,6 +122,10 @@ def usable_rows(plans: dict | None, shapes, timings: dict | None = None) -> int:
 # every step up to the largest count where it won and all smaller counts won too.
 STEP_ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 STEP_BUDGET_S = 3.0
+# A measurement the budget stopped before this many rows is used but not cached: on an idle machine
+# the budget reaches far past it, so stopping this early says more about the load of the moment
+# than about the machine (and would cap speculative verifies, which need k + 1 rows, for good).
+MIN_CACHED_ROWS = 8
 # A C layout this much slower than the other at one count is not timed at larger ones: the gap
 # between the layouts grows with the rows (each row-major weight row is reloaded per tile of x).
 LAYOUT_SLACK = 0.25
@@ -155,13 +159,15 @@ def measured_rows(measure, row_counts=STEP_ROW_COUNTS, rounds: int = 3, budget_s
     closes (a verify of k = 4 drafts is 5 rows: it should not go eager because 4 won and 8 lost).
     A layout more than ``LAYOUT_SLACK`` slower than the other is dropped for larger counts; steps
     forecast (the last count's times, scaled by the rows) to take over ``LONG_STEP_S`` are timed
-    one round fewer, and the first count and steps under ``SHORT_STEP_S`` two rounds more. Timing stops before a count whose forecast would overrun ``budget_s``.
+    one round fewer, and the first count and steps under ``SHORT_STEP_S`` two rounds more. Timing
+    stops before a count whose forecast would overrun ``budget_s``.
 
     Returns ``({"rows": limit, "layouts": {count: fastest c_path}, "seconds": {count: the C step's
-    time in it}}, why)``; ``why`` says every count measured.
+    time in it}, "stopped_before": the count the budget stopped at, or None}, why)``; ``why`` says
+    every count measured.
     """
     deadline = time.perf_counter() + budget_s
-    notes, results = [], {}
+    notes, results, stopped = [], {}, []
     layouts_left = list(c_paths)
 
     def step_forecast(count: int) -> float:
@@ -178,6 +184,7 @@ def measured_rows(measure, row_counts=STEP_ROW_COUNTS, rounds: int = 3, budget_s
                         rounds - 1 if rounds > 1 and per_step > LONG_STEP_S else rounds)
         if time.perf_counter() + count_rounds * one_round > deadline:
             notes.append(f"stopped before {count} rows: the {budget_s:.0f} s budget would be spent")
+            stopped.append(count)
             return None
         paths = (*layouts_left, False)
         best = {path: float("inf") for path in paths}
@@ -210,7 +217,8 @@ def measured_rows(measure, row_counts=STEP_ROW_COUNTS, rounds: int = 3, budget_s
     layouts = {n: min((p for p in t if p is not False), key=t.get) for n, t in sorted(results.items())}
     seconds = {n: results[n][layout] for n, layout in layouts.items()}
     notes[:0] = [describe_count(n, t) for n, t in sorted(results.items())]
-    return {"rows": rows, "layouts": layouts, "seconds": seconds}, "; ".join(notes)
+    return ({"rows": rows, "layouts": layouts, "seconds": seconds, "stopped_before": stopped[0] if stopped else None},
+            "; ".join(notes))
 
 
 def describe_count(rows: int, times: dict) -> str:

@@ -256,7 +256,8 @@ def write_json(path: Path, payload: dict) -> None:
 
 def cached_answer(key: dict, measure):
     """An answer measured once per machine: ``(answer, why)`` from the cache under ``key``, or from
-    ``measure() -> (answer, why, extra)``, whose answer is then stored with ``extra`` beside it."""
+    ``measure() -> (answer, why, extra)``, whose answer is then stored with ``extra`` beside it
+    (``extra`` None: an answer to use now but not keep, measured again next time)."""
     path = cache_file(key)
     try:
         stored = json.loads(path.read_text())
@@ -264,7 +265,8 @@ def cached_answer(key: dict, measure):
     except (OSError, ValueError, KeyError):
         pass
     answer, why, extra = measure()
-    write_json(path, dict(key=key, answer=answer, why=why, **extra))
+    if extra is not None:
+        write_json(path, dict(key=key, answer=answer, why=why, **extra))
     return answer, why
 
 

@@ -292,12 +292,17 @@ def layer_tensors(model) -> list[tuple[torch.Tensor, nn.Module | None]]:
     return tensors
 
 
+def weight_stamp(tensor: torch.Tensor) -> tuple[int, int]:
+    """Where a tensor lives and how often it was written in place: a copy made under another stamp is stale."""
+    return tensor.data_ptr(), tensor._version
+
+
 def packed_weight(module: nn.Module) -> torch.Tensor:
     """``module``'s weight in the packed layout, kept on the module: made once, and again whenever
     the weight moves or is written in place (its address or version changes), so the C step never
     reads a stale copy. A draft that shares the target's layers shares their copies too."""
     weight = module.weight
-    stamp = (weight.data_ptr(), weight._version)
+    stamp = weight_stamp(weight)
     cached = getattr(module, "_c_step_packed", None)
     if cached is None or cached[0] != stamp:
         with torch.no_grad():
@@ -322,7 +327,7 @@ def pack_all(model) -> int:
     with torch.no_grad():
         for module, size in zip(modules, sizes):
             view = buffer[offset:offset + size].view(torch.float32)
-            module._c_step_packed = ((module.weight.data_ptr(), module.weight._version), pack(module.weight, out=view))
+            module._c_step_packed = (weight_stamp(module.weight), pack(module.weight, out=view))
             offset += -(-size // ALIGN) * ALIGN
     model.__dict__.get("_c_step_pointers", {}).pop(True, None)      # pointers to older copies
     return sum(sizes)
@@ -338,7 +343,7 @@ def weight_pointers(model, packed: bool = True) -> ctypes.Array:
     tensors = getattr(model, "_c_step_tensors", None)
     if tensors is None:
         tensors = model._c_step_tensors = layer_tensors(model)
-    stamp = [(t.data_ptr(), t._version) for t, _ in tensors]
+    stamp = [weight_stamp(t) for t, _ in tensors]
     cached = getattr(model, "_c_step_pointers", {}).get(packed)
     if cached is not None and cached[0] == stamp:
         return cached[1]

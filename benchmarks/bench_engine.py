@@ -409,16 +409,27 @@ SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 def cpu_description() -> dict:
     """Which CPU a result came from: speed ratios differ from one processor to the next, so every
     result names its model, its SIMD flags (what kernels and llama.cpp's build depend on) and all flags."""
-    from lifeofprompt.env import cpu_flags, cpu_model
+    from lifeofprompt.env import _cpuinfo, cpu_flags, cpu_model, cpu_vector_isa
 
     flags = sorted(cpu_flags())
-    return dict(model=cpu_model(), simd_flags=[f for f in flags if SIMD_FLAG.match(f)], flags=" ".join(flags))
+    info = _cpuinfo()
+    return dict(model=cpu_model(), vector_isa=cpu_vector_isa(flags), family=info.get("cpu family"),
+                model_number=info.get("model"), simd_flags=[f for f in flags if SIMD_FLAG.match(f)],
+                flags=" ".join(flags))
 
 
 def cpu_slug(model: str) -> str:
     """A file-name form of a CPU's name: ``Intel(R) Xeon(R) Platinum 8480+`` -> ``intel-xeon-platinum-8480``."""
     name = re.sub(r"\((r|tm)\)|\bcpu\b|@.*$|\bprocessor\b", " ", model.lower())
     return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "unknown-cpu"
+
+
+def cpu_file_slug(cpu: dict) -> str:
+    """A result file's CPU part: the name and, since one name covers CPUs of different vector widths
+    ("AMD EPYC"), the widest vector instructions: ``amd-epyc-avx2``, ``amd-epyc-avx-512``."""
+    from lifeofprompt.env import cpu_vector_isa
+
+    return f"{cpu_slug(cpu['model'])}-{cpu_slug(cpu.get('vector_isa') or cpu_vector_isa(cpu.get('simd_flags', ())))}"
 
 
 def cpu_dtype(name: str):
@@ -560,7 +571,7 @@ def parse_peers(text: str) -> tuple[str, ...]:
 def result_stem(results: dict, stamp: str) -> str:
     """``<cpu-slug>_<date>``, with threads and dtype added when they are not the default 1 and float32,
     so runs of one day at other settings do not overwrite each other."""
-    stem = cpu_slug(results["cpu"]["model"])
+    stem = cpu_file_slug(results["cpu"])
     if results["threads"] != 1 or results["dtype"] != "float32":
         stem += f"_{results['threads']}t_{SHORT_DTYPE.get(results['dtype'], results['dtype'])}"
     return f"{stem}_{stamp}"

@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     if args.tiny:
         args.requests, args.max_tokens, args.rounds, args.batch = 2, 8, 1, [1, 2]
     torch.set_num_threads(args.threads)
-    from bench_engine import cpu_description, cpu_slug
+    from bench_engine import cpu_description, cpu_file_slug
     from lifeofprompt import load_model
     from lifeofprompt.env import env_info
 
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
         print("tiny check: nothing written")
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"cpu_spec_{cpu_slug(results['cpu']['model'])}_{args.threads}t_{time.strftime('%Y%m%d')}.json"
+    path = args.out / f"cpu_spec_{cpu_file_slug(results['cpu'])}_{args.threads}t_{time.strftime('%Y%m%d')}.json"
     path.write_text(json.dumps(results, indent=2, default=str))
     print(f"wrote {path}")
     return 0

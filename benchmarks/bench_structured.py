@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from bench_engine import cpu_description, cpu_slug
+    from bench_engine import cpu_description, cpu_file_slug
     from lifeofprompt import LLM, SamplingParams
     from lifeofprompt.engine.structured_output import StructuredOutputsParams
     from lifeofprompt.env import env_info
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
           f"({results['grammar_slowdown']:.3f}x); mask median {mask_s * 1e3:.3f} ms = "
           f"{results['mask_share_of_step']:.1%} of a {step_s * 1e3:.1f} ms step (target <= 10%)")
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"cpu_structured_{cpu_slug(results['cpu']['model'])}_{args.threads}t_{time.strftime('%Y%m%d')}.json"
+    path = args.out / f"cpu_structured_{cpu_file_slug(results['cpu'])}_{args.threads}t_{time.strftime('%Y%m%d')}.json"
     path.write_text(json.dumps(results, indent=2, default=str))
     print(f"wrote {path}")
     return 0

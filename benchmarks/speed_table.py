@@ -34,9 +34,16 @@ COLUMNS = [  # (header, result key): each ratio is ours ÷ the peer, output toke
 
 
 def cpu_name(result: dict) -> tuple[str, bool]:
-    """The CPU a result names, and whether it was inferred (older files name none)."""
-    if result.get("cpu", {}).get("model"):
-        return result["cpu"]["model"], False
+    """The CPU a result names, with its widest vector instructions (one name, "AMD EPYC", covers VMs
+    with and without AVX-512), and whether it was inferred (older files name none)."""
+    from lifeofprompt.env import cpu_label
+
+    cpu = result.get("cpu", {})
+    if cpu.get("model") and (cpu.get("vector_isa") or cpu.get("simd_flags")):
+        return (f"{cpu['model']} ({cpu['vector_isa']})" if cpu.get("vector_isa")
+                else cpu_label(cpu["model"], cpu["simd_flags"])), False
+    if cpu.get("model"):
+        return cpu["model"], False
     if result.get("env", {}).get("cpu"):
         return result["env"]["cpu"], False
     machine = result.get("env", {}).get("machine", "")

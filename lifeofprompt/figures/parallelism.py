@@ -96,9 +96,13 @@ def bubble_figure(schedules: list[tuple[str, list[StageSlot]]], num_stages: int)
     return fig
 
 
-def measured_figure(runs, predicted: dict[str, float]):
+def measured_figure(runs, predicted: dict[str, float], checked=None):
     """Left: decode step time per split, its collective share hatched. Right: collective seconds
-    per step, measured on rank 0 against the fitted model (``predicted``: label -> seconds per step)."""
+    per step, measured on rank 0 against the fitted model (``predicted``: label -> seconds per step).
+
+    ``checked``: the runs the prediction was made for, where they are not ``runs`` themselves (the
+    cost-model check runs its own engine): the right panel must set a prediction beside the run it
+    predicted, not beside another run of the same split."""
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [2, 1]})
@@ -112,7 +116,7 @@ def measured_figure(runs, predicted: dict[str, float]):
     left.set_ylabel("ms per step")
     left.set_title("the engine on this CPU, gloo, 1 thread per rank", fontsize=10)
     left.legend(fontsize=8, frameon=False, loc="upper left")
-    shown = [r for r in runs if r.label in predicted]
+    shown = [r for r in (runs if checked is None else checked) if r.label in predicted]
     for i, r in enumerate(shown):
         pair = ((i - 0.18, r.collective_seconds_per_step() * 1e3, "#dd8452"), (i + 0.18, predicted[r.label] * 1e3, "#8c8c8c"))
         for x, value, color in pair:

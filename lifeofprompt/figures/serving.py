@@ -141,7 +141,7 @@ def plot_queue_growth(results, capacity: float, label: str | None = None):
         ax.set_ylabel("waiting", fontsize=8)
         ax.grid(True, alpha=0.3)
     axes[-1, 0].set_xlabel("seconds since the first request (waiting: requests sent, no first token yet)")
-    fig.suptitle("Bursts of Poisson arrivals build a queue, which drains in the lulls; the busier the rate, the taller",
+    fig.suptitle("Bursts of Poisson arrivals build a queue, which drains in the lulls; one run per rate, so its peak is chance as much as load",
                  fontsize=10)
     return _finish(fig, label)
 

@@ -75,6 +75,7 @@ def read_results(folder: Path) -> list[dict]:
                          threads=result.get("threads", "?"), dtype=dtype_of(result), file=path.name,
                          **{key: result.get(key) for _, key in COLUMNS}))
         rows[-1]["batch1_floor_ratio"] = result.get("batch1_step", {}).get("ratio")
+        rows[-1]["floor_paired"] = "paired" in result.get("batch1_step", {})
     return rows
 
 
@@ -91,9 +92,15 @@ def markdown(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         ratios = [f"{row[key]:.2f}×" if isinstance(row[key], (int, float)) else "–" for _, key in COLUMNS]
+        if isinstance(row["batch1_floor_ratio"], (int, float)) and not row.get("floor_paired"):
+            ratios[-1] += " †"
         cpu = row["cpu"] + (" *" if row["inferred"] else "")
         cells = [cpu, row["date"].split(" ")[0], str(row["threads"]), row["dtype"], *ratios, f"`{row['file']}`"]
         lines.append("| " + " | ".join(cells) + " |")
+    if any(isinstance(r["batch1_floor_ratio"], (int, float)) and not r.get("floor_paired") for r in rows):
+        lines.append("")
+        lines.append("† the step's median against the best read of another moment; newer files take steps and reads "
+                     "in turns and give the median of their ratios, so the VM's drift between moments cancels.")
     if any(row["inferred"] for row in rows):
         lines.append("")
         lines.append(f"\\* {LEGACY_NOTE}.")

@@ -118,6 +118,21 @@ def test_all_copies_are_made_at_once_and_read_by_the_step():
     assert cpu_decode.weight_pointers(model)[19] == cpu_decode.packed_weight(down).data_ptr()   # layer 1's packed down_proj
 
 
+def test_packing_all_again_keeps_current_copies_and_renews_stale_ones():
+    """The runner packs before timing the C step and again before serving: the second call makes nothing
+    new while every copy is current, and packs afresh once a weight changed."""
+    model = random_model(random.Random(9), packable=True)
+    cpu_decode.pack_all(model)
+    down = model.layers[1].mlp.down_proj
+    copy = cpu_decode.packed_weight(down)
+    assert cpu_decode.pack_all(model) == cpu_decode.packed_bytes(model) and cpu_decode.packed_weight(down) is copy
+    with torch.no_grad():
+        down.weight.mul_(2)
+    cpu_decode.pack_all(model)
+    assert cpu_decode.packed_weight(down) is not copy
+    assert torch.equal(cpu_decode.packed_weight(down), cpu_decode.pack(down.weight))
+
+
 def test_the_packed_copy_follows_the_weights():
     """A weight written in place after the first C step is packed again: the C step never reads stale weights."""
     model = random_model(random.Random(3), packable=True)
@@ -246,7 +261,7 @@ def test_long_steps_are_timed_one_round_fewer_and_short_ones_two_more():
 
 
 def test_the_timing_stops_before_a_count_that_would_overrun_the_budget():
-    """The next count's forecast (the last count's times scaled by the rows) past the budget: not started."""
+    """The next count's forecast (each path's line through the last two counts) past the budget: not started."""
     slow = {n: 100.0 * n for n in range(1, 65)}     # 0.1 s a row; 8 rows: 2 rounds x (0.8 + 1.6 s) = 4.8 s
     calls = []
     answer, why = cpu_decode.measured_rows(fake_step_timer(slow, {n: 2 * t for n, t in slow.items()}, calls),
@@ -282,6 +297,23 @@ def test_an_unpinned_runner_times_whole_steps_once_and_reads_the_cache_after(tmp
     assert second.cpu_step_packed_bytes == cpu_decode.packed_bytes(model) > 0     # 4 rows read the packed copies
     small = ModelRunner(random_model(random.Random(3)), num_blocks=16, block_size=4, backend="torch")
     assert small.cpu_decode_rows == 0 and "not measured" in small.cpu_decode_reason
+
+
+def test_the_runner_packs_before_it_times_the_c_step(tmp_path, monkeypatch):
+    """The packed copies exist, in their final place, before the first timed step: packing inside the
+    budget cost a slow CPU 1.4 s of its 3 s, and timed the copies from other pages than the engine's."""
+    monkeypatch.setenv("LIFEOFPROMPT_CACHE", str(tmp_path))
+    monkeypatch.delenv("LIFEOFPROMPT_CPU_LINEAR", raising=False)
+    model = random_model(random.Random(3), packable=True)
+    seen = []
+
+    def fake_rows(measure, **_):
+        seen.append([getattr(m, "_c_step_packed", None) is not None for _, m in cpu_decode.layer_tensors(model) if m])
+        return ({"rows": 4, "layouts": {1: "cpu"}, "seconds": {1: 1e-3}, "stopped_before": None}, "1 row: C 1.0 ms")
+
+    monkeypatch.setattr("lifeofprompt.engine.cpu_paths.measured_rows", fake_rows)
+    ModelRunner(model, num_blocks=512, block_size=4, backend="torch")
+    assert len(seen) == 1 and seen[0] and all(seen[0])
 
 
 def test_a_measurement_the_budget_cut_short_is_used_but_not_kept(tmp_path, monkeypatch):
@@ -417,3 +449,22 @@ def test_decode_attention_in_c_matches_the_torch_path_in_mixed_steps(seed, threa
     finally:
         torch.set_num_threads(previous)
     torch.testing.assert_close(got, paged_attention(*args), rtol=1e-5, atol=1e-5)
+
+
+def test_the_forecast_follows_the_measured_steps_not_the_row_count(monkeypatch):
+    """On a slow CPU (an AVX2 EPYC: 1 row C 50 ms, row-major 56, torch 84; a few rows cost about one)
+    a forecast proportional to the rows said a 2-row round would take 0.38 s and stopped the timing
+    at 1 row. Through the measured points it reaches 8 rows within the same 3 s."""
+    c = {1: 50, 2: 52, 4: 58, 8: 75, 16: 120}
+    row_major = {1: 56, 2: 60, 4: 70, 8: 95, 16: 160}
+    eager = {1: 84, 2: 88, 4: 95, 8: 120, 16: 150}
+    clock = [0.0]
+
+    def measure(rows, fused):
+        seconds = {"cpu": c, "cpu-rowmajor": row_major, False: eager}[fused][rows] / 1e3
+        clock[0] += seconds                      # a fake clock the budget reads
+        return seconds
+
+    monkeypatch.setattr(cpu_decode.time, "perf_counter", lambda: clock[0])
+    answer, why = cpu_decode.measured_rows(measure, row_counts=(1, 2, 4, 8, 16), budget_s=3.0)
+    assert answer["rows"] >= 8 and clock[0] <= 3.0, why

@@ -160,7 +160,7 @@ def measured_rows(measure, row_counts=STEP_ROW_COUNTS, rounds: int = 3, budget_s
     A layout more than ``LAYOUT_SLACK`` slower than the other is dropped for larger counts; steps
     forecast (the last count's times, scaled by the rows) to take over ``LONG_STEP_S`` are timed
     one round fewer, and the first count and steps under ``SHORT_STEP_S`` two rounds more. Timing
-    stops before a count whose forecast would overrun ``budget_s``.
+    stops before a count whose forecast (``step_forecast``) would overrun ``budget_s``.
 
     Returns ``({"rows": limit, "layouts": {count: fastest c_path}, "seconds": {count: the C step's
     time in it}, "stopped_before": the count the budget stopped at, or None}, why)``; ``why`` says
@@ -171,11 +171,25 @@ def measured_rows(measure, row_counts=STEP_ROW_COUNTS, rounds: int = 3, budget_s
     layouts_left = list(c_paths)
 
     def step_forecast(count: int) -> float:
-        """Seconds of one round at ``count`` rows (every path still timed), from the largest count measured."""
+        """Seconds of one round at ``count`` rows (every path still timed): each path's line through the
+        two largest counts measured, never below the largest; from one count, halfway between flat and
+        proportional. A step of a few rows costs about what one row does (all read the same weights), so
+        scaling by the rows alone forecast a 2-row step at twice a 1-row one, and on a slow CPU that
+        stopped the timing at 1 row."""
         if not results:
             return 0.0
-        last = max(results)
-        return sum(results[last][p] for p in (*layouts_left, False)) * count / last
+        measured = sorted(results)
+        last = measured[-1]
+
+        def path_forecast(path) -> float:
+            latest = results[last][path]
+            if len(measured) > 1 and path in results[measured[-2]]:
+                before = measured[-2]
+                slope = (latest - results[before][path]) / (last - before)
+                return max(latest, latest + slope * (count - last))
+            return latest * max(1.0, (1 + count / last) / 2)
+
+        return sum(path_forecast(p) for p in (*layouts_left, False))
 
     def c_wins(count: int) -> bool | None:
         one_round = step_forecast(count)
@@ -314,11 +328,16 @@ def packed_weight(module: nn.Module) -> torch.Tensor:
 def pack_all(model) -> int:
     """Make every packed copy now, in one buffer of 2 MiB pages where the system gives them
     (``huge_pages.py``: the row-major weights live in such pages, and one core reads them about a
-    quarter faster there); returns the bytes packed. A copy made later, for a weight changed in
-    place, goes to ordinary memory (``packed_weight``)."""
+    quarter faster there); returns the bytes packed. A second call while every copy is current does
+    nothing. A copy made later, for a weight changed in place, goes to ordinary memory (``packed_weight``)."""
     from .huge_pages import ALIGN, huge_page_buffer, huge_pages_available
 
     modules = list({id(m): m for _, m in layer_tensors(model) if m is not None}.values())
+    stamps = [weight_stamp(m.weight) for m in modules]
+    if stamps and all(getattr(m, "_c_step_packed", (None,))[0] == st for m, st in zip(modules, stamps)) \
+            and model.__dict__.get("_c_step_packed_all") == stamps:
+        return sum(m.weight.numel() * m.weight.element_size() for m in modules)      # made here already, still current
+    model._c_step_packed_all = stamps
     if not modules or not huge_pages_available():
         return sum(packed_weight(m).numel() * 4 for m in modules)
     sizes = [m.weight.numel() * m.weight.element_size() for m in modules]
@@ -355,6 +374,7 @@ def weight_pointers(model, packed: bool = True) -> ctypes.Array:
 
 def drop_packed(model) -> None:
     """Free the packed copies (a runner that measured the row-major layout faster at every count)."""
+    model.__dict__.pop("_c_step_packed_all", None)
     for _, module in layer_tensors(model):
         if module is not None:
             module.__dict__.pop("_c_step_packed", None)

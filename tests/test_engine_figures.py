@@ -88,3 +88,16 @@ def test_load_results_reads_the_committed_folder_and_takes_the_newest_date(tmp_p
     assert engine.load_results("nothing_*.json") == (None, None)
     older, path = engine.load_results("cpu_engine_*.json", where=lambda r: "intel" in r["name"])
     assert path.name == "cpu_engine_intel-xeon_20261130.json"
+
+
+def test_runs_of_one_day_go_by_the_time_they_started(tmp_path, monkeypatch):
+    """Two CPUs' runs of one day: the later start wins, whatever their names sort to."""
+    import json
+
+    from lifeofprompt.figures import engine
+
+    for name, started in (("cpu_engine_amd-epyc_20261202.json", "2026-12-02 00:36 UTC"),
+                          ("cpu_engine_amd-epyc-avx2_20261202.json", "2026-12-02 07:04 UTC")):
+        (tmp_path / name).write_text(json.dumps({"env": {"date": started}}))
+    monkeypatch.setattr(engine, "RESULTS_DIR", tmp_path)
+    assert engine.load_results("cpu_engine_*.json")[1].name == "cpu_engine_amd-epyc-avx2_20261202.json"

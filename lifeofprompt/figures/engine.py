@@ -66,16 +66,19 @@ def load_results(pattern: str = "h200-*/gpu_results.json", where=None) -> tuple[
     ``where(result)`` keeps only the results it accepts (e.g. one thread's runs).
 
     Newest by the date in the name (``..._20261201.json``, ``h200-2026-11-30/``), not by the
-    name itself: CPU results are named after their processor, which would sort them by CPU.
+    name itself: CPU results are named after their processor, which would sort them by CPU. Runs
+    of one day go by the start time they record (``env.date``, e.g. ``2026-12-02 07:04 UTC``).
     """
     import re
 
-    def stamp(path: Path) -> tuple[str, str]:
+    def stamp(item: tuple[Path, dict]) -> tuple[str, str, str]:
+        path, result = item
         dates = re.findall(r"\d{4}-?\d{2}-?\d{2}", str(path.relative_to(RESULTS_DIR)))
-        return (dates[-1].replace("-", "") if dates else "", path.name)
+        started = result.get("env", {}).get("date", "") if isinstance(result, dict) else ""
+        return (dates[-1].replace("-", "") if dates else "", str(started), path.name)
 
-    for path in sorted(RESULTS_DIR.glob(pattern), key=stamp, reverse=True):
-        result = json.loads(path.read_text())
+    found = [(path, json.loads(path.read_text())) for path in RESULTS_DIR.glob(pattern)]
+    for path, result in sorted(found, key=stamp, reverse=True):
         if where is None or where(result):
             return result, path
     return None, None

@@ -582,8 +582,9 @@ def cpu_run(args) -> dict:
     # The batch-1 target's floor: weight bytes over the rate these threads *read* memory (no write).
     read = measure_read_bandwidth("cpu")
     step_s = next(r["step_s"] for r in results["batching_curve"] if r["batch"] == 1 and "step_s" in r)
-    floor_s = decode_weight_bytes(runner.config, runner.model.dtype) / read
-    paired = step_beside_floor(runner, decode_weight_bytes(runner.config, runner.model.dtype), context=64)
+    weight_bytes = decode_weight_bytes(runner.config, runner.model.dtype)
+    floor_s = weight_bytes / read
+    paired = step_beside_floor(runner, weight_bytes, context=64)
     # "ratio" (the target's): the median of step ÷ read taken in pairs, so the VM's drift cancels;
     # "separate_ratio": the curve's median step ÷ the best read of another moment, as before.
     results["batch1_step"] = dict(step_s=step_s, read_bandwidth=read, floor_s=floor_s, ratio=paired["ratio"],

@@ -39,9 +39,8 @@ def cpu_name(result: dict) -> tuple[str, bool]:
     from lifeofprompt.env import cpu_label
 
     cpu = result.get("cpu", {})
-    if cpu.get("model") and (cpu.get("vector_isa") or cpu.get("simd_flags")):
-        return (f"{cpu['model']} ({cpu['vector_isa']})" if cpu.get("vector_isa")
-                else cpu_label(cpu["model"], cpu["simd_flags"])), False
+    if cpu.get("model") and cpu.get("simd_flags"):
+        return cpu_label(cpu["model"], cpu["simd_flags"]), False
     if cpu.get("model"):
         return cpu["model"], False
     if result.get("env", {}).get("cpu"):
@@ -74,8 +73,9 @@ def read_results(folder: Path) -> list[dict]:
         rows.append(dict(cpu=cpu, inferred=inferred, date=result.get("env", {}).get("date", "?"),
                          threads=result.get("threads", "?"), dtype=dtype_of(result), file=path.name,
                          **{key: result.get(key) for _, key in COLUMNS}))
-        rows[-1]["batch1_floor_ratio"] = result.get("batch1_step", {}).get("ratio")
-        rows[-1]["floor_paired"] = "paired" in result.get("batch1_step", {})
+        step = result.get("batch1_step", {})
+        rows[-1]["batch1_floor_ratio"] = step.get("ratio")
+        rows[-1]["floor_unpaired"] = "ratio" in step and "paired" not in step      # an older file's way (†)
     return rows
 
 
@@ -92,12 +92,12 @@ def markdown(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         ratios = [f"{row[key]:.2f}×" if isinstance(row[key], (int, float)) else "–" for _, key in COLUMNS]
-        if isinstance(row["batch1_floor_ratio"], (int, float)) and not row.get("floor_paired"):
+        if row.get("floor_unpaired"):
             ratios[-1] += " †"
         cpu = row["cpu"] + (" *" if row["inferred"] else "")
         cells = [cpu, row["date"].split(" ")[0], str(row["threads"]), row["dtype"], *ratios, f"`{row['file']}`"]
         lines.append("| " + " | ".join(cells) + " |")
-    if any(isinstance(r["batch1_floor_ratio"], (int, float)) and not r.get("floor_paired") for r in rows):
+    if any(row.get("floor_unpaired") for row in rows):
         lines.append("")
         lines.append("† the step's median against the best read of another moment; newer files take steps and reads "
                      "in turns and give the median of their ratios, so the VM's drift between moments cancels.")

@@ -158,7 +158,7 @@ def measured_rows(measure, row_counts=STEP_ROW_COUNTS, rounds: int = 3, budget_s
     until the C step loses; the gap between the last win and that loss is then halved until it
     closes (a verify of k = 4 drafts is 5 rows: it should not go eager because 4 won and 8 lost).
     A layout more than ``LAYOUT_SLACK`` slower than the other is dropped for larger counts; steps
-    forecast (the last count's times, scaled by the rows) to take over ``LONG_STEP_S`` are timed
+    forecast (``step_forecast``, from the counts measured so far) to take over ``LONG_STEP_S`` are timed
     one round fewer, and the first count and steps under ``SHORT_STEP_S`` two rounds more. Timing
     stops before a count whose forecast (``step_forecast``) would overrun ``budget_s``.
 
@@ -334,8 +334,7 @@ def pack_all(model) -> int:
 
     modules = list({id(m): m for _, m in layer_tensors(model) if m is not None}.values())
     stamps = [weight_stamp(m.weight) for m in modules]
-    if stamps and all(getattr(m, "_c_step_packed", (None,))[0] == st for m, st in zip(modules, stamps)) \
-            and model.__dict__.get("_c_step_packed_all") == stamps:
+    if stamps and model.__dict__.get("_c_step_packed_all") == stamps:
         return sum(m.weight.numel() * m.weight.element_size() for m in modules)      # made here already, still current
     model._c_step_packed_all = stamps
     if not modules or not huge_pages_available():

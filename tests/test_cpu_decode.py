@@ -468,3 +468,26 @@ def test_the_forecast_follows_the_measured_steps_not_the_row_count(monkeypatch):
     monkeypatch.setattr(cpu_decode.time, "perf_counter", lambda: clock[0])
     answer, why = cpu_decode.measured_rows(measure, row_counts=(1, 2, 4, 8, 16), budget_s=3.0)
     assert answer["rows"] >= 8 and clock[0] <= 3.0, why
+
+
+def test_the_default_budget_reaches_a_batched_step_on_a_slow_cpu(monkeypatch):
+    """Whole steps measured at start-up on a 2-core AVX2 EPYC at 1 thread (ms): the C step stays ~1.5x
+    faster than torch up to 32 rows, the rows of a 32-request batch's decode steps. A 3 s budget
+    stopped before 16 rows there and sent those steps through torch; the default reaches 32."""
+    c = {1: 48.4, 2: 64.6, 4: 80.3, 8: 105.6, 16: 146.8, 32: 209.8, 64: 400.0}
+    row_major = {1: 50.0, 2: 71.1, 4: 81.2, 8: 113.8, 16: 218.7, 32: 312.9, 64: 600.0}
+    eager = {1: 76.1, 2: 98.5, 4: 105.4, 8: 164.3, 16: 238.0, 32: 313.8, 64: 600.0}
+    clock = [0.0]
+
+    def measure(rows, fused):
+        seconds = {"cpu": c, "cpu-rowmajor": row_major, False: eager}[fused][rows] / 1e3
+        clock[0] += seconds
+        return seconds
+
+    monkeypatch.setattr(cpu_decode.time, "perf_counter", lambda: clock[0])
+    answer, why = cpu_decode.measured_rows(measure)
+    assert answer["rows"] >= 32, why
+    assert clock[0] <= cpu_decode.STEP_BUDGET_S
+    assert answer["layouts"][32] == "cpu"
+    clock[0] = 0.0
+    assert cpu_decode.measured_rows(measure, budget_s=3.0)[0]["rows"] == 8     # what the old budget reached

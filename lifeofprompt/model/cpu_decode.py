@@ -121,7 +121,11 @@ def usable_rows(plans: dict | None, shapes, timings: dict | None = None) -> int:
 # Row counts whose whole step the runner times both ways at start-up, in order; the C step takes
 # every step up to the largest count where it won and all smaller counts won too.
 STEP_ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64)
-STEP_BUDGET_S = 3.0
+# Once per machine (the answer is cached). 3 s ran out after 8 rows on a slow CPU (a 2-core AVX2 EPYC
+# at 1 thread, whose 8-row round takes ~0.4 s), where the C step was still 1.4-1.6x faster than torch
+# at 16-32 rows; a batched workload's decode steps have as many rows as requests running, so those
+# steps went through torch. 6 s reaches 32 rows there; a faster CPU finishes the counts sooner.
+STEP_BUDGET_S = 6.0
 # A measurement the budget stopped before this many rows is used but not cached: on an idle machine
 # the budget reaches far past it, so stopping this early says more about the load of the moment
 # than about the machine (and would cap speculative verifies, which need k + 1 rows, for good).
@@ -258,7 +262,7 @@ def measured_step_key(model, plans: dict, block_size: int, decode_attention_in_c
     from .native_build import source_digest
 
     config = model.config
-    return dict(machine_key(), version=6, what="whole decode steps: the C step (panels and row-major) against the torch forward",
+    return dict(machine_key(), version=7, what="whole decode steps: the C step (panels and row-major) against the torch forward",
                 dtype=str(model.dtype), layers=config.num_layers, vocab=config.vocab_size,
                 heads=[config.num_heads, config.num_kv_heads, config.head_dim], block_size=block_size,
                 plans={f"{o}x{i}": p.describe() for (o, i), p in sorted(plans.items())},

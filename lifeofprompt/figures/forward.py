@@ -29,6 +29,20 @@ LAYER_BOXES = [
 ]
 
 
+def wrapped_module_name(code: str) -> str:
+    """A module's dotted name on two lines where it is too long for its box: after the first dot, else
+    after the underscore nearest its middle (``post_attention_`` / ``layernorm``)."""
+    if len(code) <= 12:
+        return code
+    if "." in code:
+        return code.replace(".", ".\n", 1)
+    cuts = [i for i, ch in enumerate(code) if ch == "_"]
+    if not cuts:
+        return code
+    cut = min(cuts, key=lambda i: abs(i - len(code) / 2))
+    return code[:cut + 1] + "\n" + code[cut + 1:]
+
+
 def plot_decoder_layer(num_layers: int, hidden: int, shapes: dict[str, str] | None = None):
     """One decoder layer as a row of boxes, the two residual paths drawn over them.
 
@@ -42,37 +56,40 @@ def plot_decoder_layer(num_layers: int, hidden: int, shapes: dict[str, str] | No
     width, gap = 1.05, 0.3
     x = 0.9
     centres = []
-    ax.text(0.35, 0.5, f"x\n[T, {hidden}]", ha="center", va="center", fontsize=9)
+    ax.text(0.35, 0.5, f"x\n[T, {hidden}]", ha="center", va="center", fontsize=10.5)
     for label, code, colour in LAYER_BOXES:
         w = 0.38 if label == "+" else width
         ax.add_patch(FancyBboxPatch((x, 0.15), w, 0.7, boxstyle="round,pad=0.02,rounding_size=0.08",
                                     facecolor=colour, edgecolor="#333333", linewidth=0.9))
-        ax.text(x + w / 2, 0.5, label, ha="center", va="center", fontsize=8.5 if label != "+" else 13)
+        ax.text(x + w / 2, 0.5, label, ha="center", va="center", fontsize=10 if label != "+" else 14)
         if label != "+":
-            ax.text(x + w / 2, 0.08, code.replace(".", ".\n", 1) if len(code) > 14 else code, ha="center", va="top",
-                    fontsize=6.5, family="monospace", color="#444444")
+            ax.text(x + w / 2, 0.08, wrapped_module_name(code), ha="center", va="top",
+                    fontsize=8.5, family="monospace", color="#444444")
         if code in shapes:
-            ax.text(x + w / 2, -0.3, shapes[code], ha="center", va="top", fontsize=7, color="#1d3557")
+            ax.text(x + w / 2, -0.32, shapes[code], ha="center", va="top", fontsize=9.5, color="#1d3557")
         centres.append((x, w))
         x += w + gap
     for (x0, w0), (x1, _) in zip(centres, centres[1:]):
         ax.annotate("", (x1, 0.5), (x0 + w0, 0.5), arrowprops=dict(arrowstyle="->", color="#333333", lw=0.9))
     ax.annotate("", (0.9, 0.5), (0.6, 0.5), arrowprops=dict(arrowstyle="->", color="#333333", lw=0.9))
     ax.text(x + 0.1, 0.5, f"to layer 2 … {num_layers},\nthen final RMSNorm\nand the LM head", ha="left",
-            va="center", fontsize=8)
+            va="center", fontsize=10)
+    ax.text(0.35, 0.08, "module:", ha="center", va="top", fontsize=8.5, color="#444444")
+    if shapes:
+        ax.text(0.35, -0.32, "output:", ha="center", va="top", fontsize=9.5, color="#1d3557")
     plus = [c for c, box in zip(centres, LAYER_BOXES) if box[0] == "+"]
     starts = [0.75, centres[5][0] + centres[5][1] + gap / 2]      # x before the norm, then the sum after attention
     for start, (px, pw), name in zip(starts, plus, ("attention", "MLP")):
         end = px + pw / 2
         ax.plot([start, start, end], [0.5, 1.1, 1.1], color="#c1121f", lw=1.1)
         ax.annotate("", (end, 0.86), (end, 1.1), arrowprops=dict(arrowstyle="->", color="#c1121f", lw=1.1))
-        ax.text((start + end) / 2, 1.14, f"residual: x + {name}(norm(x))", ha="center", va="bottom", fontsize=8,
+        ax.text((start + end) / 2, 1.14, f"residual: x + {name}(norm(x))", ha="center", va="bottom", fontsize=10,
                 color="#c1121f")
     ax.set_xlim(0, x + 1.6)
     ax.set_ylim(-0.6, 1.35)
     ax.axis("off")
     ax.set_title(f"One of {num_layers} decoder layers: every box is one module of lifeofprompt.model.llama "
-                 "(blue: attention, green: MLP)", fontsize=10)
+                 "(blue: attention, green: MLP)", fontsize=12)
     fig.tight_layout()
     return fig
 

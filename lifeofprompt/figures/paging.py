@@ -19,6 +19,7 @@ from ..lessons.paging import PoolSnapshot, fragmentation_table, requests_that_fi
 
 PALETTE = [matplotlib.colors.to_hex(c) for c in plt.get_cmap("tab20").colors[::2] + plt.get_cmap("tab20").colors[1::2]]
 CACHED_FREE = "#BBBBBB"
+UNUSED = "#C44E52"          # slots held but never (or not yet) written, dotted in both panels
 
 
 def owner_colors(names) -> dict[str, str]:
@@ -27,7 +28,10 @@ def owner_colors(names) -> dict[str, str]:
 
 def draw_pool_grid(ax, owners: list[list[str]], filled: list[int], block_size: int, colors: dict[str, str],
                    cached: list[bool] | None = None, columns: int | None = None, label_blocks: bool | None = None):
-    """Blocks as cells, row by row: coloured by owner, the filled part of each block solid, the rest pale.
+    """Blocks as cells, row by row: coloured by owner, the filled part of each block solid, the rest
+    (slots held but not yet written) white, dotted in red as the contiguous panel's unused slots are.
+    Not a pale shade of the owner: half of the palette is pale already, so a pale tail could not be
+    told from a request.
 
     A block held by several sequences (a shared prefix) is hatched; a free block still in the
     prefix cache is grey; a free block is white.
@@ -37,8 +41,8 @@ def draw_pool_grid(ax, owners: list[list[str]], filled: list[int], block_size: i
     rows = math.ceil(n / columns)
     label_blocks = n <= 64 if label_blocks is None else label_blocks
     cached = cached or [False] * n
-    pale, solid, outlines = [], [], []
-    pale_colors, solid_colors, hatched = [], [], []
+    tails, solid, outlines = [], [], []
+    solid_colors, hatched = [], []
     for b in range(n):
         x, y = b % columns, rows - 1 - b // columns
         outlines.append(Rectangle((x, y), 0.92, 0.92))
@@ -48,15 +52,15 @@ def draw_pool_grid(ax, owners: list[list[str]], filled: list[int], block_size: i
             color = CACHED_FREE
         else:
             continue
-        pale.append(Rectangle((x, y), 0.92, 0.92))
-        pale_colors.append(color)
         frac = filled[b] / block_size
         if frac > 0:
             solid.append(Rectangle((x, y), 0.92 * frac, 0.92))
             solid_colors.append(color)
+        if frac < 1:
+            tails.append(Rectangle((x + 0.92 * frac, y), 0.92 * (1 - frac), 0.92))
         if len(owners[b]) > 1:
             hatched.append((x, y))
-    ax.add_collection(PatchCollection(pale, facecolors=pale_colors, alpha=0.3, edgecolors="none"))
+    ax.add_collection(PatchCollection(tails, facecolors="white", edgecolors=UNUSED, hatch="...", linewidths=0))
     ax.add_collection(PatchCollection(solid, facecolors=solid_colors, edgecolors="none"))
     ax.add_collection(PatchCollection(outlines, facecolors="none", edgecolors="#444444", linewidths=0.6))
     for x, y in hatched:
@@ -194,8 +198,8 @@ def paging_panel(block_size: int, pool_tokens: int, lengths: list[int], max_len:
     draw_pool_grid(ax_paged, owners, filled, block_size, colors, columns=max(8, min(32, math.ceil(math.sqrt(num_blocks * 2)))))
     paged_waste = slots_wasted_paged(lengths[:fit_paged], block_size)
     ax_paged.set_title(f"Paged: {num_blocks} blocks of {block_size} slots, {fit_paged} requests fit\n"
-                       f"{paged_waste} slots wasted (pale: empty tail of each last block)", fontsize=10)
-    ax_paged.text(0, -0.02, "colour = request (admitted in order until one does not fit); white = free block",
+                       f"{paged_waste} slots wasted (dotted: the empty tail of each last block)", fontsize=10)
+    ax_paged.text(0, -0.02, "colour = request (admitted in order until one does not fit); plain white = free block",
                   transform=ax_paged.transAxes, va="top", fontsize=8)
 
     rows = pool_tokens // max_len
@@ -205,9 +209,9 @@ def paging_panel(block_size: int, pool_tokens: int, lengths: list[int], max_len:
         if r < fit_contig:
             n = lengths[r]
             ax_contig.add_patch(Rectangle((0, y), n, 0.8, facecolor=colors[names[r]]))
-            ax_contig.add_patch(Rectangle((n, y), max_len - n, 0.8, facecolor="#C44E52", alpha=0.25, hatch="..",
-                                          edgecolor="none"))
-            ax_contig.text(max_len * 1.01, y + 0.4, f"{n}/{max_len}", va="center", fontsize=7)
+            ax_contig.add_patch(Rectangle((n, y), max_len - n, 0.8, facecolor="white", hatch="...",
+                                          edgecolor=UNUSED, linewidth=0))
+            ax_contig.text(max_len * 1.01, y + 0.4, f"{n}/{max_len}", va="center", fontsize=8.5)
     contig_waste = slots_wasted_contiguous(lengths[:fit_contig], max_len)
     ax_contig.set_xlim(0, max_len * 1.12)
     ax_contig.set_ylim(-0.2, max(rows, 1))

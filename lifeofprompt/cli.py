@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="split each layer over this many processes (torch.distributed; SmolLM2: 1 or 3)")
     serve.add_argument("--pipeline-parallel-size", type=int, default=None,
                        help="split the layers into this many stages, each on its own processes")
+    serve.add_argument("--distributed-executor-backend", default=None, metavar="{uni,mp}",
+                       help="'uni': one process; 'mp': the process group even at tensor x pipeline size 1 (a world "
+                            "of one rank, to measure its cost) (default: one process unless the model is split)")
     serve.add_argument("--no-pipeline-overlap", action="store_const", const=False, default=None,
                        dest="pipeline_overlap",
                        help="with several stages, run one step at a time (default: up to one step per stage in flight)")

@@ -83,7 +83,7 @@ def _engine_for_serving(args):
     options = {name: getattr(args, name, None) for name in
                ("dtype", "device", "cpu_linear", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_waiting",
                 "long_prefill_token_threshold", "speculative_config",
-                "tensor_parallel_size", "pipeline_parallel_size", "pipeline_overlap")
+                "tensor_parallel_size", "pipeline_parallel_size", "pipeline_overlap", "distributed_executor_backend")
                if getattr(args, name, None) is not None}
     return LLMEngine(args.model, block_size=args.block_size, **options)
 

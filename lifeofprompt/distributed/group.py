@@ -2,7 +2,8 @@
 
 The driver process is rank 0 (as in vLLM): it keeps the engine, the one scheduler and the one
 block manager, runs its own shard through the ordinary ``ModelRunner``, and samples. Ranks
-1 … T×P-1 are worker processes (``worker.py``), started with ``spawn``. All join one
+1 … T×P-1 are worker processes (``worker.py``), started with ``spawn`` (none in a world of one:
+``executor.py``). All join one
 ``torch.distributed`` process group: gloo on the CPU, NCCL on CUDA, rendezvous through a
 ``TCPStore`` that rank 0 opens on 127.0.0.1 at a port the kernel picks (port 0: no race for
 a "free" port). Each pipeline stage's T ranks also form a group for their all-reduces. Rank
@@ -340,10 +341,12 @@ class ParallelGroup:
         shared = f", each KV head on {plan.kv_replication} ranks" if plan.kv_replication > 1 else ""
         padded = f" (vocabulary padded {c.vocab_size} -> {plan.vocab[1] - plan.vocab[0]} x {self.size})" \
             if c.vocab_size % self.size else ""
+        others = (f"ranks 1-{self.world_size - 1} are spawned workers, pids {', '.join(map(str, self.worker_pids))}"
+                  if self.world_size > 1 else "no other rank: distributed_executor_backend='mp' runs the distributed "
+                  "path alone, to measure its cost")
         lines = [
-            f"parallel: {self.size} tensor x {self.stages} pipeline = {self.world_size} ranks over {self.backend} (rank 0 is "
-            f"this process and samples; ranks 1-{self.world_size - 1} are spawned workers, pids "
-            f"{', '.join(map(str, self.worker_pids))}); collective timeout {self.timeout_s:g} s",
+            f"parallel: {self.size} tensor x {self.stages} pipeline = {self.world_size} rank{'s' * (self.world_size > 1)} "
+            f"over {self.backend} (rank 0 is this process and samples; {others}); collective timeout {self.timeout_s:g} s",
             f"split: q/k/v by heads ({h} of {c.num_heads} query and {k} of {c.num_kv_heads} KV heads per rank{shared}), "
             f"gate/up by columns ({i} of {c.intermediate_size}); o_proj and down_proj row-parallel, one all-reduce each",
             f"embedding and LM head: vocab-parallel, {plan.vocab[1] - plan.vocab[0]} rows per rank{padded}; replicated they "

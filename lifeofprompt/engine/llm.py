@@ -9,6 +9,8 @@
 (``lifeofprompt.distributed``; this one is rank 0 and keeps the scheduler); ``shutdown()`` ends
 them, as garbage collection and interpreter exit do. With P > 1 up to P steps are in flight, one per
 group of requests, so the stages overlap (``pipeline_overlap=False``: one step at a time).
+``distributed_executor_backend="mp"`` takes that path even with T = P = 1 (a process group of one
+rank, to measure what it costs); ``"uni"`` insists on one process.
 
 ``generate`` checks every request before any work starts (a bad one raises a typed error that
 names its index, and nothing runs), adds them all to an ``LLMEngine`` and steps it until they
@@ -34,14 +36,16 @@ class LLM:
                  num_kv_blocks: int | None = None, kv_cache_memory: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  attention_backend: str | None = None, enforce_eager: bool = False, speculative_config: dict | None = None,
-                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, **engine_kwargs):
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                 distributed_executor_backend: str | None = None, **engine_kwargs):
         self.engine = LLMEngine(model, dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
                                 kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens,
                                 enable_prefix_caching=enable_prefix_caching, attention_backend=attention_backend,
                                 enforce_eager=enforce_eager, speculative_config=speculative_config,
                                 tensor_parallel_size=tensor_parallel_size,
-                                pipeline_parallel_size=pipeline_parallel_size, **engine_kwargs)
+                                pipeline_parallel_size=pipeline_parallel_size,
+                                distributed_executor_backend=distributed_executor_backend, **engine_kwargs)
         self._ids = itertools.count()
 
     def shutdown(self) -> None:

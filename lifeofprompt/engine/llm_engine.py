@@ -70,7 +70,10 @@ class LLMEngine(CompletionUpdates):
                  max_step_records: int = 10_000, log_stats: bool = True, clock=time.monotonic,
                  prepack_cpu_weights: bool = True, cpu_linear: str | None = None,
                  cpu_decode: bool | None = None, speculative_config=None, tensor_parallel_size: int = 1,
-                 pipeline_parallel_size: int = 1, pipeline_overlap: bool = True):
+                 pipeline_parallel_size: int = 1, pipeline_overlap: bool = True,
+                 distributed_executor_backend: str | None = None):
+        from ..distributed.executor import uses_process_group     # a bad value fails before the model loads
+        process_group = uses_process_group(distributed_executor_backend, tensor_parallel_size, pipeline_parallel_size)
         if isinstance(model, str):
             from ..model.loader import load_model
             self.model, self.tokenizer = load_model(model, dtype=dtype, device=device)
@@ -98,13 +101,14 @@ class LLMEngine(CompletionUpdates):
             self.spec.check_context(context_len)
         if num_kv_blocks is None and (kv_cache_memory is not None or self.model.device.type != "cuda"):
             num_kv_blocks = self._blocks_for_memory(kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY)
-        self.parallel = None     # T > 1: the worker processes (lifeofprompt.distributed); self.model is rank 0's shard
-        if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
+        self.parallel = None     # T×P > 1 or "mp": the process group (lifeofprompt.distributed); self.model is rank 0's shard
+        if process_group:
             if self.spec_config is not None and self.spec_config.method != "ngram":
                 raise SpeculativeConfigError("a draft model runs in one process only: use method 'ngram' with "
                                              "tensor_parallel_size or pipeline_parallel_size > 1", param="model")
             self._launch_tensor_parallel(tensor_parallel_size, pipeline_parallel_size, num_kv_blocks)
             cpu_decode = False             # the one-call C step has no place for the all-reduces
+            enforce_eager = True           # a CUDA graph would replay its capture's step header to every rank
         from .model_runner import ModelRunner
         self.runner = ModelRunner(self.model, num_kv_blocks, block_size, attention_backend or "auto",
                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -179,6 +183,7 @@ class LLMEngine(CompletionUpdates):
 
     def _launch_tensor_parallel(self, size: int, stages: int, num_kv_blocks: int | None) -> None:
         """Split the model over ``size`` × ``stages`` ranks; this process is rank 0 and keeps the scheduler.
+        (With ``distributed_executor_backend="mp"`` and T×P = 1: a world of rank 0 alone, ``distributed/executor.py``.)
 
         The one C decode step (all layers in one call) has no place for the all-reduces, so a
         split model runs the torch forward; its CPU product paths are chosen once, by the driver,

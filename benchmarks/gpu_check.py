@@ -2,7 +2,7 @@
 
     python3 benchmarks/gpu_check.py STEP --work DIR [--cpu-dry-run]
 
-Steps: ``env``, ``machine``, ``kernel``, ``decode``, ``ours``, ``peer``, ``story``, ``summary``.
+Steps: ``env``, ``machine``, ``kernel``, ``decode``, ``ours``, ``peer``, ``story``, ``collectives``, ``summary``.
 Each writes ``DIR/STEP.json``; ``summary`` merges them into ``$OUT/gpu_results.json``, draws the
 plots and prints the table. Each step runs in its own process under ``timeout`` so one crash
 or hang (a CUDA error poisons its process) costs only that step.
@@ -436,6 +436,24 @@ def step_story(args) -> dict:
     return out
 
 
+def step_collectives(args) -> dict:
+    """The distributed path's own cost a step: one process against a process group of rank 0 alone
+    (``distributed_executor_backend="mp"``, T = P = 1; NCCL, gloo in a dry run), both eager."""
+    from lifeofprompt.lessons.collective_bench import format_overhead, measure_engine, one_rank_overhead
+
+    model, tokenizer, label = build_model(args)
+    prompts = [[(7 * i + 13 * k) % 9000 + 3 for i in range(n)] for k, n in enumerate((37, 120, 16, 64))]
+    # the same forward in both: eager (the process-group path always is), no one-call C step (it never takes one)
+    engine = dict(num_kv_blocks=512, block_size=16, max_num_seqs=8, enforce_eager=True, cpu_decode=False, log_stats=False)
+    max_tokens = 16 if dry(args) else 64
+    runs = [measure_engine(lambda: (model, tokenizer), prompts, max_tokens, distributed_executor_backend=backend,
+                           **engine) for backend in ("uni", "mp")]
+    out = dict(model=label, prompts=len(prompts), max_tokens=max_tokens, **one_rank_overhead(*runs))
+    print(out["group"])
+    print(format_overhead(out))
+    return out
+
+
 # ----------------------------------------------------------------------------- summary
 
 
@@ -473,6 +491,11 @@ def summary_rows(r: dict) -> list[tuple[str, str, str]]:
     if o.get("ttft_median_s") is not None:
         rows.append(("  TTFT median, all submitted at once", fmt(o.get("ttft_median_s"), " ms", 1e3, 0),
                      f"{o.get('steps', '?')} engine steps"))
+    c = r.get("collectives", {})
+    if c.get("overhead_s") is not None:
+        rows.append(("distributed path, 1 rank (mp)", fmt(c["overhead_s"], " ms", 1e3, 3),
+                     f"decode step {fmt(c['decode_step_one_rank_s'], ' ms', 1e3, 2)} vs {fmt(c['decode_step_single_s'], ' ms', 1e3, 2)}"
+                     f" in one process; collectives {fmt(c['collective_share'], '%', 100, 1)} of it"))
     for row in r.get("story", {}).get("alone", []):
         rows.append((f"story '{row['prompt']}'", f"TTFT {fmt(row['ttft_s'], ' ms', 1e3, 1)}",
                      f"{fmt(row['decode_tokens_per_s'], ' tok/s', 1, 0)}"))
@@ -526,7 +549,8 @@ def step_summary(args) -> dict:
 
 
 STEPS = {"env": step_env, "machine": step_machine, "kernel": step_kernel, "decode": step_decode,
-         "ours": step_ours, "peer": step_peer, "story": step_story, "summary": step_summary}
+         "ours": step_ours, "peer": step_peer, "story": step_story, "collectives": step_collectives,
+         "summary": step_summary}
 
 
 def main(argv=None) -> int:

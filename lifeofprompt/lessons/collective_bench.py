@@ -10,7 +10,9 @@ times into α and β.
 
 ``measure_engine`` runs ``LLM(tensor_parallel_size=T, pipeline_parallel_size=P)`` on a model,
 and returns its step times and the collectives rank 0 ran (``distributed.collectives``), so
-the fit can be set beside what the engine measured. ``check_cost_model`` does both at one ``T``,
+the fit can be set beside what the engine measured (``measure_llm``: the same on an engine already
+built). ``one_rank_overhead`` sets one engine beside itself as a process group of one rank: what
+the distributed path alone costs a step. ``check_cost_model`` does both at one ``T``,
 the engine between two timings, and sets each kind of the engine's calls beside the fit.
 """
 
@@ -142,36 +144,72 @@ def measure_engine(model_factory, prompts, max_tokens: int, tensor_parallel_size
     ``model_factory()`` returns ``(model, tokenizer)`` (a fresh copy: rank 0 keeps only its
     shard). The engine is shut down before this returns, so the next one can start.
     """
-    from ..distributed import collectives
     from ..engine.llm import LLM
-    from ..engine.sampling_params import SamplingParams
 
     model, tokenizer = model_factory()
     llm = LLM(model, tokenizer=tokenizer, tensor_parallel_size=tensor_parallel_size,
               pipeline_parallel_size=pipeline_parallel_size, **engine_kwargs)
     try:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
-        engine = llm.engine
-        collectives.reset()
-        before = len(engine.step_records)
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        wall = time.perf_counter() - start
-        records = list(engine.step_records)[before:]
-        stats, calls = collectives.snapshot(), collectives.samples()
-        reports = engine.parallel.report(engine.model, engine.runner.kv_cache) if engine.parallel else []
-        lines = engine._startup_lines(engine.max_model_len)
+        return measure_llm(llm, prompts, max_tokens)
     finally:
         llm.shutdown()
+
+
+def measure_llm(llm, prompts, max_tokens: int) -> EngineRun:
+    """``measure_engine`` on an engine already built, which stays up (to look inside it before its shutdown)."""
+    from ..distributed import collectives
+    from ..engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    engine = llm.engine
+    collectives.reset()
+    before = len(engine.step_records)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    records = list(engine.step_records)[before:]
+    stats, calls = collectives.snapshot(), collectives.samples()
+    reports = engine.parallel.report(engine.model, engine.runner.kv_cache) if engine.parallel else []
+    lines = engine._startup_lines(engine.max_model_len)
+    sizes = (engine.parallel.size, engine.parallel.stages) if engine.parallel else (1, 1)
     times = [r.end_time - r.start_time for r in records if r.start_time is not None and r.end_time is not None]
     decode = [r.end_time - r.start_time for r in records
               if r.start_time is not None and r.end_time is not None and all(s.kind == "decode" for s in r.scheduled)]
-    return EngineRun(tensor_parallel_size, pipeline_parallel_size, len(records),
+    return EngineRun(*sizes, len(records),
                      statistics.median(decode) if decode else float("nan"),
                      sum(times) / max(len(times), 1), stats, reports, lines,
                      [o.outputs[0].token_ids for o in outputs], [r.num_batched_tokens for r in records], wall,
                      max((1 + len(r.overlapped) for r in records), default=1), calls)
+
+
+def one_rank_overhead(single: EngineRun, one_rank: EngineRun) -> dict:
+    """What the distributed path costs a step: the same engine as one process, and as a process group of
+    rank 0 alone (``distributed_executor_backend="mp"`` at T = P = 1), on the same prompts, the
+    single one built to run the same forward (eager; ``cpu_decode=False``, which "mp" forces).
+
+    ``overhead_s``: the difference of their median decode steps (the broadcasts, the all-reduces,
+    the packing of each step's inputs). ``collective_share``: the collectives' counted seconds in
+    the one-rank engine's mean step; under NCCL a call returns once launched, so there it is the
+    host's share only, and the step times say the rest.
+    """
+    per_step = one_rank.collective_seconds_per_step()
+    return dict(decode_step_single_s=single.decode_step_s, decode_step_one_rank_s=one_rank.decode_step_s,
+                overhead_s=one_rank.decode_step_s - single.decode_step_s,
+                overhead_fraction=one_rank.decode_step_s / single.decode_step_s - 1,
+                collective_s_per_step=per_step, collective_share=per_step / one_rank.mean_step_s,
+                calls_per_step={op: v["calls"] / max(one_rank.steps, 1) for op, v in one_rank.collectives.items()},
+                steps=one_rank.steps, tokens_equal=single.tokens == one_rank.tokens,
+                group=next((line for line in one_rank.startup_lines if line.startswith("parallel:")), ""))
+
+
+def format_overhead(o: dict) -> str:
+    """``one_rank_overhead``'s answer in one line, for a log."""
+    calls = ", ".join(f"{n:g} {op}" for op, n in sorted(o["calls_per_step"].items()))
+    return (f"median decode step {o['decode_step_single_s'] * 1e3:.3f} ms in one process, "
+            f"{o['decode_step_one_rank_s'] * 1e3:.3f} ms through a process group of one rank: "
+            f"{o['overhead_s'] * 1e3:+.3f} ms ({o['overhead_fraction']:+.1%}) a step; collectives "
+            f"{o['collective_s_per_step'] * 1e3:.3f} ms a step ({o['collective_share']:.1%} of it; {calls} a step)")
 
 
 # ----------------------------------------------------------------------------- the cost model, checked

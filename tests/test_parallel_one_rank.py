@@ -11,8 +11,11 @@ and values vLLM's name does not take raise ``ConfigError``. (The same on one GPU
 
 from __future__ import annotations
 
+import copy
+
 import psutil
 import pytest
+import torch
 import torch.distributed as dist
 
 from lifeofprompt.distributed import collectives
@@ -92,6 +95,32 @@ def test_one_process_by_default_and_with_uni(single):
     assert LLM(model, tokenizer=tokenizer, **ENGINE).engine.parallel is None
 
 
+def test_bf16_with_an_fp32_rotary_table_is_exact_too():
+    """The GPU test's model keeps its rotary table in fp32 (``random_tinyllama``): rank 0's shard takes that
+    table, not one rounded to the shard's dtype (which moved these logits by 0.06 and parted the tokens).
+    Before the shared engine starts: one process group at a time."""
+    def bf16_model():
+        model, tokenizer = tiny_model()
+        rotary = copy.deepcopy(model.rotary)
+        model = model.to(torch.bfloat16)
+        model.rotary = rotary                                       # kept in fp32
+        return model, tokenizer
+
+    engine = dict(ENGINE, dtype=None, cpu_decode=False)
+    prompts = PROMPTS[:2]
+    model, tokenizer = bf16_model()
+    tokens_1 = [o.outputs[0].token_ids for o in LLM(model, tokenizer=tokenizer, **engine).generate(prompts, greedy())]
+    mp = LLM(*bf16_model()[:1], tokenizer=tokenizer, distributed_executor_backend="mp", **engine)
+    try:
+        assert mp.engine.model.dtype == torch.bfloat16 and mp.engine.model.rotary.cos.dtype == torch.float32
+        assert [o.outputs[0].token_ids for o in mp.generate(prompts, greedy())] == tokens_1
+        for prompt, tokens in zip(prompts, tokens_1):
+            assert teacher_forced_logits(mp.engine.model, prompt, tokens).equal(teacher_forced_logits(model, prompt, tokens))
+    finally:
+        mp.shutdown()
+    assert not dist.is_initialized()
+
+
 # ----------------------------------------------------------------------------- a world of one
 
 
@@ -142,6 +171,20 @@ def test_every_step_goes_through_the_process_group(one_rank):
     assert stats["all_reduce"]["bytes"] == (1 + 2 * LAYERS) * tokens * HIDDEN * 4
     assert "gather" not in stats
     assert all(v["seconds"] > 0 for v in stats.values())
+
+
+def test_the_overhead_report(single, one_rank):
+    """What the GPU test prints (``collective_bench.one_rank_overhead``), from the same two engines here."""
+    from lifeofprompt.lessons.collective_bench import format_overhead, measure_llm, one_rank_overhead
+
+    runs = [measure_llm(llm, PROMPTS, 6) for llm in (single[0], one_rank[0])]
+    assert runs[0].collectives == {} and runs[1].reports[0]["rank"] == 0
+    o = one_rank_overhead(*runs)
+    assert o["tokens_equal"] and o["steps"] == runs[1].steps > 0
+    assert o["calls_per_step"] == {"broadcast": 2, "all_reduce": 1 + 2 * LAYERS}
+    assert 0 < o["collective_s_per_step"] and 0 < o["collective_share"] < 1
+    assert o["overhead_s"] == pytest.approx(o["decode_step_one_rank_s"] - o["decode_step_single_s"])
+    assert "= 1 rank over gloo" in o["group"] and "through a process group of one rank" in format_overhead(o)
 
 
 def test_shutdown_leaves_no_process_group(one_rank, single):

@@ -91,3 +91,19 @@ def test_logits_indices_pick_rows(smollm2):
     chosen = NoCacheMetadata.for_lengths([4, 6, 2])
     chosen.logits_indices = torch.tensor([0, 5])
     assert (model(flat, positions, chosen) - full[[0, 5]]).abs().max().item() <= 1e-4
+
+
+def test_the_rotary_table_stays_fp32_in_every_dtype():
+    """``model.to(bf16)`` rounds the weights, not the angles: the table keeps its fp32 values (the fused
+    Triton kernel requires fp32, and every shard of a split model must hold the same table)."""
+    from lifeofprompt.model.llama import RotaryEmbedding
+
+    rotary = RotaryEmbedding(64, 512, 10000.0)
+    exact = rotary.cos.clone(), rotary.sin.clone()
+    for dtype in (torch.bfloat16, torch.float16):
+        moved = RotaryEmbedding(64, 512, 10000.0).to(dtype)
+        assert moved.cos.dtype == moved.sin.dtype == torch.float32
+        assert moved.cos.equal(exact[0]) and moved.sin.equal(exact[1])
+    assert not exact[0].to(torch.bfloat16).float().equal(exact[0])   # what rounding would have done
+    model = LlamaForCausalLM(tiny_config(tie=True)).to(torch.bfloat16)
+    assert model.embed_tokens.weight.dtype == torch.bfloat16 and model.rotary.cos.dtype == torch.float32

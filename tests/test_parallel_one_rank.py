@@ -11,7 +11,6 @@ and values vLLM's name does not take raise ``ConfigError``. (The same on one GPU
 
 from __future__ import annotations
 
-import copy
 
 import psutil
 import pytest
@@ -96,15 +95,12 @@ def test_one_process_by_default_and_with_uni(single):
 
 
 def test_bf16_with_an_fp32_rotary_table_is_exact_too():
-    """The GPU test's model keeps its rotary table in fp32 (``random_tinyllama``): rank 0's shard takes that
-    table, not one rounded to the shard's dtype (which moved these logits by 0.06 and parted the tokens).
-    Before the shared engine starts: one process group at a time."""
+    """A bf16 model keeps its rotary table in fp32 (``RotaryEmbedding._apply``), and so does every shard
+    built in bf16: rank 0's shard once rounded its table to bf16, which moved these logits by 0.06 and
+    parted the tokens. Before the shared engine starts: one process group at a time."""
     def bf16_model():
         model, tokenizer = tiny_model()
-        rotary = copy.deepcopy(model.rotary)
-        model = model.to(torch.bfloat16)
-        model.rotary = rotary                                       # kept in fp32
-        return model, tokenizer
+        return model.to(torch.bfloat16), tokenizer
 
     engine = dict(ENGINE, dtype=None, cpu_decode=False)
     prompts = PROMPTS[:2]

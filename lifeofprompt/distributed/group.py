@@ -26,7 +26,6 @@ One parallel engine per process: ``torch.distributed`` keeps one default group.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import multiprocessing
 import os
@@ -183,9 +182,6 @@ class ParallelGroup:
         model = ShardedLlamaForCausalLM.empty(plan, self.device, full_model.dtype, self.guard)
         model.set_tp_group(groups[0])
         load_shard(model, shard_weights(full_model, plan))
-        # the full model's rotary table, in the dtype its loader kept it (random_tinyllama: fp32), not the
-        # shard's: so a world of one runs the single engine's numbers exactly (the table is no weight sent)
-        model.rotary = copy.deepcopy(full_model.rotary).to(self.device)
         for attr in ("source", "is_random", "dtype_reason"):
             setattr(model, attr, getattr(full_model, attr, getattr(model, attr, None)))
         return model

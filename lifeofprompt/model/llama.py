@@ -54,6 +54,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)   # [max_positions, head_dim / 2]
         self.register_buffer("sin", angles.sin(), persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        """``model.to(device)`` moves the table; ``model.to(torch.bfloat16)`` does not round it: the
+        angles stay fp32 in every dtype (``rotate``, the fused Triton kernel and the C step all compute
+        in fp32), so every loader, every shard of a split model and every rank hold the same table."""
+        cos, sin = self.cos, self.sin
+        super()._apply(fn, recurse)
+        if self.cos.dtype != torch.float32:
+            self.cos, self.sin = cos.to(self.cos.device), sin.to(self.sin.device)
+        return self
+
     def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` rows of these positions, shaped ``[T, 1, head_dim / 2]`` to broadcast over heads."""
         return self.cos[positions][:, None, :], self.sin[positions][:, None, :]

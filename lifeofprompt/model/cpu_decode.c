@@ -104,6 +104,35 @@ static inline float short_dot(const float *a, const float *b, long n) {
     return sum;
 }
 
+/* p[t] = scale * (q . k[t * stride]) for t < n: one query head's scores against n keys, four keys
+ * at a time. A single key's D / LANES multiply-adds form one chain, each waiting on the one before
+ * (4-5 cycles on current x86): alone, that latency set attention's pace (~15 GFLOP/s at one
+ * AVX2 thread). Four keys give four independent chains. Each key's sum runs in short_dot's order,
+ * so the scores are the same numbers. */
+static void head_scores(const float *q, const float *k, long stride, long n, long D, float scale, float *p) {
+    long t = 0;
+    if (D % LANES == 0) {
+        for (; t + 4 <= n; t += 4) {
+            const float *k0 = k + t * stride, *k1 = k0 + stride, *k2 = k1 + stride, *k3 = k2 + stride;
+            float_vector qv = load_vector(q);
+            float_vector a0 = qv * load_vector(k0), a1 = qv * load_vector(k1);
+            float_vector a2 = qv * load_vector(k2), a3 = qv * load_vector(k3);
+            for (long i = LANES; i < D; i += LANES) {
+                qv = load_vector(q + i);
+                a0 += qv * load_vector(k0 + i);
+                a1 += qv * load_vector(k1 + i);
+                a2 += qv * load_vector(k2 + i);
+                a3 += qv * load_vector(k3 + i);
+            }
+            p[t] = sum_vector(a0) * scale;
+            p[t + 1] = sum_vector(a1) * scale;
+            p[t + 2] = sum_vector(a2) * scale;
+            p[t + 3] = sum_vector(a3) * scale;
+        }
+    }
+    for (; t < n; t++) p[t] = short_dot(q, k + t * stride, D) * scale;
+}
+
 /* e^x for LANES values x <= 0 (scores minus their running maximum), in vector registers (libm's
  * expf is a call per element, and GCC does not vectorise a loop of them without -ffast-math):
  * 2^(x log2 e) split into 2^n, built in the exponent bits, and e^y for |y| <= ln(2)/2 by its
@@ -130,17 +159,40 @@ static float exp_scores(float *p, long n, float max) {
     return total;
 }
 
-/* o = rescale * o + sum_t p[t] * v[t * stride]  (o: one head's output, D floats). With D whole
- * vectors (up to 8: head sizes to 128 under AVX-512) o stays in registers across the tokens;
- * a loop through memory would wait on its own stores each token. */
+/* o = rescale * o + sum_t p[t] * v[t * stride]  (o: one head's output, D floats). The output stays
+ * in vector registers across the tokens, `count` vectors at a time: a constant after inlining
+ * (with a count known only at run time the compiler kept the accumulators on the stack, and
+ * every multiply-add waited on its own store, twice attention's time). */
+static inline __attribute__((always_inline)) void add_weighted_vectors(float *o, float rescale, const float *p,
+                                                                       const float *v, long stride, long n,
+                                                                       const int count) {
+    float_vector acc[8];
+    for (int c = 0; c < count; c++) acc[c] = load_vector(o + c * LANES) * rescale;
+    for (long t = 0; t < n; t++) {
+        const float *row = v + t * stride;
+        for (int c = 0; c < count; c++) acc[c] += load_vector(row + c * LANES) * p[t];
+    }
+    for (int c = 0; c < count; c++) store_vector(o + c * LANES, acc[c]);
+}
+
+/* The same for any head size: whole vectors in groups of up to 8 (AVX2's 16 registers hold 8
+ * accumulators beside the loads), a plain loop where D is not whole vectors. Every output element
+ * sums its tokens in order either way. */
 static void add_weighted_rows(float *o, float rescale, const float *p, const float *v, long stride, long n, long D) {
-    if (D % LANES == 0 && D <= 8 * LANES) {
-        float_vector acc[8];
-        long vectors = D / LANES;
-        for (long c = 0; c < vectors; c++) acc[c] = load_vector(o + c * LANES) * rescale;
-        for (long t = 0; t < n; t++)
-            for (long c = 0; c < vectors; c++) acc[c] += load_vector(v + t * stride + c * LANES) * p[t];
-        for (long c = 0; c < vectors; c++) store_vector(o + c * LANES, acc[c]);
+    if (D % LANES == 0) {
+        for (long c0 = 0; c0 < D / LANES; c0 += 8) {
+            long count = D / LANES - c0 < 8 ? D / LANES - c0 : 8;
+            float *oc = o + c0 * LANES;
+            const float *vc = v + c0 * LANES;
+            switch (count) {
+                case 8: add_weighted_vectors(oc, rescale, p, vc, stride, n, 8); break;
+                case 4: add_weighted_vectors(oc, rescale, p, vc, stride, n, 4); break;
+                case 2: add_weighted_vectors(oc, rescale, p, vc, stride, n, 2); break;
+                default:
+                    for (long c = 0; c < count; c++) add_weighted_vectors(oc + c * LANES, rescale, p, vc + c * LANES,
+                                                                         stride, n, 1);
+            }
+        }
         return;
     }
     for (long i = 0; i < D; i++) o[i] *= rescale;
@@ -180,10 +232,8 @@ static void attend_heads(const float *q, const float *k_pool, const float *v_poo
         for (long h = first; h < first + count; h++) {
             const float *qh = q + h * D, *kh = k + (h / group) * D, *vh = v + (h / group) * D;
             float *o = out + h * D, block_max = -INFINITY;
-            for (long t = 0; t < n; t++) {
-                p[t] = short_dot(qh, kh + t * stride, D) * d->scale;
-                block_max = p[t] > block_max ? p[t] : block_max;
-            }
+            head_scores(qh, kh, stride, n, D, d->scale, p);
+            for (long t = 0; t < n; t++) block_max = p[t] > block_max ? p[t] : block_max;
             float old_max = running_max[h - first], new_max = block_max > old_max ? block_max : old_max;
             float rescale = old_max == -INFINITY ? 0.0f : expf(old_max - new_max), total = 0;
             total = exp_scores(p, n, new_max);

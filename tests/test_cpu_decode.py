@@ -494,3 +494,36 @@ def test_the_default_budget_reaches_a_batched_step_on_a_slow_cpu(monkeypatch):
     assert answer["layouts"][32] == "cpu"
     clock[0] = 0.0
     assert cpu_decode.measured_rows(measure, budget_s=3.0)[0]["rows"] == 8     # what the old budget reached
+
+
+def test_a_measurement_stopped_past_8_rows_is_kept_and_measured_once_more(tmp_path, monkeypatch):
+    """A moment's load stopped the timing before 32 rows (after 16): that start keeps 16 and caches it
+    provisionally; the next start measures once more and keeps what it finds, and later starts read it."""
+    monkeypatch.setenv("LIFEOFPROMPT_CACHE", str(tmp_path))
+    monkeypatch.delenv("LIFEOFPROMPT_CPU_LINEAR", raising=False)
+    model = random_model(random.Random(3))
+    asked = []
+
+    def fake_rows(measure, **_):
+        asked.append(True)
+        stopped = 32 if len(asked) == 1 else None
+        return ({"rows": 16 if stopped else 32, "layouts": {1: "cpu"}, "seconds": {1: 1e-3}, "stopped_before": stopped},
+                "1 row: C 1.0 ms, torch 2.0 ms" + ("; stopped before 32 rows: the 6 s budget would be spent" if stopped else ""))
+
+    monkeypatch.setattr("lifeofprompt.engine.cpu_paths.measured_rows", fake_rows)
+    first = ModelRunner(model, num_blocks=4096, block_size=4, backend="torch")
+    assert first.cpu_decode_rows == 16 and "measured once more" in first.cpu_decode_reason
+    assert ModelRunner(model, num_blocks=4096, block_size=4, backend="torch").cpu_decode_rows == 32 and len(asked) == 2
+    assert ModelRunner(model, num_blocks=4096, block_size=4, backend="torch").cpu_decode_rows == 32 and len(asked) == 2
+    # a machine that is simply slow stops early twice: the second answer stays, a third start reads it
+    asked.clear()
+
+    def always_stopped(measure, **_):
+        asked.append(True)
+        return {"rows": 16, "layouts": {1: "cpu"}, "seconds": {1: 1e-3}, "stopped_before": 32}, "stopped before 32 rows"
+
+    monkeypatch.setattr("lifeofprompt.engine.cpu_paths.measured_rows", always_stopped)
+    other = random_model(random.Random(4))
+    for _ in range(3):
+        assert ModelRunner(other, num_blocks=4096, block_size=4, backend="torch").cpu_decode_rows == 16
+    assert len(asked) == 2

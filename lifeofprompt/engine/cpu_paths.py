@@ -100,6 +100,9 @@ class CpuPathChoices:
             if stopped is not None and stopped <= MIN_CACHED_ROWS:
                 return answer, why + f"; not cached (the budget ran out before {stopped} rows, a sign of a busy " \
                     "machine): measured again at the next start", None
+            if stopped is not None:          # a slow machine, or a busy moment: one more look at the next start
+                return answer, why + "; kept, and measured once more at the next start (a moment's load may " \
+                    "have cut it short)", {"provisional": True}
             return answer, why, {}
 
         return cached_answer(key, measure_all)

@@ -257,15 +257,19 @@ def write_json(path: Path, payload: dict) -> None:
 def cached_answer(key: dict, measure):
     """An answer measured once per machine: ``(answer, why)`` from the cache under ``key``, or from
     ``measure() -> (answer, why, extra)``, whose answer is then stored with ``extra`` beside it
-    (``extra`` None: an answer to use now but not keep, measured again next time)."""
+    (``extra`` None: an answer to use now but not keep, measured again next time; ``extra`` with
+    ``provisional=True``: kept, but measured once more at the next start, whose answer then stays)."""
     path = cache_file(key)
     try:
         stored = json.loads(path.read_text())
-        return stored["answer"], stored["why"]
+        if not stored.get("provisional"):
+            return stored["answer"], stored["why"]
     except (OSError, ValueError, KeyError):
-        pass
+        stored = None
     answer, why, extra = measure()
     if extra is not None:
+        if stored is not None:                       # the second measurement of a provisional answer: final
+            extra = {k: v for k, v in extra.items() if k != "provisional"}
         write_json(path, dict(key=key, answer=answer, why=why, **extra))
     return answer, why
 

@@ -316,6 +316,19 @@ def test_the_runner_packs_before_it_times_the_c_step(tmp_path, monkeypatch):
     assert len(seen) == 1 and seen[0] and all(seen[0])
 
 
+def stopped_the_first_time(asked: list, stopped_before: int, rows_then: int, rows_after: int):
+    """A fake ``measured_rows``: the budget stops it before ``stopped_before`` rows the first time (a busy
+    moment), with ``rows_then`` measured; later calls reach ``rows_after``. ``asked`` counts the calls."""
+    def fake_rows(measure, **_):
+        asked.append(True)
+        stopped = stopped_before if len(asked) == 1 else None
+        return ({"rows": rows_then if stopped else rows_after, "layouts": {1: "cpu"}, "seconds": {1: 1e-3},
+                 "stopped_before": stopped},
+                "1 row: C 1.0 ms, torch 2.0 ms" + (f"; stopped before {stopped} rows: the budget would be spent"
+                                                   if stopped else ""))
+    return fake_rows
+
+
 def test_a_measurement_the_budget_cut_short_is_used_but_not_kept(tmp_path, monkeypatch):
     """A busy machine spends the budget at 1-2 rows: that start uses what it measured, says so, and the
     next start measures again (a cached 1-row limit would have switched speculation off for good)."""
@@ -323,14 +336,7 @@ def test_a_measurement_the_budget_cut_short_is_used_but_not_kept(tmp_path, monke
     monkeypatch.delenv("LIFEOFPROMPT_CPU_LINEAR", raising=False)
     model = random_model(random.Random(3))
     asked = []
-
-    def fake_rows(measure, **_):
-        asked.append(True)
-        stopped = 2 if len(asked) == 1 else None                     # busy the first time, idle the second
-        return ({"rows": 1 if stopped else 8, "layouts": {1: "cpu"}, "seconds": {1: 1e-3}, "stopped_before": stopped},
-                "1 row: C 1.0 ms, torch 2.0 ms" + ("; stopped before 2 rows: the 3 s budget would be spent" if stopped else ""))
-
-    monkeypatch.setattr("lifeofprompt.engine.cpu_paths.measured_rows", fake_rows)
+    monkeypatch.setattr("lifeofprompt.engine.cpu_paths.measured_rows", stopped_the_first_time(asked, 2, 1, 8))
     busy = ModelRunner(model, num_blocks=512, block_size=4, backend="torch")
     assert busy.cpu_decode_rows == 1 and "not cached" in busy.cpu_decode_reason
     again = ModelRunner(model, num_blocks=512, block_size=4, backend="torch")
@@ -508,14 +514,7 @@ def test_a_measurement_stopped_past_8_rows_is_kept_and_measured_once_more(tmp_pa
     monkeypatch.delenv("LIFEOFPROMPT_CPU_LINEAR", raising=False)
     model = random_model(random.Random(3))
     asked = []
-
-    def fake_rows(measure, **_):
-        asked.append(True)
-        stopped = 32 if len(asked) == 1 else None
-        return ({"rows": 16 if stopped else 32, "layouts": {1: "cpu"}, "seconds": {1: 1e-3}, "stopped_before": stopped},
-                "1 row: C 1.0 ms, torch 2.0 ms" + ("; stopped before 32 rows: the 6 s budget would be spent" if stopped else ""))
-
-    monkeypatch.setattr("lifeofprompt.engine.cpu_paths.measured_rows", fake_rows)
+    monkeypatch.setattr("lifeofprompt.engine.cpu_paths.measured_rows", stopped_the_first_time(asked, 32, 16, 32))
     first = ModelRunner(model, num_blocks=4096, block_size=4, backend="torch")
     assert first.cpu_decode_rows == 16 and "measured once more" in first.cpu_decode_reason
     assert ModelRunner(model, num_blocks=4096, block_size=4, backend="torch").cpu_decode_rows == 32 and len(asked) == 2

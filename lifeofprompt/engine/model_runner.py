@@ -34,6 +34,7 @@ from ..model.attention import PagedCacheMetadata, PagedKVCache
 from ..errors import ConfigError, InvalidRequestError, OutOfMemoryError, RequestFailedError
 from .memory import kv_bytes_per_block, plan_memory
 from ..model.cpu_decode import takes_step as cpu_decode_takes_step
+from ..model.allocator import keep_freed_memory
 from ..model.huge_pages import move_weights_to_huge_pages
 from ..model.linear import apply_plans
 from ..model.linear_calibration import choose_cpu_linear
@@ -121,6 +122,8 @@ class ModelRunner(CpuPathChoices, DecodeGraphs):
         # On the CPU the weights move once into 2 MiB pages, which one core streams about a quarter
         # faster than 4 KiB ones (model/huge_pages.py); before the timing, so it times them there.
         self.huge_page_bytes = move_weights_to_huge_pages(model) if self.device.type == "cpu" else 0
+        # ... and a big step's freed activations stay mapped for the next one (model/allocator.py).
+        self.allocator_note = keep_freed_memory() if self.device.type == "cpu" else ""
         if self.device.type == "cpu" and model.dtype == torch.float32:
             self.linear_choice = choose_cpu_linear(model, cpu_linear, prepack=prepack_cpu_weights)
         self.prepacked_bytes = apply_plans(model, self.linear_choice.plans if self.linear_choice else None)

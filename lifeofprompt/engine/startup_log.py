@@ -29,6 +29,8 @@ def startup_lines(engine, context_len: int) -> list[str]:
         f"tokens per step; requests up to {engine.max_model_len} tokens; prefix caching "
         f"{'on' if engine.block_manager.enable_prefix_caching else 'off'}",
     ]
+    if getattr(engine.runner, "allocator_note", ""):
+        lines.append(engine.runner.allocator_note)
     if engine.runner.linear_choice is not None:
         lines += engine.runner.linear_choice.describe()
     rows = getattr(engine.runner, "cpu_decode_rows", 0)

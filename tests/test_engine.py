@@ -175,7 +175,10 @@ def test_startup_log_names_memory_blocks_and_concurrency(smollm2):
     text = "\n".join(engine.startup_log)
     assert "weights take 513.1 MiB" in text
     assert "KV cache: 45.0 MiB = 64 blocks × 16 tokens = 1024 tokens (45.0 KiB per token)" in text
-    assert "maximum concurrency for 8192 tokens per request: 0.12x" in text
+    assert "requests up to 1024 tokens" in text                         # the pool caps the context of 8192
+    assert "maximum concurrency for 1024 tokens per request: 1.00x" in text
+    shorter = make_engine(smollm2, num_kv_blocks=64, max_model_len=256)   # as vLLM counts it: pool ÷ longest request
+    assert "maximum concurrency for 256 tokens per request: 4.00x" in "\n".join(shorter.startup_log)
 
 
 @pytest.mark.numerics

@@ -288,6 +288,21 @@ def test_the_ttft_figure_keeps_nearby_runs_readable():
     assert log_ticks(0.1, 2.0) == [0.1, 0.2, 0.3, 0.5, 1.0, 2.0] and log_ticks(0.15, 0.45) == [0.2, 0.3]
 
 
+def test_the_sweep_sets_each_rate_so_its_schedule_offers_the_target():
+    from lifeofprompt.lessons.serving_study import rate_offering
+    from lifeofprompt.serving.arrivals import poisson
+    from lifeofprompt.serving.metrics import achieved_arrival_rate
+
+    for seed in (0, 1, 7):
+        for target in (1.5, 2.9, 4.0):
+            rate = rate_offering(target, 60, seed)
+            records = [{"arrival_time": t} for t in poisson(60, rate, seed).send_times()]
+            assert achieved_arrival_rate(records) == pytest.approx(target, rel=1e-9)
+    # seed 1's 60 gaps run long: set at the target itself, it offers about a tenth less
+    records = [{"arrival_time": t} for t in poisson(60, 3.0, 1).send_times()]
+    assert achieved_arrival_rate(records) < 0.92 * 3.0
+
+
 def test_the_sweep_table_puts_the_achieved_rate_beside_every_percentile():
     from lifeofprompt.lessons.serving_study import sweep_table
 

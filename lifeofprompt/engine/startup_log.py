@@ -23,8 +23,8 @@ def startup_lines(engine, context_len: int) -> list[str]:
         + ("; in 2 MiB pages" if getattr(engine.runner, "huge_page_bytes", 0) else ""),
         f"KV cache: {format_bytes(kv)} = {engine.num_kv_blocks} blocks × {engine.block_size} tokens "
         f"= {tokens} tokens ({format_bytes(kv / max(tokens, 1))} per token)",
-        f"maximum concurrency for {engine.config.max_position_embeddings} tokens per request: "
-        f"{tokens / engine.config.max_position_embeddings:.2f}x",
+        f"maximum concurrency for {engine.max_model_len} tokens per request: "     # vLLM's line: the longest allowed request
+        f"{tokens / engine.max_model_len:.2f}x",
         f"scheduler: up to {engine.scheduler.max_num_seqs} sequences and {engine.scheduler.max_num_batched_tokens} "
         f"tokens per step; requests up to {engine.max_model_len} tokens; prefix caching "
         f"{'on' if engine.block_manager.enable_prefix_caching else 'off'}",

@@ -145,7 +145,7 @@ def read_rates(comparison: StepComparison, cpu: dict, linear: dict, linear_sourc
         Rate("profile's read", profile.read_bandwidth, read_how,
              f"machine profile, {profile.when}, load {_load(profile.load_average)}", profile.threads,
              f"the profile's floor, {profile.floor_s * 1e3:.1f} ms (its step {profile.over_floor:.2f}× it); "
-             "the floor notebooks 04, 05 and 09 use"),
+             "the floor notebooks 03, 04, 05 and 09 use"),
         Rate("benchmark's read", bench.read_bandwidth, read_how + ", at the end of the run", bench_run, bench.threads,
              f"the benchmark's batch-1 floor, {bench.floor_s * 1e3:.1f} ms (its step {bench.over_floor:.2f}× it)"),
         Rate("benchmark's copy", cpu["machine"]["bandwidth"],

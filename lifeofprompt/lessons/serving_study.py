@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import roofline
+from ..serving import arrivals
 from ..serving.loadtest import LoadTestConfig, LoadTestResult, run_loadtest
 from ..engine.sampling_params import SamplingParams
 
@@ -97,6 +98,19 @@ def bend_batch_size(machine: roofline.Machine, config, dtype, context_per_seq: i
 
 
 # ----------------------------------------------------------------------------- load tests
+
+
+def rate_offering(target: float, num_requests: int, seed: int) -> float:
+    """The rate to set so that seed ``seed``'s Poisson schedule of ``num_requests`` *offers* ``target`` req/s.
+
+    A short schedule's gaps do not average 1/rate: seed 1's 60 gaps run about a tenth long, so a
+    point set at 0.95× capacity would offer 0.85×. The seed's pattern only scales with the rate,
+    so one division puts the offered rate (``metrics.achieved_arrival_rate``'s count, (n - 1) over
+    the first-to-last span) where the sweep means it to be.
+    """
+    times = arrivals.poisson(num_requests, 1.0, seed).send_times()
+    offered_at_one = (num_requests - 1) / (times[-1] - times[0])
+    return target / offered_at_one
 
 
 def poisson_sweep(url: str, rates, seed: int = 0, **workload) -> list[LoadTestResult]:

@@ -87,6 +87,7 @@ def test_snapshot_and_grid_show_owners_fill_sharing_and_cached_free_blocks():
     assert snap.owners[:4] == [["a", "b"], ["a", "b"], ["a"], ["b"]]
     assert snap.filled[:4] == [4, 4, 2, 1] and snap.cached[:4] == [True, True, False, False]
     assert snap.table_lines() == ["a   10 tokens  blocks [0, 1, 2]", "b    9 tokens  blocks [0, 1, 3]"]
+    assert snap.table_lines(3) == ["a     10 tokens  blocks [0, 1, 2]", "b      9 tokens  blocks [0, 1, 3]"]
     fig = draw_snapshot(snap, ["a", "b"])
     hatched = [p for p in fig.axes[0].patches if p.get_hatch() == "///"]
     assert len(hatched) == 2                               # the two shared blocks

@@ -173,7 +173,7 @@ def plot_throughput(groups: dict[str, list[dict]], title: str, path: Path | None
 
     fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(5.2 * max(1, len(groups)), 3.4), squeeze=False)
     for ax, (name, rows) in zip(axes[0], groups.items()):
-        labels = ["\n".join(textwrap.wrap(r["peer"], 22)) for r in rows]
+        labels = ["\n".join(textwrap.wrap(r["peer"], 22, break_on_hyphens=False)) for r in rows]
         ax.barh(labels, [r["tokens_per_s"] for r in rows], color=["C0"] + ["C7"] * (len(rows) - 1))
         for i, r in enumerate(rows):
             ax.text(r["tokens_per_s"], i, f" {r['tokens_per_s']:,.0f}", va="center", fontsize=8)

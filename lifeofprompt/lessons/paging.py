@@ -40,9 +40,10 @@ class PoolSnapshot:
     def num_blocks(self) -> int:
         return len(self.owners)
 
-    def table_lines(self) -> list[str]:
-        """One line per live sequence: its name, tokens cached and block table."""
-        width = max((len(n) for n in self.block_tables), default=0)
+    def table_lines(self, width: int | None = None) -> list[str]:
+        """One line per live sequence: its name, tokens cached and block table; names padded to ``width``
+        (default: the longest here; pass the longest of several snapshots to align them all)."""
+        width = width or max((len(n) for n in self.block_tables), default=0)
         return [f"{name:<{width}}  {self.num_tokens[name]:>3} tokens  blocks {table}"
                 for name, table in self.block_tables.items()]
 

@@ -23,6 +23,7 @@ import numpy as np
 from . import roofline
 from ..serving import arrivals
 from ..serving.loadtest import LoadTestConfig, LoadTestResult, run_loadtest
+from ..serving.metrics import achieved_arrival_rate
 from ..engine.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -105,12 +106,11 @@ def rate_offering(target: float, num_requests: int, seed: int) -> float:
 
     A short schedule's gaps do not average 1/rate: seed 1's 60 gaps run about a tenth long, so a
     point set at 0.95× capacity would offer 0.85×. The seed's pattern only scales with the rate,
-    so one division puts the offered rate (``metrics.achieved_arrival_rate``'s count, (n - 1) over
-    the first-to-last span) where the sweep means it to be.
+    so one division puts the offered rate, counted as the load test's report counts it
+    (``metrics.achieved_arrival_rate``), where the sweep means it to be.
     """
     times = arrivals.poisson(num_requests, 1.0, seed).send_times()
-    offered_at_one = (num_requests - 1) / (times[-1] - times[0])
-    return target / offered_at_one
+    return target / achieved_arrival_rate([{"arrival_time": t} for t in times])
 
 
 def poisson_sweep(url: str, rates, seed: int = 0, **workload) -> list[LoadTestResult]:

@@ -80,6 +80,7 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
         self.full_config = plan.full
         self.collective_guard = collective_guard      # the driver's fault handling around each step
         self.last_block_tables = None                 # what the last paged step ran (tests compare ranks)
+        self.decode_graphs = None                     # rank_graphs.RankDecodeGraphs, once the runner starts them
         self.tp_group = None
         self.stage_clock = pipeline.StageClock()      # when this rank ran its layers, step by step (P > 1)
         c = plan.config
@@ -186,15 +187,52 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
         if not plan.is_last_stage:
             pipeline.send_on(plan, *wire, hidden)
             return None
-        if meta.logits_indices is not None:
-            hidden = hidden[meta.logits_indices]
-        local = self.lm_head(hidden).float()
-        first = plan.peer(plan.stage) - plan.rank           # this stage's tensor-parallel rank 0
-        logits = step.gather_logits(local, plan.full.vocab_size, plan.size, group=self.tp_group, dst=first)
+        logits = self.gather_logits(self.logits_of(hidden, meta))
         if logits is not None and plan.num_stages > 1:             # the step this rank just counted
             collectives.send(logits.contiguous(), dst=0, tag=pipeline.logits_tag(self.stage_clock.num_steps - 1))
             return None
         return logits
+
+    def logits_of(self, hidden: torch.Tensor, meta) -> torch.Tensor:
+        """The last stage's ``[rows, vocab / T]`` slice of the logits, for the rows that want them."""
+        if meta.logits_indices is not None:
+            hidden = hidden[meta.logits_indices]
+        return self.lm_head(hidden).float()
+
+    def gather_logits(self, local: torch.Tensor) -> torch.Tensor | None:
+        """Every tensor-parallel rank's slice to this stage's rank 0, whole there; None on the others."""
+        plan = self.plan
+        first = plan.peer(plan.stage) - plan.rank           # this stage's tensor-parallel rank 0
+        return step.gather_logits(local, plan.full.vocab_size, plan.size, group=self.tp_group, dst=first)
+
+    # ------------------------------------------------------------------ decode graphs, one per rank (P = 1)
+
+    def local_logits(self, input_ids, positions, meta, fused_kernels=False) -> torch.Tensor:
+        """One stage's whole step up to its slice of the logits: no broadcast before, no gather after.
+        What each rank's CUDA graph holds (``rank_graphs.py``)."""
+        return self.logits_of(self.hidden_states(input_ids, positions, meta, fused_kernels), meta)
+
+    def start_decode_graphs(self, runner, capture: bool = True) -> None:
+        """Rank 0: every rank, this one too, sets up its static decode buffers and captures its graphs
+        of the runner's batch sizes (``capture=False``: runs the same padded steps eagerly)."""
+        from .rank_graphs import RankDecodeGraphs
+
+        if self.plan.num_stages > 1:
+            raise NotImplementedError("decode graphs with pipeline stages: a stage's graph would wait on a receive")
+        guard = self.collective_guard or contextlib.nullcontext
+        settings = dict(sizes=runner.graph_sizes, max_num_seqs=runner.max_num_seqs, max_blocks=runner.max_blocks_per_seq,
+                        max_model_len=runner.max_model_len, backend=runner.backend, fused=runner.fused_kernels,
+                        capture=capture)
+        with guard():
+            step.send_capture(device=self.device, **settings)
+            self.decode_graphs = RankDecodeGraphs(self, runner.kv_cache, **settings)
+
+    def replay_decode(self, size: int, payload: torch.Tensor) -> torch.Tensor:
+        """Rank 0: one padded decode step through every rank's graph of ``size`` rows; the full logits."""
+        guard = self.collective_guard or contextlib.nullcontext
+        with guard():
+            step.send_replay(size, payload)
+            return self.decode_graphs.run(size, payload)
 
 
 # ----------------------------------------------------------------------------- weights

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ..model.attention import NoCacheMetadata, PagedCacheMetadata
 from . import collectives
 
-STEP, STOP, REPORT, PLANS = 1, 2, 3, 4   # commands in header[0]
+STEP, STOP, REPORT, PLANS, CAPTURE, REPLAY = 1, 2, 3, 4, 5, 6   # commands in header[0]
 NO_CACHE, PAGED = 0, 1              # metadata kinds in header[1]
 BACKENDS = ("torch", "triton")
 HEADER = 11
@@ -109,3 +109,53 @@ def gather_logits(local: torch.Tensor, vocab_size: int, size: int, group=None, d
         return torch.cat(parts, dim=-1)[:, :vocab_size]
     collectives.gather(local, None, dst=dst, group=group)
     return None
+
+
+# ----------------------------------------------------------------------------- decode graphs, one per rank
+#
+# A CUDA graph replays the kernels it captured with the values its buffers hold at replay, so
+# the step's inputs cannot travel inside it: a captured broadcast would resend the capture's own
+# header. Instead each rank captures its own graphs of the padded decode step, from the
+# embedding to its slice of the logits, all-reduces included (``rank_graphs.py``); per step rank 0
+# broadcasts the padded inputs (outside any graph), every rank copies them into its static
+# buffers and replays, and the logits are gathered after the replay.
+
+
+def send_capture(sizes: list[int], max_num_seqs: int, max_blocks: int, max_model_len: int, backend: str,
+                 fused: bool, capture: bool, device) -> None:
+    """Rank 0: every rank sets up its static decode buffers and its graphs of ``sizes`` rows
+    (or, with ``capture=False``, runs the same padded steps eagerly: how the CPU tests check it)."""
+    header = torch.tensor([CAPTURE, len(sizes), max_num_seqs, max_blocks, max_model_len, BACKENDS.index(backend),
+                           int(bool(fused)), int(bool(capture)), 0, 0, 0], dtype=torch.long, device=device)
+    collectives.broadcast(header, src=0)
+    collectives.broadcast(torch.tensor(sizes, dtype=torch.long, device=device), src=0)
+
+
+def receive_capture(header: list[int], device) -> dict:
+    """Ranks > 0: the rest of ``send_capture`` (its sizes), as keyword arguments for ``RankDecodeGraphs``."""
+    _, count, max_num_seqs, max_blocks, max_model_len, backend, fused, capture = header[:8]
+    sizes = torch.empty(count, dtype=torch.long, device=device)
+    collectives.broadcast(sizes, src=0)
+    return dict(sizes=sizes.tolist(), max_num_seqs=max_num_seqs, max_blocks=max_blocks, max_model_len=max_model_len,
+                backend=BACKENDS[backend], fused=bool(fused), capture=bool(capture))
+
+
+def replay_payload_size(size: int, max_blocks: int) -> int:
+    """int64 values of one replay: ids, positions, slots and lengths of ``size`` rows, then their block tables."""
+    return 4 * size + size * max_blocks
+
+
+def send_replay(size: int, payload: torch.Tensor) -> None:
+    """Rank 0: one padded decode step of ``size`` rows for every rank's graph (``rank_graphs.replay_payload``)."""
+    header = torch.zeros(HEADER, dtype=torch.long, device=payload.device)
+    header[0], header[1] = REPLAY, size
+    collectives.broadcast(header, src=0)
+    collectives.broadcast(payload, src=0)
+
+
+def receive_replay(header: list[int], max_blocks: int, device) -> tuple[int, torch.Tensor]:
+    """Ranks > 0: the rest of ``send_replay``: ``(size, payload)``."""
+    size = header[1]
+    payload = torch.empty(replay_payload_size(size, max_blocks), dtype=torch.long, device=device)
+    collectives.broadcast(payload, src=0)
+    return size, payload

@@ -130,6 +130,7 @@ def serve(model, cache, device) -> None:
     from . import collectives, pipeline, step
 
     staged = model.plan.num_stages > 1
+    graphs = None                                           # this rank's decode graphs, once rank 0 asks (P = 1)
     while True:
         if staged:
             wire, header, payload = pipeline.receive(model.plan, device, model.tp_group)
@@ -145,6 +146,13 @@ def serve(model, cache, device) -> None:
             plans = [None]
             dist.broadcast_object_list(plans, src=0, group=collectives.WORLD)
             apply_plans(model, plans[0])
+            continue
+        if header[0] == step.CAPTURE:                       # the same sizes, in the same order, on every rank
+            from .rank_graphs import RankDecodeGraphs
+            graphs = RankDecodeGraphs(model, cache, **step.receive_capture(header, device))
+            continue
+        if header[0] == step.REPLAY:
+            graphs.run(*step.receive_replay(header, graphs.max_blocks_per_seq, device))
             continue
         input_ids, positions, meta, fused = step.unpack(header, payload, cache)
         model.shard_forward(input_ids, positions, meta, fused, wire=(wire, payload) if staged else None)

@@ -108,7 +108,9 @@ class LLMEngine(CompletionUpdates):
                                              "tensor_parallel_size or pipeline_parallel_size > 1", param="model")
             self._launch_tensor_parallel(tensor_parallel_size, pipeline_parallel_size, num_kv_blocks)
             cpu_decode = False             # the one-call C step has no place for the all-reduces
-            enforce_eager = True           # a CUDA graph would replay its capture's step header to every rank
+            # One stage: every rank captures its own decode graphs (distributed/rank_graphs.py). Several:
+            # a stage's graph would wait inside on the previous stage's send, so the pipeline stays eager.
+            enforce_eager = enforce_eager or pipeline_parallel_size > 1
         from .model_runner import ModelRunner
         self.runner = ModelRunner(self.model, num_kv_blocks, block_size, attention_backend or "auto",
                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

@@ -145,8 +145,23 @@ class ModelRunner(CpuPathChoices, DecodeGraphs):
         self.pad_decode_eagerly = False
         self.graph_sizes = graph_batch_sizes(max_num_seqs)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.rank_graphs = False                  # a shard: every rank runs its own decode graphs (distributed/rank_graphs.py)
         if not enforce_eager:
+            self.start_decode_graphs()
+
+    def start_decode_graphs(self, capture: bool = True) -> None:
+        """Capture the decode graphs; ``capture=False`` runs decode steps through the same padded buffers eagerly.
+
+        A tensor-parallel shard cannot capture alone: every rank captures its own graphs, and each
+        step's inputs are broadcast outside them (``distributed/rank_graphs.py``).
+        """
+        if hasattr(self.model, "start_decode_graphs"):
+            self.model.start_decode_graphs(self, capture)
+            self.rank_graphs = True
+        elif capture:
             self.capture_graphs()
+        else:
+            self.pad_decode_eagerly = True
 
     # ------------------------------------------------------------------ memory
 
@@ -255,8 +270,15 @@ class ModelRunner(CpuPathChoices, DecodeGraphs):
     def forward(self, seqs: list[Sequence], num_scheduled_tokens: list[int]) -> torch.Tensor:
         """Logits ``[sequences that sample, vocab]`` of one step: graph replay for decode, else eager."""
         if self.draft is None and self.is_decode(seqs, num_scheduled_tokens):   # a draft mirrors eager steps only
-            padded = self.graphs or self.pad_decode_eagerly
+            padded = self.graphs or self.pad_decode_eagerly or self.rank_graphs
             size = padded_batch_size(len(seqs), self.graph_sizes) if padded else None
+            if size is not None and self.rank_graphs:
+                from ..distributed.rank_graphs import replay_payload
+                captured = bool(self.model.decode_graphs.graphs)
+                self.last_launch = dict(mode="CUDA graph replay on every rank" if captured else "padded eager decode on every rank",
+                                        rows=len(seqs), padded_to=size, backend=self.backend, fused=self.fused_kernels)
+                self.fill_static_decode(seqs, size)
+                return self.model.replay_decode(size, replay_payload(self, size))[:len(seqs)]
             if size is not None and not self.graphs:
                 self.last_launch = dict(mode="padded eager decode", rows=len(seqs), padded_to=size, backend=self.backend,
                                         fused=self.fused_kernels)

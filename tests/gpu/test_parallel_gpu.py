@@ -2,14 +2,17 @@
 
 NCCL cannot put two ranks on one device, so the process group is rank 0 alone: every step is still
 broadcast and every all-reduce still runs through NCCL. On ``tinyllama-1.1b-random`` (RANDOM
-weights), bf16, both engines eager (the process-group path always is):
+weights), bf16, eager unless said:
 * its greedy tokens are the single-process engine's at every step whose top-2 margin exceeds
   twice the measured logit difference between the two (``lessons/agreement.py``; a sum over one
   rank should make that difference 0);
 * it prints the per-step overhead (``pytest -s`` or ``-rA`` shows it): the median decode step with
   and without the process group, and the collectives' share of a step
-  (``collective_bench.one_rank_overhead``; ``benchmarks/gpu_check.py collectives`` records it).
-The same on the CPU with gloo: ``tests/test_parallel_one_rank.py``.
+  (``collective_bench.one_rank_overhead``; ``benchmarks/gpu_check.py collectives`` records it);
+* with CUDA graphs (``enforce_eager=False``) the rank captures and replays its own decode graphs,
+  the step's broadcast and the logits gather outside them (``distributed/rank_graphs.py``).
+The same on the CPU with gloo: ``tests/test_parallel_one_rank.py`` (and ``tests/test_rank_graphs.py``
+runs the per-rank graph protocol eagerly at T = 3).
 """
 
 from __future__ import annotations
@@ -34,12 +37,16 @@ def runs():
 
     model = random_tinyllama("cuda", torch.bfloat16)
     out = {}
-    for backend in ("uni", "mp"):
-        llm = LLM(model, tokenizer=ByteTokenizer(model.config.vocab_size), distributed_executor_backend=backend, **ENGINE)
+    for name in ("uni", "mp", "mp-graphs"):       # "mp-graphs": the rank captures its own decode graphs
+        settings = dict(ENGINE, enforce_eager=name != "mp-graphs")
+        llm = LLM(model, tokenizer=ByteTokenizer(model.config.vocab_size),
+                  distributed_executor_backend=name.split("-")[0], **settings)
         try:
             run = measure_llm(llm, PROMPTS, MAX_TOKENS)
             reference = out["uni"][0].tokens if out else run.tokens
-            out[backend] = run, [teacher_forced_logits(llm.engine.model, p, t) for p, t in zip(PROMPTS, reference)]
+            out[name] = run, [teacher_forced_logits(llm.engine.model, p, t) for p, t in zip(PROMPTS, reference)]
+            graphs = getattr(llm.engine.model, "decode_graphs", None)
+            out[name + " graphs"] = sorted(graphs.graphs) if graphs is not None else []
         finally:
             llm.shutdown()
     return out
@@ -70,3 +77,21 @@ def test_report_the_per_step_collective_overhead(runs):
     assert overhead["calls_per_step"]["broadcast"] == 2
     assert overhead["calls_per_step"]["all_reduce"] == 1 + 2 * 22              # TinyLlama's 22 layers
     assert overhead["decode_step_single_s"] > 0 and overhead["decode_step_one_rank_s"] > 0
+
+
+def test_one_rank_replays_its_own_cuda_graphs(runs):
+    """The process-group path with CUDA graphs: the rank captured its graphs (all-reduces inside, the step's
+    broadcast and the logits gather outside: ``distributed/rank_graphs.py``), its tokens are the eager
+    engine's wherever a bf16 difference cannot flip them, and its decode step is the graph's, not eager's."""
+    from lifeofprompt.lessons.agreement import BF16_TOLERANCE, assert_greedy_agrees, top2_margins
+
+    (single, reference), (graphs, _) = runs["uni"], runs["mp-graphs"]
+    assert runs["mp-graphs graphs"][:4] == [1, 2, 4, 8], runs["mp-graphs graphs"]
+    assert runs["mp graphs"] == []
+    margins = [top2_margins(r).tolist() for r in reference]
+    compared = assert_greedy_agrees(graphs.tokens, single.tokens, margins, 2 * BF16_TOLERANCE, min_steps=0)
+    eager = runs["mp"][0]
+    print(f"\none rank over NCCL with per-rank CUDA graphs: {sum(compared)} greedy steps compared; decode step "
+          f"{graphs.decode_step_s * 1e3:.2f} ms against {eager.decode_step_s * 1e3:.2f} ms eager "
+          f"(single process eager {single.decode_step_s * 1e3:.2f} ms)")
+    assert graphs.decode_step_s < eager.decode_step_s

@@ -281,6 +281,8 @@ def test_the_ttft_figure_keeps_nearby_runs_readable():
     assert sorted(t.get_text() for t in ax.texts) == ["1", "2", "3", "4"]          # one number per run
     cells = side.tables[0].get_celld()
     assert [cells[(i + 1, 0)].get_text().get_text() for i in range(4)] == ["1", "2", "3", "4"]
+    assert cells[(0, 1)].get_text().get_text() == "offered"                         # what arrived, not what was set
+    assert [cells[(i + 1, 1)].get_text().get_text() for i in range(4)] == [f"{row['got'] / capacity:.2f}×" for row in rows]
     assert [cells[(i + 1, 4)].get_text().get_text() for i in range(4)] == [f"{row['p99']:.2f}" for row in rows]
     assert _overlapping_texts(fig, ax) == []
     assert [t.get_text() for t in ax.get_yticklabels()] == [f"{t:g}" for t in ax.get_yticks()]

@@ -89,7 +89,7 @@ def plot_decoder_layer(num_layers: int, hidden: int, shapes: dict[str, str] | No
     ax.set_ylim(-0.6, 1.35)
     ax.axis("off")
     ax.set_title(f"One of {num_layers} decoder layers: every box is one module of lifeofprompt.model.llama "
-                 "(blue: attention, green: MLP)", fontsize=12)
+                 "(yellow: norm, blue: attention, green: MLP)", fontsize=12)
     fig.tight_layout()
     return fig
 

@@ -69,6 +69,7 @@ def plot_batching_curve(points, predicted_s, floor_s: float, title: str = "The b
 def ttft_rows(results, capacity: float) -> list[dict]:
     """One row per run, in order of the rate achieved: the numbers the TTFT figure plots and tabulates."""
     rows = [dict(set_factor=r.config.rate / capacity, set_rate=r.config.rate, got=r.summary["achieved_arrival_rate"],
+                 offered_factor=r.summary["achieved_arrival_rate"] / capacity,
                  p50=r.summary["ttft_s"]["p50"], p99=r.summary["ttft_s"]["p99"]) for r in results]
     rows.sort(key=lambda row: row["got"])
     return [dict(row, number=i + 1) for i, row in enumerate(rows)]
@@ -111,14 +112,14 @@ def plot_ttft_against_rate(results, capacity: float, label: str | None = None):
     ax.legend(fontsize=8, loc="upper left")
     side.axis("off")
     height = 0.09 * (len(rows) + 1)
-    table = side.table(cellText=[[str(row["number"]), f"{row['set_factor']:.3g}×", f"{row['got']:.2f}",
+    table = side.table(cellText=[[str(row["number"]), f"{row['offered_factor']:.2f}×", f"{row['got']:.2f}",
                                   f"{row['p50']:.2f}", f"{row['p99']:.2f}"] for row in rows],
-                       colLabels=["run", "set", "got", "p50", "p99"], cellLoc="center",
+                       colLabels=["run", "offered", "got", "p50", "p99"], cellLoc="center",
                        bbox=(0, 1 - height, 1, height))
     table.auto_set_font_size(False)
     table.set_fontsize(9)
-    side.text(0, 1 - height - 0.04, "run: its number on the plot\nset: the rate asked for, × capacity\n"
-              "got: the rate the arrivals achieved, req/s\np50, p99: time to first token, s",
+    side.text(0, 1 - height - 0.04, "run: its number on the plot\noffered: the rate the arrivals\nachieved, × capacity\n"
+              "got: the same in req/s\np50, p99: time to first token, s",
               fontsize=8, va="top", color="dimgray", transform=side.transAxes)
     side.set_title("the runs", fontsize=10)
     return _finish(fig, label)
@@ -136,8 +137,8 @@ def plot_queue_growth(results, capacity: float, label: str | None = None):
         times, waiting = waiting_over_time(r)
         ax.step(times, waiting, where="post", linewidth=1.2, color=colour)
         ax.fill_between(times, waiting, step="post", alpha=0.2, color=colour)
-        ax.set_title(f"{r.config.rate:.2f} req/s ({r.config.rate / capacity:.3g}× capacity)", fontsize=8,
-                     pad=2)
+        offered = r.summary["achieved_arrival_rate"]       # what the schedule offered (its set rate is a little higher)
+        ax.set_title(f"{offered:.2f} req/s offered ({offered / capacity:.2f}× capacity)", fontsize=8, pad=2)
         ax.set_ylabel("waiting", fontsize=8)
         ax.grid(True, alpha=0.3)
     axes[-1, 0].set_xlabel("seconds since the first request (waiting: requests sent, no first token yet)")

@@ -208,8 +208,8 @@ def _fake_result(rate, seed, ttfts):
     from lifeofprompt.serving.loadtest import LoadTestResult, RequestRecord
 
     config = LoadTestConfig(arrival="poisson", rate=rate, num_requests=len(ttfts), seed=seed)
-    records = [RequestRecord(arrival_time=float(i), first_token_time=i + t, finished_time=i + t + 1.0,
-                             token_times=[i + t, i + t + 1.0], num_output_tokens=2, index=i, status=200)
+    records = [RequestRecord(arrival_time=i / rate, first_token_time=i / rate + t, finished_time=i / rate + t + 1.0,
+                             token_times=[i / rate + t, i / rate + t + 1.0], num_output_tokens=2, index=i, status=200)
                for i, t in enumerate(ttfts)]
     return LoadTestResult(config, records, 0.0, len(ttfts) + 2.0, 0, metrics.summarize(records))
 
@@ -242,7 +242,8 @@ def test_serving_figures_label_axes_and_name_the_machine():
     p99_line = ttft_ax.get_lines()[1]
     assert list(p99_line.get_ydata()) == [r.summary["ttft_s"]["p99"] for r in sweep]
     assert [len(ax.get_lines()) for ax in figures[2].axes] == [1, 1]     # one panel, one queue line, per rate
-    assert [ax.get_title() for ax in figures[2].axes] == ["0.50 req/s (0.5× capacity)", "2.00 req/s (2× capacity)"]
+    offered = [r.summary["achieved_arrival_rate"] for r in sweep]                 # what the arrivals offered
+    assert [ax.get_title() for ax in figures[2].axes] == [f"{x:.2f} req/s offered ({x:.2f}× capacity)" for x in offered]
     plt.close("all")
 
 

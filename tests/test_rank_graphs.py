@@ -49,7 +49,7 @@ def runs(one_thread):
 
         shard.replay_decode = counted
         tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy())]
-        again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:1], greedy())]   # the engine serves on
+        again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:1], greedy())]
         reports = llm.engine.parallel.report(shard, runner.kv_cache)
         yield dict(reference=reference, tokens=tokens, again=again, replays=replays, shard=shard, reports=reports)
     finally:
@@ -67,7 +67,8 @@ def test_decode_steps_go_through_every_ranks_buffers_padded(runs):
 def test_tokens_match_the_single_process_engine(runs):
     full, _ = tiny_model()
     assert_parallel_agrees(runs["shard"], full, PROMPTS, runs["tokens"], runs["reference"])
-    assert runs["again"] == runs["tokens"][:1]
+    # the engine serves on: one request alone, so other batch sizes; held to the same margins, not to exact ties
+    assert_parallel_agrees(runs["shard"], full, PROMPTS[:1], runs["again"], runs["reference"][:1])
 
 
 def test_every_rank_gathered_every_step(runs):

@@ -37,9 +37,8 @@ class RankDecodeGraphs(DecodeGraphs):
                  backend: str, fused: bool, capture: bool):
         self.model, self.kv_cache, self.device = model, cache, model.device
         self.graph_sizes, self.max_num_seqs, self.max_blocks_per_seq = list(sizes), max_num_seqs, max_blocks
-        self.max_model_len, self.backend, self.fused, self.capture = max_model_len, backend, fused, capture
+        self.max_model_len, self.backend, self.fused = max_model_len, backend, fused
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.graph_capture_seconds = 0.0
         self._alloc_static_buffers()
         if capture:
             self.capture_graphs()

@@ -43,6 +43,7 @@ def runs():
                   distributed_executor_backend=name.split("-")[0], **settings)
         try:
             run = measure_llm(llm, PROMPTS, MAX_TOKENS)
+            out[name + " last launch"] = llm.engine.runner.last_launch.get("mode")      # the last step: a decode
             reference = out["uni"][0].tokens if out else run.tokens
             out[name] = run, [teacher_forced_logits(llm.engine.model, p, t) for p, t in zip(PROMPTS, reference)]
             graphs = getattr(llm.engine.model, "decode_graphs", None)
@@ -82,16 +83,18 @@ def test_report_the_per_step_collective_overhead(runs):
 def test_one_rank_replays_its_own_cuda_graphs(runs):
     """The process-group path with CUDA graphs: the rank captured its graphs (all-reduces inside, the step's
     broadcast and the logits gather outside: ``distributed/rank_graphs.py``), its tokens are the eager
-    engine's wherever a bf16 difference cannot flip them, and its decode step is the graph's, not eager's."""
+    engine's wherever a bf16 difference cannot flip them, and its decode steps replayed them. (Its step time
+    beside eager's is printed, not asserted: speed is measured in benchmarks/.)"""
     from lifeofprompt.lessons.agreement import BF16_TOLERANCE, assert_greedy_agrees, top2_margins
 
     (single, reference), (graphs, _) = runs["uni"], runs["mp-graphs"]
     assert runs["mp-graphs graphs"][:4] == [1, 2, 4, 8], runs["mp-graphs graphs"]
     assert runs["mp graphs"] == []
+    assert runs["mp-graphs last launch"] == "CUDA graph replay on every rank"
+    assert runs["mp last launch"] != "CUDA graph replay on every rank"
     margins = [top2_margins(r).tolist() for r in reference]
     compared = assert_greedy_agrees(graphs.tokens, single.tokens, margins, 2 * BF16_TOLERANCE, min_steps=0)
     eager = runs["mp"][0]
     print(f"\none rank over NCCL with per-rank CUDA graphs: {sum(compared)} greedy steps compared; decode step "
           f"{graphs.decode_step_s * 1e3:.2f} ms against {eager.decode_step_s * 1e3:.2f} ms eager "
           f"(single process eager {single.decode_step_s * 1e3:.2f} ms)")
-    assert graphs.decode_step_s < eager.decode_step_s

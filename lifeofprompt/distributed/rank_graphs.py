@@ -1,8 +1,8 @@
 """CUDA graphs with tensor parallelism: every rank captures and replays its own.
 
 A single-process engine captures its decode step once per batch size and replays it
-(``engine/cuda_graphs.py``). With T ranks the step also holds all-reduces, and each rank's graph
-must replay in step with the others'. What cannot go inside a graph is the step's inputs
+(``model/graph_capture.py``, filled by ``engine/cuda_graphs.py``). With T ranks the step also
+holds all-reduces, and each rank's graph must replay in step with the others'. What cannot go inside a graph is the step's inputs
 travelling from rank 0: a graph replays the values its buffers hold, so a broadcast captured
 in it would resend the capture's own header forever. So the step splits in three, on every rank:
 
@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.cuda_graphs import DecodeGraphs
+from ..model.graph_capture import GraphCapture
 from . import step
 
 
-class RankDecodeGraphs(DecodeGraphs):
-    """One rank's static decode buffers and its graphs of them (``DecodeGraphs``' buffers and capture,
+class RankDecodeGraphs(GraphCapture):
+    """One rank's static decode buffers and its graphs of them (``GraphCapture``'s buffers and capture,
     around this shard's ``local_logits`` instead of a whole forward)."""
 
     def __init__(self, model, cache, sizes: list[int], max_num_seqs: int, max_blocks: int, max_model_len: int,
@@ -44,7 +44,7 @@ class RankDecodeGraphs(DecodeGraphs):
             self.capture_graphs()
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        """What a graph holds (``DecodeGraphs.capture_graphs`` captures this): the shard's ``[rows, vocab / T]`` logits."""
+        """What a graph holds (``GraphCapture.capture_graphs`` captures this): the shard's ``[rows, vocab / T]`` logits."""
         return self.model.local_logits(input_ids, positions, meta, self.fused)
 
     def load(self, size: int, payload: torch.Tensor) -> None:

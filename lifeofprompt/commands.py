@@ -9,7 +9,7 @@ from .model.loader import load_model
 from .story import STORY_PROMPTS
 
 
-def _load(args):
+def _load(args, say_dtype_reason: bool = True):
     started = time.perf_counter()
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     print(f"model: {model.source}")
@@ -17,7 +17,7 @@ def _load(args):
           f"{model.config.num_heads} query heads over {model.config.num_kv_heads} KV heads, "
           f"vocab {model.config.vocab_size}; {model.dtype} on {model.device} "
           f"(loaded in {time.perf_counter() - started:.1f} s)")
-    if model.dtype_reason:
+    if model.dtype_reason and say_dtype_reason:
         print(f"       dtype {model.dtype_reason}")
     if model.is_random:
         print("       NOTE: random weights - the text below is meaningless; use it for speed and memory only")
@@ -31,7 +31,7 @@ def demo(args) -> int:
 
     if args.max_tokens < 1:
         raise InvalidRequestError("--max-tokens must be at least 1", param="max_tokens")
-    model, tokenizer = _load(args)
+    model, tokenizer = _load(args, say_dtype_reason=False)           # the engine's start-up log says it
     engine = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=64, log_stats=False, cpu_linear=args.cpu_linear)
     print("\n1. tokenization: text becomes integers")
     for text in STORY_PROMPTS:

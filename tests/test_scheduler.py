@@ -144,6 +144,6 @@ def test_the_printed_schedule_folds_quiet_steps():
         "             a decode        tokens   4..4   (1)  blocks [0, 1]",
         "step   3:    1 tokens, 1 running, 0 waiting, 6 blocks free",
         "             a decode        tokens   5..5   (1)  blocks [0, 1]",
-        "             a finished: blocks freed",
+        "             a finished: its blocks go back to the pool after this step",
     ]
     assert len(format_steps(records).splitlines()) == 9

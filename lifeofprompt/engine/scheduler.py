@@ -109,7 +109,7 @@ class StepRecord:
         for rid in self.preempted:
             lines.append(f"    {rid:>10} PREEMPTED: blocks freed, back to the front of the queue")
         for rid in self.finished:
-            lines.append(f"    {rid:>10} finished: blocks freed")
+            lines.append(f"    {rid:>10} finished: its blocks go back to the pool after this step")
         return "\n".join(lines)
 
 

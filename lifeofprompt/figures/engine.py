@@ -215,8 +215,9 @@ def plot_cpu_linear(result: dict, path: Path | None = None):
     rows = result["rows"]
     paths = [k for k in rows[0] if k != "rows"]
     fig, ax = plt.subplots(figsize=(6.8, 4))
-    for i, name in enumerate(paths):
-        ax.plot([r["rows"] for r in rows], [r[name]["weight_GB_per_s"] for r in rows], "o-", color=f"C{i}", label=name)
+    for i, name in enumerate(paths):           # markers and dashes differ too: two paths can run at the same speed
+        ax.plot([r["rows"] for r in rows], [r[name]["weight_GB_per_s"] for r in rows], color=f"C{i}", label=name,
+                marker="osD^v"[i % 5], ls="-" if i % 2 == 0 else "--", markersize=7 - i, lw=1.4)
     ax.axhline(result["sum_read_GB_per_s"], color="gray", lw=0.8, ls=":",
                label=f"memory read by sum(): {result['sum_read_GB_per_s']:.0f} GB/s")
     ax.set_xscale("log", base=2)

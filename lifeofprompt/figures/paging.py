@@ -86,6 +86,7 @@ def legend_handles(names) -> list[Patch]:
     handles = [Patch(color=c, label=n) for n, c in owner_colors(names).items()]
     return handles + [Patch(facecolor=CACHED_FREE, label="free, still cached"),
                       Patch(facecolor="white", edgecolor="#444444", label="free"),
+                      Patch(facecolor="white", edgecolor=UNUSED, hatch="...", label="held, not yet written"),
                       Patch(facecolor="white", edgecolor="black", hatch="///", label="shared")]
 
 

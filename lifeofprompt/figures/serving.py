@@ -18,11 +18,12 @@ def machine_label() -> str:
     """Which machine, which versions, and how busy it was (the 1-minute load average)."""
     import torch
 
-    from ..env import env_info
+    from ..env import cpu_label, env_info
 
     info = env_info()
     load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
-    return (f"measured on {info['machine']} ({info['device']}), torch {info['torch']} with "
+    where = info["device"] if torch.cuda.is_available() else f"{cpu_label()}, {os.cpu_count()} cores, no GPU"
+    return (f"measured on {where}, torch {info['torch']} with "
             f"{torch.get_num_threads()} thread(s){load}, {info['date']}")
 
 
@@ -142,8 +143,8 @@ def plot_queue_growth(results, capacity: float, label: str | None = None):
         ax.set_ylabel("waiting", fontsize=8)
         ax.grid(True, alpha=0.3)
     axes[-1, 0].set_xlabel("seconds since the first request (waiting: requests sent, no first token yet)")
-    fig.suptitle("Bursts of Poisson arrivals build a queue, which drains in the lulls; one run per rate, so its peak is chance as much as load",
-                 fontsize=10)
+    fig.suptitle("Bursts of Poisson arrivals build a queue, which drains in the lulls;\n"
+                 "one run per rate, so its peak is chance as much as load", fontsize=10)
     return _finish(fig, label)
 
 

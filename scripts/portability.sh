@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The numerics tests (pytest -m numerics: results that depend on floating-point kernels) once per
 # forced kernel setting, so a test that holds only on this CPU's own kernels shows up here and not on
-# the next machine. Outside CI: 2-3 minutes a setting on 2 cores, about 25 for all nine.
+# the next machine. Outside CI: about 5 minutes a setting on 2 cores (309 tests), about 45 for all nine.
 #
 #   bash scripts/portability.sh                 every setting below
 #   bash scripts/portability.sh default path-rowwise    only the named ones

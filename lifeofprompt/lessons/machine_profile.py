@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..env import cache_dir, cpu_model
+from ..env import cache_dir, cpu_label, cpu_model
 from . import roofline
 
 VERSION = 1
@@ -33,7 +33,7 @@ PROFILE_DECODE_STEPS = 8        # decode steps timed; the fastest is the profile
 class MachineProfile:
     """The machine's numbers, measured together."""
 
-    name: str                     # e.g. "AMD EPYC, 1 thread"
+    name: str                     # e.g. "AMD EPYC (AVX-512), 1 thread"
     read_bandwidth: float         # bytes/s a sum() reads (2 MiB pages on the CPU)
     copy_bandwidth: float         # bytes/s read + written by a copy
     matmul_flops: float           # operations/s of a square fp32 (CPU) or bf16 (GPU) product
@@ -126,7 +126,7 @@ def machine_profile(device: str = "cpu", refresh: bool = False) -> MachineProfil
         except (OSError, ValueError, TypeError, KeyError):
             pass
     threads = torch.get_num_threads()
-    name = f"{key['what']}, {threads} thread{'s' if threads != 1 else ''}" if device == "cpu" else key["what"]
+    name = f"{cpu_label()}, {threads} thread{'s' if threads != 1 else ''}" if device == "cpu" else key["what"]
     load = load_now()
     machine = roofline.measure_machine(device)
     profile = MachineProfile(name=name, read_bandwidth=roofline.measure_read_bandwidth(device),

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..env import cpu_label
+
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
@@ -226,8 +228,9 @@ def plot_cpu_linear(result: dict, path: Path | None = None):
     ax.set_xlabel("rows multiplied by every weight matrix (decode batch size)")
     ax.set_ylabel("weight bytes read per second (GB/s)")
     env = result["env"]
+    cpu = cpu_label(env["cpu"], env.get("cpu_flags", "").split()) if env.get("cpu") else env["machine"]
     ax.set_title(f"SmolLM2-135M's 120 layer matrices, fp32, {result['threads']} thread\n"
-                 f"{env.get('cpu', env['machine'])}, torch {env['torch']}, {env['date']}", fontsize=9)
+                 f"{cpu}, torch {env['torch']}, {env['date']}", fontsize=9)
     return _finish(fig, path, ax)
 
 

@@ -117,9 +117,9 @@ def measure_machine(device="cpu", dtype=None, name: str | None = None) -> Machin
         if device.type == "cuda":
             name = torch.cuda.get_device_name(device)
         else:
-            import platform
+            from ..env import cpu_label
             threads = torch.get_num_threads()
-            name = f"CPU {platform.machine()}, {threads} thread{'s' if threads != 1 else ''}"
+            name = f"{cpu_label()}, {threads} thread{'s' if threads != 1 else ''}"
     return Machine(name=name, bandwidth=measure_copy_bandwidth(device), flops=measure_matmul_rate(device, dtype))
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lifeofprompt.env import cpu_label
+
 from lifeofprompt.model.config import LLAMA_3_1_8B, SMOLLM2_135M, TINYLLAMA_1_1B
 from lifeofprompt.lessons.flops import (attention_pairs, cached_step_flops, forward_flops, generation_flops,
                                 naive_step_flops)
@@ -102,4 +104,5 @@ def test_measurements_on_this_machine_are_positive():
     assert measure_copy_bandwidth("cpu", nbytes=4 * 2**20, repeats=1) > 1e7
     assert measure_matmul_rate("cpu", torch.float32, size=64, repeats=1) > 1e6
     machine = measure_machine("cpu")
-    assert machine.bandwidth > 0 and machine.flops > 0 and "CPU" in machine.name
+    assert machine.bandwidth > 0 and machine.flops > 0
+    assert machine.name == f"{cpu_label()}, {torch.get_num_threads()} thread{'s' if torch.get_num_threads() != 1 else ''}"

@@ -2,8 +2,8 @@
 
 A single-process engine captures its decode step once per batch size and replays it
 (``model/graph_capture.py``, filled by ``engine/cuda_graphs.py``). With T ranks the step also
-holds all-reduces, and each rank's graph must replay in step with the others'. What cannot go inside a graph is the step's inputs
-travelling from rank 0: a graph replays the values its buffers hold, so a broadcast captured
+holds all-reduces, and each rank's graph must replay in step with the others'. What cannot go
+inside a graph is the step's inputs travelling from rank 0: a graph replays the values its buffers hold, so a broadcast captured
 in it would resend the capture's own header forever. So the step splits in three, on every rank:
 
 1. outside any graph, rank 0 broadcasts the padded decode step (ids, positions, slots,

@@ -187,8 +187,8 @@ class LlamaForCausalLM(nn.Module):
         matrix products change. At batch 1 on a GPU the ~55 kernels of a layer cost more than its
         matrix products (``benchmarks/NOTES.md``), most of them tiny element-wise ones; here a
         layer's element-wise work is four launches: residual add + RMSNorm twice, the rotary of q
-        and k in place inside the qkv output, and SiLU × up. The residual stream lives in one tensor updated in place, and each layer's
-        last residual add is done by the next layer's input norm (the last one by the final norm).
+        and k in place inside the qkv output, and SiLU × up. The residual stream lives in one
+        tensor updated in place, and each layer's last residual add is done by the next layer's input norm (the last one by the final norm).
         """
         from ..kernels import fused
 

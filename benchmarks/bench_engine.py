@@ -45,8 +45,9 @@ RESULTS = ROOT / "benchmarks" / "results"
 # ----------------------------------------------------------------------------- workloads
 
 
-def random_workload(n: int, seed: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
-                    max_id: int = 10_000) -> tuple[list[list[int]], list[int]]:
+def random_workload(
+    n: int, seed: int, prompt_range: tuple[int, int], output_range: tuple[int, int], max_id: int = 10_000
+) -> tuple[list[list[int]], list[int]]:
     """``n`` prompts of random ids (lengths uniform in ``prompt_range``) and output lengths; seeded."""
     rng = random.Random(seed)
     prompts = [[rng.randint(3, max_id - 1) for _ in range(rng.randint(*prompt_range))] for _ in range(n)]
@@ -108,12 +109,22 @@ def run_engine(llm, prompts, out_lens, label="lifeofprompt", deadline_s: float |
             engine.abort(rid)
         engine.step()
     tokens = sum(len(o.outputs[0].token_ids) for o in latest.values())
-    ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in latest.values()
-            if o.metrics.first_token_time is not None]
-    return dict(peer=label, seconds=seconds, output_tokens=tokens, tokens_per_s=tokens / seconds,
-                requests=len(prompts), prompt_tokens=sum(map(len, prompts)),
-                ttft_median_s=statistics.median(ttft) if ttft else None,
-                steps=engine.scheduler.num_steps - steps_before, timed_out=timed_out)
+    ttft = [
+        o.metrics.first_token_time - o.metrics.arrival_time
+        for o in latest.values()
+        if o.metrics.first_token_time is not None
+    ]
+    return dict(
+        peer=label,
+        seconds=seconds,
+        output_tokens=tokens,
+        tokens_per_s=tokens / seconds,
+        requests=len(prompts),
+        prompt_tokens=sum(map(len, prompts)),
+        ttft_median_s=statistics.median(ttft) if ttft else None,
+        steps=engine.scheduler.num_steps - steps_before,
+        timed_out=timed_out,
+    )
 
 
 # ----------------------------------------------------------------------------- transformers
@@ -132,7 +143,7 @@ def hf_static_batches(ref, prompts, out_lens, batch_size: int) -> dict:
     sync(device)
     start = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
-        batch, wants = prompts[i:i + batch_size], out_lens[i:i + batch_size]
+        batch, wants = prompts[i : i + batch_size], out_lens[i : i + batch_size]
         width = max(map(len, batch))
         ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
@@ -143,8 +154,13 @@ def hf_static_batches(ref, prompts, out_lens, batch_size: int) -> dict:
         useful += sum(wants)
     sync(device)
     seconds = time.perf_counter() - start
-    return dict(peer=f"transformers generate, static batches of {batch_size}", seconds=seconds,
-                output_tokens=useful, generated_tokens=generated, tokens_per_s=useful / seconds)
+    return dict(
+        peer=f"transformers generate, static batches of {batch_size}",
+        seconds=seconds,
+        output_tokens=useful,
+        generated_tokens=generated,
+        tokens_per_s=useful / seconds,
+    )
 
 
 def hf_continuous(ref, prompts, out_lens, timeout_s: float = 600) -> dict:
@@ -158,8 +174,12 @@ def hf_continuous(ref, prompts, out_lens, timeout_s: float = 600) -> dict:
     label = "transformers continuous batching"
     if not hasattr(ref, "generate_batch"):
         import transformers
-        return dict(peer=label, available=False,
-                    note=f"transformers {transformers.__version__} has no generate_batch (continuous batching)")
+
+        return dict(
+            peer=label,
+            available=False,
+            note=f"transformers {transformers.__version__} has no generate_batch (continuous batching)",
+        )
     config = GenerationConfig(max_new_tokens=max(out_lens), do_sample=False, eos_token_id=[], pad_token_id=0)
     sync(ref.device)
     start = time.perf_counter()
@@ -171,9 +191,11 @@ def hf_continuous(ref, prompts, out_lens, timeout_s: float = 600) -> dict:
             # killer on a shared machine): give it just the blocks this workload needs.
             try:
                 from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
                 blocks = sum(-(-(len(p) + k) // 256) for p, k in zip(prompts, out_lens)) + len(prompts)
                 manager = ref.init_continuous_batching(
-                    generation_config=config, continuous_batching_config=ContinuousBatchingConfig(num_blocks=blocks))
+                    generation_config=config, continuous_batching_config=ContinuousBatchingConfig(num_blocks=blocks)
+                )
                 note += f", {blocks} cache blocks of 256 tokens"
             except (ImportError, TypeError):
                 manager = None
@@ -181,7 +203,7 @@ def hf_continuous(ref, prompts, out_lens, timeout_s: float = 600) -> dict:
             manager = ref.init_continuous_batching(generation_config=config)
         manager.start()
         try:
-            try:       # streaming: partial outputs too, so a capped run counts every token made
+            try:  # streaming: partial outputs too, so a capped run counts every token made
                 ids = [manager.add_request(p, max_new_tokens=k, streaming=True) for p, k in zip(prompts, out_lens)]
                 note += ", streaming"
             except TypeError:
@@ -189,8 +211,10 @@ def hf_continuous(ref, prompts, out_lens, timeout_s: float = 600) -> dict:
             latest, done = {}, set()
             while len(done) < len(ids):
                 if time.perf_counter() - start > timeout_s:
-                    note += (f"; TIMED OUT: {len(done)}/{len(ids)} requests finished after {timeout_s:.0f} s "
-                             "(tokens/s counts every token made by then)")
+                    note += (
+                        f"; TIMED OUT: {len(done)}/{len(ids)} requests finished after {timeout_s:.0f} s "
+                        "(tokens/s counts every token made by then)"
+                    )
                     break
                 result = manager.get_result(timeout=1)
                 if result is not None:
@@ -211,21 +235,32 @@ def hf_continuous(ref, prompts, out_lens, timeout_s: float = 600) -> dict:
         note = f"generate_batch with max_new_tokens={max(out_lens)} for all (manager API: {exc!r})"
         start = time.perf_counter()
         if ref.device.type == "cpu":
-            raise RuntimeError("no bounded cache size for generate_batch on the CPU: skipped (it can take the host's RAM)")
+            raise RuntimeError(
+                "no bounded cache size for generate_batch on the CPU: skipped (it can take the host's RAM)"
+            ) from None
         out = ref.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
         tokens = sum(len(r.generated_tokens) for r in out.values())
         finished = len(out)
     sync(ref.device)
     seconds = time.perf_counter() - start
-    return dict(peer=label, available=True, seconds=seconds, output_tokens=tokens, tokens_per_s=tokens / seconds,
-                requests=len(prompts), finished_requests=finished, timed_out="TIMED OUT" in note, note=note)
+    return dict(
+        peer=label,
+        available=True,
+        seconds=seconds,
+        output_tokens=tokens,
+        tokens_per_s=tokens / seconds,
+        requests=len(prompts),
+        finished_requests=finished,
+        timed_out="TIMED OUT" in note,
+        note=note,
+    )
 
 
 def hf_decode_batch1(ref, prompt, n: int) -> dict:
     """transformers greedy ``generate`` on one prompt: tokens/s including its prefill."""
     from lifeofprompt.lessons.reference import hf_greedy
 
-    hf_greedy(ref, prompt, 2)                                   # warm-up
+    hf_greedy(ref, prompt, 2)  # warm-up
     sync(ref.device)
     start = time.perf_counter()
     hf_greedy(ref, prompt, n)
@@ -237,7 +272,7 @@ def hf_decode_batch1(ref, prompt, n: int) -> dict:
 def engine_decode_batch1(llm, prompt, n: int) -> dict:
     """Our engine on one prompt: tokens/s over the wall time (prefill included), and over the time
     after the first token (``decode_tokens_per_s``, what llama-server's own timings measure)."""
-    out = run_engine(llm, [prompt], [2])                        # warm-up
+    out = run_engine(llm, [prompt], [2])  # warm-up
     out = run_engine(llm, [prompt], [n], label="lifeofprompt (batch 1)")
     if out["ttft_median_s"] is not None and out["output_tokens"] > 1:
         out["decode_tokens_per_s"] = (out["output_tokens"] - 1) / (out["seconds"] - out["ttft_median_s"])
@@ -271,8 +306,9 @@ def llama_server(threads: int, decode_tokens: int, slots: int = LLAMA_SLOTS):
     llama_cpp = llama_cpp_module()
     longest = max(256 + 128, 64 + decode_tokens) + 16
     per_slot = -(-longest // 256) * 256
-    return llama_cpp.LlamaServer(smollm2_gguf_path(), llama_cpp.build(), slots=slots,
-                                 ctx_per_slot=per_slot, threads=threads)
+    return llama_cpp.LlamaServer(
+        smollm2_gguf_path(), llama_cpp.build(), slots=slots, ctx_per_slot=per_slot, threads=threads
+    )
 
 
 def returned_tokens(reply: dict) -> int:
@@ -290,22 +326,34 @@ def llama_mixed(server, prompts, out_lens, slots: int = LLAMA_SLOTS) -> dict:
         replies = list(pool.map(lambda job: server.complete(*job), zip(prompts, out_lens)))
     seconds = time.perf_counter() - start
     tokens = sum(map(returned_tokens, replies))
-    return dict(peer=f"llama.cpp llama-server, {slots} slots (Q4_1 GGUF)", seconds=seconds, output_tokens=tokens,
-                asked_tokens=sum(out_lens), tokens_per_s=tokens / seconds, requests=len(prompts),
-                prompt_tokens=sum(map(len, prompts)))
+    return dict(
+        peer=f"llama.cpp llama-server, {slots} slots (Q4_1 GGUF)",
+        seconds=seconds,
+        output_tokens=tokens,
+        asked_tokens=sum(out_lens),
+        tokens_per_s=tokens / seconds,
+        requests=len(prompts),
+        prompt_tokens=sum(map(len, prompts)),
+    )
 
 
 def llama_decode_batch1(server, prompt, n: int) -> dict:
     """One prompt, ``n`` tokens: tokens/s over the request's wall time (prefill and HTTP included,
     as ours), and the server's own decode rate from its ``timings``."""
-    server.complete(prompt, 2)                                  # warm-up
+    server.complete(prompt, 2)  # warm-up
     start = time.perf_counter()
     reply = server.complete(prompt, n)
     seconds = time.perf_counter() - start
     timings, tokens = reply.get("timings", {}), returned_tokens(reply)
-    return dict(peer="llama.cpp llama-server (batch 1, Q4_1 GGUF)", seconds=seconds, output_tokens=tokens,
-                tokens_per_s=tokens / seconds, decode_tokens_per_s=timings.get("predicted_per_second"),
-                server_prompt_ms=timings.get("prompt_ms"), server_decode_ms=timings.get("predicted_ms"))
+    return dict(
+        peer="llama.cpp llama-server (batch 1, Q4_1 GGUF)",
+        seconds=seconds,
+        output_tokens=tokens,
+        tokens_per_s=tokens / seconds,
+        decode_tokens_per_s=timings.get("predicted_per_second"),
+        server_prompt_ms=timings.get("prompt_ms"),
+        server_decode_ms=timings.get("predicted_ms"),
+    )
 
 
 # ----------------------------------------------------------------------------- step times
@@ -335,17 +383,20 @@ def decode_step_curve(runner, batch_sizes: list[int], context: int, steps: int =
             seq.block_table = list(range(next_block, next_block + blocks))
             next_block += blocks
             seqs.append(seq)
-        for i in range(0, batch, 8):                     # prefill in small groups
-            run_step(runner, seqs[i:i + 8], [context] * len(seqs[i:i + 8]))
-        run_step(runner, seqs, [1] * batch)              # warm-up
+        for i in range(0, batch, 8):  # prefill in small groups
+            run_step(runner, seqs[i : i + 8], [context] * len(seqs[i : i + 8]))
+        run_step(runner, seqs, [1] * batch)  # warm-up
         times = []
         for _ in range(steps):
             sync(runner.device)
             start = time.perf_counter()
             run_step(runner, seqs, [1] * batch)
             times.append(time.perf_counter() - start)
-        rows.append(dict(batch=batch, context=context, step_s=statistics.median(times), min_step_s=min(times),
-                         timed_steps=steps))
+        rows.append(
+            dict(
+                batch=batch, context=context, step_s=statistics.median(times), min_step_s=min(times), timed_steps=steps
+            )
+        )
     return rows
 
 
@@ -367,7 +418,7 @@ def step_beside_floor(runner, weight_bytes: int, context: int, pairs: int = 21) 
     seq = Sequence("floor", [rng.randint(3, 9999) for _ in range(context)], SamplingParams(temperature=0))
     seq.block_table = list(range(-(-(context + pairs + 4) // runner.block_size)))
     run_step(runner, [seq], [context])
-    run_step(runner, [seq], [1])                                       # warm-up
+    run_step(runner, [seq], [1])  # warm-up
     data = huge_page_buffer(weight_bytes // 4 * 4).view(torch.float32).fill_(1.0)
     data.sum()
     steps, reads = [], []
@@ -379,9 +430,16 @@ def step_beside_floor(runner, weight_bytes: int, context: int, pairs: int = 21) 
         run_step(runner, [seq], [1])
         steps.append(time.perf_counter() - start)
     ratios = [s / r for s, r in zip(steps, reads)]
-    return dict(pairs=pairs, context=context, median_step_s=statistics.median(steps), min_step_s=min(steps),
-                median_read_s=statistics.median(reads), min_read_s=min(reads), ratio=statistics.median(ratios),
-                best_ratio=min(steps) / min(reads))
+    return dict(
+        pairs=pairs,
+        context=context,
+        median_step_s=statistics.median(steps),
+        min_step_s=min(steps),
+        median_read_s=statistics.median(reads),
+        min_read_s=min(reads),
+        ratio=statistics.median(ratios),
+        best_ratio=min(steps) / min(reads),
+    )
 
 
 def roofline_curve(machine, config, dtype, rows: list[dict]) -> list[dict]:
@@ -391,8 +449,9 @@ def roofline_curve(machine, config, dtype, rows: list[dict]) -> list[dict]:
     for row in rows:
         if "step_s" in row:
             b = row["batch"]
-            row["predicted_s"] = predict_step_time(machine, config, dtype, num_tokens=b,
-                                                   context_tokens=b * row["context"], num_seqs=b)
+            row["predicted_s"] = predict_step_time(
+                machine, config, dtype, num_tokens=b, context_tokens=b * row["context"], num_seqs=b
+            )
     return rows
 
 
@@ -401,6 +460,7 @@ def roofline_curve(machine, config, dtype, rows: list[dict]) -> list[dict]:
 
 def plot_throughput(results: dict, path: Path, title: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     from lifeofprompt.figures.engine import plot_throughput as draw
 
@@ -409,6 +469,7 @@ def plot_throughput(results: dict, path: Path, title: str) -> None:
 
 def plot_batching_curve(rows: list[dict], path: Path, title: str, floor_s: float | None = None) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     from lifeofprompt.figures.engine import plot_batching_curve as draw
 
@@ -429,7 +490,7 @@ def best_of(rounds: int, runs: dict) -> list[dict]:
         for label, run in runs.items():
             results[label].append(run())
     best = []
-    for label, outs in results.items():
+    for outs in results.values():
         fastest = dict(min(outs, key=lambda o: o["seconds"]))
         fastest["round_seconds"] = [o["seconds"] for o in outs]
         best.append(fastest)
@@ -448,9 +509,14 @@ def cpu_description() -> dict:
 
     flags = sorted(cpu_flags())
     info = _cpuinfo()
-    return dict(model=cpu_model(), vector_isa=cpu_vector_isa(flags), family=info.get("cpu family"),
-                model_number=info.get("model"), simd_flags=[f for f in flags if SIMD_FLAG.match(f)],
-                flags=" ".join(flags))
+    return dict(
+        model=cpu_model(),
+        vector_isa=cpu_vector_isa(flags),
+        family=info.get("cpu family"),
+        model_number=info.get("model"),
+        simd_flags=[f for f in flags if SIMD_FLAG.match(f)],
+        flags=" ".join(flags),
+    )
 
 
 def cpu_slug(model: str) -> str:
@@ -503,8 +569,10 @@ def fixed64_phase(args, results: dict, llm, ref) -> None:
     """Fixed 64-token outputs against transformers' continuous batching (a transformers-only peer)."""
     prompts, _ = mixed_workload(args.fixed, seed=1)
     outs = [64] * len(prompts)
-    runs = {"ours": lambda: run_engine(llm, prompts, outs),
-            "cb": lambda: hf_continuous(ref, prompts, outs, timeout_s=args.peer_timeout)}
+    runs = {
+        "ours": lambda: run_engine(llm, prompts, outs),
+        "cb": lambda: hf_continuous(ref, prompts, outs, timeout_s=args.peer_timeout),
+    }
     best = dict(zip(runs, best_of(args.rounds, runs)))
     results["fixed64"] = list(best.values())
     add_ratios(results, best, {"cb": "fixed64_speedup"})
@@ -528,20 +596,26 @@ def batch1_phase(args, results: dict, llm, ref, server) -> None:
 def llama_cpp_record(server) -> dict:
     """What the llama.cpp peer was: pinned source, build flags, the server's command line."""
     module = llama_cpp_module()
-    return dict(llama_cpp_python=module.LLAMA_CPP_PYTHON_VERSION, sdist_sha256=module.SDIST_SHA256,
-                version=module.server_version(server.binary), build=module.build_info(server.binary),
-                command=server.command(),
-                model=f"{server.model.name} (Q4_1: ~4.5 bits a weight, where ours reads dequantized weights)")
+    return dict(
+        llama_cpp_python=module.LLAMA_CPP_PYTHON_VERSION,
+        sdist_sha256=module.SDIST_SHA256,
+        version=module.server_version(server.binary),
+        build=module.build_info(server.binary),
+        command=server.command(),
+        model=f"{server.model.name} (Q4_1: ~4.5 bits a weight, where ours reads dequantized weights)",
+    )
 
 
 def targets(results: dict) -> dict:
     out = {}
     if "batch1_step" in results:
         out["batch-1 step <= 1.25x the read floor"] = results["batch1_step"]["ratio"] <= 1.25
-    checks = {"mixed ≥ 2.5x static batches": ("mixed_speedup", 2.5),
-              "batch-1 decode ≥ 1.2x generate": ("batch1_speedup", 1.2),
-              "mixed ≥ 2x llama-server": ("mixed_vs_llama_cpp", 2.0),
-              "batch-1 decode ≥ llama-server (moonshot)": ("batch1_vs_llama_cpp", 1.0)}
+    checks = {
+        "mixed ≥ 2.5x static batches": ("mixed_speedup", 2.5),
+        "batch-1 decode ≥ 1.2x generate": ("batch1_speedup", 1.2),
+        "mixed ≥ 2x llama-server": ("mixed_vs_llama_cpp", 2.0),
+        "batch-1 decode ≥ llama-server (moonshot)": ("batch1_vs_llama_cpp", 1.0),
+    }
     return out | {name: results[key] >= bar for name, (key, bar) in checks.items() if key in results}
 
 
@@ -550,23 +624,31 @@ def cpu_run(args) -> dict:
     from lifeofprompt.lessons.roofline import decode_floor, decode_weight_bytes, measure_machine, measure_read_bandwidth
 
     torch.set_num_threads(args.threads)
-    llm = make_llm("smollm2-135m", "cpu", dtype=cpu_dtype(args.dtype), max_num_seqs=args.max_num_seqs,
-                   enable_prefix_caching=False)
+    llm = make_llm(
+        "smollm2-135m", "cpu", dtype=cpu_dtype(args.dtype), max_num_seqs=args.max_num_seqs, enable_prefix_caching=False
+    )
     dtype = str(llm.engine.model.dtype).removeprefix("torch.")
-    results: dict = {"env": env_info(), "cpu": cpu_description(), "threads": args.threads, "dtype": dtype,
-                     "rounds": args.rounds, "peers": list(args.peers),
-                     "model": f"smollm2-135m ({SHORT_DTYPE.get(dtype, dtype)}, real weights)",
-                     "startup_log": list(llm.engine.startup_log)}
-    run_engine(llm, *mixed_workload(4, seed=9))                 # warm-up: first-call set-up of every kernel
+    results: dict = {
+        "env": env_info(),
+        "cpu": cpu_description(),
+        "threads": args.threads,
+        "dtype": dtype,
+        "rounds": args.rounds,
+        "peers": list(args.peers),
+        "model": f"smollm2-135m ({SHORT_DTYPE.get(dtype, dtype)}, real weights)",
+        "startup_log": list(llm.engine.startup_log),
+    }
+    run_engine(llm, *mixed_workload(4, seed=9))  # warm-up: first-call set-up of every kernel
     with contextlib.ExitStack() as stack:
         ref = server = None
         if "transformers" in args.peers:
             from lifeofprompt.lessons.reference import load_reference
+
             ref = load_reference("smollm2-135m", dtype=torch.float32, device="cpu")
             results["transformers_dtype"] = "float32"
         if "llama.cpp" in args.peers:
             server = stack.enter_context(llama_server(args.threads, args.decode_tokens))
-            llama_mixed(server, *mixed_workload(4, seed=9))     # warm-up
+            llama_mixed(server, *mixed_workload(4, seed=9))  # warm-up
             results["llama_cpp"] = llama_cpp_record(server)
         mixed_phase(args, results, llm, ref, server)
         if ref is not None:
@@ -587,19 +669,30 @@ def cpu_run(args) -> dict:
     paired = step_beside_floor(runner, weight_bytes, context=64)
     # "ratio" (the target's): the median of step ÷ read taken in pairs, so the VM's drift cancels;
     # "separate_ratio": the curve's median step ÷ the best read of another moment, as before.
-    results["batch1_step"] = dict(step_s=step_s, read_bandwidth=read, floor_s=floor_s, ratio=paired["ratio"],
-                                  separate_ratio=step_s / floor_s, paired=paired,
-                                  load_average=os.getloadavg()[0])     # notebook 08 sets it beside the profile's
-    print(f"batch-1 step {step_s * 1e3:.1f} ms, floor {floor_s * 1e3:.1f} ms ({read / 1e9:.1f} GB/s read): "
-          f"{step_s / floor_s:.2f}x; in {paired['pairs']} step/read pairs {paired['ratio']:.2f}x "
-          f"(median step {paired['median_step_s'] * 1e3:.1f} ms, read {paired['median_read_s'] * 1e3:.1f} ms)",
-          flush=True)
+    results["batch1_step"] = dict(
+        step_s=step_s,
+        read_bandwidth=read,
+        floor_s=floor_s,
+        ratio=paired["ratio"],
+        separate_ratio=step_s / floor_s,
+        paired=paired,
+        load_average=os.getloadavg()[0],
+    )  # notebook 08 sets it beside the profile's
+    print(
+        f"batch-1 step {step_s * 1e3:.1f} ms, floor {floor_s * 1e3:.1f} ms ({read / 1e9:.1f} GB/s read): "
+        f"{step_s / floor_s:.2f}x; in {paired['pairs']} step/read pairs {paired['ratio']:.2f}x "
+        f"(median step {paired['median_step_s'] * 1e3:.1f} ms, read {paired['median_read_s'] * 1e3:.1f} ms)",
+        flush=True,
+    )
     results["targets"] = targets(results)
     return results
 
 
-CPU_PANELS = {"mixed": "mixed workload (prompts 16-256, outputs 16-128)",
-              "fixed64": "fixed 64-token outputs", "batch1": "batch-1 decode (64-token prompt)"}
+CPU_PANELS = {
+    "mixed": "mixed workload (prompts 16-256, outputs 16-128)",
+    "fixed64": "fixed 64-token outputs",
+    "batch1": "batch-1 decode (64-token prompt)",
+}
 
 
 def parse_peers(text: str) -> tuple[str, ...]:
@@ -628,15 +721,30 @@ def main(argv=None) -> int:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--curve", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--curve-context", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="CPU threads for every peer, ours, transformers and llama-server "
-                             "(1: fair and stable on a shared machine)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "auto"], default="float32",
-                        help="our engine's dtype (auto: the engine's own choice); transformers stays float32")
-    parser.add_argument("--peers", type=parse_peers, default=("transformers",),
-                        help="comma-separated: transformers (default), llama.cpp, or both")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="runs of each peer, alternating; the fastest counts (batch-1 decode: one more)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads for every peer, ours, transformers and llama-server (1: fair and stable on a shared machine)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "auto"],
+        default="float32",
+        help="our engine's dtype (auto: the engine's own choice); transformers stays float32",
+    )
+    parser.add_argument(
+        "--peers",
+        type=parse_peers,
+        default=("transformers",),
+        help="comma-separated: transformers (default), llama.cpp, or both",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="runs of each peer, alternating; the fastest counts (batch-1 decode: one more)",
+    )
     parser.add_argument("--peer-timeout", type=float, default=300, help="cap on transformers' continuous batching run")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -645,12 +753,18 @@ def main(argv=None) -> int:
     stem = result_stem(results, time.strftime("%Y%m%d"))
     path = args.out / f"cpu_engine_{stem}.json"
     path.write_text(json.dumps(results, indent=2, default=str))
-    title = (f"SmolLM2-135M {SHORT_DTYPE.get(results['dtype'], results['dtype'])} on {results['cpu']['model']} "
-             f"({args.threads} thread{'s' if args.threads > 1 else ''}), {results['env']['date']}")
+    title = (
+        f"SmolLM2-135M {SHORT_DTYPE.get(results['dtype'], results['dtype'])} on {results['cpu']['model']} "
+        f"({args.threads} thread{'s' if args.threads > 1 else ''}), {results['env']['date']}"
+    )
     panels = {name: results[k] for k, name in CPU_PANELS.items() if k in results}
     plot_throughput(panels, args.out / f"cpu_throughput_{stem}.png", title)
-    plot_batching_curve(results["batching_curve"], args.out / f"cpu_batching_curve_{stem}.png",
-                        f"decode step vs batch, context {args.curve_context} — {title}", results["decode_floor_s"])
+    plot_batching_curve(
+        results["batching_curve"],
+        args.out / f"cpu_batching_curve_{stem}.png",
+        f"decode step vs batch, context {args.curve_context} — {title}",
+        results["decode_floor_s"],
+    )
     print(f"wrote {path}")
     return 0
 

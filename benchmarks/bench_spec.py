@@ -37,18 +37,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lifeofprompt.lessons.speculation import workloads  # noqa: E402  (the same conversations as notebook 10)
 
+
 def make_llm(mode: str, args, model, tokenizer):
     from lifeofprompt.engine.draft_model import first_layers
     from lifeofprompt.engine.llm import LLM
 
     spec = None
     if mode == "ngram":
-        spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
-                "prompt_lookup_max": args.lookup_max}
+        spec = {
+            "method": "ngram",
+            "num_speculative_tokens": args.k,
+            "prompt_lookup_min": args.lookup_min,
+            "prompt_lookup_max": args.lookup_max,
+        }
     elif mode == "draft":
         spec = {"model": first_layers(model, args.draft_layers), "num_speculative_tokens": args.k}
-    return LLM(model, tokenizer=tokenizer, log_stats=False, num_kv_blocks=args.num_kv_blocks,
-               max_num_seqs=max(args.batch), speculative_config=spec)
+    return LLM(
+        model,
+        tokenizer=tokenizer,
+        log_stats=False,
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_seqs=max(args.batch),
+        speculative_config=spec,
+    )
 
 
 def run_batch(llm, prompts, params) -> tuple[float, list[list[int]]]:
@@ -61,7 +72,7 @@ def run_mode(llm, prompts, batch: int, params) -> tuple[float, list[list[int]]]:
     """Wall time of the whole workload in groups of ``batch`` requests, and the tokens."""
     seconds, tokens = 0.0, []
     for i in range(0, len(prompts), batch):
-        s, t = run_batch(llm, prompts[i:i + batch], params)
+        s, t = run_batch(llm, prompts[i : i + batch], params)
         seconds += s
         tokens += t
     return seconds, tokens
@@ -74,11 +85,20 @@ def spec_numbers(llm, before: dict) -> dict:
     drafts = spec.num_drafts - before.get("num_drafts", 0)
     drafted = spec.num_draft_tokens - before.get("num_draft_tokens", 0)
     accepted = spec.num_accepted_tokens - before.get("num_accepted_tokens", 0)
-    return dict(num_drafts=drafts, num_draft_tokens=drafted, num_accepted_tokens=accepted,
-                acceptance_rate=accepted / drafted if drafted else 0.0,
-                tokens_per_verify=1 + accepted / drafts if drafts else 1.0,
-                accepted_per_pos=[n - m for n, m in zip(spec.num_accepted_tokens_per_pos,
-                                                        before.get("num_accepted_tokens_per_pos", [0] * spec.num_speculative_tokens))])
+    return dict(
+        num_drafts=drafts,
+        num_draft_tokens=drafted,
+        num_accepted_tokens=accepted,
+        acceptance_rate=accepted / drafted if drafted else 0.0,
+        tokens_per_verify=1 + accepted / drafts if drafts else 1.0,
+        accepted_per_pos=[
+            n - m
+            for n, m in zip(
+                spec.num_accepted_tokens_per_pos,
+                before.get("num_accepted_tokens_per_pos", [0] * spec.num_speculative_tokens),
+            )
+        ],
+    )
 
 
 def measure(args, model, tokenizer) -> dict:
@@ -89,15 +109,15 @@ def measure(args, model, tokenizer) -> dict:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     results = {}
     for name, conversations in workloads().items():
-        conversations = conversations[:args.requests]
+        conversations = conversations[: args.requests]
         prompts = [llms["none"].apply_chat_template(c) for c in conversations]
-        for llm in llms.values():                       # warm-up: first-call costs out of the timings
+        for llm in llms.values():  # warm-up: first-call costs out of the timings
             run_batch(llm, prompts[:1], SamplingParams(temperature=0, max_tokens=4))
         for batch in args.batch:
             times = {m: [] for m in modes}
             tokens, spec = {}, {}
             for r in range(args.rounds):
-                order = modes[r % len(modes):] + modes[:r % len(modes)]      # alternate who goes first
+                order = modes[r % len(modes) :] + modes[: r % len(modes)]  # alternate who goes first
                 for m in order:
                     before = llms[m].engine.spec_stats.as_dict() if llms[m].engine.spec_stats else {}
                     seconds, tokens[m] = run_mode(llms[m], prompts, batch, params)
@@ -107,15 +127,27 @@ def measure(args, model, tokenizer) -> dict:
             row = {"batch": batch, "requests": len(prompts), "output_tokens": n}
             for m in modes:
                 best = min(times[m])
-                row[m] = dict(seconds=times[m], best_seconds=best, tokens_per_s=n / best, **spec[m],
-                              same_tokens=sum(a == b for a, b in zip(tokens[m], tokens["none"])))
+                row[m] = dict(
+                    seconds=times[m],
+                    best_seconds=best,
+                    tokens_per_s=n / best,
+                    **spec[m],
+                    same_tokens=sum(a == b for a, b in zip(tokens[m], tokens["none"])),
+                )
             for m in modes[1:]:
                 row[f"{m}_speedup"] = row["none"]["best_seconds"] / row[m]["best_seconds"]
             results[f"{name}_batch{batch}"] = row
-            print(f"{name:5} batch {batch}: " + ", ".join(
-                f"{m} {row[m]['tokens_per_s']:.1f} tok/s" for m in modes) + "; " + ", ".join(
-                f"{m} {row[f'{m}_speedup']:.2f}x, accepted {row[m]['acceptance_rate']:.0%}, "
-                f"{row[m]['tokens_per_verify']:.2f} tokens/verify" for m in modes[1:]), flush=True)
+            print(
+                f"{name:5} batch {batch}: "
+                + ", ".join(f"{m} {row[m]['tokens_per_s']:.1f} tok/s" for m in modes)
+                + "; "
+                + ", ".join(
+                    f"{m} {row[f'{m}_speedup']:.2f}x, accepted {row[m]['acceptance_rate']:.0%}, "
+                    f"{row[m]['tokens_per_verify']:.2f} tokens/verify"
+                    for m in modes[1:]
+                ),
+                flush=True,
+            )
     return results
 
 
@@ -139,14 +171,25 @@ def main(argv=None) -> int:
         args.requests, args.max_tokens, args.rounds, args.batch = 2, 8, 1, [1, 2]
     torch.set_num_threads(args.threads)
     from bench_engine import cpu_description, cpu_file_slug
+
     from lifeofprompt import load_model
     from lifeofprompt.env import env_info
 
     model, tokenizer = load_model("smollm2-135m", dtype=getattr(torch, args.dtype), device="cpu")
-    results = dict(benchmark="speculative decoding", model="smollm2-135m", dtype=args.dtype, threads=args.threads,
-                   k=args.k, prompt_lookup=[args.lookup_min, args.lookup_max], draft_layers=args.draft_layers,
-                   max_tokens=args.max_tokens, rounds=args.rounds, cpu=cpu_description(), env=env_info(),
-                   tiny=args.tiny)
+    results = dict(
+        benchmark="speculative decoding",
+        model="smollm2-135m",
+        dtype=args.dtype,
+        threads=args.threads,
+        k=args.k,
+        prompt_lookup=[args.lookup_min, args.lookup_max],
+        draft_layers=args.draft_layers,
+        max_tokens=args.max_tokens,
+        rounds=args.rounds,
+        cpu=cpu_description(),
+        env=env_info(),
+        tiny=args.tiny,
+    )
     results["runs"] = measure(args, model, tokenizer)
     if args.tiny:
         print("tiny check: nothing written")

@@ -27,9 +27,16 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SCHEMA = {"type": "object", "required": ["name", "age", "city"], "additionalProperties": False,
-          "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer"},
-                         "city": {"type": "string", "maxLength": 24}}}
+SCHEMA = {
+    "type": "object",
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer"},
+        "city": {"type": "string", "maxLength": 24},
+    },
+}
 
 
 def mask_times(llm, prompt, params) -> list[float]:
@@ -65,6 +72,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     from bench_engine import cpu_description, cpu_file_slug
+
     from lifeofprompt import LLM, SamplingParams
     from lifeofprompt.engine.structured_output import StructuredOutputsParams
     from lifeofprompt.env import env_info
@@ -72,26 +80,40 @@ def main(argv=None) -> int:
     llm = LLM("smollm2-135m", dtype="float32", log_stats=False, num_kv_blocks=256, max_num_seqs=4)
     prompt = llm.apply_chat_template([{"role": "user", "content": "Describe a person as JSON: name, age and city."}])
     grammar = SamplingParams(temperature=0, max_tokens=96, structured_outputs=StructuredOutputsParams(json=SCHEMA))
-    answer = llm.generate([prompt], grammar, use_tqdm=False)[0].outputs[0]       # warm-up, and the length to match
+    answer = llm.generate([prompt], grammar, use_tqdm=False)[0].outputs[0]  # warm-up, and the length to match
     n = len(answer.token_ids)
     plain = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     best = {"grammar": float("inf"), "plain": float("inf")}
     for r in range(args.rounds):
-        for name in (("grammar", "plain") if r % 2 == 0 else ("plain", "grammar")):
+        for name in ("grammar", "plain") if r % 2 == 0 else ("plain", "grammar"):
             start = time.perf_counter()
             llm.generate([prompt], grammar if name == "grammar" else plain, use_tqdm=False)
             best[name] = min(best[name], time.perf_counter() - start)
     masks = mask_times(llm, prompt, grammar)
     step_s = best["plain"] / n
     mask_s = sorted(masks)[len(masks) // 2]
-    results = dict(benchmark="structured output mask", model="smollm2-135m", dtype="float32", threads=args.threads,
-                   cpu=cpu_description(), env=env_info(), answer=answer.text, tokens=n,
-                   plain_s=best["plain"], grammar_s=best["grammar"], step_s=step_s, mask_median_s=mask_s,
-                   mask_max_s=max(masks), mask_share_of_step=mask_s / step_s,
-                   grammar_slowdown=best["grammar"] / best["plain"])
-    print(f"{n} tokens: plain {best['plain']:.2f} s, with the grammar {best['grammar']:.2f} s "
-          f"({results['grammar_slowdown']:.3f}x); mask median {mask_s * 1e3:.3f} ms = "
-          f"{results['mask_share_of_step']:.1%} of a {step_s * 1e3:.1f} ms step (target <= 10%)")
+    results = dict(
+        benchmark="structured output mask",
+        model="smollm2-135m",
+        dtype="float32",
+        threads=args.threads,
+        cpu=cpu_description(),
+        env=env_info(),
+        answer=answer.text,
+        tokens=n,
+        plain_s=best["plain"],
+        grammar_s=best["grammar"],
+        step_s=step_s,
+        mask_median_s=mask_s,
+        mask_max_s=max(masks),
+        mask_share_of_step=mask_s / step_s,
+        grammar_slowdown=best["grammar"] / best["plain"],
+    )
+    print(
+        f"{n} tokens: plain {best['plain']:.2f} s, with the grammar {best['grammar']:.2f} s "
+        f"({results['grammar_slowdown']:.3f}x); mask median {mask_s * 1e3:.3f} ms = "
+        f"{results['mask_share_of_step']:.1%} of a {step_s * 1e3:.1f} ms step (target <= 10%)"
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"cpu_structured_{cpu_file_slug(results['cpu'])}_{args.threads}t_{time.strftime('%Y%m%d')}.json"
     path.write_text(json.dumps(results, indent=2, default=str))

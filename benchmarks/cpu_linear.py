@@ -92,19 +92,31 @@ def main(argv=None) -> int:
                 seconds = time_pass(name, modules, rows, args.reps)
                 row[name] = {"ms": seconds * 1e3, "weight_GB_per_s": nbytes / seconds / 1e9}
             rows_out.append(row)
-            print(f"M={rows:<4} " + "  ".join(f"{k} {v['ms']:7.1f} ms {v['weight_GB_per_s']:5.1f} GB/s"
-                                              for k, v in row.items() if k != "rows"), flush=True)
-    result = {"env": env_info(), "threads": args.threads, "weight_bytes": nbytes,
-              "sum_read_GB_per_s": read_bandwidth() / 1e9, "load_average": os.getloadavg()[0], "rows": rows_out}
+            print(
+                f"M={rows:<4} "
+                + "  ".join(
+                    f"{k} {v['ms']:7.1f} ms {v['weight_GB_per_s']:5.1f} GB/s" for k, v in row.items() if k != "rows"
+                ),
+                flush=True,
+            )
+    result = {
+        "env": env_info(),
+        "threads": args.threads,
+        "weight_bytes": nbytes,
+        "sum_read_GB_per_s": read_bandwidth() / 1e9,
+        "load_average": os.getloadavg()[0],
+        "rows": rows_out,
+    }
     print(f"{args.threads} thread(s) read memory with sum() at {result['sum_read_GB_per_s']:.1f} GB/s")
     args.out.mkdir(parents=True, exist_ok=True)
-    from bench_engine import cpu_description, cpu_file_slug      # results are named after the CPU they ran on
+    from bench_engine import cpu_description, cpu_file_slug  # results are named after the CPU they ran on
 
     result["cpu"] = cpu_description()
     threads = "" if args.threads == 1 else f"_{args.threads}t"
     path = args.out / f"cpu_linear_{cpu_file_slug(result['cpu'])}{threads}_{time.strftime('%Y%m%d')}.json"
     path.write_text(json.dumps(result, indent=2, default=str))
     import matplotlib
+
     matplotlib.use("Agg")
     from lifeofprompt.figures.engine import plot_cpu_linear
 

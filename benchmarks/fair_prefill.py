@@ -24,9 +24,15 @@ from lifeofprompt.lessons.fair_prefill import short_beside_long, synthetic_ids
 
 
 def engine_for(model, tokenizer, threshold, args):
-    return LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=args.num_kv_blocks, log_stats=False,
-                     max_num_batched_tokens=args.budget, long_prefill_token_threshold=threshold,
-                     cpu_linear=args.cpu_linear)
+    return LLMEngine(
+        model,
+        tokenizer=tokenizer,
+        num_kv_blocks=args.num_kv_blocks,
+        log_stats=False,
+        max_num_batched_tokens=args.budget,
+        long_prefill_token_threshold=threshold,
+        cpu_linear=args.cpu_linear,
+    )
 
 
 def mixed_throughput(engine, long_ids, short_ids, num_short: int) -> dict:
@@ -46,11 +52,18 @@ def mixed_throughput(engine, long_ids, short_ids, num_short: int) -> dict:
 def run_description() -> dict:
     """Which machine, threads, versions and load this run had (every result file says so)."""
     import os
+
     from lifeofprompt import env_info
     from lifeofprompt.env import cpu_model
 
-    return {"env": env_info(), "cpu": cpu_model(), "threads": torch.get_num_threads(), "dtype": "float32",
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_average": os.getloadavg()[0]}
+    return {
+        "env": env_info(),
+        "cpu": cpu_model(),
+        "threads": torch.get_num_threads(),
+        "dtype": "float32",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load_average": os.getloadavg()[0],
+    }
 
 
 def main(argv=None) -> int:
@@ -72,14 +85,19 @@ def main(argv=None) -> int:
     results = {}
     for name, threshold in (("default", None), ("off", 0)):
         engine = engine_for(model, tokenizer, threshold, args)
-        results[name] = {"threshold": engine.scheduler.long_prefill_token_threshold,
-                         "short_beside_long": short_beside_long(engine, long_ids, short_ids, args.arrive_after).as_dict(),
-                         "mixed": mixed_throughput(engine_for(model, tokenizer, threshold, args), long_ids, short_ids,
-                                                   args.num_short)}
+        results[name] = {
+            "threshold": engine.scheduler.long_prefill_token_threshold,
+            "short_beside_long": short_beside_long(engine, long_ids, short_ids, args.arrive_after).as_dict(),
+            "mixed": mixed_throughput(
+                engine_for(model, tokenizer, threshold, args), long_ids, short_ids, args.num_short
+            ),
+        }
         r = results[name]
-        print(f"{name:8} threshold {r['threshold']}: short TTFT {r['short_beside_long']['ttft_s']:.2f} s "
-              f"({r['short_beside_long']['steps_to_first_token']} steps, longest step "
-              f"{r['short_beside_long']['max_step_s']:.2f} s); mixed {r['mixed']['tokens_per_s']:.0f} tokens/s")
+        print(
+            f"{name:8} threshold {r['threshold']}: short TTFT {r['short_beside_long']['ttft_s']:.2f} s "
+            f"({r['short_beside_long']['steps_to_first_token']} steps, longest step "
+            f"{r['short_beside_long']['max_step_s']:.2f} s); mixed {r['mixed']['tokens_per_s']:.0f} tokens/s"
+        )
     ratio = results["default"]["mixed"]["tokens_per_s"] / results["off"]["mixed"]["tokens_per_s"]
     print(f"mixed throughput, default / off: {ratio:.2f}")
     if args.json:

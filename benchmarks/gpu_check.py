@@ -30,6 +30,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import bench_engine as bench  # noqa: E402
+
 from lifeofprompt.story import STORY_PROMPTS  # noqa: E402
 
 RANDOM_LABEL = "tinyllama-1.1b-random: TinyLlama-1.1B shapes, bf16, RANDOM WEIGHTS (speed only; text meaningless)"
@@ -59,9 +60,18 @@ def build_model(args):
     from lifeofprompt.model.config import TINYLLAMA_1_1B
     from lifeofprompt.model.llama import LlamaForCausalLM
 
-    config = replace(TINYLLAMA_1_1B, name="tiny-random (dry run)", vocab_size=10240, hidden_size=128,
-                     intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
-                     max_position_embeddings=512)
+    config = replace(
+        TINYLLAMA_1_1B,
+        name="tiny-random (dry run)",
+        vocab_size=10240,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
@@ -76,6 +86,7 @@ def median_time(fn, device: str, reps: int = 20) -> float:
     """Median seconds of ``fn``: triton's do_bench on a GPU, wall clock on the CPU."""
     if device == "cuda":
         from triton.testing import do_bench
+
         try:
             return do_bench(fn, warmup=10, rep=100, return_mode="median") / 1e3
         except TypeError:
@@ -109,13 +120,16 @@ def machine_from_parts(args):
 def structured_output_check() -> dict:
     """Whether the grammar library imports on this machine's Python and compiles a JSON schema (or why not)."""
     import sys
+
     try:
-        import xgrammar
         from importlib.metadata import version
+
+        import xgrammar
+
         info = xgrammar.TokenizerInfo([chr(97 + i) for i in range(26)] + ["{", "}", '"', ":"])
         xgrammar.GrammarCompiler(info).compile_json_schema('{"type": "object"}')
         return dict(python=sys.version.split()[0], xgrammar=version("xgrammar"), compiles=True)
-    except Exception as exc:       # noqa: BLE001 -- a missing or broken wheel is the finding
+    except Exception as exc:  # noqa: BLE001 -- a missing or broken wheel is the finding
         return dict(python=sys.version.split()[0], available=False, error=f"{type(exc).__name__}: {exc}")
 
 
@@ -125,11 +139,15 @@ def step_env(args) -> dict:
     out = {"env": env_info(), "dry_run": dry(args), "structured_output": structured_output_check()}
     if not dry(args):
         props = torch.cuda.get_device_properties(0)
-        out["gpu"] = dict(name=props.name, total_memory=props.total_memory, sms=props.multi_processor_count,
-                          capability=f"{props.major}.{props.minor}")
+        out["gpu"] = dict(
+            name=props.name,
+            total_memory=props.total_memory,
+            sms=props.multi_processor_count,
+            capability=f"{props.major}.{props.minor}",
+        )
         try:
             out["nvidia_smi"] = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=20).stdout
-        except Exception as exc:       # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
             out["nvidia_smi"] = repr(exc)
         print(out["nvidia_smi"])
     print(json.dumps(out["env"], indent=1))
@@ -147,10 +165,18 @@ def step_machine(args) -> dict:
     a = torch.randn(n, n, device=device).to(torch.bfloat16)
     b = torch.randn(n, n, device=device).to(torch.bfloat16)
     mm_s = median_time(lambda: a @ b, device, reps=3)
-    out = dict(device=torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
-               copy_bytes=2 * nbytes, copy_s=copy_s, copy_bandwidth=2 * nbytes / copy_s,
-               matmul_n=n, matmul_s=mm_s, matmul_flops=2 * n**3 / mm_s)
-    print(f"copy bandwidth {out['copy_bandwidth'] / 1e9:.0f} GB/s; bf16 matmul {out['matmul_flops'] / 1e12:.1f} TFLOP/s")
+    out = dict(
+        device=torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        copy_bytes=2 * nbytes,
+        copy_s=copy_s,
+        copy_bandwidth=2 * nbytes / copy_s,
+        matmul_n=n,
+        matmul_s=mm_s,
+        matmul_flops=2 * n**3 / mm_s,
+    )
+    print(
+        f"copy bandwidth {out['copy_bandwidth'] / 1e9:.0f} GB/s; bf16 matmul {out['matmul_flops'] / 1e12:.1f} TFLOP/s"
+    )
     return out
 
 
@@ -166,13 +192,23 @@ def paged_case(batch: int, context: int, device, dtype, num_heads=32, num_kv_hea
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=device)
     query = torch.randn(batch, num_heads, head_dim, generator=g).to(device, dtype)
-    return dict(query=query, k_pool=k_pool, v_pool=v_pool, block_tables=block_tables, seq_lens=seq_lens,
-                query_start_loc=query_start_loc, max_query_len=1, max_seq_len=context, scale=head_dim ** -0.5)
+    return dict(
+        query=query,
+        k_pool=k_pool,
+        v_pool=v_pool,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+        max_query_len=1,
+        max_seq_len=context,
+        scale=head_dim**-0.5,
+    )
 
 
 def step_kernel(args) -> dict:
     """Paged attention at batch 64 × 4,096 (dry: 2 × 64) vs copy bandwidth and vs SDPA; 1 × 32k with/without split."""
     from lifeofprompt.kernels import paged_attention
+
     from lifeofprompt.model.paged_attention import paged_attention as torch_paged
 
     device = device_of(args)
@@ -181,27 +217,38 @@ def step_kernel(args) -> dict:
     out = {}
     for label, batch, context in (("b64x4096", 2, 64) if dry(args) else ("b64x4096", 64, 4096),):
         case = paged_case(batch, context, device, dtype)
-        kv_bytes = 2 * batch * context * case["k_pool"].shape[2] * case["k_pool"].shape[3] * case["k_pool"].element_size()
+        kv_bytes = (
+            2 * batch * context * case["k_pool"].shape[2] * case["k_pool"].shape[3] * case["k_pool"].element_size()
+        )
         ours = paged_attention(**case)
         ref = torch_paged(**case)
         err = (ours.float() - ref.float()).abs().max().item()
-        t = median_time(lambda: paged_attention(**case), device, reps=3)
+        t = median_time(lambda: paged_attention(**case), device, reps=3)  # noqa: B023 (timed here, in this pass)
         # SDPA over a contiguous cache of the same lengths: [B, kv_heads, L, D], GQA by repeat.
         k = case["k_pool"][case["block_tables"].long()].flatten(1, 2).transpose(1, 2).contiguous()
         v = case["v_pool"][case["block_tables"].long()].flatten(1, 2).transpose(1, 2).contiguous()
         q = case["query"][:, :, None, :]
         group = q.shape[1] // k.shape[1]
         try:
-            sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+            sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731, B023
             sdpa()
             sdpa_note = "enable_gqa=True"
         except TypeError:
             k_rep, v_rep = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-            sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, k_rep, v_rep)  # noqa: E731
+            sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, k_rep, v_rep)  # noqa: E731, B023
             sdpa_note = "K/V repeated per query head"
         t_sdpa = median_time(sdpa, device, reps=3)
-        row = dict(batch=batch, context=context, kv_bytes=kv_bytes, seconds=t, bandwidth=kv_bytes / t,
-                   max_abs_err_vs_torch=err, sdpa_seconds=t_sdpa, sdpa_note=sdpa_note, speed_vs_sdpa=t_sdpa / t)
+        row = dict(
+            batch=batch,
+            context=context,
+            kv_bytes=kv_bytes,
+            seconds=t,
+            bandwidth=kv_bytes / t,
+            max_abs_err_vs_torch=err,
+            sdpa_seconds=t_sdpa,
+            sdpa_note=sdpa_note,
+            speed_vs_sdpa=t_sdpa / t,
+        )
         if machine.get("copy_bandwidth"):
             row["fraction_of_copy_bandwidth"] = row["bandwidth"] / machine["copy_bandwidth"]
         out[label] = row
@@ -212,14 +259,15 @@ def step_kernel(args) -> dict:
     row = dict(batch=batch, context=context, kv_bytes=kv_bytes)
     for name, splits in (("no_split", 1), ("auto_split", None)):
         try:
-            t = median_time(lambda: paged_attention(**case, num_kv_splits=splits), device, reps=3)
+            t = median_time(lambda: paged_attention(**case, num_kv_splits=splits), device, reps=3)  # noqa: B023
             row[name] = dict(seconds=t, bandwidth=kv_bytes / t)
         except TypeError as exc:
             row[name] = dict(error=repr(exc))
     try:
         from lifeofprompt.kernels.paged_attention import launch_plan
+
         row["auto_num_kv_splits"] = launch_plan(case["query"], case["k_pool"].shape[2], batch, 1, context)[2]
-    except Exception as exc:         # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001
         row["auto_num_kv_splits"] = repr(exc)
     out["b1x32k"] = row
     print("b1x32k", row)
@@ -228,11 +276,12 @@ def step_kernel(args) -> dict:
 
 def step_decode(args) -> dict:
     """Batch-1 decode step at context ≤ 512 against the floor, with a breakdown; then the batching curve."""
-    from lifeofprompt.engine.model_runner import ModelRunner, step as run_step
-    from lifeofprompt.lessons.roofline import decode_floor, decode_weight_bytes
+    from lifeofprompt.engine.model_runner import ModelRunner
+    from lifeofprompt.engine.model_runner import step as run_step
     from lifeofprompt.engine.sampler import Sampler
     from lifeofprompt.engine.sampling_params import SamplingParams
     from lifeofprompt.engine.sequence import Sequence
+    from lifeofprompt.lessons.roofline import decode_floor, decode_weight_bytes
 
     device = device_of(args)
     model, _, label = build_model(args)
@@ -241,11 +290,24 @@ def step_decode(args) -> dict:
     context = 64 if dry(args) else 500
     start = time.perf_counter()
     # A dry run takes the GPU's code path too: Triton kernels (interpreted) and the fused ones.
-    runner = ModelRunner(model, 2048 if dry(args) else 8192, 16, "triton" if dry(args) else "auto",
-                         max_num_seqs=ladder_max, max_model_len=min(1024, config.max_position_embeddings),
-                         enforce_eager=True if dry(args) else None, fused_kernels=True if dry(args) else None)
-    out = dict(model=label, backend=runner.backend, graphs=sorted(runner.graphs), context=context,
-               runner_start_s=time.perf_counter() - start, graph_capture_s=getattr(runner, "graph_capture_seconds", None))
+    runner = ModelRunner(
+        model,
+        2048 if dry(args) else 8192,
+        16,
+        "triton" if dry(args) else "auto",
+        max_num_seqs=ladder_max,
+        max_model_len=min(1024, config.max_position_embeddings),
+        enforce_eager=True if dry(args) else None,
+        fused_kernels=True if dry(args) else None,
+    )
+    out = dict(
+        model=label,
+        backend=runner.backend,
+        graphs=sorted(runner.graphs),
+        context=context,
+        runner_start_s=time.perf_counter() - start,
+        graph_capture_s=getattr(runner, "graph_capture_seconds", None),
+    )
     seq = Sequence("b1", [(7 * i) % 9000 + 3 for i in range(context)], SamplingParams(temperature=0))
     seq.block_table = list(range(math.ceil((context + 200) / 16)))
     run_step(runner, [seq], [context])
@@ -290,7 +352,7 @@ def step_decode(args) -> dict:
         runner.fill_static_decode([seq], 1)
         out["graph_replay_s"] = median_time(graph.replay, device)
     ids, positions, meta = runner.prepare([seq], [1])
-    meta.slot_mapping = torch.full_like(meta.slot_mapping, -1)          # time the forward without storing
+    meta.slot_mapping = torch.full_like(meta.slot_mapping, -1)  # time the forward without storing
     with torch.no_grad():
         out["eager_forward_s"] = median_time(lambda: runner.run_model(ids, positions, meta), device)
         logits = runner.run_model(ids, positions, meta)
@@ -300,6 +362,7 @@ def step_decode(args) -> dict:
     out["sample_topk_topp_s"] = median_time(lambda: sampler(logits, hot).token_ids, device)
     try:
         from torch.profiler import ProfilerActivity, profile
+
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
         with torch.no_grad(), profile(activities=acts) as prof:
             runner.run_model(ids, positions, meta)
@@ -310,17 +373,24 @@ def step_decode(args) -> dict:
             dev_us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0) or 0
             if device == "cuda" and dev_us and not ev.key.startswith(("aten::", "cuda", "Memcpy", "Memset")):
                 name = ev.key.lower()
-                kind = ("attention" if "paged_attention" in name or "reduce_splits" in name else
-                        "store_kv" if "store_kv" in name else
-                        "fused" if any(k in name for k in ("rms_norm_kernel", "rotary_kernel", "silu_mul_kernel")) else
-                        "matmul" if any(s in name for s in ("gemm", "gemv", "cutlass", "sm90", "cublas", "nvjet")) else "other")
+                kind = (
+                    "attention"
+                    if "paged_attention" in name or "reduce_splits" in name
+                    else "store_kv"
+                    if "store_kv" in name
+                    else "fused"
+                    if any(k in name for k in ("rms_norm_kernel", "rotary_kernel", "silu_mul_kernel"))
+                    else "matmul"
+                    if any(s in name for s in ("gemm", "gemv", "cutlass", "sm90", "cublas", "nvjet"))
+                    else "other"
+                )
                 kinds[kind] = kinds.get(kind, 0.0) + dev_us * 1e-6
                 launches += ev.count
         out["eager_kernel_time_by_kind_s"] = kinds
         out["eager_kernel_launches"] = launches
         out["eager_kernel_time_total_s"] = sum(kinds.values())
         out["profile_table"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
-    except Exception as exc:           # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001
         out["profile_error"] = repr(exc)
     machine = machine_from_parts(args)
     if machine is not None:
@@ -360,13 +430,18 @@ def step_ours(args) -> dict:
     model, tokenizer, label = build_model(args)
     start = time.perf_counter()
     llm = LLM(model, tokenizer=tokenizer, **engine_kwargs(args))
-    out = dict(model=label, engine_start_s=time.perf_counter() - start, startup_log=llm.engine.startup_log,
-               memory_report={k: v for k, v in llm.engine.runner.memory_report.items() if not isinstance(v, dict)})
+    out = dict(
+        model=label,
+        engine_start_s=time.perf_counter() - start,
+        startup_log=llm.engine.startup_log,
+        memory_report={k: v for k, v in llm.engine.runner.memory_report.items() if not isinstance(v, dict)},
+    )
     prompts, outs = workload(args)
     warm = bench.run_engine(llm, prompts[:4], [8] * min(4, len(prompts)))
     out["warmup_s"] = warm["seconds"]
-    (Path(args.work) / "ours.json").write_text(json.dumps(dict(out, note="warm-up only (the timed run did not finish)"),
-                                                          default=str))
+    (Path(args.work) / "ours.json").write_text(
+        json.dumps(dict(out, note="warm-up only (the timed run did not finish)"), default=str)
+    )
     result = bench.run_engine(llm, prompts, outs, deadline_s=args.ours_deadline)
     out.update(result)
     out["stats"] = llm.engine.stats
@@ -385,6 +460,7 @@ def step_peer(args) -> dict:
         torch.cuda.empty_cache()
     prompts, outs = workload(args)
     import transformers
+
     out = dict(model=label, transformers=transformers.__version__)
     try:
         if dry(args):
@@ -392,12 +468,14 @@ def step_peer(args) -> dict:
         print("warm-up: 2 requests x 4 tokens", flush=True)
         warm = bench.hf_continuous(ref, prompts[:2], [4, 4], timeout_s=20)
         out["warmup"] = {k: v for k, v in warm.items() if k in ("seconds", "note", "available")}
-    except Exception as exc:           # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001
         out["warmup_error"] = repr(exc)
     try:
-        print(f"timed run: {len(prompts)} requests, {sum(outs)} output tokens, cap {args.peer_timeout:.0f} s", flush=True)
+        print(
+            f"timed run: {len(prompts)} requests, {sum(outs)} output tokens, cap {args.peer_timeout:.0f} s", flush=True
+        )
         out.update(bench.hf_continuous(ref, prompts, outs, timeout_s=args.peer_timeout))
-    except Exception as exc:           # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001
         out["error"] = repr(exc)
         traceback.print_exc()
     print(out)
@@ -413,20 +491,29 @@ def step_story(args) -> dict:
     llm = LLM(model, tokenizer=tokenizer, **dict(engine_kwargs(args), max_num_seqs=8))
     params = SamplingParams(temperature=0, max_tokens=16 if dry(args) else 128, ignore_eos=True)
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    for prompt in STORY:                                             # warm-up: compile every shape we time
+    for prompt in STORY:  # warm-up: compile every shape we time
         llm.generate([prompt], warm, use_tqdm=False)
     llm.generate(STORY, warm, use_tqdm=False)
-    out = dict(model=label, tokenizer="ByteTokenizer (one id per UTF-8 byte, stand-in for the random twin)",
-               max_tokens=params.max_tokens, alone=[], together=[])
+    out = dict(
+        model=label,
+        tokenizer="ByteTokenizer (one id per UTF-8 byte, stand-in for the random twin)",
+        max_tokens=params.max_tokens,
+        alone=[],
+        together=[],
+    )
 
     def describe(o):
         m = o.metrics
         decode_s = m.finished_time - m.first_token_time
         n = len(o.outputs[0].token_ids)
-        return dict(prompt=o.prompt, prompt_tokens=len(o.prompt_token_ids), output_tokens=n,
-                    ttft_s=m.first_token_time - m.arrival_time,
-                    decode_tokens_per_s=(n - 1) / decode_s if decode_s > 0 else None,
-                    total_s=m.finished_time - m.arrival_time)
+        return dict(
+            prompt=o.prompt,
+            prompt_tokens=len(o.prompt_token_ids),
+            output_tokens=n,
+            ttft_s=m.first_token_time - m.arrival_time,
+            decode_tokens_per_s=(n - 1) / decode_s if decode_s > 0 else None,
+            total_s=m.finished_time - m.arrival_time,
+        )
 
     for prompt in STORY:
         out["alone"].append(describe(llm.generate([prompt], params, use_tqdm=False)[0]))
@@ -444,10 +531,14 @@ def step_collectives(args) -> dict:
     model, tokenizer, label = build_model(args)
     prompts = [[(7 * i + 13 * k) % 9000 + 3 for i in range(n)] for k, n in enumerate((37, 120, 16, 64))]
     # the same forward in both: eager (the process-group path always is), no one-call C step (it never takes one)
-    engine = dict(num_kv_blocks=512, block_size=16, max_num_seqs=8, enforce_eager=True, cpu_decode=False, log_stats=False)
+    engine = dict(
+        num_kv_blocks=512, block_size=16, max_num_seqs=8, enforce_eager=True, cpu_decode=False, log_stats=False
+    )
     max_tokens = 16 if dry(args) else 64
-    runs = [measure_engine(lambda: (model, tokenizer), prompts, max_tokens, distributed_executor_backend=backend,
-                           **engine) for backend in ("uni", "mp")]
+    runs = [
+        measure_engine(lambda: (model, tokenizer), prompts, max_tokens, distributed_executor_backend=backend, **engine)
+        for backend in ("uni", "mp")
+    ]
     out = dict(model=label, prompts=len(prompts), max_tokens=max_tokens, **one_rank_overhead(*runs))
     print(out["group"])
     print(format_overhead(out))
@@ -470,50 +561,111 @@ def summary_rows(r: dict) -> list[tuple[str, str, str]]:
     t = r.get("pytest", {})
     rows.append(("pytest tests/gpu", t.get("summary", "-"), "all pass"))
     k = r.get("kernel", {}).get("b64x4096", {})
-    rows.append(("paged attn b64×4096", fmt(k.get("bandwidth"), " GB/s", 1e-9, 0),
-                 f"{fmt(k.get('fraction_of_copy_bandwidth'), '%', 100, 0)} of copy (aim ≥70%)"))
-    rows.append(("  vs SDPA contiguous", fmt(k.get("seconds"), " ms", 1e3, 3), f"SDPA {fmt(k.get('sdpa_seconds'), ' ms', 1e3, 3)}"))
+    rows.append(
+        (
+            "paged attn b64×4096",
+            fmt(k.get("bandwidth"), " GB/s", 1e-9, 0),
+            f"{fmt(k.get('fraction_of_copy_bandwidth'), '%', 100, 0)} of copy (aim ≥70%)",
+        )
+    )
+    rows.append(
+        (
+            "  vs SDPA contiguous",
+            fmt(k.get("seconds"), " ms", 1e3, 3),
+            f"SDPA {fmt(k.get('sdpa_seconds'), ' ms', 1e3, 3)}",
+        )
+    )
     s = r.get("kernel", {}).get("b1x32k", {})
-    rows.append(("paged attn b1×32k", f"split {fmt(s.get('auto_split', {}).get('seconds'), ' ms', 1e3, 3)}",
-                 f"no split {fmt(s.get('no_split', {}).get('seconds'), ' ms', 1e3, 3)}"))
+    rows.append(
+        (
+            "paged attn b1×32k",
+            f"split {fmt(s.get('auto_split', {}).get('seconds'), ' ms', 1e3, 3)}",
+            f"no split {fmt(s.get('no_split', {}).get('seconds'), ' ms', 1e3, 3)}",
+        )
+    )
     d = r.get("decode", {})
-    rows.append(("decode step b1 (engine)", fmt(d.get("engine_step_s"), " ms", 1e3, 2),
-                 f"floor {fmt(d.get('floor_s'), ' ms', 1e3, 2)}; ratio {fmt(d.get('engine_step_over_floor'), 'x', 1, 2)} (aim ≤1.5)"))
+    rows.append(
+        (
+            "decode step b1 (engine)",
+            fmt(d.get("engine_step_s"), " ms", 1e3, 2),
+            f"floor {fmt(d.get('floor_s'), ' ms', 1e3, 2)}; "
+            f"ratio {fmt(d.get('engine_step_over_floor'), 'x', 1, 2)} (aim ≤1.5)",
+        )
+    )
     if d.get("engine_step_unfused_s") is not None:
-        rows.append(("  same step, fused kernels off", fmt(d.get("engine_step_unfused_s"), " ms", 1e3, 2),
-                     "before/after of NOTES.md's fusion try"))
-    rows.append(("  graph replay / eager fwd", fmt(d.get("graph_replay_s"), " ms", 1e3, 2), f"eager {fmt(d.get('eager_forward_s'), ' ms', 1e3, 2)}"))
+        rows.append(
+            (
+                "  same step, fused kernels off",
+                fmt(d.get("engine_step_unfused_s"), " ms", 1e3, 2),
+                "before/after of NOTES.md's fusion try",
+            )
+        )
+    rows.append(
+        (
+            "  graph replay / eager fwd",
+            fmt(d.get("graph_replay_s"), " ms", 1e3, 2),
+            f"eager {fmt(d.get('eager_forward_s'), ' ms', 1e3, 2)}",
+        )
+    )
     o, p = r.get("ours", {}), r.get("peer", {})
     ratio = (o.get("tokens_per_s") / p["tokens_per_s"]) if o.get("tokens_per_s") and p.get("tokens_per_s") else None
     done = f", finished {p['finished_requests']}/{p['requests']}" if p.get("timed_out") else ""
-    rows.append((f"throughput, {o.get('requests', '?')} req (nano-vllm shape)", fmt(o.get("tokens_per_s"), " tok/s", 1, 0),
-                 f"HF CB {fmt(p.get('tokens_per_s'), ' tok/s', 1, 0)}{done}; {fmt(ratio, 'x', 1, 2)} (aim ≥3)"))
+    rows.append(
+        (
+            f"throughput, {o.get('requests', '?')} req (nano-vllm shape)",
+            fmt(o.get("tokens_per_s"), " tok/s", 1, 0),
+            f"HF CB {fmt(p.get('tokens_per_s'), ' tok/s', 1, 0)}{done}; {fmt(ratio, 'x', 1, 2)} (aim ≥3)",
+        )
+    )
     if o.get("ttft_median_s") is not None:
-        rows.append(("  TTFT median, all submitted at once", fmt(o.get("ttft_median_s"), " ms", 1e3, 0),
-                     f"{o.get('steps', '?')} engine steps"))
+        rows.append(
+            (
+                "  TTFT median, all submitted at once",
+                fmt(o.get("ttft_median_s"), " ms", 1e3, 0),
+                f"{o.get('steps', '?')} engine steps",
+            )
+        )
     c = r.get("collectives", {})
     if c.get("overhead_s") is not None:
-        rows.append(("distributed path, 1 rank (mp)", fmt(c["overhead_s"], " ms", 1e3, 3),
-                     f"decode step {fmt(c['decode_step_one_rank_s'], ' ms', 1e3, 2)} vs {fmt(c['decode_step_single_s'], ' ms', 1e3, 2)}"
-                     f" in one process; collectives {fmt(c['collective_share'], '%', 100, 1)} of it"))
+        rows.append(
+            (
+                "distributed path, 1 rank (mp)",
+                fmt(c["overhead_s"], " ms", 1e3, 3),
+                f"decode step {fmt(c['decode_step_one_rank_s'], ' ms', 1e3, 2)} "
+                f"vs {fmt(c['decode_step_single_s'], ' ms', 1e3, 2)}"
+                f" in one process; collectives {fmt(c['collective_share'], '%', 100, 1)} of it",
+            )
+        )
     for row in r.get("story", {}).get("alone", []):
-        rows.append((f"story '{row['prompt']}'", f"TTFT {fmt(row['ttft_s'], ' ms', 1e3, 1)}",
-                     f"{fmt(row['decode_tokens_per_s'], ' tok/s', 1, 0)}"))
+        rows.append(
+            (
+                f"story '{row['prompt']}'",
+                f"TTFT {fmt(row['ttft_s'], ' ms', 1e3, 1)}",
+                f"{fmt(row['decode_tokens_per_s'], ' tok/s', 1, 0)}",
+            )
+        )
     return rows
 
 
 def step_summary(args) -> dict:
     work = Path(args.work)
     out_dir = Path(args.out)
-    results = {"label": RANDOM_LABEL if not dry(args) else "CPU DRY RUN (tiny random model) - not a measurement",
-               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    results = {
+        "label": RANDOM_LABEL if not dry(args) else "CPU DRY RUN (tiny random model) - not a measurement",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
     for name in STEPS:
         if name != "summary":
             part = work / f"{name}.json"
-            results[name] = json.loads(part.read_text()) if part.exists() else {"missing": "step failed or timed out (see gpu_log.txt)"}
+            results[name] = (
+                json.loads(part.read_text())
+                if part.exists()
+                else {"missing": "step failed or timed out (see gpu_log.txt)"}
+            )
     pytest_txt = work / "pytest.txt"
     if pytest_txt.exists():
         import re
+
         lines = [line for line in pytest_txt.read_text().splitlines() if line.strip()]
         counts = [line.strip("= ") for line in lines if re.search(r"\d+ (passed|failed|skipped|error)", line)]
         results["pytest"] = {"summary": counts[-1] if counts else "no pytest summary (timeout?)", "tail": lines[-40:]}
@@ -527,17 +679,24 @@ def step_summary(args) -> dict:
     try:
         curve = results.get("decode", {}).get("batching_curve", [])
         if curve:
-            bench.plot_batching_curve(curve, out_dir / "batching_curve.png",
-                                      f"decode step vs batch, context {curve[0].get('context', '?')} — {device}, {results['date']}\n{results['label']}",
-                                      results.get("decode", {}).get("floor_s"))
+            bench.plot_batching_curve(
+                curve,
+                out_dir / "batching_curve.png",
+                f"decode step vs batch, context {curve[0].get('context', '?')} — {device}, "
+                f"{results['date']}\n{results['label']}",
+                results.get("decode", {}).get("floor_s"),
+            )
         o, p = results.get("ours", {}), results.get("peer", {})
         bars = [dict(peer="lifeofprompt", tokens_per_s=o["tokens_per_s"])] if o.get("tokens_per_s") else []
         if p.get("tokens_per_s"):
             bars.append(dict(peer="transformers CB", tokens_per_s=p["tokens_per_s"]))
         if bars:
-            bench.plot_throughput({f"{o.get('requests', '?')} requests, nano-vllm shape": bars}, out_dir / "throughput.png",
-                                  f"{device}, {results['date']} — {results['label']}")
-    except Exception:                  # noqa: BLE001
+            bench.plot_throughput(
+                {f"{o.get('requests', '?')} requests, nano-vllm shape": bars},
+                out_dir / "throughput.png",
+                f"{device}, {results['date']} — {results['label']}",
+            )
+    except Exception:  # noqa: BLE001
         traceback.print_exc()
     width = max(len(r[0]) for r in rows)
     print("\n" + "=" * 100)
@@ -548,9 +707,17 @@ def step_summary(args) -> dict:
     return {}
 
 
-STEPS = {"env": step_env, "machine": step_machine, "kernel": step_kernel, "decode": step_decode,
-         "ours": step_ours, "peer": step_peer, "story": step_story, "collectives": step_collectives,
-         "summary": step_summary}
+STEPS = {
+    "env": step_env,
+    "machine": step_machine,
+    "kernel": step_kernel,
+    "decode": step_decode,
+    "ours": step_ours,
+    "peer": step_peer,
+    "story": step_story,
+    "collectives": step_collectives,
+    "summary": step_summary,
+}
 
 
 def main(argv=None) -> int:
@@ -577,7 +744,7 @@ def main(argv=None) -> int:
         (Path(args.work) / f"{args.step}.json").write_text(json.dumps(result, indent=1, default=str))
     print(f"[{args.step}] done in {time.perf_counter() - start:.1f} s", flush=True)
     sys.stderr.flush()
-    os._exit(0)      # no waiting on leftover threads (a timed-out peer) or slow teardown
+    os._exit(0)  # no waiting on leftover threads (a timed-out peer) or slow teardown
 
 
 if __name__ == "__main__":

@@ -98,6 +98,7 @@ def cpu_flags() -> set[str]:
 
     return set(read_flags())
 
+
 def ggml_cpu_options(flags: set[str] | None = None) -> dict[str, str]:
     """ON/OFF per ggml x86 option from the CPU's flags, AMX always OFF.
 
@@ -106,16 +107,20 @@ def ggml_cpu_options(flags: set[str] | None = None) -> dict[str, str]:
     """
     flags = cpu_flags() if flags is None else flags
     x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
-    options = {name: "ON" if x86 and all(f in flags for f in needs) else "OFF"
-               for name, needs in GGML_X86_OPTIONS.items()}
+    options = {
+        name: "ON" if x86 and all(f in flags for f in needs) else "OFF" for name, needs in GGML_X86_OPTIONS.items()
+    }
     options.update({name: "OFF" for name in ALWAYS_OFF})
     return options
 
 
 def flagset_name(options: dict[str, str]) -> str:
     """A readable folder name for a flag set: the options that are ON, e.g. ``avx.avx2.fma.f16c``."""
-    on = [name.removeprefix("GGML_").lower() for name, value in options.items()
-          if value == "ON" and name in GGML_X86_OPTIONS]
+    on = [
+        name.removeprefix("GGML_").lower()
+        for name, value in options.items()
+        if value == "ON" and name in GGML_X86_OPTIONS
+    ]
     return ".".join(on) or f"generic-{platform.machine().lower()}"
 
 
@@ -129,7 +134,7 @@ def build_dir(options: dict[str, str] | None = None) -> Path:
 
 def find_tool(name: str) -> str | None:
     """``name`` from this venv's bin first (where pip puts the wheels), then from PATH."""
-    venv_bin = Path(sys.executable).parent            # not resolved: a venv's python is a symlink
+    venv_bin = Path(sys.executable).parent  # not resolved: a venv's python is a symlink
     candidate = venv_bin / name
     if candidate.exists() and os.access(candidate, os.X_OK):
         return str(candidate)
@@ -145,8 +150,10 @@ def toolchain() -> dict[str, str]:
     tools = {name: find_tool(name) for name in ("cmake", "ninja")}
     compiler = next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
     if compiler is None or None in tools.values():
-        raise RuntimeError(f"no C++ compiler or build tool found ({tools}, compiler {compiler}); "
-                           "on Debian: apt-get install build-essential")
+        raise RuntimeError(
+            f"no C++ compiler or build tool found ({tools}, compiler {compiler}); "
+            "on Debian: apt-get install build-essential"
+        )
     return tools
 
 
@@ -199,13 +206,24 @@ def build(jobs: int = 2, force: bool = False) -> Path:
         print(f"building llama-server ({flagset_name(options)}) in {folder}; log: {log}", flush=True)
         start = time.perf_counter()
         run_logged(niced([tools["cmake"], *cmake_arguments(source, folder / "build", tools["ninja"], options)]), log)
-        run_logged(niced([tools["cmake"], "--build", str(folder / "build"), "--target", "llama-server",
-                          "-j", str(jobs)]), log)
+        run_logged(
+            niced([tools["cmake"], "--build", str(folder / "build"), "--target", "llama-server", "-j", str(jobs)]), log
+        )
         seconds = time.perf_counter() - start
-        stamp.write_text(json.dumps(dict(
-            llama_cpp_python=LLAMA_CPP_PYTHON_VERSION, sdist_sha256=SDIST_SHA256, options=options,
-            fixed_options=FIXED_CMAKE_OPTIONS, jobs=jobs, build_seconds=round(seconds, 1),
-            built=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())), indent=2))
+        stamp.write_text(
+            json.dumps(
+                dict(
+                    llama_cpp_python=LLAMA_CPP_PYTHON_VERSION,
+                    sdist_sha256=SDIST_SHA256,
+                    options=options,
+                    fixed_options=FIXED_CMAKE_OPTIONS,
+                    jobs=jobs,
+                    build_seconds=round(seconds, 1),
+                    built=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                ),
+                indent=2,
+            )
+        )
         print(f"built {binary} in {seconds / 60:.1f} min", flush=True)
     return binary
 
@@ -246,7 +264,8 @@ def _die_with_parent() -> None:
     """
     try:
         import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)    # PR_SET_PDEATHSIG
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
 
@@ -258,8 +277,16 @@ class LlamaServer:
     each slot an equal share). Start-up waits for ``/health`` at most ``startup_timeout`` seconds.
     """
 
-    def __init__(self, model: Path, binary: Path | None = None, slots: int = 8, ctx_per_slot: int = 512,
-                 threads: int = 1, startup_timeout: float = 180, extra_args: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        model: Path,
+        binary: Path | None = None,
+        slots: int = 8,
+        ctx_per_slot: int = 512,
+        threads: int = 1,
+        startup_timeout: float = 180,
+        extra_args: tuple[str, ...] = (),
+    ):
         self.model, self.binary = Path(model), Path(binary) if binary else build()
         self.slots, self.ctx, self.threads = slots, ctx_per_slot * slots, threads
         self.startup_timeout, self.extra_args = startup_timeout, tuple(extra_args)
@@ -272,9 +299,25 @@ class LlamaServer:
         return f"http://{HOST}:{self.port}"
 
     def command(self) -> list[str]:
-        return [str(self.binary), "-m", str(self.model), "--host", HOST, "--port", str(self.port),
-                "-np", str(self.slots), "-c", str(self.ctx), "-t", str(self.threads), "-tb", str(self.threads),
-                "--no-webui", *self.extra_args]
+        return [
+            str(self.binary),
+            "-m",
+            str(self.model),
+            "--host",
+            HOST,
+            "--port",
+            str(self.port),
+            "-np",
+            str(self.slots),
+            "-c",
+            str(self.ctx),
+            "-t",
+            str(self.threads),
+            "-tb",
+            str(self.threads),
+            "--no-webui",
+            *self.extra_args,
+        ]
 
     def check_options(self) -> None:
         known = supported_options(self.binary)
@@ -282,14 +325,19 @@ class LlamaServer:
         if unknown:
             raise RuntimeError(f"{self.binary} does not list {unknown} in --help")
 
-    def start(self) -> "LlamaServer":
+    def start(self) -> LlamaServer:
         self.check_options()
         self.port = free_port()
         handle, name = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
         self.log_path = Path(name)
         with os.fdopen(handle, "w") as log:
-            self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+            self.process = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent,
+            )
         try:
             self._wait_healthy()
         except BaseException:
@@ -307,7 +355,7 @@ class LlamaServer:
                     if reply.status == 200:
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass                        # not listening yet, or 503 while the model loads
+                pass  # not listening yet, or 503 while the model loads
             time.sleep(0.25)
         raise TimeoutError(f"llama-server not healthy after {self.startup_timeout:.0f} s:\n{self.log_tail()}")
 
@@ -327,7 +375,7 @@ class LlamaServer:
             self.process.kill()
             self.process.wait(timeout=10)
 
-    def __enter__(self) -> "LlamaServer":
+    def __enter__(self) -> LlamaServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -336,17 +384,28 @@ class LlamaServer:
             self.log_path.unlink(missing_ok=True)
 
     def post(self, path: str, payload: dict, timeout: float = 600) -> dict:
-        request = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            self.url + path, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=timeout) as reply:
             return json.loads(reply.read())
 
     def complete(self, prompt_ids: list[int], n_predict: int, timeout: float = 600) -> dict:
         """Greedy ``/completion`` on token ids: exactly ``n_predict`` tokens (EOS ignored), no prompt
         cache (every request pays its prefill, as in our engine with prefix caching off)."""
-        return self.post("/completion", dict(prompt=list(prompt_ids), n_predict=n_predict, ignore_eos=True,
-                                             cache_prompt=False, temperature=0, stream=False,
-                                             return_tokens=True), timeout=timeout)
+        return self.post(
+            "/completion",
+            dict(
+                prompt=list(prompt_ids),
+                n_predict=n_predict,
+                ignore_eos=True,
+                cache_prompt=False,
+                temperature=0,
+                stream=False,
+                return_tokens=True,
+            ),
+            timeout=timeout,
+        )
 
 
 def default_model() -> Path:
@@ -381,8 +440,9 @@ def main(argv=None) -> int:
     elif args.command == "source":
         print(source_dir())
     else:
-        with LlamaServer(default_model(), slots=args.slots, ctx_per_slot=args.ctx_per_slot,
-                         threads=args.threads) as server:
+        with LlamaServer(
+            default_model(), slots=args.slots, ctx_per_slot=args.ctx_per_slot, threads=args.threads
+        ) as server:
             print(f"llama-server at {server.url} (Ctrl-C stops it)", flush=True)
             with contextlib.suppress(KeyboardInterrupt):
                 server.process.wait()

@@ -20,8 +20,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # Result files written before bench_engine.py recorded the CPU: all came from one AMD EPYC VM
 # (2 cores, x86-64) on 2026-11-30. Their "env" says so much; the name comes from that session.
 LEGACY_CPU = "AMD EPYC"
-LEGACY_NOTE = ("inferred: written on 2026-11-30, before result files named their CPU; "
-               "their env.machine (Linux x86_64, 2 CPU cores) matches the AMD EPYC VM of that day")
+LEGACY_NOTE = (
+    "inferred: written on 2026-11-30, before result files named their CPU; "
+    "their env.machine (Linux x86_64, 2 CPU cores) matches the AMD EPYC VM of that day"
+)
 
 COLUMNS = [  # (header, result key): each ratio is ours ÷ the peer, output tokens/s
     ("mixed ÷ HF static", "mixed_speedup"),
@@ -29,7 +31,7 @@ COLUMNS = [  # (header, result key): each ratio is ours ÷ the peer, output toke
     ("batch-1 ÷ HF generate", "batch1_speedup"),
     ("mixed ÷ llama.cpp", "mixed_vs_llama_cpp"),
     ("batch-1 ÷ llama.cpp", "batch1_vs_llama_cpp"),
-    ("batch-1 step ÷ read floor", "batch1_floor_ratio"),     # lower is better: 1.0 is the floor
+    ("batch-1 step ÷ read floor", "batch1_floor_ratio"),  # lower is better: 1.0 is the floor
 ]
 
 
@@ -70,12 +72,20 @@ def read_results(folder: Path) -> list[dict]:
         if not isinstance(result, dict) or not ({"mixed", "batch1"} & result.keys()):
             continue
         cpu, inferred = cpu_name(result)
-        rows.append(dict(cpu=cpu, inferred=inferred, date=result.get("env", {}).get("date", "?"),
-                         threads=result.get("threads", "?"), dtype=dtype_of(result), file=path.name,
-                         **{key: result.get(key) for _, key in COLUMNS}))
+        rows.append(
+            dict(
+                cpu=cpu,
+                inferred=inferred,
+                date=result.get("env", {}).get("date", "?"),
+                threads=result.get("threads", "?"),
+                dtype=dtype_of(result),
+                file=path.name,
+                **{key: result.get(key) for _, key in COLUMNS},
+            )
+        )
         step = result.get("batch1_step", {})
         rows[-1]["batch1_floor_ratio"] = step.get("ratio")
-        rows[-1]["floor_unpaired"] = "ratio" in step and "paired" not in step      # an older file's way (†)
+        rows[-1]["floor_unpaired"] = "ratio" in step and "paired" not in step  # an older file's way (†)
     return rows
 
 
@@ -99,8 +109,10 @@ def markdown(rows: list[dict]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     if any(row.get("floor_unpaired") for row in rows):
         lines.append("")
-        lines.append("† the step's median against the best read of another moment; newer files take steps and reads "
-                     "in turns and give the median of their ratios, so the VM's drift between moments cancels.")
+        lines.append(
+            "† the step's median against the best read of another moment; newer files take steps and reads "
+            "in turns and give the median of their ratios, so the VM's drift between moments cancels."
+        )
     if any(row["inferred"] for row in rows):
         lines.append("")
         lines.append(f"\\* {LEGACY_NOTE}.")

@@ -27,8 +27,9 @@ try:
 except ImportError as exc:
     from lifeofprompt.errors import MissingDependencyError
 
-    raise MissingDependencyError("the Triton backend needs Triton (pip install triton, Linux only); "
-                                 "backend='torch' runs anywhere") from exc
+    raise MissingDependencyError(
+        "the Triton backend needs Triton (pip install triton, Linux only); backend='torch' runs anywhere"
+    ) from exc
 
 from .paged_attention import INTERPRETED, paged_attention  # noqa: E402
 from .store_kv import store_kv  # noqa: E402
@@ -43,9 +44,11 @@ def _check_interpreter_mode() -> None:
     if INTERPRETED and isinstance(tl.cdiv, JITFunction):
         from lifeofprompt.errors import ConfigError
 
-        raise ConfigError("Triton was imported before TRITON_INTERPRET=1 was set, so its interpreter cannot run "
-                          "the kernels: set TRITON_INTERPRET=1 in the environment, or import lifeofprompt.kernels "
-                          "before anything imports triton")
+        raise ConfigError(
+            "Triton was imported before TRITON_INTERPRET=1 was set, so its interpreter cannot run "
+            "the kernels: set TRITON_INTERPRET=1 in the environment, or import lifeofprompt.kernels "
+            "before anything imports triton"
+        )
 
 
 _check_interpreter_mode()

@@ -19,27 +19,46 @@ from .tiles import cdiv
 
 @dataclass
 class PagedCase:
-    query: torch.Tensor          # [T, heads, head_dim]
-    key: torch.Tensor            # [T, kv_heads, head_dim]: this step's new rows
+    query: torch.Tensor  # [T, heads, head_dim]
+    key: torch.Tensor  # [T, kv_heads, head_dim]: this step's new rows
     value: torch.Tensor
-    k_pool: torch.Tensor         # [num_blocks, block_size, kv_heads, head_dim], prefixes already stored
+    k_pool: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim], prefixes already stored
     v_pool: torch.Tensor
-    block_tables: torch.Tensor   # [B, max_blocks] int32, -1 past each sequence's blocks
-    seq_lens: torch.Tensor       # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32, -1 past each sequence's blocks
+    seq_lens: torch.Tensor  # [B] int32
     query_start_loc: torch.Tensor  # [B + 1] int32
-    slot_mapping: torch.Tensor   # [T] int64, -1 for padding rows
+    slot_mapping: torch.Tensor  # [T] int64, -1 for padding rows
     max_query_len: int
     max_seq_len: int
     scale: float
 
     def attention_args(self) -> tuple:
-        return (self.query, self.k_pool, self.v_pool, self.block_tables, self.seq_lens, self.query_start_loc,
-                self.max_query_len, self.max_seq_len, self.scale)
+        return (
+            self.query,
+            self.k_pool,
+            self.v_pool,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            self.max_query_len,
+            self.max_seq_len,
+            self.scale,
+        )
 
 
-def make_case(query_lens: list[int], context_lens: list[int], block_size: int, num_heads: int, num_kv_heads: int,
-              head_dim: int, dtype=torch.float32, device="cpu", seed: int = 0, spare_blocks: int = 3,
-              padding_seqs: int = 0) -> PagedCase:
+def make_case(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype=torch.float32,
+    device="cpu",
+    seed: int = 0,
+    spare_blocks: int = 3,
+    padding_seqs: int = 0,
+) -> PagedCase:
     """A batch whose prefixes are already in the pool and whose new rows are not (``store_kv`` does that).
 
     ``padding_seqs`` appends that many padding entries, as a CUDA-graph batch padded to a fixed
@@ -56,7 +75,7 @@ def make_case(query_lens: list[int], context_lens: list[int], block_size: int, n
     width = max(1, max(blocks_per_seq))
     tables, slots = [], []
     for b, (n, q) in enumerate(zip(seq_lens, query_lens)):
-        table, order = order[:blocks_per_seq[b]], order[blocks_per_seq[b]:]
+        table, order = order[: blocks_per_seq[b]], order[blocks_per_seq[b] :]
         tables.append(table + [-1] * (width - len(table)))
         slots.extend(table[p // block_size] * block_size + p % block_size if p >= 0 else -1 for p in range(n - q, n))
 
@@ -72,13 +91,18 @@ def make_case(query_lens: list[int], context_lens: list[int], block_size: int, n
     for q in query_lens:
         starts.append(starts[-1] + q)
     return PagedCase(
-        query=randn(total, num_heads, head_dim), key=randn(total, num_kv_heads, head_dim),
-        value=randn(total, num_kv_heads, head_dim), k_pool=k_pool, v_pool=v_pool,
+        query=randn(total, num_heads, head_dim),
+        key=randn(total, num_kv_heads, head_dim),
+        value=randn(total, num_kv_heads, head_dim),
+        k_pool=k_pool,
+        v_pool=v_pool,
         block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        max_query_len=max(query_lens), max_seq_len=max(seq_lens), scale=head_dim ** -0.5,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        scale=head_dim**-0.5,
     )
 
 
@@ -133,11 +157,22 @@ def covering_cases(count: int, dtypes: list, seed: int = 6, max_len: int = 70) -
         splits = [1, None, 3, 2][(i + i // 4) % 4]
         tile_n = [16, 32, None][i % 3]
         query_lens, context_lens = random_batch(rng, block_size, max_len)
-        cases.append(dict(
-            query_lens=query_lens, context_lens=context_lens, block_size=block_size, num_heads=group * num_kv_heads,
-            num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, seed=100 + i, padding_seqs=i % 2,
-            num_kv_splits=splits, tile_n=tile_n,
-            id=f"bs{block_size}-g{group}-d{head_dim}-{str(dtype)[6:]}-split{splits}-{i}"))
+        cases.append(
+            dict(
+                query_lens=query_lens,
+                context_lens=context_lens,
+                block_size=block_size,
+                num_heads=group * num_kv_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                dtype=dtype,
+                seed=100 + i,
+                padding_seqs=i % 2,
+                num_kv_splits=splits,
+                tile_n=tile_n,
+                id=f"bs{block_size}-g{group}-d{head_dim}-{str(dtype)[6:]}-split{splits}-{i}",
+            )
+        )
     return cases
 
 
@@ -153,8 +188,19 @@ def run_step(case: PagedCase, num_kv_splits: int | None = None, tile_n: int | No
 
     k_pool, v_pool = poisoned_pools(case) if poison else (case.k_pool.clone(), case.v_pool.clone())
     store_kv(case.key, case.value, k_pool, v_pool, case.slot_mapping)
-    out = paged_attention(case.query, k_pool, v_pool, case.block_tables, case.seq_lens, case.query_start_loc,
-                          case.max_query_len, case.max_seq_len, case.scale, num_kv_splits=num_kv_splits, tile_n=tile_n)
+    out = paged_attention(
+        case.query,
+        k_pool,
+        v_pool,
+        case.block_tables,
+        case.seq_lens,
+        case.query_start_loc,
+        case.max_query_len,
+        case.max_seq_len,
+        case.scale,
+        num_kv_splits=num_kv_splits,
+        tile_n=tile_n,
+    )
     reference.store_kv(case.key, case.value, case.k_pool, case.v_pool, case.slot_mapping)
     return out, reference.paged_attention(*case.attention_args()), (k_pool, v_pool)
 
@@ -175,9 +221,12 @@ def compare_with_reference(case: PagedCase, num_kv_splits: int | None = None, **
     rest = (case.block_tables, case.seq_lens, case.query_start_loc, case.max_query_len, case.max_seq_len, case.scale)
     out = paged_attention(case.query, *pools["triton"], *rest, num_kv_splits=num_kv_splits, **tuning)
     expected = reference.paged_attention(case.query, *pools["torch"], *rest)
-    return dict(max_abs_diff=float((out.float() - expected.float()).abs().max()),
-                pools_equal=all(torch.equal(a, b) for a, b in zip(pools["triton"], pools["torch"])),
-                rows=out.shape[0], heads=out.shape[1])
+    return dict(
+        max_abs_diff=float((out.float() - expected.float()).abs().max()),
+        pools_equal=all(torch.equal(a, b) for a, b in zip(pools["triton"], pools["torch"])),
+        rows=out.shape[0],
+        heads=out.shape[1],
+    )
 
 
 def errors_against_fp32(case: PagedCase, num_kv_splits: int | None = None, **tuning) -> dict:
@@ -199,5 +248,9 @@ def errors_against_fp32(case: PagedCase, num_kv_splits: int | None = None, **tun
     def rms(x):
         return float(x.pow(2).mean().sqrt())
 
-    return dict(kernel_rms=rms(out - truth), reference_rms=rms(low - truth),
-                kernel_max=float((out - truth).abs().max()), reference_max=float((low - truth).abs().max()))
+    return dict(
+        kernel_rms=rms(out - truth),
+        reference_rms=rms(low - truth),
+        kernel_max=float((out - truth).abs().max()),
+        reference_max=float((low - truth).abs().max()),
+    )

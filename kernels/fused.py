@@ -32,7 +32,7 @@ import triton.language as tl
 from .paged_attention import check_device
 from .tiles import cdiv, next_power_of_2
 
-SILU_BLOCK = 1024   # columns of gate/up per program: a TinyLlama row (5632) is 6 programs
+SILU_BLOCK = 1024  # columns of gate/up per program: a TinyLlama row (5632) is 6 programs
 
 
 # ----------------------------------------------------------------------------- RMSNorm (+ residual add)
@@ -40,9 +40,17 @@ SILU_BLOCK = 1024   # columns of gate/up per program: a TinyLlama row (5632) is 
 
 @triton.jit
 def rms_norm_kernel(
-    out_ptr, x_ptr, residual_ptr, weight_ptr,
-    stride_out, stride_x, stride_residual, eps,
-    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+    out_ptr,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    stride_out,
+    stride_x,
+    stride_residual,
+    eps,
+    HIDDEN: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr,
 ):
     """One program per row: (optionally) ``residual += x``, then RMSNorm of the sum."""
     row = tl.program_id(0).to(tl.int64)
@@ -55,10 +63,10 @@ def rms_norm_kernel(
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(residual_ptr + row * stride_residual + cols, x, mask=mask)
     x32 = x.to(tl.float32)
-    mean_square = tl.sum(x32 * x32, axis=0) / HIDDEN          # padding columns loaded as 0
+    mean_square = tl.sum(x32 * x32, axis=0) / HIDDEN  # padding columns loaded as 0
     normed = (x32 * tl.rsqrt(mean_square + eps)).to(x_ptr.dtype.element_ty)
     weight = tl.load(weight_ptr + cols, mask=mask)
-    out = weight.to(tl.float32) * normed.to(tl.float32)      # HF order: cast first, then scale
+    out = weight.to(tl.float32) * normed.to(tl.float32)  # HF order: cast first, then scale
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -69,8 +77,7 @@ def _rows(t: torch.Tensor, hidden: int) -> torch.Tensor:
     return t if t.dim() == 2 else t.view(-1, hidden)
 
 
-def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> torch.Tensor:
+def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     check_device(x)
     hidden = weight.shape[0]
     assert weight.dim() == 1 and weight.is_contiguous(), "weight must be a contiguous [hidden] vector"
@@ -82,8 +89,17 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         rms_norm_kernel[(rows.shape[0],)](
-            out, rows, res_rows, weight, out.stride(0), rows.stride(0), res_rows.stride(0), eps,
-            HIDDEN=hidden, BLOCK=next_power_of_2(hidden), ADD_RESIDUAL=residual is not None,
+            out,
+            rows,
+            res_rows,
+            weight,
+            out.stride(0),
+            rows.stride(0),
+            res_rows.stride(0),
+            eps,
+            HIDDEN=hidden,
+            BLOCK=next_power_of_2(hidden),
+            ADD_RESIDUAL=residual is not None,
             num_warps=4 if hidden <= 2048 else 8,
         )
     return out.view(x.shape)
@@ -98,8 +114,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _launch_rms_norm(x, None, weight, eps)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``residual += x`` **in place**, then RMSNorm of the new residual: returns ``(normed, residual)``.
 
     The decoder's ``hidden = hidden + sublayer(norm(hidden))`` followed by the next norm, in one
@@ -115,26 +132,34 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 @triton.jit
 def rotary_kernel(
-    qk_ptr, cos_ptr, sin_ptr,
-    stride_row, stride_head, stride_cos, stride_sin,
-    NUM_HEADS: tl.constexpr, HALF: tl.constexpr, HEADS_PADDED: tl.constexpr, HALF_PADDED: tl.constexpr,
+    qk_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_row,
+    stride_head,
+    stride_cos,
+    stride_sin,
+    NUM_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    HEADS_PADDED: tl.constexpr,
+    HALF_PADDED: tl.constexpr,
 ):
     """One program per token: every head of its row rotated by the row's angles, in place."""
     row = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, HEADS_PADDED)
     dims = tl.arange(0, HALF_PADDED)
-    cos = tl.load(cos_ptr + row * stride_cos + dims, mask=dims < HALF)[None, :]     # shared by all heads
+    cos = tl.load(cos_ptr + row * stride_cos + dims, mask=dims < HALF)[None, :]  # shared by all heads
     sin = tl.load(sin_ptr + row * stride_sin + dims, mask=dims < HALF)[None, :]
     mask = (heads[:, None] < NUM_HEADS) & (dims[None, :] < HALF)
     first_ptrs = qk_ptr + row * stride_row + heads[:, None] * stride_head + dims[None, :]
-    first = tl.load(first_ptrs, mask=mask).to(tl.float32)              # x[..., :half]
-    second = tl.load(first_ptrs + HALF, mask=mask).to(tl.float32)      # x[..., half:]
+    first = tl.load(first_ptrs, mask=mask).to(tl.float32)  # x[..., :half]
+    second = tl.load(first_ptrs + HALF, mask=mask).to(tl.float32)  # x[..., half:]
     tl.store(first_ptrs, (first * cos - second * sin).to(qk_ptr.dtype.element_ty), mask=mask)
     tl.store(first_ptrs + HALF, (second * cos + first * sin).to(qk_ptr.dtype.element_ty), mask=mask)
 
 
 def _angle_rows(t: torch.Tensor, num_rows: int, half: int) -> torch.Tensor:
-    if t.dim() == 3:                                          # [T, 1, half] (RotaryEmbedding.at) -> [T, half], a view
+    if t.dim() == 3:  # [T, 1, half] (RotaryEmbedding.at) -> [T, half], a view
         assert t.shape[1] == 1, f"cos/sin rows {tuple(t.shape)} should broadcast over heads as [T, 1, half]"
         t = t[:, 0]
     assert t.shape == (num_rows, half), f"cos/sin rows {tuple(t.shape)}, expected ({num_rows}, {half})"
@@ -158,8 +183,16 @@ def rotary_qk(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     cos, sin = _angle_rows(cos, num_rows, half), _angle_rows(sin, num_rows, half)
     if num_rows:
         rotary_kernel[(num_rows,)](
-            qk, cos, sin, qk.stride(0), qk.stride(1), cos.stride(0), sin.stride(0),
-            NUM_HEADS=num_heads, HALF=half, HEADS_PADDED=next_power_of_2(num_heads),
+            qk,
+            cos,
+            sin,
+            qk.stride(0),
+            qk.stride(1),
+            cos.stride(0),
+            sin.stride(0),
+            NUM_HEADS=num_heads,
+            HALF=half,
+            HEADS_PADDED=next_power_of_2(num_heads),
             HALF_PADDED=next_power_of_2(half),
         )
     return qk
@@ -170,8 +203,12 @@ def rotary_qk(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 @triton.jit
 def silu_mul_kernel(
-    out_ptr, gate_up_ptr, stride_out, stride_in,
-    INTERMEDIATE: tl.constexpr, BLOCK: tl.constexpr,
+    out_ptr,
+    gate_up_ptr,
+    stride_out,
+    stride_in,
+    INTERMEDIATE: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Program (row, j): columns ``j*BLOCK ..`` of ``silu(gate) * up`` for one row."""
     row = tl.program_id(0).to(tl.int64)
@@ -198,6 +235,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = min(SILU_BLOCK, next_power_of_2(intermediate))
     if num_rows:
         silu_mul_kernel[(num_rows, cdiv(intermediate, block))](
-            out, gate_up, out.stride(0), gate_up.stride(0), INTERMEDIATE=intermediate, BLOCK=block,
+            out,
+            gate_up,
+            out.stride(0),
+            gate_up.stride(0),
+            INTERMEDIATE=intermediate,
+            BLOCK=block,
         )
     return out

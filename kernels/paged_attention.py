@@ -45,22 +45,45 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 def check_device(tensor: torch.Tensor) -> None:
     """Compiled kernels need CUDA tensors; say so instead of failing deep inside Triton."""
     if not INTERPRETED and not tensor.is_cuda:
-        raise ConfigError(f"the Triton kernels are compiled for the GPU but got a tensor on {tensor.device}: "
-                          "move the model and cache to CUDA, use backend='torch', or set TRITON_INTERPRET=1 "
-                          "before the first import of lifeofprompt.kernels")
+        raise ConfigError(
+            f"the Triton kernels are compiled for the GPU but got a tensor on {tensor.device}: "
+            "move the model and cache to CUDA, use backend='torch', or set TRITON_INTERPRET=1 "
+            "before the first import of lifeofprompt.kernels"
+        )
 
 
 @triton.jit
 def paged_attention_kernel(
-    out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr,
-    query_ptr, k_pool_ptr, v_pool_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    out_ptr,
+    partial_acc_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    query_ptr,
+    k_pool_ptr,
+    v_pool_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
     scale_log2,
-    stride_q_row, stride_q_head, stride_out_row, stride_out_head,
-    stride_k_block, stride_k_slot, stride_k_head,
-    stride_v_block, stride_v_slot, stride_v_head,
+    stride_q_row,
+    stride_q_head,
+    stride_out_row,
+    stride_out_head,
+    stride_k_block,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_block,
+    stride_v_slot,
+    stride_v_head,
     stride_table_seq,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
@@ -71,22 +94,25 @@ def paged_attention_kernel(
     query_start = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
     if q_tile * BLOCK_Q >= query_len:
-        return                                   # this sequence has fewer query tokens
+        return  # this sequence has fewer query tokens
     seq_len = tl.load(seq_lens_ptr + seq)
-    context_len = seq_len - query_len            # cached tokens before this step's first query
+    context_len = seq_len - query_len  # cached tokens before this step's first query
 
     # Tile row m = query token m // GROUP of this tile, query head kv_head * GROUP + m % GROUP.
     rows = tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM_PADDED)
-    token = q_tile * BLOCK_Q + rows // GROUP                  # index among this sequence's query tokens
+    token = q_tile * BLOCK_Q + rows // GROUP  # index among this sequence's query tokens
     head = kv_head * GROUP + rows % GROUP
     row_ok = (rows < BLOCK_Q * GROUP) & (token < query_len)
     dim_ok = dims < HEAD_DIM
     flat_row = (query_start + token).to(tl.int64)
-    q = tl.load(query_ptr + flat_row[:, None] * stride_q_row + head[:, None] * stride_q_head + dims[None, :],
-                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    q = tl.load(
+        query_ptr + flat_row[:, None] * stride_q_row + head[:, None] * stride_q_head + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
     q = q.to(k_pool_ptr.dtype.element_ty)
-    query_pos = context_len + token                           # absolute position of each row's token
+    query_pos = context_len + token  # absolute position of each row's token
 
     # Keys any row of this tile may see, then this split's share of their tiles.
     last_token = tl.minimum(query_len, (q_tile + 1) * BLOCK_Q) - 1
@@ -110,11 +136,11 @@ def paged_attention_kernel(
         k = tl.load(k_pool_ptr + k_off[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
         v = tl.load(v_pool_ptr + v_off[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
 
-        scores = tl.dot(q, k, input_precision="ieee") * scale_log2          # [BLOCK_M, TILE_N], base 2
+        scores = tl.dot(q, k, input_precision="ieee") * scale_log2  # [BLOCK_M, TILE_N], base 2
         visible = key_ok[None, :] & (key_pos[None, :] <= query_pos[:, None])
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)              # rows that have seen nothing yet
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
         p = tl.exp2(scores - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -122,11 +148,14 @@ def paged_attention_kernel(
         m_i = m_new
 
     if NUM_SPLITS == 1:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]                 # nothing visible (padding) -> 0
-        tl.store(out_ptr + flat_row[:, None] * stride_out_row + head[:, None] * stride_out_head + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # nothing visible (padding) -> 0
+        tl.store(
+            out_ptr + flat_row[:, None] * stride_out_row + head[:, None] * stride_out_head + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & dim_ok[None, :],
+        )
     else:
-        part = (flat_row * NUM_HEADS + head) * NUM_SPLITS + split          # [T, heads, splits] layout
+        part = (flat_row * NUM_HEADS + head) * NUM_SPLITS + split  # [T, heads, splits] layout
         tl.store(partial_max_ptr + part, m_i, mask=row_ok)
         tl.store(partial_sum_ptr + part, l_i, mask=row_ok)
         tl.store(partial_acc_ptr + part[:, None] * HEAD_DIM_PADDED + dims[None, :], acc, mask=row_ok[:, None])
@@ -134,9 +163,17 @@ def paged_attention_kernel(
 
 @triton.jit
 def reduce_splits_kernel(
-    out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, stride_out_row, stride_out_head,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_PADDED: tl.constexpr,
+    out_ptr,
+    partial_acc_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    stride_out_row,
+    stride_out_head,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PADDED: tl.constexpr,
 ):
     """Merge the partial softmax states of one (row, head) from its ``NUM_SPLITS`` programs."""
     row = tl.program_id(0).to(tl.int64)
@@ -146,24 +183,34 @@ def reduce_splits_kernel(
     split_ok = splits < NUM_SPLITS
     part = (row * NUM_HEADS + head) * NUM_SPLITS + splits
     m = tl.load(partial_max_ptr + part, mask=split_ok, other=float("-inf"))
-    l = tl.load(partial_sum_ptr + part, mask=split_ok, other=0.0)
+    l = tl.load(partial_sum_ptr + part, mask=split_ok, other=0.0)  # noqa: E741 (the online softmax's own name)
     acc = tl.load(partial_acc_ptr + part[:, None] * HEAD_DIM_PADDED + dims[None, :], mask=split_ok[:, None], other=0.0)
     m_max = tl.max(m, axis=0)
-    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))   # empty splits weigh 0
+    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits weigh 0
     total = tl.sum(l * weight, axis=0)
     out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + row * stride_out_row + head * stride_out_head + dims, out.to(out_ptr.dtype.element_ty),
-             mask=dims < HEAD_DIM)
+    tl.store(
+        out_ptr + row * stride_out_row + head * stride_out_head + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_DIM,
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def launch_plan(query: torch.Tensor, num_kv_heads: int, num_seqs: int, max_query_len: int, max_seq_len: int,
-                num_kv_splits: int | None = None, tile_n: int | None = None,
-                block_m: int | None = None) -> tuple[TileConfig, tuple, int]:
+def launch_plan(
+    query: torch.Tensor,
+    num_kv_heads: int,
+    num_seqs: int,
+    max_query_len: int,
+    max_seq_len: int,
+    num_kv_splits: int | None = None,
+    tile_n: int | None = None,
+    block_m: int | None = None,
+) -> tuple[TileConfig, tuple, int]:
     """Tiles, grid and number of KV splits, from shapes and Python ints only (no host sync)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     config = choose_tiles(num_heads, num_kv_heads, head_dim, max_query_len, tile_n=tile_n, block_m=block_m)
@@ -176,11 +223,22 @@ def launch_plan(query: torch.Tensor, num_kv_heads: int, num_seqs: int, max_query
     return config, (q_tiles, num_seqs, num_kv_heads * num_kv_splits), num_kv_splits
 
 
-def paged_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    max_query_len: int, max_seq_len: int, scale: float,
-                    num_kv_splits: int | None = None, tile_n: int | None = None, block_m: int | None = None,
-                    num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    num_kv_splits: int | None = None,
+    tile_n: int | None = None,
+    block_m: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
     """Causal GQA attention of query rows ``[T, heads, head_dim]`` over the paged pool -> ``[T, heads, head_dim]``.
 
     Same contract as ``lifeofprompt.model.paged_attention.paged_attention``. ``num_kv_splits``
@@ -209,32 +267,64 @@ def paged_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     out = torch.empty(num_rows, num_heads, head_dim, dtype=query.dtype, device=query.device)
     if num_rows == 0 or num_seqs == 0:
         return out
-    config, grid, splits = launch_plan(query, num_kv_heads, num_seqs, max_query_len, max_seq_len, num_kv_splits,
-                                       tile_n, block_m)
+    config, grid, splits = launch_plan(
+        query, num_kv_heads, num_seqs, max_query_len, max_seq_len, num_kv_splits, tile_n, block_m
+    )
     launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
     if splits > 1:
-        partial_acc = torch.empty(num_rows, num_heads, splits, config.head_dim_padded, dtype=torch.float32,
-                                  device=query.device)
+        partial_acc = torch.empty(
+            num_rows, num_heads, splits, config.head_dim_padded, dtype=torch.float32, device=query.device
+        )
         partial_max = torch.empty(num_rows, num_heads, splits, dtype=torch.float32, device=query.device)
         partial_sum = torch.empty_like(partial_max)
     else:
-        partial_acc = partial_max = partial_sum = out     # unused by the one-pass kernel
+        partial_acc = partial_max = partial_sum = out  # unused by the one-pass kernel
     paged_attention_kernel[grid](
-        out, partial_acc, partial_max, partial_sum,
-        query, k_pool, v_pool, block_tables, seq_lens, query_start_loc,
+        out,
+        partial_acc,
+        partial_max,
+        partial_sum,
+        query,
+        k_pool,
+        v_pool,
+        block_tables,
+        seq_lens,
+        query_start_loc,
         scale * math.log2(math.e),
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_pool.stride(0),
+        k_pool.stride(1),
+        k_pool.stride(2),
+        v_pool.stride(0),
+        v_pool.stride(1),
+        v_pool.stride(2),
         block_tables.stride(0),
-        NUM_HEADS=num_heads, GROUP=config.group, HEAD_DIM=head_dim, HEAD_DIM_PADDED=config.head_dim_padded,
-        BLOCK_SIZE=k_pool.shape[1], BLOCK_M=config.block_m, BLOCK_Q=config.block_q, TILE_N=config.tile_n,
-        NUM_SPLITS=splits, **launch,
+        NUM_HEADS=num_heads,
+        GROUP=config.group,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=config.head_dim_padded,
+        BLOCK_SIZE=k_pool.shape[1],
+        BLOCK_M=config.block_m,
+        BLOCK_Q=config.block_q,
+        TILE_N=config.tile_n,
+        NUM_SPLITS=splits,
+        **launch,
     )
     if splits > 1:
         reduce_splits_kernel[(num_rows, num_heads)](
-            out, partial_acc, partial_max, partial_sum, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PADDED=config.head_dim_padded,
-            NUM_SPLITS=splits, SPLITS_PADDED=next_power_of_2(splits),
+            out,
+            partial_acc,
+            partial_max,
+            partial_sum,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PADDED=config.head_dim_padded,
+            NUM_SPLITS=splits,
+            SPLITS_PADDED=next_power_of_2(splits),
         )
     return out

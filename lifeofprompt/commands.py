@@ -13,10 +13,12 @@ def _load(args, say_dtype_reason: bool = True):
     started = time.perf_counter()
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     print(f"model: {model.source}")
-    print(f"       {model.config.num_layers} layers, hidden {model.config.hidden_size}, "
-          f"{model.config.num_heads} query heads over {model.config.num_kv_heads} KV heads, "
-          f"vocab {model.config.vocab_size}; {model.dtype} on {model.device} "
-          f"(loaded in {time.perf_counter() - started:.1f} s)")
+    print(
+        f"       {model.config.num_layers} layers, hidden {model.config.hidden_size}, "
+        f"{model.config.num_heads} query heads over {model.config.num_kv_heads} KV heads, "
+        f"vocab {model.config.vocab_size}; {model.dtype} on {model.device} "
+        f"(loaded in {time.perf_counter() - started:.1f} s)"
+    )
     if model.dtype_reason and say_dtype_reason:
         print(f"       dtype {model.dtype_reason}")
     if model.is_random:
@@ -25,13 +27,13 @@ def _load(args, say_dtype_reason: bool = True):
 
 
 def demo(args) -> int:
-    """The story's three prompts through the engine: token ids, each scheduler step with its block tables, completions."""
+    """The story's three prompts through the engine: token ids, each scheduler step and its blocks, completions."""
     from .engine.llm_engine import LLMEngine
     from .engine.sampling_params import SamplingParams
 
     if args.max_tokens < 1:
         raise InvalidRequestError("--max-tokens must be at least 1", param="max_tokens")
-    model, tokenizer = _load(args, say_dtype_reason=False)           # the engine's start-up log says it
+    model, tokenizer = _load(args, say_dtype_reason=False)  # the engine's start-up log says it
     engine = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=64, log_stats=False, cpu_linear=args.cpu_linear)
     print("\n1. tokenization: text becomes integers")
     for text in STORY_PROMPTS:
@@ -41,11 +43,13 @@ def demo(args) -> int:
     print("\n2. the engine: a pool of KV blocks, shared out by the scheduler")
     for line in engine.startup_log[1:]:
         print(f"   {line}")
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)   # greedy; a request ends at EOS
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)  # greedy; a request ends at EOS
     for i, text in enumerate(STORY_PROMPTS):
         engine.add_request(f"prompt-{i}", text, params)
-    print(f"\n3. the scheduler, step by step (greedy, up to {args.max_tokens} new tokens each); steps where nothing but "
-          "one decode token per request happens are folded")
+    print(
+        f"\n3. the scheduler, step by step (greedy, up to {args.max_tokens} new tokens each); steps where nothing but "
+        "one decode token per request happens are folded"
+    )
     started = time.perf_counter()
     finished = {out.request_id: out for out in engine.run_until_done()}
     elapsed = time.perf_counter() - started
@@ -57,8 +61,10 @@ def demo(args) -> int:
         print(f"   {'':{len(repr(text))}}    new ids {out.token_ids}")
     blocks = engine.block_manager
     total = sum(len(o.outputs[0].token_ids) for o in finished.values())
-    print(f"\n   {total} tokens in {engine.scheduler.num_steps} steps, {elapsed:.2f} s; "
-          f"every block back in the pool: {blocks.num_free_blocks} of {blocks.num_blocks} free")
+    print(
+        f"\n   {total} tokens in {engine.scheduler.num_steps} steps, {elapsed:.2f} s; "
+        f"every block back in the pool: {blocks.num_free_blocks} of {blocks.num_blocks} free"
+    )
     return 0
 
 
@@ -80,11 +86,25 @@ def _engine_for_serving(args):
     """An ``LLMEngine`` from the serve flags (unset flags keep the engine's defaults)."""
     from .engine.llm_engine import LLMEngine
 
-    options = {name: getattr(args, name, None) for name in
-               ("dtype", "device", "cpu_linear", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_waiting",
-                "long_prefill_token_threshold", "speculative_config",
-                "tensor_parallel_size", "pipeline_parallel_size", "pipeline_overlap", "distributed_executor_backend")
-               if getattr(args, name, None) is not None}
+    options = {
+        name: getattr(args, name, None)
+        for name in (
+            "dtype",
+            "device",
+            "cpu_linear",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "num_kv_blocks",
+            "max_waiting",
+            "long_prefill_token_threshold",
+            "speculative_config",
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+            "pipeline_overlap",
+            "distributed_executor_backend",
+        )
+        if getattr(args, name, None) is not None
+    }
     return LLMEngine(args.model, block_size=args.block_size, **options)
 
 
@@ -92,11 +112,19 @@ def serve(args) -> int:
     """Load the model, build the engine, serve it over HTTP until Ctrl-C."""
     from .serving.auth import api_key_from
     from .serving.limits import ServerLimits
-    from .serving.server import ServerConfig, serve as run_server
+    from .serving.server import ServerConfig
+    from .serving.server import serve as run_server
 
-    limits = ServerLimits() if args.max_request_bytes is None else ServerLimits(max_request_bytes=args.max_request_bytes)
-    config = ServerConfig(api_key=api_key_from(args.api_key), enable_docs=args.enable_docs,
-                          allowed_origins=args.allowed_origins, limits=limits, shutdown_timeout=args.shutdown_timeout)
+    limits = (
+        ServerLimits() if args.max_request_bytes is None else ServerLimits(max_request_bytes=args.max_request_bytes)
+    )
+    config = ServerConfig(
+        api_key=api_key_from(args.api_key),
+        enable_docs=args.enable_docs,
+        allowed_origins=args.allowed_origins,
+        limits=limits,
+        shutdown_timeout=args.shutdown_timeout,
+    )
     engine = _engine_for_serving(args)
     name = args.served_model_name or args.model
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (Ctrl-C or SIGTERM stops)")
@@ -112,13 +140,23 @@ def loadtest(args) -> int:
 
     arrival = "poisson" if args.rate is not None else "closed_loop" if args.clients is not None else "all_at_once"
     config = LoadTestConfig(
-        url=args.url, model=args.model, endpoint=args.endpoint, arrival=arrival, num_requests=args.num_requests,
-        rate=args.rate, num_clients=args.clients, prompt_len=parse_length(args.prompt_len),
+        url=args.url,
+        model=args.model,
+        endpoint=args.endpoint,
+        arrival=arrival,
+        num_requests=args.num_requests,
+        rate=args.rate,
+        num_clients=args.clients,
+        prompt_len=parse_length(args.prompt_len),
         output_len=parse_length(args.output_len),
         prompt_kind=args.prompt_kind or ("text" if args.endpoint == "chat" else "ids"),
-        temperature=args.temperature, ignore_eos=not args.no_ignore_eos, seed=args.seed,
-        max_duration=args.max_duration, request_timeout=args.request_timeout,
-        api_key=args.api_key or os.environ.get("OPENAI_API_KEY"))
+        temperature=args.temperature,
+        ignore_eos=not args.no_ignore_eos,
+        seed=args.seed,
+        max_duration=args.max_duration,
+        request_timeout=args.request_timeout,
+        api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+    )
     result = run_loadtest(config)
     if args.json == "-":
         print(result.to_json())

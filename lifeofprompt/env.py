@@ -26,30 +26,37 @@ def env_info() -> dict:
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores",
         "cpu_threads": torch.get_num_threads(),
         "cpu": cpu_model(),
-        "cpu_flags": " ".join(f for f in sorted(cpu_flags()) if f.startswith(("avx", "amx", "fma", "f16c", "sve", "asimd"))),
+        "cpu_flags": " ".join(
+            f for f in sorted(cpu_flags()) if f.startswith(("avx", "amx", "fma", "f16c", "sve", "asimd"))
+        ),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (no GPU)",
     }
     try:  # read, not imported: importing Triton fixes its interpreter mode (see lifeofprompt.kernels)
         from importlib.metadata import version
+
         info["triton"] = version("triton")
     except ImportError:
         info["triton"] = "not installed"
     from ._version import __version__
+
     info["lifeofprompt"] = __version__
     return info
 
 
 def cache_dir() -> Path:
-    """Where lifeofprompt keeps what it builds once per machine: ``$LIFEOFPROMPT_CACHE``, else ``~/.cache/lifeofprompt``.
+    """Where lifeofprompt keeps what it builds once per machine: ``$LIFEOFPROMPT_CACHE``, else ``~/.cache/lifeofprompt``
 
     Dequantized models, the compiled matrix-product kernel and the calibrated choice of
     product paths all live here, so a second start skips the work (and repeats the choice).
     """
-    root = os.environ.get("LIFEOFPROMPT_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lifeofprompt"
+    root = (
+        os.environ.get("LIFEOFPROMPT_CACHE")
+        or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lifeofprompt"
+    )
     return Path(root)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cpuinfo() -> dict[str, str]:
     """The first processor's entry of ``/proc/cpuinfo`` (empty where there is none: macOS, Windows)."""
     try:
@@ -77,8 +84,14 @@ def cpu_flags() -> frozenset[str]:
 
 # The widest vector instructions a CPU has, widest first: CPUs that share a name ("AMD EPYC" is every
 # generation of a cloud VM) differ here, and so do the kernels torch, oneDNN and our C code run.
-VECTOR_ISAS = (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX"),
-               ("sve", "SVE"), ("asimd", "NEON"))
+VECTOR_ISAS = (
+    ("amx_tile", "AMX"),
+    ("avx512f", "AVX-512"),
+    ("avx2", "AVX2"),
+    ("avx", "AVX"),
+    ("sve", "SVE"),
+    ("asimd", "NEON"),
+)
 
 
 def cpu_vector_isa(flags=None) -> str:

@@ -116,7 +116,7 @@ class RequestNotFoundError(LifeOfPromptError, KeyError):
 
 
 class SpeculativeConfigError(ConfigError):
-    """A bad ``speculative_config``: the message and ``param`` name the field (``num_speculative_tokens``, ``method``, …)."""
+    """A bad ``speculative_config``: message and ``param`` name the field (``method``, …)."""
 
     def __init__(self, message: str, *, param: str | None = None):
         super().__init__(f"speculative_config[{param!r}]: {message}" if param else message)

@@ -1,9 +1,21 @@
 #!/usr/bin/env bash
-# The whole test suite, notebooks and browser tests included. Installs what is missing first.
+# The whole test suite, notebooks and browser tests included, after the linter and the formatter's check.
+# Installs what is missing first.
+#   bash scripts/test.sh            everything
+#   bash scripts/test.sh --quick    ruff and the unit tests: no notebooks, browser, spawned ranks or slow tests
+# Arguments after these go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh --browser
+quick=0
+if [ "${1:-}" = "--quick" ]; then quick=1; shift; fi
+if [ "$quick" = 1 ]; then bash scripts/setup.sh; else bash scripts/setup.sh --browser; fi
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
 export PYTHONHASHSEED=0 TOKENIZERS_PARALLELISM=false
-.venv/bin/python -m pytest tests notebooks -p no:cacheprovider \
+if [ "$quick" = 1 ]; then
+  exec .venv/bin/python -m pytest tests -p no:cacheprovider -m "not browser and not ranks and not slow and not gpu" \
+    --timeout=600 -q -ra "$@"
+fi
+exec .venv/bin/python -m pytest tests notebooks -p no:cacheprovider \
   --nbval-lax --nbval-current-env --nbval-cell-timeout=900 --nbval-kernel-startup-timeout=120 \
   --timeout=1800 -ra "$@"

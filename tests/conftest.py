@@ -52,7 +52,7 @@ def one_thread():
 
 @pytest.fixture
 def poison_allocations(monkeypatch):
-    """Every tensor a kernel wrapper gets from ``torch.empty``/``empty_like`` starts as NaN, so unwritten outputs fail."""
+    """Every tensor a kernel wrapper gets from ``torch.empty``/``empty_like`` starts as NaN: unwritten outputs fail."""
     empty, empty_like = torch.empty, torch.empty_like
 
     def nan_filled(t):

@@ -14,7 +14,7 @@ from lifeofprompt.model import allocator
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 
-MIB16 = 4 << 20          # float32 elements in 16 MiB
+MIB16 = 4 << 20  # float32 elements in 16 MiB
 
 
 def step_like_round() -> None:
@@ -41,7 +41,7 @@ def test_freed_step_memory_is_reused_without_page_faults():
     note = allocator.keep_freed_memory()
     if not note:
         pytest.skip("not glibc, or turned off")
-    assert "kept" in note and allocator.keep_freed_memory() == note      # once per process
+    assert "kept" in note and allocator.keep_freed_memory() == note  # once per process
     # Untuned, this faulted 65,280 pages here (8 rounds x 3 tensors x 4,096 pages, less a few).
     assert faults_of_step_like_rounds() < pages_per_tensor
 

@@ -5,8 +5,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from lifeofprompt.serving.arrivals import Dispatcher, all_at_once, at_times, closed_loop, drive, poisson, sample_lengths
 from lifeofprompt.errors import InvalidRequestError
+from lifeofprompt.serving.arrivals import Dispatcher, all_at_once, at_times, closed_loop, drive, poisson, sample_lengths
 
 
 def test_poisson_is_seeded_and_has_the_rate():
@@ -15,7 +15,7 @@ def test_poisson_is_seeded_and_has_the_rate():
     assert all(x < y for x, y in zip(a, a[1:]))
     assert 2000 / a[-1] == pytest.approx(4.0, rel=0.06)
     gaps = np.diff(a)
-    assert np.std(gaps) / np.mean(gaps) == pytest.approx(1.0, rel=0.1)   # exponential: std == mean
+    assert np.std(gaps) / np.mean(gaps) == pytest.approx(1.0, rel=0.1)  # exponential: std == mean
 
 
 def test_open_loop_dispatch_by_time():

@@ -41,10 +41,10 @@ def test_allocation_grows_one_block_every_block_size_tokens():
     seq = make_seq("hi", [6004, 957, 1462, 314])
     run_prompt(bm, seq)
     assert seq.block_table == [0] and bm.num_used_blocks == 1
-    for t in range(12):                         # tokens 5..16 fill the first block
+    for t in range(12):  # tokens 5..16 fill the first block
         decode(bm, seq, t)
     assert len(seq) == 16 and seq.block_table == [0]
-    decode(bm, seq, 99)                         # the 17th token needs a second block
+    decode(bm, seq, 99)  # the 17th token needs a second block
     assert seq.block_table == [0, 1] and bm.num_free_blocks == 8
     bm.check_invariants([seq])
     bm.free(seq)
@@ -72,7 +72,7 @@ def test_chunked_prefill_allocates_per_chunk_and_zero_token_calls_are_free():
     assert bm.allocate_slots(seq, 3) and seq.block_table == [0]
     seq.num_computed_tokens = 3
     assert bm.allocate_slots(seq, 0) and seq.block_table == [0]
-    assert bm.allocate_slots(seq, 6) and seq.block_table == [0, 1, 2]   # tokens 3..8 → blocks 0..2
+    assert bm.allocate_slots(seq, 6) and seq.block_table == [0, 1, 2]  # tokens 3..8 → blocks 0..2
     seq.num_computed_tokens = 9
     bm.check_invariants([seq])
 
@@ -80,25 +80,25 @@ def test_chunked_prefill_allocates_per_chunk_and_zero_token_calls_are_free():
 def test_free_queue_hands_out_uncached_blocks_before_cached_ones_and_lru_cached_first():
     bm = BlockManager(num_blocks=6, block_size=2)
     old, new = make_seq("old", [1, 2, 3, 4, 5]), make_seq("new", [7, 8, 9, 10, 11])
-    run_prompt(bm, old)                        # blocks 0, 1 cached; 2 partial
-    run_prompt(bm, new)                        # blocks 3, 4 cached; 5 partial
+    run_prompt(bm, old)  # blocks 0, 1 cached; 2 partial
+    run_prompt(bm, new)  # blocks 3, 4 cached; 5 partial
     bm.free(old)
     bm.free(new)
     # partial (uncached) blocks first, then old's blocks (freed earlier), tail blocks before heads
     assert list(bm.free_queue) == [5, 2, 1, 0, 4, 3]
     taker = make_seq("taker", range(50, 56))
     run_prompt(bm, taker)
-    assert taker.block_table == [5, 2, 1]      # block 1 evicted: old's second block is forgotten
-    assert bm.num_cached_blocks == 3 + 3       # 0, 3, 4 survive; taker's three full blocks join
+    assert taker.block_table == [5, 2, 1]  # block 1 evicted: old's second block is forgotten
+    assert bm.num_cached_blocks == 3 + 3  # 0, 3, 4 survive; taker's three full blocks join
     again = make_seq("old again", [1, 2, 3, 4, 5])
-    assert bm.claim_cached_prefix(again) == 2   # only the first block of "old" survives
+    assert bm.claim_cached_prefix(again) == 2  # only the first block of "old" survives
     assert again.block_table == [0]
 
 
 # ---------------------------------------------------------------------- prefix caching
 def test_shared_prefix_blocks_are_shared_and_counted():
     bm = BlockManager(num_blocks=16, block_size=4)
-    system = list(range(1000, 1010))           # 10 tokens: two full blocks + 2
+    system = list(range(1000, 1010))  # 10 tokens: two full blocks + 2
     a = make_seq("a", system + [1, 2, 3])
     b = make_seq("b", system + [4, 5])
     run_prompt(bm, a)
@@ -112,7 +112,7 @@ def test_shared_prefix_blocks_are_shared_and_counted():
     bm.cache_full_blocks(b)
     bm.check_invariants([a, b])
     assert bm.stats == dict(free=11, used=5, cached=4, hits=2, misses=3, hit_rate=0.4, saved_tokens=8)
-    bm.free(a)                                  # shared blocks stay with b
+    bm.free(a)  # shared blocks stay with b
     assert [bm.blocks[i].ref_count for i in b.block_table] == [1, 1, 1]
     bm.check_invariants([b])
 
@@ -124,17 +124,17 @@ def test_exact_block_multiple_prompt_fully_cached_still_computes_the_last_block(
     run_prompt(bm, first)
     assert bm.num_cached_blocks == 2
     second = make_seq("second", prompt)
-    assert bm.claim_cached_prefix(second) == 16    # not 32: one block recomputed so there are logits
+    assert bm.claim_cached_prefix(second) == 16  # not 32: one block recomputed so there are logits
     second.num_computed_tokens = 16
     assert second.block_table == [first.block_table[0]]
     assert bm.allocate_slots(second, 16)
-    assert second.block_table[1] != first.block_table[1]   # writes into its own block, never a shared one
+    assert second.block_table[1] != first.block_table[1]  # writes into its own block, never a shared one
     second.num_computed_tokens = 32
-    bm.cache_full_blocks(second)               # same hash as first's block 1: stays private
+    bm.cache_full_blocks(second)  # same hash as first's block 1: stays private
     assert bm.num_cached_blocks == 2
     bm.check_invariants([first, second])
     one_block = make_seq("one block", prompt[:16])
-    assert bm.claim_cached_prefix(one_block) == 0   # a single full block is never skipped
+    assert bm.claim_cached_prefix(one_block) == 0  # a single full block is never skipped
     assert bm.stats["hits"] == 1
 
 
@@ -149,7 +149,7 @@ def test_two_sequences_with_the_same_prefix_admitted_in_the_same_step():
     a.num_computed_tokens = b.num_computed_tokens = 10
     bm.cache_full_blocks(a)
     bm.cache_full_blocks(b)
-    assert bm.num_cached_blocks == 2            # registered once, by the first
+    assert bm.num_cached_blocks == 2  # registered once, by the first
     assert bm.stats["hits"] == 0
     bm.check_invariants([a, b])
     # once computed, the next one shares them
@@ -162,15 +162,15 @@ def test_preempted_sequence_finds_its_own_blocks_when_it_comes_back():
     bm = BlockManager(num_blocks=8, block_size=4)
     seq = make_seq("victim", range(10))
     run_prompt(bm, seq)
-    for t in [50, 51, 52]:                      # 13 tokens, 13 computed after these decodes
+    for t in [50, 51, 52]:  # 13 tokens, 13 computed after these decodes
         decode(bm, seq, t)
-    seq.output_token_ids.append(53)            # sampled, not yet computed
+    seq.output_token_ids.append(53)  # sampled, not yet computed
     table = list(seq.block_table)
     assert len(table) == 4
-    bm.free(seq)                                # preemption by recompute
+    bm.free(seq)  # preemption by recompute
     seq.num_computed_tokens = 0
     assert bm.num_free_blocks == 8 and bm.num_cached_blocks == 3
-    assert bm.claim_cached_prefix(seq) == 12    # 14 tokens: three full blocks are back
+    assert bm.claim_cached_prefix(seq) == 12  # 14 tokens: three full blocks are back
     assert seq.block_table == table[:3]
     seq.num_computed_tokens = 12
     assert bm.allocate_slots(seq, 2)
@@ -205,7 +205,7 @@ def test_check_invariants_catches_broken_bookkeeping():
         bm.check_invariants([seq])
     bm.blocks[seq.block_table[0]].ref_count -= 1
     intruder = make_seq("intruder", range(5))
-    intruder.block_table = [seq.block_table[1]]   # a private, partial block owned twice
+    intruder.block_table = [seq.block_table[1]]  # a private, partial block owned twice
     bm.blocks[seq.block_table[1]].ref_count += 1
     with pytest.raises(AssertionError, match="shared but not a cached"):
         bm.check_invariants([seq, intruder])
@@ -222,14 +222,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
     returned the wrong block, or a write into a shared block, shows up as a wrong slot.
     """
 
-    @initialize(num_blocks=st.integers(1, 12), block_size=st.sampled_from([1, 2, 3, 4]),
-                caching=st.booleans())
+    @initialize(num_blocks=st.integers(1, 12), block_size=st.sampled_from([1, 2, 3, 4]), caching=st.booleans())
     def setup(self, num_blocks, block_size, caching):
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
         self.pool: dict[int, tuple] = {}
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
-        self.scheduled: dict[int, int] = {}      # seq_id -> tokens allocated for the next step
+        self.scheduled: dict[int, int] = {}  # seq_id -> tokens allocated for the next step
         self.count = 0
 
     @rule(base=st.integers(0, len(BASES) - 1), cut=st.integers(1, 9), extra=st.lists(st.integers(0, 3), max_size=5))
@@ -267,12 +266,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
             block_id = seq.block_table[pos // bs]
             assert self.bm.blocks[block_id].ref_count == 1, "writing into a shared block"
-            self.pool[block_id * bs + pos % bs] = tuple(seq.token_ids[:pos + 1])
+            self.pool[block_id * bs + pos % bs] = tuple(seq.token_ids[: pos + 1])
         seq.num_computed_tokens += n
         self.scheduled[seq.seq_id] = 0
         if seq.num_computed_tokens == len(seq):
-            seq.output_token_ids.append(new_token)     # sampled: known, not yet computed
-        if data.draw(st.booleans()):                   # the scheduler caches after a step (usually)
+            seq.output_token_ids.append(new_token)  # sampled: known, not yet computed
+        if data.draw(st.booleans()):  # the scheduler caches after a step (usually)
             self.bm.cache_full_blocks(seq)
 
     @precondition(lambda self: self.running)
@@ -302,14 +301,19 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for seq in self.running:
             stored = seq.num_computed_tokens + self.scheduled[seq.seq_id]
             assert len(seq.block_table) == -(-stored // bm.block_size)
-            for pos in range(seq.num_computed_tokens):   # every computed token reads back its own prefix
+            for pos in range(seq.num_computed_tokens):  # every computed token reads back its own prefix
                 slot = seq.block_table[pos // bm.block_size] * bm.block_size + pos % bm.block_size
-                assert self.pool[slot] == tuple(seq.token_ids[:pos + 1])
+                assert self.pool[slot] == tuple(seq.token_ids[: pos + 1])
 
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase
-TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None, derandomize=True,
-                                            suppress_health_check=[HealthCheck.too_slow])
+TestBlockManagerMachine.settings = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 
 def test_cancel_claim_gives_blocks_and_counts_back():

@@ -14,8 +14,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run(*args, timeout=600):
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    return subprocess.run([sys.executable, "-m", "lifeofprompt", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "lifeofprompt", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=env,
+    )
 
 
 def test_help_lists_the_commands():
@@ -31,19 +37,27 @@ def test_serve_help_lists_every_route(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--help"])
     text = capsys.readouterr().out
-    for route in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health",
-                  "/metrics"):
+    for route in (
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/health",
+        "/metrics",
+    ):
         assert route in text, route
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_demo_prints_the_story_token_ids_and_completions():
-    out = run("demo", "--max-tokens", "4", "--dtype", "float32")     # the default dtype is chosen per CPU
+    out = run("demo", "--max-tokens", "4", "--dtype", "float32")  # the default dtype is chosen per CPU
     assert out.returncode == 0, out.stderr[-2000:]
     for ids in ("[6004, 957, 1462, 314]", "[28195, 314, 253, 3953, 4018, 1194]", "[28120, 665]"):
         assert ids in out.stdout
     assert "4 tokens" in out.stdout and "6 tokens" in out.stdout and "2 tokens" in out.stdout
-    assert "new ids [2026, 365, 10905, 6176]" in out.stdout       # greedy, fp32 on the CPU
+    assert "new ids [2026, 365, 10905, 6176]" in out.stdout  # greedy, fp32 on the CPU
     assert "RANDOM" not in out.stdout and "random weights" not in out.stdout
 
 
@@ -56,6 +70,7 @@ def test_generate_rejects_a_bad_max_tokens():
     assert "invalid int value: 'lots'" in out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_generate_honours_temperature_and_seed(capsys):
     """Same seed, same sampled text; greedy gives its own, pinned continuation (decided: tests/test_pins.py)."""
@@ -63,8 +78,9 @@ def test_generate_honours_temperature_and_seed(capsys):
 
     runs = []
     fp32 = ["--dtype", "float32"]
-    for argv in (["generate", "hello there", "--max-tokens", "8", "--temperature", "0.8", "--seed", "3"] + fp32,) * 2 + (
-            ["generate", "hello there", "--max-tokens", "8"] + fp32,):
+    for argv in (
+        ["generate", "hello there", "--max-tokens", "8", "--temperature", "0.8", "--seed", "3"] + fp32,
+    ) * 2 + (["generate", "hello there", "--max-tokens", "8"] + fp32,):
         assert main(argv) == 0
         runs.append(capsys.readouterr().out.strip().splitlines()[-1])
     assert runs[0] == runs[1]

@@ -39,7 +39,7 @@ def test_bf16_logits_follow_fp32(smollm2, model16):
     assert half.dtype == torch.float32 and half.shape == full.shape == (201, 49152)
     # bf16 keeps ~3 significant digits through 30 layers: errors of a few % of a row's largest logit
     error = (half - full).abs() / full.abs().amax(-1, keepdim=True)
-    assert error.mean() < 0.02 and error.max() < 0.1, (error.mean(), error.max())   # measured 0.005, 0.076
+    assert error.mean() < 0.02 and error.max() < 0.1, (error.mean(), error.max())  # measured 0.005, 0.076
     # measured: 132 of the 201 rows decided; a row whose fp32 margin is below bf16's error may flip
     assert_argmax_agrees(half, full, BF16_TOLERANCE, min_decided=110)
 
@@ -49,10 +49,11 @@ def test_the_engine_generates_in_bf16_where_fp32_would(smollm2, model16, story_i
     model32, tokenizer = smollm2
     llm = LLM(model16, tokenizer=tokenizer, num_kv_blocks=64, log_stats=False)
     assert llm.engine.runner.kv_cache.kv.dtype == torch.bfloat16
-    assert llm.engine.runner.prepacked_bytes == 0            # oneDNN prepacking is for fp32 (measured there)
+    assert llm.engine.runner.prepacked_bytes == 0  # oneDNN prepacking is for fp32 (measured there)
     out = llm.generate(story_ids, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
     chosen = [t for o in out for t in o.outputs[0].token_ids]
-    fp32_rows = torch.cat([teacher_forced_logits(model32, ids, o.outputs[0].token_ids)
-                           for ids, o in zip(story_ids, out)])
+    fp32_rows = torch.cat(
+        [teacher_forced_logits(model32, ids, o.outputs[0].token_ids) for ids, o in zip(story_ids, out)]
+    )
     # the bf16 continuations differ by CPU, and so do their margins: measured 49 and 56 of 96 rows decided
     assert_argmax_agrees(chosen, fp32_rows, BF16_TOLERANCE, min_decided=32)

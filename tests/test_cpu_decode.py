@@ -9,8 +9,8 @@ from torch import nn
 
 from lifeofprompt import LLM, SamplingParams
 from lifeofprompt.engine.model_runner import ModelRunner
-from lifeofprompt.engine.sequence import Sequence
 from lifeofprompt.engine.sampling_params import SamplingParams as Params
+from lifeofprompt.engine.sequence import Sequence
 from lifeofprompt.lessons.agreement import FP32_TOLERANCE, assert_greedy_agrees, teacher_forced_logits, top2_margins
 from lifeofprompt.model import cpu_decode, huge_pages
 from lifeofprompt.model.config import ModelConfig
@@ -18,8 +18,10 @@ from lifeofprompt.model.linear import RowPlan
 from lifeofprompt.model.llama import LlamaForCausalLM
 from lifeofprompt.story import STORY_PROMPTS
 
-pytestmark = [pytest.mark.numerics,
-              pytest.mark.skipif(cpu_decode.step_kernel() is None, reason="no C compiler: the fused step is not offered")]
+pytestmark = [
+    pytest.mark.numerics,
+    pytest.mark.skipif(cpu_decode.step_kernel() is None, reason="no C compiler: the fused step is not offered"),
+]
 
 
 def random_model(rng: random.Random, packable: bool = False) -> LlamaForCausalLM:
@@ -30,9 +32,17 @@ def random_model(rng: random.Random, packable: bool = False) -> LlamaForCausalLM
     hidden, inter = rng.choice([40, 64, 100]), rng.choice([36, 96, 130])
     if packable:
         head_dim, hidden, inter = 32, rng.choice([32, 64, 96]), rng.choice([32, 96, 160])
-    config = ModelConfig(name="random", vocab_size=97, hidden_size=hidden,
-                         intermediate_size=inter, num_layers=2, num_heads=kv_heads * group,
-                         num_kv_heads=kv_heads, head_dim=head_dim, tie_word_embeddings=rng.random() < 0.5)
+    config = ModelConfig(
+        name="random",
+        vocab_size=97,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_layers=2,
+        num_heads=kv_heads * group,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        tie_word_embeddings=rng.random() < 0.5,
+    )
     torch.manual_seed(rng.randrange(1 << 30))
     model = LlamaForCausalLM(config).eval()
     for param in model.parameters():
@@ -72,9 +82,16 @@ def test_the_c_step_computes_the_torch_forward(seed, threads):
     if seed >= 8:
         assert cpu_decode.packed_mask(model) == sum(cpu_decode.PACKED_BITS.values())
     block_size = rng.choice([1, 4, 16])
-    runner = ModelRunner(model, num_blocks=64 * 41 // block_size + 64, block_size=block_size, backend="torch",
-                         max_num_seqs=8, cpu_linear="linear", cpu_decode=True)
-    runner.kv_cache.kv.normal_()                    # stale values everywhere: only the right slots may be read
+    runner = ModelRunner(
+        model,
+        num_blocks=64 * 41 // block_size + 64,
+        block_size=block_size,
+        backend="torch",
+        max_num_seqs=8,
+        cpu_linear="linear",
+        cpu_decode=True,
+    )
+    runner.kv_cache.kv.normal_()  # stale values everywhere: only the right slots may be read
     seqs, scheduled = step_batch(runner, rng, rng.randrange(1, 7), mixed=seed % 2 == 1)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -87,7 +104,7 @@ def test_the_c_step_computes_the_torch_forward(seed, threads):
     finally:
         torch.set_num_threads(previous)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    written = (want_kv != before).flatten(0, 1).flatten(2).any(-1)        # [layers * 2, slots]
+    written = (want_kv != before).flatten(0, 1).flatten(2).any(-1)  # [layers * 2, slots]
     assert written.any()
     assert torch.equal((runner.kv_cache.kv != before).flatten(0, 1).flatten(2).any(-1), written)
     torch.testing.assert_close(runner.kv_cache.kv, want_kv, rtol=1e-4, atol=1e-5)
@@ -115,7 +132,9 @@ def test_all_copies_are_made_at_once_and_read_by_the_step():
     assert cpu_decode.pack_all(model) == cpu_decode.packed_bytes(model) > 0
     down = model.layers[1].mlp.down_proj
     assert torch.equal(cpu_decode.packed_weight(down), cpu_decode.pack(down.weight))
-    assert cpu_decode.weight_pointers(model)[19] == cpu_decode.packed_weight(down).data_ptr()   # layer 1's packed down_proj
+    assert (
+        cpu_decode.weight_pointers(model)[19] == cpu_decode.packed_weight(down).data_ptr()
+    )  # layer 1's packed down_proj
 
 
 def test_packing_all_again_keeps_current_copies_and_renews_stale_ones():
@@ -137,13 +156,15 @@ def test_the_packed_copy_follows_the_weights():
     """A weight written in place after the first C step is packed again: the C step never reads stale weights."""
     model = random_model(random.Random(3), packable=True)
     first = cpu_decode.weight_pointers(model)
-    assert cpu_decode.weight_pointers(model) is first              # unchanged weights: the same copy
+    assert cpu_decode.weight_pointers(model) is first  # unchanged weights: the same copy
     with torch.no_grad():
         model.layers[0].mlp.down_proj.weight.mul_(2)
     assert cpu_decode.weight_pointers(model) is not first
     down = model.layers[0].mlp.down_proj
     assert torch.equal(cpu_decode.packed_weight(down), cpu_decode.pack(down.weight))
-    assert cpu_decode.weight_pointers(model)[9] == cpu_decode.packed_weight(down).data_ptr()   # layer 0's packed down_proj
+    assert (
+        cpu_decode.weight_pointers(model)[9] == cpu_decode.packed_weight(down).data_ptr()
+    )  # layer 0's packed down_proj
 
 
 def test_rows_follow_the_calibrated_choice():
@@ -158,15 +179,23 @@ def test_rows_follow_the_calibrated_choice():
 def test_rowwise_within_noise_of_the_best_still_takes_the_c_step():
     """A shape whose choice at 2 rows was another path by a hair keeps the C step; by a wide margin it does not."""
     shapes = {(48, 16), (16, 16)}
-    plans = {(48, 16): RowPlan(("rowwise", "transposed") + ("onednn",) * 14, "onednn"), (16, 16): RowPlan.single("rowwise")}
-    close = {"48x16": {"1": {"rowwise": 1.0, "transposed": 1.1}, "2": {"rowwise": 2.1, "transposed": 2.0},
-                       "4": {"rowwise": 6.0, "onednn": 3.0}}}
-    assert cpu_decode.usable_rows(plans, shapes, close) == 3       # 3 rows take 2 rows' measurement
+    plans = {
+        (48, 16): RowPlan(("rowwise", "transposed") + ("onednn",) * 14, "onednn"),
+        (16, 16): RowPlan.single("rowwise"),
+    }
+    close = {
+        "48x16": {
+            "1": {"rowwise": 1.0, "transposed": 1.1},
+            "2": {"rowwise": 2.1, "transposed": 2.0},
+            "4": {"rowwise": 6.0, "onednn": 3.0},
+        }
+    }
+    assert cpu_decode.usable_rows(plans, shapes, close) == 3  # 3 rows take 2 rows' measurement
     far = {"48x16": {1: {"rowwise": 1.0}, 2: {"rowwise": 3.0, "transposed": 2.0}}}
     assert cpu_decode.usable_rows(plans, shapes, far) == 1
 
 
-ONE = ("cpu",)          # the C step in one layout only (the row-limit tests)
+ONE = ("cpu",)  # the C step in one layout only (the row-limit tests)
 
 
 @pytest.fixture
@@ -178,12 +207,17 @@ def all_rounds(monkeypatch):
 
 def fake_step_timer(c_ms: dict, torch_ms: dict, calls: list, row_major_ms: dict | None = None):
     """A ``measure(rows, fused)`` that returns set times (ms) and records what was asked."""
+
     def measure(rows, fused):
         calls.append((rows, fused))
         times = {"cpu": c_ms, "cpu-rowmajor": row_major_ms, False: torch_ms}[fused]
         value = times[rows]
-        return (value.pop(0) if isinstance(value, list) and len(value) > 1 else
-                (value[0] if isinstance(value, list) else value)) / 1e3
+        return (
+            value.pop(0)
+            if isinstance(value, list) and len(value) > 1
+            else (value[0] if isinstance(value, list) else value)
+        ) / 1e3
+
     return measure
 
 
@@ -192,48 +226,70 @@ def test_whole_steps_decide_the_rows_and_the_timing_stops_at_the_first_loss(all_
     and counts above the first loss are never timed."""
     calls = []
     c = {n: 10 * n for n in range(1, 17)}
-    eager = {n: 10 * n + (5 if n <= 8 else -5) for n in range(1, 17)}      # C wins up to 8 rows
-    answer, why = cpu_decode.measured_rows(fake_step_timer(c, eager, calls), row_counts=(1, 2, 4, 8, 12, 16), c_paths=ONE)
+    eager = {n: 10 * n + (5 if n <= 8 else -5) for n in range(1, 17)}  # C wins up to 8 rows
+    answer, why = cpu_decode.measured_rows(
+        fake_step_timer(c, eager, calls), row_counts=(1, 2, 4, 8, 12, 16), c_paths=ONE
+    )
     assert answer["rows"] == 8
     assert "8 rows: C 80.0 ms, torch 85.0 ms" in why and "12 rows: C 120.0 ms, torch 115.0 ms" in why
-    assert {r for r, _ in calls} == {1, 2, 4, 8, 12, 10, 9}          # 16 is above the first loss: never run
+    assert {r for r, _ in calls} == {1, 2, 4, 8, 12, 10, 9}  # 16 is above the first loss: never run
     # a loss at a small count ends it there, even where larger counts would win
     answer, _ = cpu_decode.measured_rows(fake_step_timer({**c, 2: 40}, eager, []), c_paths=ONE)
     assert answer["rows"] == 1
     # each side is its fastest round: one slow round of the C step does not lose the count
-    noisy = {r: [t * 3] * (2 if r == 1 else 1) + [t] for r, t in c.items()}   # (warm-up: first count), round 1 slow; 2 fast
-    answer, _ = cpu_decode.measured_rows(fake_step_timer(noisy, eager, []), row_counts=(1, 2, 4, 8), rounds=2, c_paths=ONE)
+    noisy = {
+        r: [t * 3] * (2 if r == 1 else 1) + [t] for r, t in c.items()
+    }  # (warm-up: first count), round 1 slow; 2 fast
+    answer, _ = cpu_decode.measured_rows(
+        fake_step_timer(noisy, eager, []), row_counts=(1, 2, 4, 8), rounds=2, c_paths=ONE
+    )
     assert answer["rows"] == 8
 
 
 def test_the_gap_between_the_last_win_and_the_first_loss_is_halved_until_it_closes(all_rounds):
     """4 won, 8 lost: 6 and then 5 or 7 are measured, so a 5-row verify is not sent eager for want of a measurement."""
     c = {n: 10 * n for n in range(1, 17)}
-    eager = {n: 10 * n + (5 if n <= 6 else -5) for n in range(1, 17)}      # C wins up to 6 rows
+    eager = {n: 10 * n + (5 if n <= 6 else -5) for n in range(1, 17)}  # C wins up to 6 rows
     calls = []
     answer, why = cpu_decode.measured_rows(fake_step_timer(c, eager, calls), row_counts=(1, 2, 4, 8, 16), c_paths=ONE)
     assert answer["rows"] == 6
     assert {r for r, _ in calls} == {1, 2, 4, 8, 6, 7}
-    assert why.index("6 rows") < why.index("7 rows") < why.index("8 rows")   # listed by row count
+    assert why.index("6 rows") < why.index("7 rows") < why.index("8 rows")  # listed by row count
 
 
 def test_each_count_takes_its_faster_layout_and_the_c_step_the_faster_of_the_two(all_rounds):
     """Packed wins at 1-4 rows, row-major from 8: the layouts follow; the row limit counts the faster
     layout (at 10 and 11 rows only row-major beats torch)."""
     packed = {n: 10 * n + (0 if n < 10 else 15) for n in range(1, 17)}
-    row_major = {n: 10 * n + (2 if n < 8 else -8) for n in range(1, 17)}   # within LAYOUT_SLACK of packed at 1 row
-    eager = {n: 10 * n + (2 if n < 12 else -20) for n in range(1, 17)}     # 10 rows: packed 115 loses to 102
+    row_major = {n: 10 * n + (2 if n < 8 else -8) for n in range(1, 17)}  # within LAYOUT_SLACK of packed at 1 row
+    eager = {n: 10 * n + (2 if n < 12 else -20) for n in range(1, 17)}  # 10 rows: packed 115 loses to 102
     calls = []
-    answer, why = cpu_decode.measured_rows(fake_step_timer(packed, eager, calls, row_major), row_counts=(1, 2, 4, 8, 12))
-    assert answer["rows"] == 11                     # packed alone would have stopped at 9
-    assert answer["layouts"] == {1: "cpu", 2: "cpu", 4: "cpu", 8: "cpu-rowmajor", 12: "cpu-rowmajor",
-                                 10: "cpu-rowmajor", 11: "cpu-rowmajor"}
+    answer, why = cpu_decode.measured_rows(
+        fake_step_timer(packed, eager, calls, row_major), row_counts=(1, 2, 4, 8, 12)
+    )
+    assert answer["rows"] == 11  # packed alone would have stopped at 9
+    assert answer["layouts"] == {
+        1: "cpu",
+        2: "cpu",
+        4: "cpu",
+        8: "cpu-rowmajor",
+        12: "cpu-rowmajor",
+        10: "cpu-rowmajor",
+        11: "cpu-rowmajor",
+    }
     assert (1, "cpu-rowmajor") in calls and (2, "cpu-rowmajor") in calls
     assert "8 rows: C 80.0 ms (row-major 72.0), torch 82.0 ms" in why
-    assert answer["seconds"][8] == pytest.approx(0.072) and answer["seconds"][2] == pytest.approx(0.020)   # the faster layout's
+    assert answer["seconds"][8] == pytest.approx(0.072) and answer["seconds"][2] == pytest.approx(
+        0.020
+    )  # the faster layout's
     # between measured counts, the largest measured count below decides; nothing measured: packed
-    assert [cpu_decode.layout_for(n, answer["layouts"]) for n in (3, 5, 7, 8, 11)] == \
-        ["cpu", "cpu", "cpu", "cpu-rowmajor", "cpu-rowmajor"]
+    assert [cpu_decode.layout_for(n, answer["layouts"]) for n in (3, 5, 7, 8, 11)] == [
+        "cpu",
+        "cpu",
+        "cpu",
+        "cpu-rowmajor",
+        "cpu-rowmajor",
+    ]
     assert cpu_decode.layout_for(5, None) == "cpu"
 
 
@@ -243,7 +299,9 @@ def test_a_layout_far_behind_is_not_timed_at_larger_counts(all_rounds):
     row_major = {n: 10 * n * (1.1 if n < 4 else 1.3) for n in range(1, 33)}
     eager = {n: 20 * n for n in range(1, 33)}
     calls = []
-    answer, why = cpu_decode.measured_rows(fake_step_timer(packed, eager, calls, row_major), row_counts=(1, 2, 4, 8, 16))
+    answer, why = cpu_decode.measured_rows(
+        fake_step_timer(packed, eager, calls, row_major), row_counts=(1, 2, 4, 8, 16)
+    )
     assert answer["rows"] == 16 and set(answer["layouts"].values()) == {"cpu"}
     assert {r for r, p in calls if p == "cpu-rowmajor"} == {1, 2, 4}
     assert {r for r, p in calls if p == "cpu"} == {1, 2, 4, 8, 16}
@@ -254,24 +312,31 @@ def test_long_steps_are_timed_one_round_fewer_and_short_ones_two_more():
     the first count and those under ``SHORT_STEP_S`` (2 rows) rounds + 2."""
     c = {n: 5 * n for n in range(1, 17)}
     calls = []
-    cpu_decode.measured_rows(fake_step_timer(c, {n: 2 * t for n, t in c.items()}, calls), row_counts=(1, 2, 4, 8, 16),
-                             rounds=3, c_paths=ONE)
+    cpu_decode.measured_rows(
+        fake_step_timer(c, {n: 2 * t for n, t in c.items()}, calls), row_counts=(1, 2, 4, 8, 16), rounds=3, c_paths=ONE
+    )
     per_count = {n: sum(1 for r, p in calls if r == n and p == "cpu") for n in (1, 2, 4, 8, 16)}
-    assert per_count == {1: 6, 2: 5, 4: 3, 8: 2, 16: 2}          # 1 row: a warm-up and 5 rounds
+    assert per_count == {1: 6, 2: 5, 4: 3, 8: 2, 16: 2}  # 1 row: a warm-up and 5 rounds
 
 
 def test_the_timing_stops_before_a_count_that_would_overrun_the_budget():
     """The next count's forecast (each path's line through the last two counts) past the budget: not started."""
-    slow = {n: 100.0 * n for n in range(1, 65)}     # 0.1 s a row; 8 rows: 2 rounds x (0.8 + 1.6 s) = 4.8 s
+    slow = {n: 100.0 * n for n in range(1, 65)}  # 0.1 s a row; 8 rows: 2 rounds x (0.8 + 1.6 s) = 4.8 s
     calls = []
-    answer, why = cpu_decode.measured_rows(fake_step_timer(slow, {n: 2 * t for n, t in slow.items()}, calls),
-                                           row_counts=(1, 2, 4, 8), budget_s=4.0, c_paths=ONE)
+    answer, why = cpu_decode.measured_rows(
+        fake_step_timer(slow, {n: 2 * t for n, t in slow.items()}, calls),
+        row_counts=(1, 2, 4, 8),
+        budget_s=4.0,
+        c_paths=ONE,
+    )
     assert answer["rows"] < 8 and not any(r == 8 for r, _ in calls)
     assert "stopped before" in why and "budget would be spent" in why
 
 
 def test_a_spent_budget_stops_the_timing_and_says_so():
-    answer, why = cpu_decode.measured_rows(fake_step_timer({1: 1, 2: 1}, {1: 2, 2: 2}, []), row_counts=(1, 2), budget_s=0)
+    answer, why = cpu_decode.measured_rows(
+        fake_step_timer({1: 1, 2: 1}, {1: 2, 2: 2}, []), row_counts=(1, 2), budget_s=0
+    )
     assert answer["rows"] == 0 and "budget would be spent" in why
 
 
@@ -282,9 +347,16 @@ def test_an_unpinned_runner_times_whole_steps_once_and_reads_the_cache_after(tmp
     asked = []
 
     def fake_rows(measure, **_):
-        asked.append(all(measure(2, path) > 0 for path in ("cpu", "cpu-rowmajor", False)))   # the real step, each way
-        return ({"rows": 4, "layouts": {1: "cpu", 2: "cpu-rowmajor", 4: "cpu"}, "seconds": {1: 1e-3, 2: 1e-3, 4: 2e-3},
-                 "stopped_before": None}, "2 rows: C 1.0 ms, torch 2.0 ms")
+        asked.append(all(measure(2, path) > 0 for path in ("cpu", "cpu-rowmajor", False)))  # the real step, each way
+        return (
+            {
+                "rows": 4,
+                "layouts": {1: "cpu", 2: "cpu-rowmajor", 4: "cpu"},
+                "seconds": {1: 1e-3, 2: 1e-3, 4: 2e-3},
+                "stopped_before": None,
+            },
+            "2 rows: C 1.0 ms, torch 2.0 ms",
+        )
 
     monkeypatch.setattr("lifeofprompt.engine.cpu_paths.measured_rows", fake_rows)
     first = ModelRunner(model, num_blocks=512, block_size=4, backend="torch")
@@ -292,9 +364,9 @@ def test_an_unpinned_runner_times_whole_steps_once_and_reads_the_cache_after(tmp
     assert (first.cpu_decode_rows, first.cpu_decode_reason) == (4, "2 rows: C 1.0 ms, torch 2.0 ms")
     assert asked == [True]
     second = ModelRunner(model, num_blocks=512, block_size=4, backend="torch")
-    assert second.cpu_decode_rows == 4 and asked == [True]           # from the cache: not timed again
+    assert second.cpu_decode_rows == 4 and asked == [True]  # from the cache: not timed again
     assert [second.cpu_step_layout(n) for n in (1, 2, 3, 4)] == ["cpu", "cpu-rowmajor", "cpu-rowmajor", "cpu"]
-    assert second.cpu_step_packed_bytes == cpu_decode.packed_bytes(model) > 0     # 4 rows read the packed copies
+    assert second.cpu_step_packed_bytes == cpu_decode.packed_bytes(model) > 0  # 4 rows read the packed copies
     small = ModelRunner(random_model(random.Random(3)), num_blocks=16, block_size=4, backend="torch")
     assert small.cpu_decode_rows == 0 and "not measured" in small.cpu_decode_reason
 
@@ -319,13 +391,21 @@ def test_the_runner_packs_before_it_times_the_c_step(tmp_path, monkeypatch):
 def stopped_the_first_time(asked: list, stopped_before: int, rows_then: int, rows_after: int):
     """A fake ``measured_rows``: the budget stops it before ``stopped_before`` rows the first time (a busy
     moment), with ``rows_then`` measured; later calls reach ``rows_after``. ``asked`` counts the calls."""
+
     def fake_rows(measure, **_):
         asked.append(True)
         stopped = stopped_before if len(asked) == 1 else None
-        return ({"rows": rows_then if stopped else rows_after, "layouts": {1: "cpu"}, "seconds": {1: 1e-3},
-                 "stopped_before": stopped},
-                "1 row: C 1.0 ms, torch 2.0 ms" + (f"; stopped before {stopped} rows: the budget would be spent"
-                                                   if stopped else ""))
+        return (
+            {
+                "rows": rows_then if stopped else rows_after,
+                "layouts": {1: "cpu"},
+                "seconds": {1: 1e-3},
+                "stopped_before": stopped,
+            },
+            "1 row: C 1.0 ms, torch 2.0 ms"
+            + (f"; stopped before {stopped} rows: the budget would be spent" if stopped else ""),
+        )
+
     return fake_rows
 
 
@@ -340,17 +420,21 @@ def test_a_measurement_the_budget_cut_short_is_used_but_not_kept(tmp_path, monke
     busy = ModelRunner(model, num_blocks=512, block_size=4, backend="torch")
     assert busy.cpu_decode_rows == 1 and "not cached" in busy.cpu_decode_reason
     again = ModelRunner(model, num_blocks=512, block_size=4, backend="torch")
-    assert again.cpu_decode_rows == 8 and len(asked) == 2               # measured again, and this time kept
+    assert again.cpu_decode_rows == 8 and len(asked) == 2  # measured again, and this time kept
     assert ModelRunner(model, num_blocks=512, block_size=4, backend="torch").cpu_decode_rows == 8 and len(asked) == 2
 
 
 def test_the_runner_uses_it_only_where_asked_or_measured():
     model = random_model(random.Random(0))
     pinned = ModelRunner(model, num_blocks=16, block_size=4, backend="torch", cpu_linear="linear")
-    assert pinned.cpu_decode_rows == 0                      # a pinned non-rowwise path: the torch forward
+    assert pinned.cpu_decode_rows == 0  # a pinned non-rowwise path: the torch forward
     assert ModelRunner(model, num_blocks=16, block_size=4, backend="torch", cpu_linear="rowwise").cpu_decode_rows == 16
-    assert ModelRunner(model, num_blocks=16, block_size=4, backend="torch", cpu_linear="rowwise",
-                       cpu_decode=False).cpu_decode_rows == 0
+    assert (
+        ModelRunner(
+            model, num_blocks=16, block_size=4, backend="torch", cpu_linear="rowwise", cpu_decode=False
+        ).cpu_decode_rows
+        == 0
+    )
     bf16 = random_model(random.Random(0)).to(torch.bfloat16)
     assert ModelRunner(bf16, num_blocks=16, block_size=4, backend="torch", cpu_decode=True).cpu_decode_rows == 0
 
@@ -367,47 +451,74 @@ def story_greedy():
     return runs
 
 
+@pytest.mark.slow
 def test_the_engine_gives_the_same_greedy_tokens_with_the_c_step(story_greedy, smollm2):
     prompts, want, _ = story_greedy[False]
     _, got, llm = story_greedy[True]
     assert llm.engine.runner.last_launch["fused"] == "cpu"
     layers = llm.engine.model.layers
-    matrices = [m.weight for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                       layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    assert llm.engine.runner.cpu_step_packed_bytes == sum(w.numel() * 4 for w in matrices)    # made at start, all four
+    matrices = [
+        m.weight
+        for layer in layers
+        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    ]
+    assert llm.engine.runner.cpu_step_packed_bytes == sum(w.numel() * 4 for w in matrices)  # made at start, all four
     assert any("from a packed copy of the layer matrices" in line for line in llm.engine.startup_log)
     model, _ = smollm2
     margins = [top2_margins(teacher_forced_logits(model, p, w)) for p, w in zip(prompts, want)]
     assert_greedy_agrees(got, want, margins, FP32_TOLERANCE, min_steps=int(0.9 * sum(map(len, want))))
 
 
-CODE = ("def area(width, height):\n    return width * height\n\n"
-        "def perimeter(width, height):\n    return 2 * (width + height)\n\nRewrite both functions with type hints:\n")
+CODE = (
+    "def area(width, height):\n    return width * height\n\n"
+    "def perimeter(width, height):\n    return 2 * (width + height)\n\nRewrite both functions with type hints:\n"
+)
 
 
+@pytest.mark.slow
 def test_speculative_verifies_run_in_the_c_step_and_keep_the_greedy_tokens(story_greedy, smollm2):
     """Prompt lookup's k + 1 verify rows go through the C step too (causal among themselves), and the
     tokens are the plain C engine's wherever the margin decides them."""
     _, _, plain = story_greedy[True]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     want = list(plain.generate([CODE], params)[0].outputs[0].token_ids)
-    spec = LLM("smollm2-135m", dtype="float32", cpu_linear="rowwise", cpu_decode=True, log_stats=False,
-               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4})
+    spec = LLM(
+        "smollm2-135m",
+        dtype="float32",
+        cpu_linear="rowwise",
+        cpu_decode=True,
+        log_stats=False,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4},
+    )
     launches = []
     forward = spec.engine.runner.run_model
-    spec.engine.runner.run_model = lambda ids, pos, meta: launches.append((ids.shape[0], meta.max_query_len)) or forward(ids, pos, meta)
+    spec.engine.runner.run_model = lambda ids, pos, meta: (
+        launches.append((ids.shape[0], meta.max_query_len)) or forward(ids, pos, meta)
+    )
     out = spec.generate([CODE], params)[0]
     verifies = [rows for rows, query in launches if 1 < rows <= 16 and query == rows]
-    assert out.metrics.spec_decode.num_accepted_tokens > 5 and verifies, "prompt lookup should have fired on the code prompt"
+    assert out.metrics.spec_decode.num_accepted_tokens > 5 and verifies, (
+        "prompt lookup should have fired on the code prompt"
+    )
     assert spec.engine.runner.last_launch["fused"] == "cpu"
-    first = LLM("smollm2-135m", dtype="float32", cpu_linear="rowwise", cpu_decode=True, log_stats=False,
-                speculative_config={"model": "smollm2-135m", "num_speculative_tokens": 2})
-    assert first.engine.proposer.cpu_decode_rows == 16           # a draft of its own: calibrated (pinned), C step too
+    first = LLM(
+        "smollm2-135m",
+        dtype="float32",
+        cpu_linear="rowwise",
+        cpu_decode=True,
+        log_stats=False,
+        speculative_config={"model": "smollm2-135m", "num_speculative_tokens": 2},
+    )
+    assert first.engine.proposer.cpu_decode_rows == 16  # a draft of its own: calibrated (pinned), C step too
     model, tokenizer = smollm2
     prompt = tokenizer.encode(CODE)
     margins = [top2_margins(teacher_forced_logits(model, prompt, want))]
-    assert_greedy_agrees([list(out.outputs[0].token_ids)], [want], margins, FP32_TOLERANCE, min_steps=int(0.9 * len(want)))
-    drafted = list(first.generate([CODE], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].token_ids)
+    assert_greedy_agrees(
+        [list(out.outputs[0].token_ids)], [want], margins, FP32_TOLERANCE, min_steps=int(0.9 * len(want))
+    )
+    drafted = list(
+        first.generate([CODE], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].token_ids
+    )
     assert_greedy_agrees([drafted], [want[:8]], [margins[0][:8]], FP32_TOLERANCE, min_steps=7)
 
 
@@ -421,9 +532,9 @@ def test_weights_move_to_huge_pages_and_keep_their_values_and_ties():
     for name, p in model.named_parameters():
         assert torch.equal(p, values[name]) and p.is_contiguous()
     assert model.lm_head.weight is model.embed_tokens.weight
-    assert huge_pages.move_weights_to_huge_pages(model) == 0     # already there: not copied again
+    assert huge_pages.move_weights_to_huge_pages(model) == 0  # already there: not copied again
     big = huge_pages.huge_page_buffer(8 << 20)
-    big.fill_(1)                                          # pages are granted when first touched
+    big.fill_(1)  # pages are granted when first touched
     assert big.data_ptr() % huge_pages.HUGE_PAGE == 0
     assert huge_pages.huge_page_bytes(big) > 0
 
@@ -442,15 +553,26 @@ def test_decode_attention_in_c_matches_the_torch_path_in_mixed_steps(seed, threa
     head_dim = [16, 24, 40, 64, 128][seed % 5]
     num_blocks = 800
     k_pool, v_pool = torch.randn(2, num_blocks, block_size, kv_heads, head_dim).unbind(0)
-    query_lens = [1] + [rng.choice([1, 1, 1, rng.randrange(2, 9)]) for _ in range(rng.randrange(0, 8))]   # a decode row at least
+    query_lens = [1] + [
+        rng.choice([1, 1, 1, rng.randrange(2, 9)]) for _ in range(rng.randrange(0, 8))
+    ]  # a decode row at least
     seq_lens = [q + rng.randrange(0, 60) if q > 1 else rng.randrange(0, 80) for q in query_lens]
     width = max(seq_lens) // block_size + 1
     blocks = rng.sample(range(num_blocks), width * len(seq_lens))
-    block_tables = torch.tensor([blocks[i * width:(i + 1) * width] for i in range(len(seq_lens))], dtype=torch.int32)
+    block_tables = torch.tensor([blocks[i * width : (i + 1) * width] for i in range(len(seq_lens))], dtype=torch.int32)
     starts = torch.tensor([0] + list(itertools.accumulate(query_lens)), dtype=torch.int32)
     query = torch.randn(int(starts[-1]), kv_heads * group, head_dim)
-    args = (query, k_pool, v_pool, block_tables, torch.tensor(seq_lens, dtype=torch.int32), starts,
-            max(query_lens), max(seq_lens), head_dim ** -0.5)
+    args = (
+        query,
+        k_pool,
+        v_pool,
+        block_tables,
+        torch.tensor(seq_lens, dtype=torch.int32),
+        starts,
+        max(query_lens),
+        max(seq_lens),
+        head_dim**-0.5,
+    )
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -471,7 +593,7 @@ def test_the_forecast_follows_the_measured_steps_not_the_row_count(monkeypatch):
 
     def measure(rows, fused):
         seconds = {"cpu": c, "cpu-rowmajor": row_major, False: eager}[fused][rows] / 1e3
-        clock[0] += seconds                      # a fake clock the budget reads
+        clock[0] += seconds  # a fake clock the budget reads
         return seconds
 
     monkeypatch.setattr(cpu_decode.time, "perf_counter", lambda: clock[0])
@@ -499,9 +621,11 @@ def test_the_default_budget_reaches_a_batched_step_on_a_slow_cpu(monkeypatch):
     assert clock[0] <= cpu_decode.STEP_BUDGET_S
     assert answer["layouts"][32] == "cpu"
     clock[0] = 0.0
-    assert cpu_decode.measured_rows(measure, budget_s=3.0)[0]["rows"] == 8     # what the old budget reached
+    assert cpu_decode.measured_rows(measure, budget_s=3.0)[0]["rows"] == 8  # what the old budget reached
     # the same VM an hour later, a third slower: still 32 rows
-    slower = {path: {n: t * 1.35 for n, t in times.items()} for path, times in (("cpu", c), ("rm", row_major), ("t", eager))}
+    slower = {
+        path: {n: t * 1.35 for n, t in times.items()} for path, times in (("cpu", c), ("rm", row_major), ("t", eager))
+    }
     c, row_major, eager = slower["cpu"], slower["rm"], slower["t"]
     clock[0] = 0.0
     assert cpu_decode.measured_rows(measure)[0]["rows"] >= 32

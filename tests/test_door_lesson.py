@@ -21,8 +21,9 @@ KEY = "sk-test"
 def locked(tiny_model):
     model, tokenizer = tiny_model
     engine = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=64, max_num_seqs=2, max_waiting=2, log_stats=False)
-    with ServerThread(engine, model_name="tiny", config=ServerConfig(api_key=KEY, limits=ServerLimits(4096),
-                                                                   shutdown_timeout=5)) as server:
+    with ServerThread(
+        engine, model_name="tiny", config=ServerConfig(api_key=KEY, limits=ServerLimits(4096), shutdown_timeout=5)
+    ) as server:
         yield server
 
 

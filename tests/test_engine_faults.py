@@ -19,16 +19,19 @@ from lifeofprompt.engine.sampling_params import MAX_SEED, SamplingParams
 from lifeofprompt.errors import InvalidRequestError, RequestFailedError
 
 PROMPTS = {"greedy": "hello there", "seeded": "once upon a time", "also_seeded": "the cat sat", "victim": "poison me"}
-PARAMS = {"greedy": SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-          "seeded": SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True),
-          "also_seeded": SamplingParams(temperature=0.8, top_k=20, seed=11, max_tokens=12, ignore_eos=True),
-          "victim": SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)}
+PARAMS = {
+    "greedy": SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+    "seeded": SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True),
+    "also_seeded": SamplingParams(temperature=0.8, top_k=20, seed=11, max_tokens=12, ignore_eos=True),
+    "victim": SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True),
+}
 
 
 def make_engine(tiny_model):
     model, tokenizer = tiny_model
-    return LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=64, max_num_seqs=8, log_stats=False,
-                     check_invariants=True)
+    return LLMEngine(
+        model, tokenizer=tokenizer, num_kv_blocks=64, max_num_seqs=8, log_stats=False, check_invariants=True
+    )
 
 
 def run(engine, names, poison=None, poison_at_step: int = 3):
@@ -58,8 +61,8 @@ def clean(tiny_model):
 def bad_seed(engine):
     """A seed that slipped past validation: ``manual_seed`` raises for it (it failed every request once)."""
     seq = engine.requests["victim"].completions[0].seq
-    seq.sampling_params.seed = 2**64           # each answer has its own copy of the params
-    seq.generator = None                       # made again, from that seed, at its next sample
+    seq.sampling_params.seed = 2**64  # each answer has its own copy of the params
+    seq.generator = None  # made again, from that seed, at its next sample
 
 
 def sampler_error(monkeypatch):
@@ -95,11 +98,14 @@ def detokenizer_error(engine):
     completion.detokenizer.add = add
 
 
-@pytest.mark.parametrize("how, error_type, status", [
-    ("bad_seed", InvalidRequestError, 400),
-    ("sampler_error", RequestFailedError, 500),
-    ("detokenizer_error", RequestFailedError, 500),
-])
+@pytest.mark.parametrize(
+    "how, error_type, status",
+    [
+        ("bad_seed", InvalidRequestError, 400),
+        ("sampler_error", RequestFailedError, 500),
+        ("detokenizer_error", RequestFailedError, 500),
+    ],
+)
 def test_one_poisoned_request_fails_alone(tiny_model, clean, monkeypatch, how, error_type, status):
     poison = {"bad_seed": bad_seed, "detokenizer_error": detokenizer_error}.get(how) or sampler_error(monkeypatch)
     engine = make_engine(tiny_model)
@@ -126,7 +132,7 @@ def test_the_seed_range_is_checked_up_front():
             SamplingParams(seed=seed)
         assert bad.value.param == "seed"
     with pytest.raises(InvalidRequestError):
-        SamplingParams(seed=MAX_SEED - 1, n=3)          # its third answer would use 2**64
+        SamplingParams(seed=MAX_SEED - 1, n=3)  # its third answer would use 2**64
     with pytest.raises(InvalidRequestError):
         SamplingParams(seed=True)
     for seed in (MAX_SEED, -(2**63), 0):
@@ -137,8 +143,12 @@ def test_row_by_row_resampling_keeps_the_batch_tokens():
     """The sampler's fallback gives every good row the token the batched call gives it."""
     torch.manual_seed(0)
     logits = torch.randn(4, 50)
-    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=1),
-              SamplingParams(temperature=0.7, top_p=0.9, seed=2, logprobs=2), SamplingParams(temperature=1.0, seed=3)]
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0, seed=1),
+        SamplingParams(temperature=0.7, top_p=0.9, seed=2, logprobs=2),
+        SamplingParams(temperature=1.0, seed=3),
+    ]
     gens = lambda: [None] + [torch.Generator().manual_seed(s) for s in (1, 2, 3)]  # noqa: E731
     batched = Sampler()(logits, params, gens())
     rows = Sampler().sample_row_by_row(logits, params, gens())

@@ -21,8 +21,12 @@ def test_kernels_of_step_names_the_fused_kernels_only_when_used():
 
 
 def test_decode_breakdown_in_ms_with_the_unfused_step():
-    decode = dict(engine_step_s=0.0012, engine_step_unfused_s=0.0027, floor_s=0.00049,
-                  eager_kernel_time_by_kind_s=dict(fused=0.0001, matmul=0.0008))
+    decode = dict(
+        engine_step_s=0.0012,
+        engine_step_unfused_s=0.0027,
+        floor_s=0.00049,
+        eager_kernel_time_by_kind_s=dict(fused=0.0001, matmul=0.0008),
+    )
     rows = dict(decode_breakdown(decode))
     assert rows["  the same without the fused kernels"] == 2.7
     assert rows["  fused element-wise kernels"] == 0.1 and "  small element-wise kernels" not in rows
@@ -30,8 +34,10 @@ def test_decode_breakdown_in_ms_with_the_unfused_step():
 
 def test_cpu_linear_plot_has_one_line_per_path():
     env = dict(machine="test machine", torch="2.x", date="today")
-    rows = [{"rows": m, "x @ W.T": {"weight_GB_per_s": 10 / m}, "oneDNN packed": {"weight_GB_per_s": 15 / m}}
-            for m in (1, 2, 4)]
+    rows = [
+        {"rows": m, "x @ W.T": {"weight_GB_per_s": 10 / m}, "oneDNN packed": {"weight_GB_per_s": 15 / m}}
+        for m in (1, 2, 4)
+    ]
     fig = plot_cpu_linear(dict(env=env, threads=1, rows=rows, sum_read_GB_per_s=27.0))
     ax = fig.axes[0]
     assert [line.get_label() for line in ax.get_lines()][:2] == ["x @ W.T", "oneDNN packed"]
@@ -43,10 +49,13 @@ def test_the_measured_table_has_only_measured_rows_and_the_tests_final_state(tmp
 
     from lifeofprompt.figures.engine import measured_table
 
-    gpu = dict(machine=dict(copy_bandwidth=4.22e12, matmul_n=8192, matmul_flops=7.146e14),
-               decode=dict(context=500, engine_step_s=0.0027, graph_replay_s=0.0026, eager_forward_s=0.016, floor_s=0.00049),
-               ours=dict(requests=128, tokens_per_s=9091.4, seconds=7.54), peer=dict(available=False),
-               story=dict(alone=[dict(prompt="hello there", ttft_s=0.0171, decode_tokens_per_s=368.0)]))
+    gpu = dict(
+        machine=dict(copy_bandwidth=4.22e12, matmul_n=8192, matmul_flops=7.146e14),
+        decode=dict(context=500, engine_step_s=0.0027, graph_replay_s=0.0026, eager_forward_s=0.016, floor_s=0.00049),
+        ours=dict(requests=128, tokens_per_s=9091.4, seconds=7.54),
+        peer=dict(available=False),
+        story=dict(alone=[dict(prompt="hello there", ttft_s=0.0171, decode_tokens_per_s=368.0)]),
+    )
     (tmp_path / "gpu_results.json").write_text(json.dumps(gpu))
     (tmp_path / "kernel_gpu_tests.log").write_text("collected 37 items\n....\n37 passed in 64.42s\n")
     rows = [dict(kernel="triton paged", batch=64, context_len=4096, num_kv_splits=1, ms=0.0814, gb_per_s=3305.1)] * 2
@@ -58,10 +67,10 @@ def test_the_measured_table_has_only_measured_rows_and_the_tests_final_state(tmp
     table = dict(measured_table(gpu, tmp_path / "gpu_results.json"))
     assert table["copy bandwidth (read + write, 2 GiB)"] == "4,220 GB/s"
     assert table["attention b64×4096: triton paged, no KV split"] == "0.081 ms = 3,305 GB/s"
-    assert not any("b8×512" in k for k in table) and not any("transformers" in k for k in table)   # the peer did not run
+    assert not any("b8×512" in k for k in table) and not any("transformers" in k for k in table)  # the peer did not run
     assert table["story alone: 'hello there'"] == "TTFT 17.1 ms, 368 tok/s"
     assert table["tests/gpu/test_kernels_gpu.py"] == "37 passed"
-    assert table["tests/gpu/test_engine_gpu.py (rerun at 18:37)"] == "4 passed"                      # the last run counts
+    assert table["tests/gpu/test_engine_gpu.py (rerun at 18:37)"] == "4 passed"  # the last run counts
     assert all(v and v != "-" for v in table.values())
 
 
@@ -72,18 +81,25 @@ def test_the_gap_above_the_roofline_per_batch_and_trace_lines_break_between_word
     assert [(b, round(g, 6)) for b, _, _, g in gaps] == [(1, 2.5)]
     line = wrap_line("    kernels: " + kernels_of_step(MODEL, dict(mode="eager", backend="torch")), width=60)
     assert all(len(piece) <= 60 for piece in line.splitlines()) and len(line.splitlines()) > 1
-    assert line.replace("\n" + " " * 13, " ").split() == ("kernels: " + kernels_of_step(MODEL, dict(mode="eager", backend="torch"))).split()
+    assert (
+        line.replace("\n" + " " * 13, " ").split()
+        == ("kernels: " + kernels_of_step(MODEL, dict(mode="eager", backend="torch"))).split()
+    )
 
 
 def test_load_results_reads_the_committed_folder_and_takes_the_newest_date(tmp_path, monkeypatch):
     from lifeofprompt.figures import engine
 
     assert engine.RESULTS_DIR.is_dir() and (engine.RESULTS_DIR.parent / "bench_engine.py").exists()
-    assert engine.load_results("cpu_engine_*.json")[0] is not None          # the committed CPU results
-    for name in ("cpu_engine_amd-epyc_20261201.json", "cpu_engine_intel-xeon_20261130.json", "cpu_engine_20261129.json"):
-        (tmp_path / name).write_text('{"name": "%s"}' % name)
+    assert engine.load_results("cpu_engine_*.json")[0] is not None  # the committed CPU results
+    for name in (
+        "cpu_engine_amd-epyc_20261201.json",
+        "cpu_engine_intel-xeon_20261130.json",
+        "cpu_engine_20261129.json",
+    ):
+        (tmp_path / name).write_text(f'{{"name": "{name}"}}')
     monkeypatch.setattr(engine, "RESULTS_DIR", tmp_path)
-    result, path = engine.load_results("cpu_engine_*.json")                   # by date, not by CPU name
+    result, path = engine.load_results("cpu_engine_*.json")  # by date, not by CPU name
     assert path.name == "cpu_engine_amd-epyc_20261201.json" and result["name"] == path.name
     assert engine.load_results("nothing_*.json") == (None, None)
     older, path = engine.load_results("cpu_engine_*.json", where=lambda r: "intel" in r["name"])
@@ -96,8 +112,10 @@ def test_runs_of_one_day_go_by_the_time_they_started(tmp_path, monkeypatch):
 
     from lifeofprompt.figures import engine
 
-    for name, started in (("cpu_engine_amd-epyc_20261202.json", "2026-12-02 00:36 UTC"),
-                          ("cpu_engine_amd-epyc-avx2_20261202.json", "2026-12-02 07:04 UTC")):
+    for name, started in (
+        ("cpu_engine_amd-epyc_20261202.json", "2026-12-02 00:36 UTC"),
+        ("cpu_engine_amd-epyc-avx2_20261202.json", "2026-12-02 07:04 UTC"),
+    ):
         (tmp_path / name).write_text(json.dumps({"env": {"date": started}}))
     monkeypatch.setattr(engine, "RESULTS_DIR", tmp_path)
     assert engine.load_results("cpu_engine_*.json")[1].name == "cpu_engine_amd-epyc-avx2_20261202.json"

@@ -21,8 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from lifeofprompt.lessons.agreement import (FP32_TOLERANCE, assert_argmax_agrees, assert_greedy_agrees, teacher_forced_logits,
-                                    top2_margins)
+from lifeofprompt.lessons.agreement import (
+    FP32_TOLERANCE,
+    assert_argmax_agrees,
+    assert_greedy_agrees,
+    teacher_forced_logits,
+    top2_margins,
+)
 from lifeofprompt.lessons.reference import hf_greedy
 from lifeofprompt.story import STORY_PROMPTS
 
@@ -77,12 +82,17 @@ def test_the_pin_holds_its_margins():
 
 def test_all_prompts_match_the_pinned_transformers_tokens(engine_outputs):
     outputs, _ = engine_outputs
-    compared = assert_greedy_agrees([o.outputs[0].token_ids for o in outputs], [PINNED["tokens"][p] for p in PROMPTS],
-                                    [PINNED["margins"][p] for p in PROMPTS], FP32_TOLERANCE,
-                                    min_steps=int(0.9 * ALL_STEPS))
-    assert compared[:3] == [NEW_TOKENS] * 3          # the story's prompts have no near tie in 64 steps
+    compared = assert_greedy_agrees(
+        [o.outputs[0].token_ids for o in outputs],
+        [PINNED["tokens"][p] for p in PROMPTS],
+        [PINNED["margins"][p] for p in PROMPTS],
+        FP32_TOLERANCE,
+        min_steps=int(0.9 * ALL_STEPS),
+    )
+    assert compared[:3] == [NEW_TOKENS] * 3  # the story's prompts have no near tie in 64 steps
 
 
+@pytest.mark.slow
 def test_story_prompts_match_transformers_live(engine_outputs, smollm2, smollm2_reference):
     outputs, _ = engine_outputs
     _, tokenizer = smollm2
@@ -95,8 +105,13 @@ def test_story_prompts_match_transformers_live(engine_outputs, smollm2, smollm2_
     ours = [o.outputs[0].token_ids for o in outputs[:3]]
     assert_greedy_agrees(ours, live, margins, FP32_TOLERANCE, min_steps=int(0.9 * 3 * NEW_TOKENS))
     # transformers on this CPU against transformers where the pin was made
-    assert_greedy_agrees(live, [PINNED["tokens"][p] for p in PROMPTS[:3]], [PINNED["margins"][p] for p in PROMPTS[:3]],
-                         FP32_TOLERANCE, min_steps=int(0.9 * 3 * NEW_TOKENS))
+    assert_greedy_agrees(
+        live,
+        [PINNED["tokens"][p] for p in PROMPTS[:3]],
+        [PINNED["margins"][p] for p in PROMPTS[:3]],
+        FP32_TOLERANCE,
+        min_steps=int(0.9 * 3 * NEW_TOKENS),
+    )
 
 
 def test_margins_are_those_of_the_reference(smollm2, smollm2_reference):

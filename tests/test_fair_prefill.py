@@ -9,11 +9,11 @@ rest of the long prefill (18.6 s beside an 8,100-token prompt, against 0.09 s id
 from __future__ import annotations
 
 import pytest
-
 from tiny_models import build_tiny_model
+
 from lifeofprompt.engine.llm_engine import LLMEngine
-from lifeofprompt.engine.scheduler import MIN_FAIR_CHUNK, fair_prefill_threshold
 from lifeofprompt.engine.sampling_params import SamplingParams
+from lifeofprompt.engine.scheduler import MIN_FAIR_CHUNK, fair_prefill_threshold
 from lifeofprompt.errors import ConfigError
 
 BUDGET = 256
@@ -27,8 +27,15 @@ def model_2k():
 
 def engine(model_2k, **kwargs):
     model, tokenizer = model_2k
-    return LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=160, max_num_batched_tokens=BUDGET, log_stats=False,
-                     check_invariants=True, **kwargs)
+    return LLMEngine(
+        model,
+        tokenizer=tokenizer,
+        num_kv_blocks=160,
+        max_num_batched_tokens=BUDGET,
+        log_stats=False,
+        check_invariants=True,
+        **kwargs,
+    )
 
 
 def short_beside_long(eng) -> tuple[int, list[int]]:
@@ -83,7 +90,7 @@ def test_a_lone_prompt_keeps_the_whole_budget(model_2k):
 def test_the_default_threshold():
     assert fair_prefill_threshold(None, 2048) == 512
     assert fair_prefill_threshold(None, 100) == MIN_FAIR_CHUNK
-    assert fair_prefill_threshold(None, 8) is None           # a lesson's tiny budget: plain chunked prefill
+    assert fair_prefill_threshold(None, 8) is None  # a lesson's tiny budget: plain chunked prefill
     assert fair_prefill_threshold(0, 2048) is None and fair_prefill_threshold(300, 2048) == 300
     with pytest.raises(ConfigError):
         fair_prefill_threshold(-1, 2048)
@@ -105,8 +112,8 @@ def test_the_lesson_measures_the_short_request_beside_the_long_one(model_2k):
     assert [s.long_tokens for s in off.spans[:4]] == [BUDGET, BUDGET, BUDGET, 1000 - 3 * BUDGET]
     assert [s.long_tokens for s in on.spans[:2]] == [BUDGET, 64] and on.spans[1].short_tokens == 5
     for run in (off, on):
-        assert sum(s.long_tokens for s in run.spans) == len(LONG)          # max_tokens=1: the prefill gives it
-        assert sum(s.short_tokens for s in run.spans) == 5 + 3             # prompt, then 3 decodes of 4 tokens
+        assert sum(s.long_tokens for s in run.spans) == len(LONG)  # max_tokens=1: the prefill gives it
+        assert sum(s.short_tokens for s in run.spans) == 5 + 3  # prompt, then 3 decodes of 4 tokens
         assert run.spans[0].start_s >= 0 and all(a.end_s <= b.start_s for a, b in zip(run.spans, run.spans[1:]))
         arrival_step = run.after_arrival[0]
         assert run.short_arrival_s <= arrival_step.start_s
@@ -114,8 +121,13 @@ def test_the_lesson_measures_the_short_request_beside_the_long_one(model_2k):
         assert arrival_step.start_s - run.short_arrival_s <= run.ttft_s <= given.end_s - run.short_arrival_s + 1e-9
         assert run.as_dict()["steps_to_first_token"] == run.steps_to_first_token
         assert run.first_token_step_s == given.duration_s
-        assert run.long_first_token_s == pytest.approx(next(s.end_s for s in run.spans if s.long_tokens and
-                                                            sum(x.long_tokens for x in run.spans if x.end_s <= s.end_s) == len(LONG)))
+        assert run.long_first_token_s == pytest.approx(
+            next(
+                s.end_s
+                for s in run.spans
+                if s.long_tokens and sum(x.long_tokens for x in run.spans if x.end_s <= s.end_s) == len(LONG)
+            )
+        )
 
 
 def test_the_lesson_can_stop_the_long_prompt_once_the_short_one_is_done(model_2k):
@@ -123,7 +135,7 @@ def test_the_lesson_can_stop_the_long_prompt_once_the_short_one_is_done(model_2k
 
     fair = engine(model_2k)
     run = short_beside_long(fair, LONG, [10, 11, 12], finish=False)
-    assert sum(s.long_tokens for s in run.spans) < len(LONG) and run.long_first_token_s is None   # aborted mid-prefill
+    assert sum(s.long_tokens for s in run.spans) < len(LONG) and run.long_first_token_s is None  # aborted mid-prefill
     assert not fair.has_unfinished_requests() and fair.block_manager.num_free_blocks == fair.num_kv_blocks
     assert short_alone(fair, [20, 21, 22]) > 0
 
@@ -142,7 +154,7 @@ def test_the_fair_prefill_figure_draws_every_step_and_both_waits(model_2k):
     fig = plot_fair_prefill(off, on, alone_s=0.01, label="machine X")
     timeline, waits = fig.axes
     assert any(t.get_text() == "machine X" for t in fig.texts)
-    assert len(timeline.collections) == len(off.spans) + len(on.spans)       # one box per step
+    assert len(timeline.collections) == len(off.spans) + len(on.spans)  # one box per step
     assert [b.get_height() for b in waits.patches] == [0.01, off.ttft_s, on.ttft_s]
     assert any(f"TTFT {off.ttft_s:.2f} s" in t.get_text() for t in timeline.texts)
     plt.close(fig)

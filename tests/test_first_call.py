@@ -13,8 +13,9 @@ def test_block_table_width_is_the_longest_sequence_in_blocks():
 
 
 def test_only_the_first_lone_prompt_that_fits_one_block_compiles_after_the_joint_warm_up():
-    events = compile_events([("warm-up, together", [13, 31, 11]), ("alone 1", [13]), ("alone 2", [31]),
-                             ("alone 3", [11])])
+    events = compile_events(
+        [("warm-up, together", [13, 31, 11]), ("alone 1", [13]), ("alone 2", [31]), ("alone 3", [11])]
+    )
     assert [e["compiles"] for e in events] == [True, True, False, False]
     assert [e["width"] for e in events] == [2, 1, 2, 1]
     # warming each prompt alone first, as benchmarks/gpu_check.py now does, leaves nothing to compile later

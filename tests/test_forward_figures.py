@@ -22,13 +22,13 @@ def test_decoder_layer_has_one_box_per_module():
 
 def test_naive_step_recomputes_what_the_cached_step_reads():
     toy = toy_attention(tokens=TOY_TOKENS + ("extremely",))
-    assert torch.equal(toy.K[:3], toy_attention().K)          # the old rows are the previous step's
+    assert torch.equal(toy.K[:3], toy_attention().K)  # the old rows are the previous step's
     fig = plot_naive_vs_cached(toy)
     naive_k, cached_k = fig.axes[1], fig.axes[6]
     colour = lambda ax: [matplotlib.colors.to_hex(p.get_facecolor()) for p in ax.patches]  # noqa: E731
     assert colour(naive_k).count(AGAIN) == 12 and colour(cached_k).count(CACHED) == 12
     cached_context = [float(t.get_text()) for t in fig.axes[9].texts]
-    assert cached_context == [round(float(v), 1) + 0.0 for v in toy.context[-1]]   # the same last row
+    assert cached_context == [round(float(v), 1) + 0.0 for v in toy.context[-1]]  # the same last row
     plt.close(fig)
 
 

@@ -25,16 +25,21 @@ import random
 import pytest
 import torch
 
-if importlib.util.find_spec("triton") is None:    # find it without importing it: lifeofprompt.kernels must be first
+if importlib.util.find_spec("triton") is None:  # find it without importing it: lifeofprompt.kernels must be first
     pytest.skip("Triton is not installed", allow_module_level=True)
+from lifeofprompt.kernels import fused, fused_reference  # noqa: E402
+
 from lifeofprompt import kernels  # noqa: E402
 from lifeofprompt.lessons.agreement import FP32_TOLERANCE, assert_argmax_agrees  # noqa: E402
-from lifeofprompt.kernels import fused, fused_reference  # noqa: E402
 from lifeofprompt.model.llama import RotaryEmbedding  # noqa: E402
 
-pytestmark = [pytest.mark.numerics,
-              pytest.mark.skipif(torch.cuda.is_available() and not kernels.INTERPRETED,
-                                 reason="CPU interpreter tests; on a GPU machine run tests/gpu")]
+pytestmark = [
+    pytest.mark.numerics,
+    pytest.mark.skipif(
+        torch.cuda.is_available() and not kernels.INTERPRETED,
+        reason="CPU interpreter tests; on a GPU machine run tests/gpu",
+    ),
+]
 
 TOLERANCE = {torch.float32: dict(atol=2e-6, rtol=2e-6), torch.float16: dict(atol=1e-5, rtol=2e-3)}
 DTYPES = [torch.float32, torch.float16]
@@ -49,17 +54,24 @@ def _token_counts(rng):
 def _strided(rows: int, cols: int, dtype, gen, scale=1.0, extra=0):
     """A ``[rows, cols]`` slice of a wider buffer when ``extra`` > 0 (row stride ``cols + extra``)."""
     buffer = torch.randn(rows, cols + extra, generator=gen) * scale
-    return buffer.to(dtype)[:, extra:extra + cols] if extra else buffer.to(dtype)
+    return buffer.to(dtype)[:, extra : extra + cols] if extra else buffer.to(dtype)
 
 
 def norm_cases(seed=0):
     rng = random.Random(seed)
     cases = []
     for i, tokens in enumerate(_token_counts(rng)):
-        hidden = [SMOLLM2["hidden"], TINYLLAMA["hidden"], rng.randrange(33, 700, 2) + 1, 64][i]   # one odd size
-        cases.append(dict(tokens=tokens, hidden=hidden, eps=rng.choice([1e-5, 1e-6]),
-                          scale=rng.choice([0.02, 1.0, 30.0]),
-                          extra=rng.choice([0, 0, 7, 64]), seed=rng.randrange(1 << 30)))
+        hidden = [SMOLLM2["hidden"], TINYLLAMA["hidden"], rng.randrange(33, 700, 2) + 1, 64][i]  # one odd size
+        cases.append(
+            dict(
+                tokens=tokens,
+                hidden=hidden,
+                eps=rng.choice([1e-5, 1e-6]),
+                scale=rng.choice([0.02, 1.0, 30.0]),
+                extra=rng.choice([0, 0, 7, 64]),
+                seed=rng.randrange(1 << 30),
+            )
+        )
     return cases
 
 
@@ -67,15 +79,19 @@ def rotary_cases(seed=1):
     rng = random.Random(seed)
     # Llama-8B's heads, and head_dim 48 whose half (24) is not a power of 2 (masked)
     heads_dims = [(*SMOLLM2["heads"], 64), (*TINYLLAMA["heads"], 64), (32, 8, 128), (5, 1, 48)]
-    return [dict(tokens=tokens, heads_q=hq, heads_kv=hkv, head_dim=d, seed=rng.randrange(1 << 30))
-            for tokens, (hq, hkv, d) in zip(_token_counts(rng), heads_dims)]
+    return [
+        dict(tokens=tokens, heads_q=hq, heads_kv=hkv, head_dim=d, seed=rng.randrange(1 << 30))
+        for tokens, (hq, hkv, d) in zip(_token_counts(rng), heads_dims)
+    ]
 
 
 def silu_cases(seed=2):
     rng = random.Random(seed)
     sizes = [SMOLLM2["intermediate"], TINYLLAMA["intermediate"], rng.randrange(100, 1100) | 1, 1024]
-    return [dict(tokens=tokens, intermediate=i, extra=rng.choice([0, 0, 16]), seed=rng.randrange(1 << 30))
-            for tokens, i in zip(_token_counts(rng), sizes)]
+    return [
+        dict(tokens=tokens, intermediate=i, extra=rng.choice([0, 0, 16]), seed=rng.randrange(1 << 30))
+        for tokens, i in zip(_token_counts(rng), sizes)
+    ]
 
 
 def assert_matches(out, expected):
@@ -116,7 +132,7 @@ def test_add_rms_norm_adds_in_place_then_normalises(poison_allocations, case, dt
     residual = _strided(case["tokens"], case["hidden"], dtype, gen, case["scale"], case["extra"])
     weight = _weight(case["hidden"], dtype, gen)
     x_before, residual_before = x.clone(), residual.clone()
-    buffer = residual._base if residual._base is not None else residual       # the wider buffer it is a slice of
+    buffer = residual._base if residual._base is not None else residual  # the wider buffer it is a slice of
     buffer_before = buffer.clone()
     expected, expected_sum = fused_reference.add_rms_norm_reference(x, residual, weight, case["eps"])
 
@@ -127,7 +143,7 @@ def test_add_rms_norm_adds_in_place_then_normalises(poison_allocations, case, dt
     assert torch.equal(x, x_before), "x is only read"
     assert_matches(out, expected)
     outside = torch.ones(buffer.shape[-1], dtype=torch.bool)
-    outside[case["extra"]:case["extra"] + case["hidden"]] = False
+    outside[case["extra"] : case["extra"] + case["hidden"]] = False
     assert torch.equal(buffer[:, outside], buffer_before[:, outside]), "columns outside the slice are untouched"
 
 
@@ -136,12 +152,12 @@ def test_add_rms_norm_adds_in_place_then_normalises(poison_allocations, case, dt
 def test_rotary_qk_rotates_the_qkv_slice_in_place(poison_allocations, case, dtype):
     tokens, hq, hkv, head_dim = case["tokens"], case["heads_q"], case["heads_kv"], case["head_dim"]
     gen = torch.Generator().manual_seed(case["seed"])
-    qkv = torch.randn(tokens, (hq + 2 * hkv) * head_dim, generator=gen).to(dtype)      # q | k | v, as the projection
-    qk = qkv[:, : (hq + hkv) * head_dim].view(tokens, hq + hkv, head_dim)     # row stride > heads * head_dim
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * head_dim, generator=gen).to(dtype)  # q | k | v, as the projection
+    qk = qkv[:, : (hq + hkv) * head_dim].view(tokens, hq + hkv, head_dim)  # row stride > heads * head_dim
     rotary = RotaryEmbedding(head_dim, 4096, 10000.0)
     positions = torch.randint(0, 4096, (tokens,), generator=gen)
     cos, sin = rotary.at(positions)
-    v_before = qkv[:, (hq + hkv) * head_dim:].clone()
+    v_before = qkv[:, (hq + hkv) * head_dim :].clone()
     expected = fused_reference.rotary_qk_reference(qk, cos, sin)
 
     out = fused.rotary_qk(qk, cos, sin)
@@ -149,7 +165,7 @@ def test_rotary_qk_rotates_the_qkv_slice_in_place(poison_allocations, case, dtyp
     if dtype == torch.float32:
         assert torch.equal(qk, expected), "the same fp32 products and sums as RotaryEmbedding.rotate"
     assert_matches(qk, expected)
-    assert torch.equal(qkv[:, (hq + hkv) * head_dim:], v_before), "the value heads are not touched"
+    assert torch.equal(qkv[:, (hq + hkv) * head_dim :], v_before), "the value heads are not touched"
 
 
 def test_rotary_qk_accepts_two_dimensional_angle_rows():
@@ -226,8 +242,8 @@ def test_smollm2_forward_with_fused_kernels_matches_the_model(smollm2, story_ids
     meta = NoCacheMetadata.for_lengths(lengths)
     expected = model.hidden_states(input_ids, positions, meta)
     hidden = model.fused_hidden_states(input_ids, positions, meta)
-    torch.testing.assert_close(hidden, expected, atol=5e-5, rtol=1e-5)    # observed 1.1e-5 at values up to 31
-    assert meta.logits_indices is None                                    # no-cache metadata: every row's next token
+    torch.testing.assert_close(hidden, expected, atol=5e-5, rtol=1e-5)  # observed 1.1e-5 at values up to 31
+    assert meta.logits_indices is None  # no-cache metadata: every row's next token
     logits = model.lm_head(expected)
     # every row's best token leads by 0.1 or more: far beyond the fused kernels' rounding, or another CPU's
     assert_argmax_agrees(model.lm_head(hidden), logits, FP32_TOLERANCE, min_decided=10)

@@ -8,10 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from lifeofprompt.lessons.agreement import FP32_TOLERANCE, assert_greedy_agrees
 from lifeofprompt.errors import InvalidRequestError
-from lifeofprompt.lessons.generate import (compare_old_rows, generate_cached, generate_cached_batch, generate_naive,
-                                   record_forward)
+from lifeofprompt.lessons.agreement import FP32_TOLERANCE, assert_greedy_agrees
+from lifeofprompt.lessons.generate import (
+    compare_old_rows,
+    generate_cached,
+    generate_cached_batch,
+    generate_naive,
+    record_forward,
+)
 from lifeofprompt.lessons.reference import hf_greedy
 from lifeofprompt.story import STORY_PROMPTS
 
@@ -35,23 +40,27 @@ def assert_follows_the_pin(sequences, order=(0, 1, 2)):
     assert_greedy_agrees(sequences, pins, margins, FP32_TOLERANCE, min_steps=int(0.9 * steps))
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_cached_tokens_are_pinned(smollm2, story_ids):
     model, _ = smollm2
     assert_follows_the_pin([generate_cached(model, ids, 64) for ids in story_ids])
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_naive_gives_the_same_tokens(smollm2, story_ids):
     model, _ = smollm2
     assert_follows_the_pin([generate_naive(model, ids, 64) for ids in story_ids])
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_transformers_gives_the_same_tokens(smollm2_reference, story_ids):
     assert_follows_the_pin([hf_greedy(smollm2_reference, ids, 64) for ids in story_ids])
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_a_batch_of_different_lengths(smollm2, story_ids):
     model, _ = smollm2
@@ -72,9 +81,17 @@ def test_zero_new_tokens_and_step_times(smollm2, story_ids):
 
 
 @pytest.mark.parametrize("generate", [generate_naive, generate_cached])
-@pytest.mark.parametrize("ids, max_new, param", [([6004], -1, "max_new_tokens"), ([6004], 2.5, "max_new_tokens"),
-                                                 ([6004], True, "max_new_tokens"), ([], 4, "token_ids"),
-                                                 ([6004, 49152], 4, "token_ids"), ([-1], 4, "token_ids")])
+@pytest.mark.parametrize(
+    "ids, max_new, param",
+    [
+        ([6004], -1, "max_new_tokens"),
+        ([6004], 2.5, "max_new_tokens"),
+        ([6004], True, "max_new_tokens"),
+        ([], 4, "token_ids"),
+        ([6004, 49152], 4, "token_ids"),
+        ([-1], 4, "token_ids"),
+    ],
+)
 def test_bad_input_is_a_typed_error(smollm2, generate, ids, max_new, param):
     model, _ = smollm2
     with pytest.raises(InvalidRequestError) as info:
@@ -100,7 +117,7 @@ def test_old_rows_are_recomputed_unchanged(smollm2, story_ids):
     for name in ("k", "v", "context"):
         same = compare_old_rows(shorter, longer, name)
         assert same["rows"] == len(sequence) - 1
-        assert same["max_rel_diff"] < 1e-5       # equal up to the order floating-point sums are taken in
+        assert same["max_rel_diff"] < 1e-5  # equal up to the order floating-point sums are taken in
     assert compare_old_rows(longer, longer, "k")["bit_equal"]
     # the new row is new: the last key differs from every old one
     assert not torch.allclose(longer[5]["k"][-1], longer[5]["k"][-2])

@@ -20,17 +20,35 @@ import torch
 
 from lifeofprompt.model import paged_attention as reference
 
-if importlib.util.find_spec("triton") is None:     # find it without importing it: lifeofprompt.kernels
-    pytest.skip("Triton is not installed", allow_module_level=True)   # must be first (interpreter mode)
-from lifeofprompt import kernels  # noqa: E402
-from lifeofprompt.kernels.cases import (compare_with_reference, covering_cases, errors_against_fp32, run_step,  # noqa: E402
-                                        make_case, poisoned_pools, used_slots)
-from lifeofprompt.kernels.tiles import (DECODE_TABLE, PREFILL_TABLE, TileConfig, choose_num_kv_splits,  # noqa: E402
-                                        choose_tiles, kernel_tiles, tiles_figure)
+if importlib.util.find_spec("triton") is None:  # find it without importing it: lifeofprompt.kernels
+    pytest.skip("Triton is not installed", allow_module_level=True)  # must be first (interpreter mode)
+from lifeofprompt.kernels.cases import (
+    compare_with_reference,
+    covering_cases,
+    errors_against_fp32,
+    make_case,
+    run_step,  # noqa: E402
+    used_slots,
+)
+from lifeofprompt.kernels.tiles import (
+    DECODE_TABLE,
+    PREFILL_TABLE,
+    TileConfig,
+    choose_num_kv_splits,  # noqa: E402
+    choose_tiles,
+    kernel_tiles,
+    tiles_figure,
+)
 
-pytestmark = [pytest.mark.numerics,
-              pytest.mark.skipif(torch.cuda.is_available() and not kernels.INTERPRETED,
-                                 reason="CPU interpreter tests; on a GPU machine run tests/gpu")]
+from lifeofprompt import kernels  # noqa: E402
+
+pytestmark = [
+    pytest.mark.numerics,
+    pytest.mark.skipif(
+        torch.cuda.is_available() and not kernels.INTERPRETED,
+        reason="CPU interpreter tests; on a GPU machine run tests/gpu",
+    ),
+]
 
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 
@@ -43,13 +61,17 @@ def test_paged_attention_matches_reference(poison_allocations, params):
     params = dict(params)
     num_kv_splits, tile_n, _ = params.pop("num_kv_splits"), params.pop("tile_n"), params.pop("id")
     case = make_case(**params)
-    dtype, num_kv_heads, head_dim, padding_seqs = (params[k] for k in ("dtype", "num_kv_heads", "head_dim", "padding_seqs"))
+    dtype, num_kv_heads, head_dim, padding_seqs = (
+        params[k] for k in ("dtype", "num_kv_heads", "head_dim", "padding_seqs")
+    )
     out, expected, (k_pool, v_pool) = run_step(case, num_kv_splits, tile_n)
     assert out.dtype == dtype and out.shape == case.query.shape
     assert not out.isnan().any(), "the kernel left output elements unwritten"
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
     used = used_slots(case)
-    assert torch.equal(k_pool.view(-1, num_kv_heads, head_dim)[used], case.k_pool.view(-1, num_kv_heads, head_dim)[used])
+    assert torch.equal(
+        k_pool.view(-1, num_kv_heads, head_dim)[used], case.k_pool.view(-1, num_kv_heads, head_dim)[used]
+    )
     if padding_seqs:
         assert torch.equal(out[-padding_seqs:], torch.zeros_like(out[-padding_seqs:]))
 
@@ -57,7 +79,7 @@ def test_paged_attention_matches_reference(poison_allocations, params):
 @pytest.mark.parametrize("block_size", [1, 8, 16, 32])
 def test_store_kv_writes_slots_and_skips_padding(block_size):
     case = make_case([3, 1, 5], [4, 9, 0], block_size, 4, 2, 64, seed=block_size)
-    case.slot_mapping[[1, 7]] = -1                     # two padding rows
+    case.slot_mapping[[1, 7]] = -1  # two padding rows
     k_pool, v_pool = case.k_pool.clone(), case.v_pool.clone()
     kernels.store_kv(case.key, case.value, k_pool, v_pool, case.slot_mapping)
     flat_k, flat_v = k_pool.view(-1, 2, 64), v_pool.view(-1, 2, 64)
@@ -65,7 +87,7 @@ def test_store_kv_writes_slots_and_skips_padding(block_size):
     assert torch.equal(flat_k[case.slot_mapping[keep]], case.key[keep])
     assert torch.equal(flat_v[case.slot_mapping[keep]], case.value[keep])
     changed = (flat_k != case.k_pool.view(-1, 2, 64)).any(-1).any(-1).nonzero().flatten()
-    assert sorted(changed.tolist()) == sorted(case.slot_mapping[keep].tolist())   # nothing else written
+    assert sorted(changed.tolist()) == sorted(case.slot_mapping[keep].tolist())  # nothing else written
     reference.store_kv(case.key, case.value, case.k_pool, case.v_pool, case.slot_mapping)
     assert torch.equal(k_pool, case.k_pool) and torch.equal(v_pool, case.v_pool)
 
@@ -113,12 +135,12 @@ def test_tile_config_asserts_dot_shapes():
 
 
 def test_split_heuristic():
-    assert choose_num_kv_splits(num_programs=4, max_seq_len=32768, num_sms=132) == 64       # 1 seq, 32k: the cap
-    assert choose_num_kv_splits(num_programs=32, max_seq_len=4096, num_sms=132) == 16       # 8 seqs: 256-key pieces
-    assert choose_num_kv_splits(num_programs=4, max_seq_len=2048, num_sms=132) == 8         # short: few splits
-    assert choose_num_kv_splits(num_programs=256, max_seq_len=4096, num_sms=132) == 1       # grid fills the GPU
-    assert choose_num_kv_splits(num_programs=4, max_seq_len=300, num_sms=132) == 1          # too short to split
-    assert choose_num_kv_splits(num_programs=4, max_seq_len=32768, num_sms=None) == 1       # interpreter
+    assert choose_num_kv_splits(num_programs=4, max_seq_len=32768, num_sms=132) == 64  # 1 seq, 32k: the cap
+    assert choose_num_kv_splits(num_programs=32, max_seq_len=4096, num_sms=132) == 16  # 8 seqs: 256-key pieces
+    assert choose_num_kv_splits(num_programs=4, max_seq_len=2048, num_sms=132) == 8  # short: few splits
+    assert choose_num_kv_splits(num_programs=256, max_seq_len=4096, num_sms=132) == 1  # grid fills the GPU
+    assert choose_num_kv_splits(num_programs=4, max_seq_len=300, num_sms=132) == 1  # too short to split
+    assert choose_num_kv_splits(num_programs=4, max_seq_len=32768, num_sms=None) == 1  # interpreter
 
 
 @pytest.mark.parametrize("block_size,seq_len,query_len,splits", [(1, 37, 1, 2), (4, 32, 12, 1), (16, 100, 30, 3)])
@@ -131,7 +153,7 @@ def test_kernel_tiles_cover_exactly_the_visible_keys(block_size, seq_len, query_
         mine = [t for t in tiles if t.program == program]
         keys = [k for t in mine for k in t.keys]
         last_row = min(query_len, (program + 1) * config.block_q) - 1
-        assert keys == list(range(context_len + last_row + 1))          # each visible key once, in order
+        assert keys == list(range(context_len + last_row + 1))  # each visible key once, in order
         for t in mine:
             assert list(t.blocks) == list(dict.fromkeys(table[k // block_size] for k in t.keys))
     assert {t.split for t in tiles} == set(range(splits))
@@ -145,7 +167,7 @@ def test_tiles_figure_draws_one_rectangle_per_tile():
     top, bottom = fig.axes
     decode = choose_tiles(9, 3, 64, 1, tile_n=16)
     prefill = choose_tiles(9, 3, 64, 12, tile_n=16, block_m=16)
-    assert len(top.patches) == len(kernel_tiles(DECODE_TABLE, 4, 61, 1, decode, 2)) == 4       # 61 keys / 16
+    assert len(top.patches) == len(kernel_tiles(DECODE_TABLE, 4, 61, 1, decode, 2)) == 4  # 61 keys / 16
     assert len(bottom.patches) == len(kernel_tiles(PREFILL_TABLE, 4, 32, 12, prefill, 1)) == 2 + 2 + 2
     texts = [t.get_text() for t in top.texts]
     assert texts[:3] == ["block 7", "block 2", "block 11"] and len(texts) == 16
@@ -168,7 +190,7 @@ def test_compare_with_reference_reports_the_difference():
 def test_compiled_kernels_refuse_cpu_tensors_with_a_clear_error(monkeypatch):
     from lifeofprompt.errors import ConfigError
 
-    module = importlib.import_module("lifeofprompt.kernels.paged_attention")   # the module, not the function
+    module = importlib.import_module("lifeofprompt.kernels.paged_attention")  # the module, not the function
     monkeypatch.setattr(module, "INTERPRETED", False)
     case = make_case([1], [3], 4, 2, 1, 64)
     with pytest.raises(ConfigError, match="backend='torch'"):
@@ -185,9 +207,11 @@ def test_import_order_interpreter_mode_in_fresh_processes():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    after_report = ("from lifeofprompt import env_report; env_report(); import lifeofprompt.kernels as k; "
-                    "from lifeofprompt.kernels.cases import make_case, compare_with_reference; "
-                    "print(k.INTERPRETED, compare_with_reference(make_case([1], [20], 8, 2, 1, 64))['pools_equal'])")
+    after_report = (
+        "from lifeofprompt import env_report; env_report(); import lifeofprompt.kernels as k; "
+        "from lifeofprompt.kernels.cases import make_case, compare_with_reference; "
+        "print(k.INTERPRETED, compare_with_reference(make_case([1], [20], 8, 2, 1, 64))['pools_equal'])"
+    )
     run = subprocess.run([sys.executable, "-c", after_report], env=env, capture_output=True, text=True, timeout=300)
     assert run.stdout.split() == ["True", "True"], run.stderr
     triton_first = "import triton; import lifeofprompt.kernels"

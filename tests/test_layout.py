@@ -12,36 +12,48 @@ import ast
 import re
 import subprocess
 import sys
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+import tomllib
+
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "lifeofprompt"
-KERNELS = REPO / "kernels"             # installed as lifeofprompt.kernels
+KERNELS = REPO / "kernels"  # installed as lifeofprompt.kernels
 
 # From the bottom up. A module may import its own layer and the layers below it, nothing above.
 LAYERS = [
     ("base", {"lifeofprompt.errors", "lifeofprompt.env", "lifeofprompt.story", "lifeofprompt._version"}),
     ("model", {"lifeofprompt.model", "lifeofprompt.kernels"}),
-    ("distributed", {"lifeofprompt.distributed"}),          # the coming parallel workers
+    ("distributed", {"lifeofprompt.distributed"}),  # the coming parallel workers
     ("engine", {"lifeofprompt.engine"}),
     ("serving", {"lifeofprompt.serving"}),
     ("lessons", {"lifeofprompt.lessons"}),
     ("figures", {"lifeofprompt.figures"}),
     ("front doors", {"lifeofprompt", "lifeofprompt.__main__", "lifeofprompt.cli", "lifeofprompt.commands"}),
 ]
-HEAVY = {"matplotlib", "ipywidgets", "IPython", "fastapi", "uvicorn", "triton", "transformers",
-         "outlines", "xgrammar", "lark", "llguidance"}
+HEAVY = {
+    "matplotlib",
+    "ipywidgets",
+    "IPython",
+    "fastapi",
+    "uvicorn",
+    "triton",
+    "transformers",
+    "outlines",
+    "xgrammar",
+    "lark",
+    "llguidance",
+}
 
 
 @dataclass(frozen=True)
 class Import:
-    importer: str      # lifeofprompt.engine.scheduler
-    path: str          # lifeofprompt/engine/scheduler.py
+    importer: str  # lifeofprompt.engine.scheduler
+    path: str  # lifeofprompt/engine/scheduler.py
     line: int
-    text: str          # the statement as written
-    target: str        # the module it loads: lifeofprompt.engine.block_manager
+    text: str  # the statement as written
+    target: str  # the module it loads: lifeofprompt.engine.block_manager
 
     def __str__(self) -> str:
         return f"{self.path}:{self.line} `{self.text}` imports {self.target}"
@@ -51,7 +63,8 @@ class Import:
 
 
 def module_name(path: Path) -> tuple[str, bool]:
-    """``lifeofprompt/engine/scheduler.py`` -> ``('lifeofprompt.engine.scheduler', False)``; kernels/ is lifeofprompt.kernels."""
+    """``lifeofprompt/engine/scheduler.py`` -> ``('lifeofprompt.engine.scheduler', False)``; kernels/ is
+    lifeofprompt.kernels."""
     if path.is_relative_to(KERNELS):
         parts = ["lifeofprompt", "kernels", *path.relative_to(KERNELS).with_suffix("").parts]
     else:
@@ -84,7 +97,7 @@ def imports_of(source: str, module: str, is_package: bool, path: str, known: set
             if node.level:
                 parts = here.split(".")
                 assert node.level <= len(parts), f"{path}:{node.lineno} imports from above the package"
-                base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
             else:
                 base = node.module
             if not ours(base):
@@ -93,7 +106,7 @@ def imports_of(source: str, module: str, is_package: bool, path: str, known: set
             targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
         else:
             continue
-        text = " ".join(line.strip() for line in lines[node.lineno - 1:node.end_lineno])
+        text = " ".join(line.strip() for line in lines[node.lineno - 1 : node.end_lineno])
         found += [Import(module, path, node.lineno, text, t) for t in dict.fromkeys(targets)]
     return found
 
@@ -138,10 +151,15 @@ def layer_violations(imports: list[Import]) -> list[str]:
 
 def kernel_violations(imports: list[Import]) -> list[str]:
     """Only model/ (the attention backend, the fused layers) loads the Triton kernels."""
+
     def kernels(name):
         return name == "lifeofprompt.kernels" or name.startswith("lifeofprompt.kernels.")
-    return [f"{imp}: only lifeofprompt/model/ may import the kernels" for imp in imports
-            if kernels(imp.target) and not kernels(imp.importer) and not imp.importer.startswith("lifeofprompt.model.")]
+
+    return [
+        f"{imp}: only lifeofprompt/model/ may import the kernels"
+        for imp in imports
+        if kernels(imp.target) and not kernels(imp.importer) and not imp.importer.startswith("lifeofprompt.model.")
+    ]
 
 
 def find_cycle(imports: list[Import]) -> list[Import] | None:
@@ -187,7 +205,8 @@ def find_cycle(imports: list[Import]) -> list[Import] | None:
 
 def heavy_modules_after(code: str) -> list[str]:
     """Run ``code`` in a fresh interpreter; which of the heavy libraries did it leave in ``sys.modules``?"""
-    probe = f"{code}\nimport sys\nprint(' '.join(sorted({{m.split('.')[0] for m in sys.modules}} & set({sorted(HEAVY)!r}))))"
+    loaded = "{m.split('.')[0] for m in sys.modules}"
+    probe = f"{code}\nimport sys\nprint(' '.join(sorted({loaded} & set({sorted(HEAVY)!r}))))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout.split()
@@ -242,11 +261,26 @@ def test_public_names_stay_at_the_top():
     import lifeofprompt
     from lifeofprompt import errors
 
-    for name in ["LLM", "SamplingParams", "LLMEngine", "load_model", "generate_cached", "generate_naive",
-                 "RequestOutput", "ModelConfig", "env_report", "__version__"]:
+    for name in [
+        "LLM",
+        "SamplingParams",
+        "LLMEngine",
+        "load_model",
+        "generate_cached",
+        "generate_naive",
+        "RequestOutput",
+        "ModelConfig",
+        "env_report",
+        "__version__",
+    ]:
         assert hasattr(lifeofprompt, name), name
-    exported = {name for name in dir(errors) if isinstance(getattr(errors, name), type)
-                and issubclass(getattr(errors, name), Exception) and getattr(errors, name).__module__ == errors.__name__}
+    exported = {
+        name
+        for name in dir(errors)
+        if isinstance(getattr(errors, name), type)
+        and issubclass(getattr(errors, name), Exception)
+        and getattr(errors, name).__module__ == errors.__name__
+    }
     assert exported <= set(lifeofprompt.__all__) and all(hasattr(lifeofprompt, n) for n in lifeofprompt.__all__)
 
 
@@ -256,10 +290,12 @@ def test_the_story_prompts_live_in_one_place():
     assert STORY_PROMPTS == ("hi my name is", "today is a beautiful summer day", "hello there")
     files = [*package_files(), *sorted((REPO / "tests").rglob("*.py")), *sorted((REPO / "benchmarks").glob("*.py"))]
     # a copy is the name assigned again, or the three prompts written out again side by side
-    copy = re.compile(r"STORY_PROMPTS = |" + r",\s*".join(re.escape(repr(t)).replace("'", "[\"']") for t in STORY_PROMPTS))
+    copy = re.compile(
+        r"STORY_PROMPTS = |" + r",\s*".join(re.escape(repr(t)).replace("'", "[\"']") for t in STORY_PROMPTS)
+    )
     holders = [str(p.relative_to(REPO)) for p in files if p != Path(__file__).resolve() and copy.search(p.read_text())]
     assert holders == ["lifeofprompt/story.py"]
-    assert copy.search('STORY = ["hi my name is", "today is a beautiful summer day", "hello there"]')   # it can fail
+    assert copy.search('STORY = ["hi my name is", "today is a beautiful summer day", "hello there"]')  # it can fail
 
 
 # ----------------------------------------------------------------------------- and each rule can fail
@@ -269,12 +305,17 @@ def test_a_layer_violation_is_named_even_inside_a_function():
     imports = fake("def trace():\n    from ..figures.engine import live_trace\n", "lifeofprompt.engine.fake")
     assert layer_violations(imports) == [
         "lifeofprompt/engine/fake.py:2 `from ..figures.engine import live_trace` imports lifeofprompt.figures.engine: "
-        "engine may not import figures, a layer above it"]
+        "engine may not import figures, a layer above it"
+    ]
     # absolute, and the old tokenization -> cli import for STORY_PROMPTS
-    assert "model may not import serving" in layer_violations(fake("import lifeofprompt.serving.server\n",
-                                                                   "lifeofprompt.model.fake"))[0]
-    assert "model may not import front doors" in layer_violations(fake("from ..cli import build_parser\n",
-                                                                       "lifeofprompt.model.tokenization"))[0]
+    assert (
+        "model may not import serving"
+        in layer_violations(fake("import lifeofprompt.serving.server\n", "lifeofprompt.model.fake"))[0]
+    )
+    assert (
+        "model may not import front doors"
+        in layer_violations(fake("from ..cli import build_parser\n", "lifeofprompt.model.tokenization"))[0]
+    )
     assert "is in no layer" in layer_violations(fake("from .errors import ConfigError\n", "lifeofprompt.newcomer"))[0]
 
 
@@ -283,29 +324,36 @@ def test_a_circle_is_found_with_its_lines():
     others = [imp for imp in package_imports() if imp.importer != "lifeofprompt.commands"]
     cycle = find_cycle(others + fake("from .cli import build_parser\n", "lifeofprompt.commands"))
     assert cycle is not None
-    assert {(imp.importer, imp.target) for imp in cycle} == {("lifeofprompt.cli", "lifeofprompt.commands"),
-                                                            ("lifeofprompt.commands", "lifeofprompt.cli")}
+    assert {(imp.importer, imp.target) for imp in cycle} == {
+        ("lifeofprompt.cli", "lifeofprompt.commands"),
+        ("lifeofprompt.commands", "lifeofprompt.cli"),
+    }
     assert any("from . import commands" in str(imp) for imp in cycle)
     # and the env <-> __init__ one: env_info read the version from the package it is imported by
     others = [imp for imp in package_imports() if imp.importer != "lifeofprompt.env"]
     cycle = find_cycle(others + fake("def env_info():\n    from . import __version__\n", "lifeofprompt.env"))
-    assert cycle is not None and cycle[0].importer == "lifeofprompt"       # through whichever module imports env
+    assert cycle is not None and cycle[0].importer == "lifeofprompt"  # through whichever module imports env
     assert "lifeofprompt/env.py:2 `from . import __version__` imports lifeofprompt" in [str(imp) for imp in cycle]
     # a longer one, closed by an import inside a function
-    imports = (fake("from .b import x\n", "lifeofprompt.engine.a")
-               + fake("def f():\n    from . import c\n", "lifeofprompt.engine.b", siblings=("lifeofprompt.engine.c",))
-               + fake("from .a import y\n", "lifeofprompt.engine.c"))
+    imports = (
+        fake("from .b import x\n", "lifeofprompt.engine.a")
+        + fake("def f():\n    from . import c\n", "lifeofprompt.engine.b", siblings=("lifeofprompt.engine.c",))
+        + fake("from .a import y\n", "lifeofprompt.engine.c")
+    )
     assert [imp.line for imp in find_cycle(imports)] == [1, 2, 1]
 
 
 def test_kernels_imported_outside_model_is_named():
     problems = kernel_violations(fake("def f():\n    from ..kernels import fused\n", "lifeofprompt.engine.fake"))
-    assert problems == ["lifeofprompt/engine/fake.py:2 `from ..kernels import fused` imports lifeofprompt.kernels.fused: "
-                        "only lifeofprompt/model/ may import the kernels"]
+    assert problems == [
+        "lifeofprompt/engine/fake.py:2 `from ..kernels import fused` imports lifeofprompt.kernels.fused: "
+        "only lifeofprompt/model/ may import the kernels"
+    ]
     assert kernel_violations(fake("from ..kernels import fused\n", "lifeofprompt.model.fake")) == []
 
 
 def test_a_heavy_import_is_caught():
     # a stand-in module, so the check is shown failing without paying for the real import
-    assert heavy_modules_after("import sys, types\nsys.modules['uvicorn.config'] = types.ModuleType('uvicorn.config')\n"
-                               "import lifeofprompt") == ["uvicorn"]
+    assert heavy_modules_after(
+        "import sys, types\nsys.modules['uvicorn.config'] = types.ModuleType('uvicorn.config')\nimport lifeofprompt"
+    ) == ["uvicorn"]

@@ -23,7 +23,15 @@ def llm(smollm2):
 
 def test_defaults_follow_vllm():
     p = SamplingParams()
-    assert (p.temperature, p.max_tokens, p.ignore_eos, p.stop, p.seed, p.top_p, p.top_k) == (1.0, 16, False, [], None, 1.0, -1)
+    assert (p.temperature, p.max_tokens, p.ignore_eos, p.stop, p.seed, p.top_p, p.top_k) == (
+        1.0,
+        16,
+        False,
+        [],
+        None,
+        1.0,
+        -1,
+    )
 
 
 @pytest.mark.numerics
@@ -37,9 +45,9 @@ def test_generate_text_and_token_prompts_in_order(llm, story_ids):
     assert {o.outputs[0].finish_reason for o in outs} == {"length"}
     m = outs[0].metrics
     assert m.num_prompt_tokens == 2 and len(m.token_times) == 3 and m.finished_time >= m.first_token_time
-    single = llm.generate(STORY[2], GREEDY3)            # one string -> a list of one
+    single = llm.generate(STORY[2], GREEDY3)  # one string -> a list of one
     assert len(single) == 1 and single[0].outputs[0].token_ids == [506, 787, 737]
-    assert single[0].num_cached_tokens == 0             # 2 tokens: less than a block, nothing to reuse
+    assert single[0].num_cached_tokens == 0  # 2 tokens: less than a block, nothing to reuse
 
 
 def test_one_sampling_params_per_prompt(llm):
@@ -47,13 +55,16 @@ def test_one_sampling_params_per_prompt(llm):
     assert [len(o.outputs[0].token_ids) for o in outs] == [1, 3]
 
 
-@pytest.mark.parametrize("prompts, params, error, index", [
-    (["ok", ""], None, InvalidRequestError, 1),
-    (["ok", 7], None, InvalidRequestError, 1),
-    ([[1, 2], [1, 49152]], None, InvalidRequestError, 1),
-    (["ok", "ok", "ok"], [GREEDY3, GREEDY3, "greedy"], InvalidRequestError, 2),
-    (["ok", list(range(300))], None, RequestTooLargeError, 1),
-])
+@pytest.mark.parametrize(
+    "prompts, params, error, index",
+    [
+        (["ok", ""], None, InvalidRequestError, 1),
+        (["ok", 7], None, InvalidRequestError, 1),
+        ([[1, 2], [1, 49152]], None, InvalidRequestError, 1),
+        (["ok", "ok", "ok"], [GREEDY3, GREEDY3, "greedy"], InvalidRequestError, 2),
+        (["ok", list(range(300))], None, RequestTooLargeError, 1),
+    ],
+)
 def test_every_request_is_checked_before_any_work(llm, prompts, params, error, index):
     steps = llm.engine.scheduler.num_steps
     with pytest.raises(error) as info:
@@ -64,7 +75,7 @@ def test_every_request_is_checked_before_any_work(llm, prompts, params, error, i
 
 def test_invalid_sampling_values_and_mismatched_lists(llm):
     bad = SamplingParams(temperature=0)
-    bad.max_tokens = 0                                   # made valid, then broken: generate re-checks
+    bad.max_tokens = 0  # made valid, then broken: generate re-checks
     with pytest.raises(InvalidRequestError, match="request 0: max_tokens"):
         llm.generate("ok", bad)
     with pytest.raises(InvalidRequestError, match="2 sampling_params for 3 prompts"):
@@ -109,7 +120,7 @@ def test_long_runs_get_a_progress_bar(llm, capsys):
     assert len(outs) == 16 and all(len(o.outputs[0].token_ids) == 1 for o in outs)
     assert "Processed prompts" in capsys.readouterr().err
     llm.generate([[1, 2]], SamplingParams(temperature=0, max_tokens=1))
-    assert "Processed prompts" not in capsys.readouterr().err    # a short run stays quiet
+    assert "Processed prompts" not in capsys.readouterr().err  # a short run stays quiet
 
 
 @pytest.mark.numerics
@@ -117,13 +128,14 @@ def test_logprobs_come_back_through_generate(llm, story_ids):
     """``logprobs=N``: per generated token the top N plus the sampled one; greedy picks the most likely."""
     import math
 
-    out = llm.generate([story_ids[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [story_ids[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3), use_tqdm=False
+    )[0].outputs[0]
     assert out.token_ids == [2026, 365, 10905, 6176]
     assert len(out.logprobs) == 4 and out.logprobs[3][6176] == pytest.approx(-0.0959, abs=1e-3)
     for token, top in zip(out.token_ids, out.logprobs):
         assert len(top) == 3 and token in top
-        assert max(top, key=top.get) == token                      # greedy: the sampled token is the best
+        assert max(top, key=top.get) == token  # greedy: the sampled token is the best
         assert all(lp <= 0 for lp in top.values()) and sum(math.exp(lp) for lp in top.values()) <= 1 + 1e-5
     assert out.cumulative_logprob == pytest.approx(sum(top[t] for t, top in zip(out.token_ids, out.logprobs)))
     assert not llm.generate([story_ids[0]], GREEDY3, use_tqdm=False)[0].random_weights
@@ -133,11 +145,20 @@ def test_outputs_of_a_random_weight_model_say_so():
     from dataclasses import replace
 
     from lifeofprompt.model.config import TINYLLAMA_1_1B
-    from lifeofprompt.model.loader import ByteTokenizer
     from lifeofprompt.model.llama import LlamaForCausalLM
+    from lifeofprompt.model.loader import ByteTokenizer
 
-    config = replace(TINYLLAMA_1_1B, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
-                     num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=128)
+    config = replace(
+        TINYLLAMA_1_1B,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+    )
     model = LlamaForCausalLM(config).eval()
     model.is_random = True
     tiny = LLM(model, tokenizer=ByteTokenizer(config.vocab_size), num_kv_blocks=16, log_stats=False)

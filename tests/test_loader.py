@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from lifeofprompt import load_model
+from lifeofprompt.errors import MissingDependencyError, ModelNotFoundError
 from lifeofprompt.model import loader
 from lifeofprompt.model.config import TINYLLAMA_1_1B, ModelConfig
-from lifeofprompt.errors import MissingDependencyError, ModelNotFoundError
 from lifeofprompt.model.llama import LlamaForCausalLM
 
 
@@ -48,29 +48,35 @@ def test_default_device(monkeypatch):
     assert loader.default_device() == torch.device("cuda") and loader.default_device("cpu") == torch.device("cpu")
 
 
-@pytest.mark.parametrize("flags, declared, expected", [
-    ("fpu avx2 avx512f avx512_bf16", "bfloat16", torch.bfloat16),     # AMD Zen 4, Intel Cooper Lake
-    ("fpu avx2 avx512f amx_bf16 amx_tile", "bfloat16", torch.bfloat16),  # Intel Sapphire Rapids
-    ("fpu avx2 avx512f amx_bf16", "float16", torch.bfloat16),
-    ("fpu avx2 avx512f", "bfloat16", torch.float32),                  # AVX-512 without BF16: emulated, so fp32
-    ("fpu avx2", "bfloat16", torch.float32),
-    ("fp asimd", "bfloat16", torch.float32),                           # an ARM core without BF16 in its flags
-    ("fpu avx2 avx512_bf16", "float32", torch.float32),               # a model declared fp32 stays fp32
-])
+@pytest.mark.parametrize(
+    "flags, declared, expected",
+    [
+        ("fpu avx2 avx512f avx512_bf16", "bfloat16", torch.bfloat16),  # AMD Zen 4, Intel Cooper Lake
+        ("fpu avx2 avx512f amx_bf16 amx_tile", "bfloat16", torch.bfloat16),  # Intel Sapphire Rapids
+        ("fpu avx2 avx512f amx_bf16", "float16", torch.bfloat16),
+        ("fpu avx2 avx512f", "bfloat16", torch.float32),  # AVX-512 without BF16: emulated, so fp32
+        ("fpu avx2", "bfloat16", torch.float32),
+        ("fp asimd", "bfloat16", torch.float32),  # an ARM core without BF16 in its flags
+        ("fpu avx2 avx512_bf16", "float32", torch.float32),  # a model declared fp32 stays fp32
+    ],
+)
 def test_auto_dtype_on_the_cpu_reads_the_flags(monkeypatch, flags, declared, expected):
     from lifeofprompt.model import linear_calibration
-    monkeypatch.setattr(loader, "cpu_native_bf16", lambda: next((f for f in ("avx512_bf16", "amx_bf16")
-                                                                  if f in flags.split()), None))
+
+    monkeypatch.setattr(
+        loader, "cpu_native_bf16", lambda: next((f for f in ("avx512_bf16", "amx_bf16") if f in flags.split()), None)
+    )
     monkeypatch.setattr(linear_calibration, "bf16_decode_faster", lambda: (True, "bf16 measured 0.6x"))
     dtype, why = loader.choose_dtype(torch.device("cpu"), "auto", declared)
     assert dtype == expected and why.startswith("auto:")
     assert ("natively" in why) == (expected == torch.bfloat16)
-    assert loader.choose_dtype(torch.device("cpu"), None, declared)[0] == expected     # None means auto
+    assert loader.choose_dtype(torch.device("cpu"), None, declared)[0] == expected  # None means auto
 
 
 def test_native_bf16_that_measures_slower_stays_fp32(monkeypatch):
     """The flag is necessary, not sufficient: where torch's bf16 products are slower, fp32 it is."""
     from lifeofprompt.model import linear_calibration
+
     monkeypatch.setattr(loader, "cpu_native_bf16", lambda: "avx512_bf16")
     monkeypatch.setattr(linear_calibration, "bf16_decode_faster", lambda: (False, "a bf16 product took 2.5x"))
     dtype, why = loader.choose_dtype(torch.device("cpu"), "auto", "bfloat16")
@@ -79,16 +85,22 @@ def test_native_bf16_that_measures_slower_stays_fp32(monkeypatch):
 
 def test_the_bf16_measurement_is_cached_per_machine(tmp_path, monkeypatch):
     from lifeofprompt.model import linear_calibration
+
     monkeypatch.setenv("LIFEOFPROMPT_CACHE", str(tmp_path))
     timed = []
     monkeypatch.setattr(linear_calibration, "available_paths", lambda: ("linear", "transposed", "rowwise"))
-    fp32_cost = {"linear": 4.0, "rowwise": 1.5}                    # bf16 is compared with the fastest fp32 path
-    monkeypatch.setattr(linear_calibration, "time_dtype", lambda dtype, rows, path="linear": timed.append(
-        (dtype, rows, path)) or (1.0 if dtype == torch.bfloat16 else fp32_cost[path]))
+    fp32_cost = {"linear": 4.0, "rowwise": 1.5}  # bf16 is compared with the fastest fp32 path
+    monkeypatch.setattr(
+        linear_calibration,
+        "time_dtype",
+        lambda dtype, rows, path="linear": (
+            timed.append((dtype, rows, path)) or (1.0 if dtype == torch.bfloat16 else fp32_cost[path])
+        ),
+    )
     faster, why = linear_calibration.bf16_decode_faster()
     assert faster and why == "a bf16 product took 0.67x / 0.67x the fastest fp32 path's time for 1 / 8 rows"
-    assert len(timed) == 6 and linear_calibration.bf16_decode_faster()[0] and len(timed) == 6   # second call: cached
-    fp32_cost["rowwise"] = 0.9                                     # a faster fp32 path than bf16: fp32 it is
+    assert len(timed) == 6 and linear_calibration.bf16_decode_faster()[0] and len(timed) == 6  # second call: cached
+    fp32_cost["rowwise"] = 0.9  # a faster fp32 path than bf16: fp32 it is
     monkeypatch.setenv("LIFEOFPROMPT_CACHE", str(tmp_path / "other"))
     assert linear_calibration.bf16_decode_faster()[0] is False
 
@@ -102,6 +114,7 @@ def test_explicit_and_gpu_dtypes(monkeypatch):
 
 def test_cpu_flags_come_from_cpuinfo():
     from lifeofprompt import env
+
     flags = env.cpu_flags()
     if Path("/proc/cpuinfo").exists():
         assert flags and env.cpu_model()
@@ -116,9 +129,12 @@ def test_the_embedded_model_declares_bf16_and_says_why(smollm2, monkeypatch):
     assert auto.dtype == torch.float32 and "no native bf16" in auto.dtype_reason
     monkeypatch.setattr(loader, "cpu_native_bf16", lambda: "avx512_bf16")
     from lifeofprompt.model import linear_calibration
+
     monkeypatch.setattr(linear_calibration, "bf16_decode_faster", lambda: (True, "bf16 measured 0.6x"))
     auto, _ = loader.load_model("smollm2-135m", device="cpu")
-    assert auto.dtype == torch.bfloat16 and "declares bfloat16" in auto.dtype_reason and "avx512_bf16" in auto.dtype_reason
+    assert (
+        auto.dtype == torch.bfloat16 and "declares bfloat16" in auto.dtype_reason and "avx512_bf16" in auto.dtype_reason
+    )
 
 
 def test_embedded_model_defaults_and_source(smollm2):
@@ -131,8 +147,17 @@ def test_embedded_model_defaults_and_source(smollm2):
 
 def test_random_twin_says_random(monkeypatch):
     # The real 1.1B twin needs 4.4 GB; build the same code path on a small config.
-    small = ModelConfig(name="small", vocab_size=300, hidden_size=32, intermediate_size=64, num_layers=2,
-                        num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=32)
+    small = ModelConfig(
+        name="small",
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=32,
+    )
     monkeypatch.setattr(loader, "TINYLLAMA_1_1B", small)
     model, tokenizer = load_model("tinyllama-1.1b-random", device="cpu")
     assert model.is_random and "RANDOM" in model.source
@@ -159,8 +184,17 @@ def test_tinyllama_path_without_weights_is_an_error_not_a_fallback(monkeypatch, 
 def test_local_folder_loads_and_matches_transformers(tmp_path, smollm2):
     from transformers import LlamaForCausalLM as HFLlama
 
-    config = ModelConfig(name="tiny", vocab_size=49152, hidden_size=32, intermediate_size=48, num_layers=2,
-                         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+    config = ModelConfig(
+        name="tiny",
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     reference = HFLlama(config.to_hf()).eval()
     reference.save_pretrained(tmp_path)
@@ -197,8 +231,12 @@ def test_cache_is_rebuilt_after_a_crash_and_survives_two_builders(tmp_path):
     leftover.mkdir()
     (leftover / "config.json").write_text("{ half a file")
     env = dict(os.environ, LIFEOFPROMPT_CACHE=str(tmp_path), TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-c", LOAD_AND_PREDICT], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", LOAD_AND_PREDICT], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
     results = [p.communicate(timeout=600) for p in procs]
     for proc, (out, err) in zip(procs, results):
         assert proc.returncode == 0, err[-2000:]

@@ -11,10 +11,10 @@ import pytest
 pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from lifeofprompt.serving import arrivals, metrics  # noqa: E402
 from lifeofprompt.cli import main  # noqa: E402
 from lifeofprompt.engine.llm_engine import LLMEngine  # noqa: E402
 from lifeofprompt.errors import InvalidRequestError  # noqa: E402
+from lifeofprompt.serving import arrivals, metrics  # noqa: E402
 from lifeofprompt.serving.loadtest import LoadTestConfig, make_prompts, parse_length, run_loadtest, waiting_over_time  # noqa: E402
 from lifeofprompt.serving.server import ServerThread  # noqa: E402
 
@@ -66,18 +66,25 @@ def test_lengths_and_config_are_validated():
 
 
 def test_closed_loop_keeps_at_most_n_in_flight(server):
-    result = run_loadtest(url=server.url + "/v1", arrival="closed_loop", num_clients=2, num_requests=5,
-                          prompt_len=(4, 8), output_len=(2, 4), seed=1)
+    result = run_loadtest(
+        url=server.url + "/v1",
+        arrival="closed_loop",
+        num_clients=2,
+        num_requests=5,
+        prompt_len=(4, 8),
+        output_len=(2, 4),
+        seed=1,
+    )
     _, output_lens = make_prompts(result.config)
     prompts, _ = make_prompts(result.config)
     assert [r.index for r in result.records] == [0, 1, 2, 3, 4]
     assert all(r.error is None and r.status == 200 for r in result.records)
-    assert [r.num_output_tokens for r in result.records] == output_lens       # ignore_eos: every request runs to its length
+    assert [r.num_output_tokens for r in result.records] == output_lens  # ignore_eos: every request runs to its length
     assert [r.num_prompt_tokens for r in result.records] == [len(p) for p in prompts]
     for r in result.records:
         assert r.arrival_time < r.first_token_time <= r.finished_time
         assert 1 <= len(r.token_times) <= r.num_output_tokens
-    for r in result.records:                     # a client sends its next request only after its last one finished
+    for r in result.records:  # a client sends its next request only after its last one finished
         overlapping = sum(o.arrival_time <= r.arrival_time < o.finished_time for o in result.records)
         assert overlapping <= 2
     assert result.summary["completed"] == 5 and result.summary["failed"] == 0
@@ -87,8 +94,9 @@ def test_closed_loop_keeps_at_most_n_in_flight(server):
 
 
 def test_poisson_follows_the_seeded_schedule_and_metrics_summarize(server):
-    config = LoadTestConfig(url=server.url + "/v1", arrival="poisson", rate=8.0, num_requests=6,
-                            prompt_len=4, output_len=3, seed=3)
+    config = LoadTestConfig(
+        url=server.url + "/v1", arrival="poisson", rate=8.0, num_requests=6, prompt_len=4, output_len=3, seed=3
+    )
     result = run_loadtest(config)
     schedule = arrivals.poisson(6, 8.0, seed=3).send_times()
     sent = [r.arrival_time - result.start_time for r in result.records]
@@ -98,7 +106,7 @@ def test_poisson_follows_the_seeded_schedule_and_metrics_summarize(server):
     assert all(r.error is None for r in ok)
     # the summary is lifeofprompt.serving.metrics' own, over these records
     recomputed = metrics.summarize(ok, duration=result.duration)
-    assert json.dumps(result.summary, sort_keys=True) == json.dumps(recomputed, sort_keys=True)   # NaN-aware
+    assert json.dumps(result.summary, sort_keys=True) == json.dumps(recomputed, sort_keys=True)  # NaN-aware
     assert result.summary["ttft_s"] == metrics.percentiles(metrics.ttft(r) for r in ok)
     assert result.summary["tpot_s"]["p99"] == metrics.percentiles(metrics.tpot(r) for r in ok)["p99"]
     assert result.summary["achieved_arrival_rate"] == metrics.achieved_arrival_rate(ok)
@@ -109,8 +117,23 @@ def test_poisson_follows_the_seeded_schedule_and_metrics_summarize(server):
 
 def test_json_output_schema(server, tmp_path):
     path = tmp_path / "run.json"
-    code = main(["loadtest", "--url", server.url + "/v1", "--clients", "2", "--num-requests", "3",
-                 "--prompt-len", "4", "--output-len", "2:3", "--json", str(path)])
+    code = main(
+        [
+            "loadtest",
+            "--url",
+            server.url + "/v1",
+            "--clients",
+            "2",
+            "--num-requests",
+            "3",
+            "--prompt-len",
+            "4",
+            "--output-len",
+            "2:3",
+            "--json",
+            str(path),
+        ]
+    )
     assert code == 0
     doc = json.loads(path.read_text())
     assert doc["schema"] == "lifeofprompt.loadtest/1"
@@ -123,43 +146,73 @@ def test_json_output_schema(server, tmp_path):
     for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
         assert set(summary[key]) == {"mean", "p50", "p90", "p99"}
         assert summary[key]["p50"] <= summary[key]["p90"] <= summary[key]["p99"]
-    assert summary["completed"] == 3 and summary["queue_s"]["p50"] is None    # the client cannot see the queue: null, not NaN
+    assert (
+        summary["completed"] == 3 and summary["queue_s"]["p50"] is None
+    )  # the client cannot see the queue: null, not NaN
     assert len(doc["requests"]) == 3
     request = doc["requests"][0]
-    assert set(request) == {"index", "status", "error", "arrival_time", "first_token_time", "finished_time", "token_times",
-                            "num_prompt_tokens", "num_output_tokens", "ttft_s", "tpot_s", "e2e_s"}
+    assert set(request) == {
+        "index",
+        "status",
+        "error",
+        "arrival_time",
+        "first_token_time",
+        "finished_time",
+        "token_times",
+        "num_prompt_tokens",
+        "num_output_tokens",
+        "ttft_s",
+        "tpot_s",
+        "e2e_s",
+    }
     assert request["ttft_s"] == pytest.approx(request["first_token_time"] - request["arrival_time"])
     assert request["num_prompt_tokens"] == 4 and request["num_output_tokens"] in (2, 3)
 
 
 def test_chat_endpoint_with_text_prompts(server):
-    result = run_loadtest(url=server.url + "/v1", endpoint="chat", prompt_kind="text", arrival="all_at_once",
-                          num_requests=2, prompt_len=3, output_len=3)
+    result = run_loadtest(
+        url=server.url + "/v1",
+        endpoint="chat",
+        prompt_kind="text",
+        arrival="all_at_once",
+        num_requests=2,
+        prompt_len=3,
+        output_len=3,
+    )
     assert [r.error for r in result.records] == [None, None]
     assert [r.num_output_tokens for r in result.records] == [3, 3]
-    assert all(r.num_prompt_tokens > 3 for r in result.records)    # the chat template adds its own tokens
+    assert all(r.num_prompt_tokens > 3 for r in result.records)  # the chat template adds its own tokens
 
 
 def test_errors_are_counted_not_raised(server):
-    result = run_loadtest(url=server.url + "/v1", model="no-such-model", arrival="all_at_once", num_requests=2,
-                          prompt_len=4, output_len=2)
+    result = run_loadtest(
+        url=server.url + "/v1", model="no-such-model", arrival="all_at_once", num_requests=2, prompt_len=4, output_len=2
+    )
     assert [r.status for r in result.records] == [404, 404]
     assert all(r.error.startswith("HTTP 404") for r in result.records)
     assert result.summary["completed"] == 0 and result.summary["failed"] == 2
-    json.loads(result.to_json())                   # NaN summaries still make valid JSON
+    json.loads(result.to_json())  # NaN summaries still make valid JSON
 
 
 def test_stops_by_itself_at_the_time_limit(server):
     """A Poisson run far longer than its limit: later requests are never sent, those in flight are cancelled."""
-    result = run_loadtest(url=server.url + "/v1", arrival="poisson", rate=4.0, num_requests=40,
-                          prompt_len=4, output_len=400, max_duration=0.8, seed=0)
+    result = run_loadtest(
+        url=server.url + "/v1",
+        arrival="poisson",
+        rate=4.0,
+        num_requests=40,
+        prompt_len=4,
+        output_len=400,
+        max_duration=0.8,
+        seed=0,
+    )
     schedule = arrivals.poisson(40, 4.0, seed=0).send_times()
     assert result.num_not_sent == 40 - sum(t < 0.8 for t in schedule) == 35
     assert len(result.records) + result.num_not_sent == 40
     assert all(r.error == "cancelled: the time limit came first" for r in result.records)
     server_loop = server.engine_loop
     deadline = time.monotonic() + 60
-    while server.engine.has_unfinished_requests() or server_loop.routes:     # the cancelled streams were aborted
+    while server.engine.has_unfinished_requests() or server_loop.routes:  # the cancelled streams were aborted
         assert time.monotonic() < deadline
         time.sleep(0.02)
     assert_idle_and_clean(server)
@@ -175,7 +228,7 @@ def test_time_decode_steps_reads_the_engines_step_records(smollm2):
     engine = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=16, max_num_seqs=4, log_stats=False)
     point = time_decode_steps(engine, 2, prompt_len=4, decode_steps=2)
     records = list(engine.step_records)
-    assert [r.num_batched_tokens for r in records] == [8, 2, 2]        # one prefill of 2 × 4, two decode steps
+    assert [r.num_batched_tokens for r in records] == [8, 2, 2]  # one prefill of 2 × 4, two decode steps
     assert point.batch_size == 2 and point.context_tokens == 2 * (4 + 1 + 1)
     durations = [r.end_time - r.start_time for r in records[1:]]
     assert point.step_s == min(durations) > 0 and point.median_s == statistics.median(durations)
@@ -189,28 +242,38 @@ def test_roofline_bend_and_prediction():
     import torch
 
     from lifeofprompt.lessons import roofline
-    from lifeofprompt.model.config import SMOLLM2_135M
     from lifeofprompt.lessons.serving_study import BatchPoint, bend_batch_size, predicted_curve
+    from lifeofprompt.model.config import SMOLLM2_135M
 
     machine = roofline.Machine("test", bandwidth=10e9, flops=50e9, overhead_s=0.01)
     bend = bend_batch_size(machine, SMOLLM2_135M, torch.float32, context_per_seq=20)
-    assert bend == 11                  # break-even 5 FLOP/byte over ~0.5 FLOP/byte per float32 sequence
+    assert bend == 11  # break-even 5 FLOP/byte over ~0.5 FLOP/byte per float32 sequence
     for batch, compute_bound in ((bend - 1, False), (bend, True)):
         nbytes, flops = roofline.step_bytes_and_flops(SMOLLM2_135M, torch.float32, batch, 20 * batch, batch)
         assert (flops / machine.flops >= nbytes / machine.bandwidth) == compute_bound
     points = [BatchPoint(1, 0.1, 20), BatchPoint(32, 0.5, 640)]
     assert predicted_curve(machine, SMOLLM2_135M, torch.float32, points) == [
         roofline.predict_step_time(machine, SMOLLM2_135M, torch.float32, 1, 20, 1),
-        roofline.predict_step_time(machine, SMOLLM2_135M, torch.float32, 32, 640, 32)]
+        roofline.predict_step_time(machine, SMOLLM2_135M, torch.float32, 32, 640, 32),
+    ]
 
 
 def _fake_result(rate, seed, ttfts):
     from lifeofprompt.serving.loadtest import LoadTestResult, RequestRecord
 
     config = LoadTestConfig(arrival="poisson", rate=rate, num_requests=len(ttfts), seed=seed)
-    records = [RequestRecord(arrival_time=i / rate, first_token_time=i / rate + t, finished_time=i / rate + t + 1.0,
-                             token_times=[i / rate + t, i / rate + t + 1.0], num_output_tokens=2, index=i, status=200)
-               for i, t in enumerate(ttfts)]
+    records = [
+        RequestRecord(
+            arrival_time=i / rate,
+            first_token_time=i / rate + t,
+            finished_time=i / rate + t + 1.0,
+            token_times=[i / rate + t, i / rate + t + 1.0],
+            num_output_tokens=2,
+            index=i,
+            status=200,
+        )
+        for i, t in enumerate(ttfts)
+    ]
     return LoadTestResult(config, records, 0.0, len(ttfts) + 2.0, 0, metrics.summarize(records))
 
 
@@ -220,7 +283,12 @@ def test_serving_figures_label_axes_and_name_the_machine():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from lifeofprompt.figures.serving import plot_batching_curve, plot_queue_growth, plot_repeats, plot_ttft_against_rate
+    from lifeofprompt.figures.serving import (
+        plot_batching_curve,
+        plot_queue_growth,
+        plot_repeats,
+        plot_ttft_against_rate,
+    )
     from lifeofprompt.lessons.serving_study import BatchPoint
 
     sweep = [_fake_result(0.5, 0, [0.1, 0.2, 0.3]), _fake_result(2.0, 0, [0.5, 2.0, 4.0])]
@@ -232,17 +300,17 @@ def test_serving_figures_label_axes_and_name_the_machine():
     ]
     for fig in figures:
         assert any(t.get_text() == "machine X" for t in fig.texts)
-        assert any(ax.get_xlabel() for ax in fig.axes)             # panels stacked on one x axis label the last
+        assert any(ax.get_xlabel() for ax in fig.axes)  # panels stacked on one x axis label the last
         for ax in fig.axes:
-            if ax.axison:                              # a table beside a plot has a title only
+            if ax.axison:  # a table beside a plot has a title only
                 assert ax.get_ylabel() and ax.get_title()
             else:
                 assert ax.get_title() and ax.tables
     ttft_ax = figures[1].axes[0]
     p99_line = ttft_ax.get_lines()[1]
     assert list(p99_line.get_ydata()) == [r.summary["ttft_s"]["p99"] for r in sweep]
-    assert [len(ax.get_lines()) for ax in figures[2].axes] == [1, 1]     # one panel, one queue line, per rate
-    offered = [r.summary["achieved_arrival_rate"] for r in sweep]                 # what the arrivals offered
+    assert [len(ax.get_lines()) for ax in figures[2].axes] == [1, 1]  # one panel, one queue line, per rate
+    offered = [r.summary["achieved_arrival_rate"] for r in sweep]  # what the arrivals offered
     assert [ax.get_title() for ax in figures[2].axes] == [f"{x:.2f} req/s offered ({x:.2f}× capacity)" for x in offered]
     plt.close("all")
 
@@ -251,10 +319,13 @@ def _overlapping_texts(fig, ax):
     """Pairs of the plot's visible labels (tick labels, run numbers, legend) whose drawn boxes intersect."""
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
-    texts = [t for t in [*ax.get_xticklabels(), *ax.get_yticklabels(), *ax.texts, *ax.get_legend().get_texts()]
-             if t.get_visible() and t.get_text()]
+    texts = [
+        t
+        for t in [*ax.get_xticklabels(), *ax.get_yticklabels(), *ax.texts, *ax.get_legend().get_texts()]
+        if t.get_visible() and t.get_text()
+    ]
     boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in texts]
-    return [(a, b) for i, (a, box_a) in enumerate(boxes) for b, box_b in boxes[i + 1:] if box_a.overlaps(box_b)]
+    return [(a, b) for i, (a, box_a) in enumerate(boxes) for b, box_b in boxes[i + 1 :] if box_a.overlaps(box_b)]
 
 
 def test_the_ttft_figure_keeps_nearby_runs_readable():
@@ -262,28 +333,38 @@ def test_the_ttft_figure_keeps_nearby_runs_readable():
     import matplotlib
 
     matplotlib.use("Agg")
+    from types import SimpleNamespace
+
     import matplotlib.pyplot as plt
 
     from lifeofprompt.figures.serving import log_ticks, plot_ttft_against_rate, ttft_rows
 
-    from types import SimpleNamespace
-
-    capacity = 4.24          # notebook 09's stored sweep: set factor, achieved rate, p50, p99
-    runs = [SimpleNamespace(config=SimpleNamespace(rate=f * capacity),
-                            summary=dict(achieved_arrival_rate=got, ttft_s=dict(p50=p50, p99=p99)))
-            for f, got, p50, p99 in [(1.25, 4.74, 0.61, 1.78), (0.5, 1.90, 0.15, 0.29), (0.9, 3.42, 0.26, 1.25),
-                                     (0.95, 3.61, 0.23, 1.17)]]
+    capacity = 4.24  # notebook 09's stored sweep: set factor, achieved rate, p50, p99
+    runs = [
+        SimpleNamespace(
+            config=SimpleNamespace(rate=f * capacity),
+            summary=dict(achieved_arrival_rate=got, ttft_s=dict(p50=p50, p99=p99)),
+        )
+        for f, got, p50, p99 in [
+            (1.25, 4.74, 0.61, 1.78),
+            (0.5, 1.90, 0.15, 0.29),
+            (0.9, 3.42, 0.26, 1.25),
+            (0.95, 3.61, 0.23, 1.17),
+        ]
+    ]
     rows = ttft_rows(runs, capacity)
     assert [row["number"] for row in rows] == [1, 2, 3, 4]
     assert [row["got"] for row in rows] == sorted(r.summary["achieved_arrival_rate"] for r in runs)
     assert [round(row["set_factor"], 2) for row in rows] == [0.5, 0.9, 0.95, 1.25]
     fig = plot_ttft_against_rate(runs, capacity, label="machine X")
     ax, side = fig.axes
-    assert sorted(t.get_text() for t in ax.texts) == ["1", "2", "3", "4"]          # one number per run
+    assert sorted(t.get_text() for t in ax.texts) == ["1", "2", "3", "4"]  # one number per run
     cells = side.tables[0].get_celld()
     assert [cells[(i + 1, 0)].get_text().get_text() for i in range(4)] == ["1", "2", "3", "4"]
-    assert cells[(0, 1)].get_text().get_text() == "offered"                         # what arrived, not what was set
-    assert [cells[(i + 1, 1)].get_text().get_text() for i in range(4)] == [f"{row['got'] / capacity:.2f}×" for row in rows]
+    assert cells[(0, 1)].get_text().get_text() == "offered"  # what arrived, not what was set
+    assert [cells[(i + 1, 1)].get_text().get_text() for i in range(4)] == [
+        f"{row['got'] / capacity:.2f}×" for row in rows
+    ]
     assert [cells[(i + 1, 4)].get_text().get_text() for i in range(4)] == [f"{row['p99']:.2f}" for row in rows]
     assert _overlapping_texts(fig, ax) == []
     assert [t.get_text() for t in ax.get_yticklabels()] == [f"{t:g}" for t in ax.get_yticks()]

@@ -10,6 +10,7 @@ def fake_measurements(monkeypatch, calls):
     def machine(device="cpu", dtype=None, name=None):
         calls.append("machine")
         return roofline.Machine("fake", 20e9, 1e11)
+
     monkeypatch.setattr(mp.roofline, "measure_machine", machine)
     monkeypatch.setattr(mp.roofline, "measure_read_bandwidth", lambda device="cpu": 30e9)
     monkeypatch.setattr(mp, "measure_decode_step", lambda context=128: calls.append("step") or 0.025)
@@ -22,7 +23,7 @@ def test_measured_once_then_read_back(tmp_path, monkeypatch):
     first = mp.machine_profile()
     assert calls == ["machine", "step"]
     second = mp.machine_profile()
-    assert calls == ["machine", "step"] and second == first          # read from the cache, not measured
+    assert calls == ["machine", "step"] and second == first  # read from the cache, not measured
     assert first.read_bandwidth == 30e9 and first.decode_step_s == 0.025
     assert "read 30.0 GB/s, batch-1 step 25.0 ms" in first.footer() and "load average" in first.footer()
     assert first.machine.bandwidth == 20e9

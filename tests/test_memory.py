@@ -9,11 +9,24 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lifeofprompt.model.config import LLAMA_3_1_8B, SMOLLM2_135M, TINYLLAMA_1_1B
+from lifeofprompt.engine.memory import (
+    LLAMA_2_13B,
+    GiB,
+    KiB,
+    MiB,
+    blocks_for_tokens,
+    dtype_bytes,
+    estimate_activation_bytes,
+    kv_bytes_for_tokens,
+    kv_bytes_per_block,
+    kv_bytes_per_token,
+    max_concurrent_requests,
+    num_blocks_for_bytes,
+    plan_memory,
+    weight_bytes,
+)
 from lifeofprompt.errors import ConfigError, OutOfMemoryError
-from lifeofprompt.engine.memory import (GiB, KiB, LLAMA_2_13B, MiB, blocks_for_tokens, dtype_bytes, estimate_activation_bytes,
-                                 kv_bytes_for_tokens, kv_bytes_per_block, kv_bytes_per_token, max_concurrent_requests,
-                                 num_blocks_for_bytes, plan_memory, weight_bytes)
+from lifeofprompt.model.config import LLAMA_3_1_8B, SMOLLM2_135M, TINYLLAMA_1_1B
 
 
 def test_bytes_per_token_pinned():
@@ -29,8 +42,8 @@ def test_bytes_per_token_pinned():
 
 def test_the_seed_megabyte_claim():
     gqa_40_layers = dataclasses.replace(LLAMA_2_13B, num_kv_heads=8)
-    assert kv_bytes_per_token(gqa_40_layers, "bf16") == 163_840 == 160 * KiB     # not near a megabyte
-    assert kv_bytes_per_token(LLAMA_2_13B, "bf16") == 819_200 == 800 * KiB       # 40 KV heads: near one
+    assert kv_bytes_per_token(gqa_40_layers, "bf16") == 163_840 == 160 * KiB  # not near a megabyte
+    assert kv_bytes_per_token(LLAMA_2_13B, "bf16") == 819_200 == 800 * KiB  # 40 KV heads: near one
     assert LLAMA_2_13B.num_parameters() == 13_015_864_320
 
 
@@ -47,8 +60,8 @@ def test_blocks_and_concurrency():
     assert blocks_for_tokens(1) == 1 and blocks_for_tokens(16) == 1 and blocks_for_tokens(17) == 2
     pool = 100 * kv_bytes_per_block(TINYLLAMA_1_1B, "bf16") + 5
     assert num_blocks_for_bytes(pool, TINYLLAMA_1_1B, "bf16") == 100
-    assert max_concurrent_requests(pool, TINYLLAMA_1_1B, "bf16", context_len=4096) == 0   # needs 256 blocks
-    assert max_concurrent_requests(pool, TINYLLAMA_1_1B, "bf16", context_len=17) == 50     # 2 blocks each
+    assert max_concurrent_requests(pool, TINYLLAMA_1_1B, "bf16", context_len=4096) == 0  # needs 256 blocks
+    assert max_concurrent_requests(pool, TINYLLAMA_1_1B, "bf16", context_len=17) == 50  # 2 blocks each
 
 
 def test_tinyllama_on_a_16_gib_card():
@@ -58,7 +71,7 @@ def test_tinyllama_on_a_16_gib_card():
     assert not plan.activations_measured
     assert plan.activations == estimate_activation_bytes(TINYLLAMA_1_1B, "bf16") == 146_014_208
     assert plan.num_gpu_blocks == 36_387
-    assert plan.num_cpu_blocks == 11_915                     # 4 GiB // 360,448
+    assert plan.num_cpu_blocks == 11_915  # 4 GiB // 360,448
     assert plan.max_concurrency(4096) == 142
     assert plan.weights + plan.activations + plan.kv_pool == plan.usable
 
@@ -66,8 +79,8 @@ def test_tinyllama_on_a_16_gib_card():
 def test_llama_8b_on_an_80_gb_card():
     reported = int(85.5e9)
     no_activations = {u: plan_memory(LLAMA_3_1_8B, "bf16", reported, u, activations=0) for u in (0.9, 0.92)}
-    assert no_activations[0.92].max_concurrency(4096) == 116   # the seed's figure, at 92 % and nothing for activations
-    assert no_activations[0.9].max_concurrency(4096) == 113    # vLLM's default 0.9
+    assert no_activations[0.92].max_concurrency(4096) == 116  # the seed's figure, at 92 % and nothing for activations
+    assert no_activations[0.9].max_concurrency(4096) == 113  # vLLM's default 0.9
     estimated = {u: plan_memory(LLAMA_3_1_8B, "bf16", reported, u) for u in (0.9, 0.92)}
     assert estimated[0.92].max_concurrency(4096) == 115
     assert estimated[0.9].max_concurrency(4096) == 112
@@ -85,9 +98,17 @@ def test_a_plain_kv_budget():
     assert plan.num_gpu_blocks == 64 * MiB // (46_080 * 16) == 91
 
 
-@pytest.mark.parametrize("kwargs", [dict(block_size=0), dict(block_size=-16), dict(gpu_memory_utilization=0.0),
-                                    dict(gpu_memory_utilization=1.01), dict(gpu_memory_utilization=-0.5),
-                                    dict(total_memory=0)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(block_size=0),
+        dict(block_size=-16),
+        dict(gpu_memory_utilization=0.0),
+        dict(gpu_memory_utilization=1.01),
+        dict(gpu_memory_utilization=-0.5),
+        dict(total_memory=0),
+    ],
+)
 def test_settings_out_of_range(kwargs):
     args = dict(total_memory=16 * GiB) | kwargs
     with pytest.raises(ConfigError):
@@ -99,14 +120,18 @@ def test_settings_out_of_range(kwargs):
 
 def test_models_that_do_not_fit():
     with pytest.raises(OutOfMemoryError, match="do not fit"):
-        plan_memory(LLAMA_3_1_8B, "bf16", 16 * GiB)              # 16.06 GB of weights in 14.4 GiB
+        plan_memory(LLAMA_3_1_8B, "bf16", 16 * GiB)  # 16.06 GB of weights in 14.4 GiB
     with pytest.raises(OutOfMemoryError, match="no KV block left"):
         plan_memory(TINYLLAMA_1_1B, "bf16", int(2_200_096_768 / 0.9) + 1, activations=0)
 
 
 @settings(max_examples=60, deadline=None)
-@given(total_gib=st.floats(8, 200), utilization=st.floats(0.4, 1.0), block_size=st.sampled_from([1, 8, 16, 32, 128]),
-       context_len=st.integers(1, 40_000))
+@given(
+    total_gib=st.floats(8, 200),
+    utilization=st.floats(0.4, 1.0),
+    block_size=st.sampled_from([1, 8, 16, 32, 128]),
+    context_len=st.integers(1, 40_000),
+)
 def test_the_land_adds_up(total_gib, utilization, block_size, context_len):
     total = int(total_gib * GiB)
     plan = plan_memory(TINYLLAMA_1_1B, "bf16", total, utilization, block_size)
@@ -115,7 +140,8 @@ def test_the_land_adds_up(total_gib, utilization, block_size, context_len):
     n = plan.max_concurrency(context_len)
     assert n * blocks_for_tokens(context_len, block_size) <= plan.num_gpu_blocks
     assert (n + 1) * blocks_for_tokens(context_len, block_size) > plan.num_gpu_blocks
-    assert n == max_concurrent_requests(plan.num_gpu_blocks * plan.bytes_per_block, TINYLLAMA_1_1B, "bf16",
-                                        context_len, block_size)
+    assert n == max_concurrent_requests(
+        plan.num_gpu_blocks * plan.bytes_per_block, TINYLLAMA_1_1B, "bf16", context_len, block_size
+    )
     bigger = plan_memory(TINYLLAMA_1_1B, "bf16", total + GiB, utilization, block_size)
     assert bigger.num_gpu_blocks >= plan.num_gpu_blocks

@@ -6,8 +6,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-from lifeofprompt.figures.memory import land_figure, land_report, memory_panel, update_land  # noqa: E402
 from lifeofprompt.engine.memory import GiB, plan_memory  # noqa: E402
+from lifeofprompt.figures.memory import land_figure, land_report, memory_panel, update_land  # noqa: E402
 from lifeofprompt.model.config import TINYLLAMA_1_1B  # noqa: E402
 
 
@@ -45,8 +45,10 @@ def test_the_bar_spans_the_whole_device():
 
 def test_panel_redraws_when_a_slider_moves():
     panel = memory_panel()
+
     def printed():
         return panel.shown["text"]
+
     assert "36,387" in printed()
     panel.controls["gpu_memory_gib"].value = 24
     assert "36,387" not in printed() and "GPU blocks" in printed()

@@ -29,9 +29,20 @@ def test_embedded_model_matches_transformers(smollm2, smollm2_reference):
 
 def tiny_config(tie: bool) -> ModelConfig:
     """Small enough to build in milliseconds, with grouped-query attention (4 query heads over 2 KV heads)."""
-    return ModelConfig(name="tiny-gqa", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=3,
-                       num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=500.0, rms_norm_eps=1e-6,
-                       max_position_embeddings=64, tie_word_embeddings=tie)
+    return ModelConfig(
+        name="tiny-gqa",
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=500.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+    )
 
 
 @pytest.mark.parametrize("tie", [False, True])
@@ -42,7 +53,7 @@ def test_random_gqa_config_matches_transformers(tie):
     config = tiny_config(tie)
     torch.manual_seed(0)
     reference = HFLlama(config.to_hf()).eval()
-    with torch.no_grad():                       # norms at 1 would hide a norm-weight mix-up
+    with torch.no_grad():  # norms at 1 would hide a norm-weight mix-up
         for name, p in reference.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
@@ -71,7 +82,7 @@ def test_flat_batch_equals_each_sequence_alone(smollm2):
         alone = model(torch.tensor([ids]))[0]
         # fp32, logits up to ~20: products of 2 rows and of 12 sum in different orders (~1e-5 relative);
         # a row that saw another sequence's keys would be off by whole units
-        assert (logits[start:start + len(ids)] - alone).abs().max().item() <= 3e-4
+        assert (logits[start : start + len(ids)] - alone).abs().max().item() <= 3e-4
         start += len(ids)
 
 
@@ -85,7 +96,7 @@ def test_logits_indices_pick_rows(smollm2):
     assert last.logits_indices.tolist() == [3, 9, 11]
     picked = model(flat, positions, last)
     assert picked.shape == (3, 49152)
-    assert (picked - full[[3, 9, 11]]).abs().max().item() <= 1e-4   # same rows; BLAS may block 3 rows differently
+    assert (picked - full[[3, 9, 11]]).abs().max().item() <= 1e-4  # same rows; BLAS may block 3 rows differently
     # '...', ' in', "'s": the greedy next tokens (pinned, so checked where this CPU's logits decide them)
     assert_argmax_agrees([2026, 281, 506], picked, FP32_TOLERANCE, min_decided=3)
     chosen = NoCacheMetadata.for_lengths([4, 6, 2])
@@ -104,6 +115,6 @@ def test_the_rotary_table_stays_fp32_in_every_dtype():
         moved = RotaryEmbedding(64, 512, 10000.0).to(dtype)
         assert moved.cos.dtype == moved.sin.dtype == torch.float32
         assert moved.cos.equal(exact[0]) and moved.sin.equal(exact[1])
-    assert not exact[0].to(torch.bfloat16).float().equal(exact[0])   # what rounding would have done
+    assert not exact[0].to(torch.bfloat16).float().equal(exact[0])  # what rounding would have done
     model = LlamaForCausalLM(tiny_config(tie=True)).to(torch.bfloat16)
     assert model.embed_tokens.weight.dtype == torch.bfloat16 and model.rotary.cos.dtype == torch.float32

@@ -7,18 +7,25 @@ import os
 import pytest
 import torch
 
-from lifeofprompt.errors import ConfigError
-from lifeofprompt.model.linear import onednn_available
-from lifeofprompt.engine.model_runner import (ModelRunner, graph_batch_sizes, padded_batch_size, resolve_backend,
-                                       run_greedy_loop, step)
+from lifeofprompt.engine.model_runner import (
+    ModelRunner,
+    graph_batch_sizes,
+    padded_batch_size,
+    resolve_backend,
+    run_greedy_loop,
+)
 from lifeofprompt.engine.sampling_params import SamplingParams
 from lifeofprompt.engine.sequence import Sequence
+from lifeofprompt.errors import ConfigError
+from lifeofprompt.model.linear import onednn_available
 
 # generate_cached_batch's greedy tokens for the three story prompts (pinned here too); every step decided far
 # beyond fp32 rounding (tests/test_pins.py), so any product path, padding or CPU must give them exactly
-STORY_8 = [[2026, 365, 10905, 6176, 28, 4836, 260, 3589],
-           [281, 260, 216, 34, 33, 302, 2070, 30],
-           [506, 787, 737, 288, 536, 357, 30, 198]]
+STORY_8 = [
+    [2026, 365, 10905, 6176, 28, 4836, 260, 3589],
+    [281, 260, 216, 34, 33, 302, 2070, 30],
+    [506, 787, 737, 288, 536, 357, 30, 198],
+]
 
 
 def test_graph_ladder_and_padding():
@@ -53,7 +60,7 @@ def test_cpu_runner_defaults(runner):
     assert runner.graph_sizes == [1, 2, 4] and runner.max_blocks_per_seq == 16
     assert runner.kv_cache.kv.dtype == torch.float32 and runner.num_blocks == 64
     # the tests pin one product path (tests/conftest.py), so no packed copies and no timing
-    pinned = os.environ["LIFEOFPROMPT_CPU_LINEAR"]                 # "linear" unless a portability setting forces one
+    pinned = os.environ["LIFEOFPROMPT_CPU_LINEAR"]  # "linear" unless a portability setting forces one
     assert runner.linear_choice.source == f"pinned: {pinned}"
     assert (runner.prepacked_bytes > 0) == (pinned == "onednn")
 
@@ -63,13 +70,13 @@ def test_onednn_prepacks_every_matrix_and_can_be_turned_off(smollm2, story_ids):
     model, _ = smollm2
     packed = ModelRunner(model, 64, 16, max_num_seqs=4, max_model_len=256, cpu_linear="onednn")
     # every matrix of the model (120 layer matrices + the tied lm_head) prepacked for oneDNN
-    weights = sum(p.numel() for n, p in model.named_parameters() if n.endswith('proj.weight'))
+    weights = sum(p.numel() for n, p in model.named_parameters() if n.endswith("proj.weight"))
     assert packed.prepacked_bytes == 4 * (weights + 49152 * 576)
-    with pytest.raises(ConfigError, match="not available"):        # no packed copies: no oneDNN path
+    with pytest.raises(ConfigError, match="not available"):  # no packed copies: no oneDNN path
         ModelRunner(model, 64, 16, max_num_seqs=4, max_model_len=256, cpu_linear="onednn", prepack_cpu_weights=False)
     lean = ModelRunner(model, 64, 16, max_num_seqs=4, max_model_len=256, prepack_cpu_weights=False)
     assert lean.prepacked_bytes == 0 and all(getattr(m, "packed", None) is None for m in model.modules())
-    assert run_greedy_loop(lean, story_ids, 8) == STORY_8          # the pinned path again, without packed copies
+    assert run_greedy_loop(lean, story_ids, 8) == STORY_8  # the pinned path again, without packed copies
 
 
 @pytest.mark.numerics
@@ -135,9 +142,9 @@ def test_seeded_sampling_repeats_through_the_runner(runner, story_ids):
 def test_cpu_pool_sizing(smollm2):
     model, _ = smollm2
     small = ModelRunner(model, None, 16, max_num_seqs=2, max_model_len=64, cpu_kv_bytes=1 << 30)
-    assert small.num_blocks == 2 * 4 + 1            # capped at what 2 full sequences could use
+    assert small.num_blocks == 2 * 4 + 1  # capped at what 2 full sequences could use
     per_block = small.kv_bytes_per_block()
-    assert per_block == 2 * 30 * 3 * 64 * 16 * 4    # layers × kv heads × head_dim × tokens × fp32, K and V
+    assert per_block == 2 * 30 * 3 * 64 * 16 * 4  # layers × kv heads × head_dim × tokens × fp32, K and V
     tight = ModelRunner(model, None, 16, max_num_seqs=256, cpu_kv_bytes=10 * per_block)
     assert tight.num_blocks == 10
     with pytest.raises(ConfigError):

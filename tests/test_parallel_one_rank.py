@@ -11,28 +11,34 @@ and values vLLM's name does not take raise ``ConfigError``. (The same on one GPU
 
 from __future__ import annotations
 
-
 import psutil
 import pytest
 import torch
 import torch.distributed as dist
+from tiny_models import tiny_model
 
 from lifeofprompt.distributed import collectives
 from lifeofprompt.engine.llm import LLM
 from lifeofprompt.engine.sampling_params import SamplingParams
 from lifeofprompt.errors import ConfigError, WorkerFailedError
 from lifeofprompt.lessons.agreement import teacher_forced_logits
-from tiny_models import tiny_model
 
 BLOCK_SIZE = 4
 # As tests/test_tensor_parallel.py: the pool runs out (preemption), prompts are chunked, prompts 0 and 1 share blocks.
-ENGINE = dict(dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=12, max_num_batched_tokens=8,
-              enable_prefix_caching=True, log_stats=False, check_invariants=True)
+ENGINE = dict(
+    dtype="float32",
+    block_size=BLOCK_SIZE,
+    num_kv_blocks=12,
+    max_num_batched_tokens=8,
+    enable_prefix_caching=True,
+    log_stats=False,
+    check_invariants=True,
+)
 SHARED = [11, 12, 13, 14, 15, 16, 17, 18]
 PROMPTS = [SHARED + [40, 41, 42], SHARED + [50, 51, 52, 53, 54], [60, 61, 62, 63, 64, 65, 66], [70, 71, 72]]
-LAYERS, HIDDEN = 2, 144                     # the tiny model's
+LAYERS, HIDDEN = 2, 144  # the tiny model's
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.ranks]
 
 
 def greedy(max_tokens: int = 12):
@@ -98,6 +104,7 @@ def test_bf16_with_an_fp32_rotary_table_is_exact_too():
     """A bf16 model keeps its rotary table in fp32 (``RotaryEmbedding._apply``), and so does every shard
     built in bf16: rank 0's shard once rounded its table to bf16, which moved these logits by 0.06 and
     parted the tokens. Before the shared engine starts: one process group at a time."""
+
     def bf16_model():
         model, tokenizer = tiny_model()
         return model.to(torch.bfloat16), tokenizer
@@ -111,7 +118,9 @@ def test_bf16_with_an_fp32_rotary_table_is_exact_too():
         assert mp.engine.model.dtype == torch.bfloat16 and mp.engine.model.rotary.cos.dtype == torch.float32
         assert [o.outputs[0].token_ids for o in mp.generate(prompts, greedy())] == tokens_1
         for prompt, tokens in zip(prompts, tokens_1):
-            assert teacher_forced_logits(mp.engine.model, prompt, tokens).equal(teacher_forced_logits(model, prompt, tokens))
+            assert teacher_forced_logits(mp.engine.model, prompt, tokens).equal(
+                teacher_forced_logits(model, prompt, tokens)
+            )
     finally:
         mp.shutdown()
     assert not dist.is_initialized()
@@ -133,7 +142,7 @@ def test_the_c_step_stays_off(one_rank, single):
     llm, _, _ = one_rank
     assert llm.engine.runner.cpu_decode_rows == 0
     model, tokenizer = tiny_model()
-    asked = LLM(model, tokenizer=tokenizer, cpu_decode=True, **ENGINE)       # a single engine takes it when asked
+    asked = LLM(model, tokenizer=tokenizer, cpu_decode=True, **ENGINE)  # a single engine takes it when asked
     assert asked.engine.runner.cpu_decode_rows > 0
 
 
@@ -147,7 +156,9 @@ def test_tokens_equal_the_single_process_engine(single, one_rank):
     assert tokens_mp == tokens_1
     full, _ = tiny_model()
     for prompt, tokens in zip(PROMPTS, tokens_1):
-        assert teacher_forced_logits(llm_mp.engine.model, prompt, tokens).equal(teacher_forced_logits(full, prompt, tokens))
+        assert teacher_forced_logits(llm_mp.engine.model, prompt, tokens).equal(
+            teacher_forced_logits(full, prompt, tokens)
+        )
 
 
 def test_every_step_goes_through_the_process_group(one_rank):
@@ -161,7 +172,7 @@ def test_every_step_goes_through_the_process_group(one_rank):
     records = list(engine.step_records)[before:]
     tokens = sum(r.num_batched_tokens for r in records)
     stats = collectives.snapshot()
-    assert len(records) == 3 and tokens == 3 + 1 + 1                 # a prefill of 3, two decodes
+    assert len(records) == 3 and tokens == 3 + 1 + 1  # a prefill of 3, two decodes
     assert stats["broadcast"]["calls"] == 2 * len(records)
     assert stats["all_reduce"]["calls"] == (1 + 2 * LAYERS) * len(records)
     assert stats["all_reduce"]["bytes"] == (1 + 2 * LAYERS) * tokens * HIDDEN * 4

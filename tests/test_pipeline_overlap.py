@@ -19,15 +19,15 @@ import signal
 import time
 
 import pytest
-
-from lifeofprompt.engine.llm import LLM
-from lifeofprompt.engine.sampling_params import SamplingParams
-from lifeofprompt.errors import WorkerFailedError
 from test_tensor_parallel import ENGINE, PROMPTS, greedy
 from test_tensor_parallel_faults import DEADLINE_S, spawned_children, wait_gone
 from tiny_models import assert_parallel_agrees, tiny_model
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+from lifeofprompt.engine.llm import LLM
+from lifeofprompt.engine.sampling_params import SamplingParams
+from lifeofprompt.errors import WorkerFailedError
+
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.ranks]
 
 
 def pipelined(**kwargs) -> LLM:
@@ -40,8 +40,11 @@ def run(llm: LLM, prompts) -> dict:
     engine = llm.engine
     before, first = len(engine.step_records), engine.model.stage_clock.num_steps
     outputs = llm.generate(prompts, greedy())
-    return dict(tokens=[o.outputs[0].token_ids for o in outputs], records=list(engine.step_records)[before:],
-                steps=range(first, engine.model.stage_clock.num_steps))
+    return dict(
+        tokens=[o.outputs[0].token_ids for o in outputs],
+        records=list(engine.step_records)[before:],
+        steps=range(first, engine.model.stage_clock.num_steps),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +82,7 @@ def stage_times(llm: LLM) -> tuple[dict, dict]:
     (one machine: one ``time.monotonic`` for every process)."""
     engine = llm.engine
     reports = engine.parallel.report(engine.model, engine.runner.kv_cache)
-    as_dict = lambda times: {k: (start, end) for k, start, end in times}          # noqa: E731
+    as_dict = lambda times: {k: (start, end) for k, start, end in times}  # noqa: E731
     return as_dict(engine.model.stage_clock.times), as_dict(reports[1]["stage_times"])
 
 
@@ -88,8 +91,8 @@ def test_overlapped_steps_give_the_single_and_the_plain_engines_tokens(single, p
     tokens = runs["many"]["tokens"]
     full, _ = tiny_model()
     assert_parallel_agrees(llm.engine.model, full, PROMPTS, tokens, single)
-    assert_parallel_agrees(llm.engine.model, full, PROMPTS, tokens, plain)      # at every step its margin decides
-    assert llm.engine.scheduler.num_preemptions > 0       # two groups, one pool of 12 blocks: it ran dry
+    assert_parallel_agrees(llm.engine.model, full, PROMPTS, tokens, plain)  # at every step its margin decides
+    assert llm.engine.scheduler.num_preemptions > 0  # two groups, one pool of 12 blocks: it ran dry
 
 
 def test_two_groups_keep_two_steps_in_flight_and_the_stages_run_at_once(overlapped):
@@ -99,7 +102,7 @@ def test_two_groups_keep_two_steps_in_flight_and_the_stages_run_at_once(overlapp
     assert max(1 + len(r.overlapped) for r in records) == 2 == llm.engine.pipeline.max_in_flight
     assert sum(1 for r in records if r.overlapped) >= len(records) // 2
     by_step = {r.step: r for r in records}
-    for r in records:                                    # never one sequence in two steps in flight
+    for r in records:  # never one sequence in two steps in flight
         mine = {s.request_id for s in r.scheduled}
         for other in r.overlapped:
             assert by_step[other].group != r.group
@@ -117,7 +120,7 @@ def test_one_request_keeps_one_step_in_flight_the_bubble(overlapped):
     stage0, stage1 = stage_times(llm)
     steps = runs["one"]["steps"]
     assert len(steps) == len(records)
-    for k in steps[1:]:            # stage 0 starts step k only after stage 1 has finished step k - 1
+    for k in steps[1:]:  # stage 0 starts step k only after stage 1 has finished step k - 1
         assert stage0[k][0] >= stage1[k - 1][1]
 
 
@@ -185,7 +188,7 @@ def test_a_worker_killed_with_steps_in_flight_gives_the_typed_error_within_30_s(
 def test_serve_can_turn_the_overlap_off():
     from lifeofprompt.cli import build_parser
 
-    assert build_parser().parse_args(["serve"]).pipeline_overlap is None             # the engine's default: on
+    assert build_parser().parse_args(["serve"]).pipeline_overlap is None  # the engine's default: on
     assert build_parser().parse_args(["serve", "--no-pipeline-overlap"]).pipeline_overlap is False
 
 
@@ -196,17 +199,19 @@ def test_a_group_preempts_only_its_own_requests():
     from lifeofprompt.engine.sequence import Sequence, SequenceStatus
 
     scheduler = Scheduler(BlockManager(6, 4, enable_prefix_caching=False), max_num_batched_tokens=64, num_groups=2)
-    a, b, c, d = (Sequence(name, list(range(1, 1 + n)), SamplingParams(max_tokens=4))
-                  for name, n in (("a", 8), ("b", 8), ("c", 4), ("d", 4)))
+    a, b, c, d = (
+        Sequence(name, list(range(1, 1 + n)), SamplingParams(max_tokens=4))
+        for name, n in (("a", 8), ("b", 8), ("c", 4), ("d", 4))
+    )
     for seq in (a, b, c, d):
         scheduler.add(seq)
-    assert [s.group for s in (a, b, c, d)] == [0, 1, 0, 1]          # each to the group with the fewest
+    assert [s.group for s in (a, b, c, d)] == [0, 1, 0, 1]  # each to the group with the fewest
     first = scheduler.schedule(group=0)
     in_flight = scheduler.schedule(group=1)
     assert first.seqs == [a, c] and in_flight.seqs == [b, d] and scheduler.block_manager.num_free_blocks == 0
     scheduler.update(first, [7, 7])
     tables = {s.request_id: list(s.block_table) for s in (b, d)}
-    again = scheduler.schedule(group=0)                             # a needs a third block: the pool is empty
+    again = scheduler.schedule(group=0)  # a needs a third block: the pool is empty
     assert again.preempted == ["c"] and again.seqs == [a]
     assert {s.request_id: list(s.block_table) for s in (b, d)} == tables
     assert b.status == d.status == SequenceStatus.RUNNING

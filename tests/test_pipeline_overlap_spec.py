@@ -16,28 +16,43 @@ are cheap. Run A fits the pool; run B, more and longer requests, runs it dry.
 from __future__ import annotations
 
 import pytest
-
-from lifeofprompt.engine.llm import LLM
-from lifeofprompt.engine.sampling_params import SamplingParams
 from test_pipeline_overlap import stage_times
 from tiny_models import assert_parallel_agrees, tiny_model
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+from lifeofprompt.engine.llm import LLM
+from lifeofprompt.engine.sampling_params import SamplingParams
+
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.ranks]
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 # 40 blocks of 4 tokens. A: 3 requests of up to 48 tokens, all at once: no preemption, and 128 tokens a
 # step never cut a draft, so drafts depend on the tokens alone. B: 6 requests of up to 72, 4 at a time:
 # the pool runs dry. No C step in the reference (a P > 1 engine has none): its row limit would cut drafts.
-ENGINE = dict(dtype="float32", block_size=4, num_kv_blocks=40, max_num_batched_tokens=128, max_num_seqs=4,
-              enable_prefix_caching=True, log_stats=False, check_invariants=True, cpu_decode=False)
-TEXTS = ("abcabcabcabcabc", "hello hello hello hello", "xyzxyzxyz", "the cat the cat the", "1212121212",
-         "no repeats here")
-RUNS = dict(A=(3, 24), B=(6, 48))            # (requests, max_tokens)
+ENGINE = dict(
+    dtype="float32",
+    block_size=4,
+    num_kv_blocks=40,
+    max_num_batched_tokens=128,
+    max_num_seqs=4,
+    enable_prefix_caching=True,
+    log_stats=False,
+    check_invariants=True,
+    cpu_decode=False,
+)
+TEXTS = (
+    "abcabcabcabcabc",
+    "hello hello hello hello",
+    "xyzxyzxyz",
+    "the cat the cat the",
+    "1212121212",
+    "no repeats here",
+)
+RUNS = dict(A=(3, 24), B=(6, 48))  # (requests, max_tokens)
 
 
 def prompts_of(run: str) -> list[list[int]]:
     _, tokenizer = tiny_model()
-    return [tokenizer.encode(t) for t in TEXTS[:RUNS[run][0]]]
+    return [tokenizer.encode(t) for t in TEXTS[: RUNS[run][0]]]
 
 
 def generate(llm: LLM, run: str, seeded: bool = False) -> dict:
@@ -47,13 +62,16 @@ def generate(llm: LLM, run: str, seeded: bool = False) -> dict:
     before = len(engine.step_records)
     prompts = prompts_of(run)
     if seeded:
-        params = [SamplingParams(temperature=0.3, seed=100 + i, max_tokens=RUNS[run][1], ignore_eos=True)
-                  for i in range(len(prompts))]
+        params = [
+            SamplingParams(temperature=0.3, seed=100 + i, max_tokens=RUNS[run][1], ignore_eos=True)
+            for i in range(len(prompts))
+        ]
     else:
         params = SamplingParams(temperature=0, max_tokens=RUNS[run][1], ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    return dict(tokens=[o.outputs[0].token_ids for o in outputs], outputs=outputs,
-                records=list(engine.step_records)[before:])
+    return dict(
+        tokens=[o.outputs[0].token_ids for o in outputs], outputs=outputs, records=list(engine.step_records)[before:]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +95,11 @@ def overlapped(one_thread):
         for run in RUNS:
             accepted, drafts = stats.num_accepted_tokens, stats.num_drafts
             runs[run] = generate(llm, run)
-            runs[run].update(accepted=stats.num_accepted_tokens - accepted, drafts=stats.num_drafts - drafts,
-                             preemptions=llm.engine.scheduler.num_preemptions)
+            runs[run].update(
+                accepted=stats.num_accepted_tokens - accepted,
+                drafts=stats.num_drafts - drafts,
+                preemptions=llm.engine.scheduler.num_preemptions,
+            )
         runs["seeded"] = generate(llm, "A", seeded=True)
         runs["stages"] = stage_times(llm)
         yield llm, runs
@@ -88,8 +109,11 @@ def overlapped(one_thread):
 
 def verifies_within(output, prompt_len: int, agreed: int) -> list:
     """``(position, drafts, kept)`` of each verify of ``output`` whose tokens all lie in its first ``agreed``."""
-    return [(s.position, s.draft_token_ids, s.num_accepted) for s in output.metrics.spec_steps
-            if s.position + len(s.token_ids) - prompt_len < agreed]
+    return [
+        (s.position, s.draft_token_ids, s.num_accepted)
+        for s in output.metrics.spec_steps
+        if s.position + len(s.token_ids) - prompt_len < agreed
+    ]
 
 
 def agreed_prefix(a: list[int], b: list[int]) -> int:
@@ -125,9 +149,10 @@ def test_seeded_sampling_speculates_as_in_the_single_engine(single, overlapped):
     _, runs = overlapped
     mine, theirs = runs["seeded"], single["seeded"]
     assert mine["tokens"] == theirs["tokens"]
-    assert sum(s.num_accepted for o in mine["outputs"] for s in o.metrics.spec_steps) > 0     # drafts were kept
-    assert [[(s.position, s.draft_token_ids, s.num_accepted) for s in o.metrics.spec_steps] for o in mine["outputs"]] \
-        == [[(s.position, s.draft_token_ids, s.num_accepted) for s in o.metrics.spec_steps] for o in theirs["outputs"]]
+    assert sum(s.num_accepted for o in mine["outputs"] for s in o.metrics.spec_steps) > 0  # drafts were kept
+    assert [
+        [(s.position, s.draft_token_ids, s.num_accepted) for s in o.metrics.spec_steps] for o in mine["outputs"]
+    ] == [[(s.position, s.draft_token_ids, s.num_accepted) for s in o.metrics.spec_steps] for o in theirs["outputs"]]
 
 
 def test_verifies_are_in_flight_beside_the_other_groups_steps(overlapped):
@@ -138,7 +163,7 @@ def test_verifies_are_in_flight_beside_the_other_groups_steps(overlapped):
     assert {r.group for r in verifies} == {0, 1}
     assert sum(1 for r in verifies if r.overlapped) >= len(verifies) // 2
     by_step = {r.step: r for r in records}
-    for r in records:                          # never one request in two steps in flight
+    for r in records:  # never one request in two steps in flight
         for other in r.overlapped:
             assert by_step[other].group != r.group
             assert {s.request_id for s in r.scheduled}.isdisjoint(s.request_id for s in by_step[other].scheduled)
@@ -182,8 +207,7 @@ def test_drafts_changed_under_a_step_in_flight_are_caught():
 
     seq = Sequence("a", [1, 2, 3], SamplingParams(max_tokens=8))
     seq.set_spec([4, 5])
-    done = InFlight(StepRecord(step=7, seqs=[seq], num_scheduled_tokens=[3]), {seq.seq_id: [4, 5]},
-                    pending=None)
+    done = InFlight(StepRecord(step=7, seqs=[seq], num_scheduled_tokens=[3]), {seq.seq_id: [4, 5]}, pending=None)
     PipelineOverlap.check_drafts(done)
     seq.set_spec([4, 6])
     with pytest.raises(AssertionError, match="step 7: drafts changed"):

@@ -10,14 +10,14 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_tensor_parallel import BLOCK_SIZE, ENGINE, PROMPTS, greedy
+from tiny_models import TINY_SMOLLM2_LAYOUT, assert_parallel_agrees, tiny_model
 
+from lifeofprompt.distributed.sizes import check_pipeline_parallel_size, stage_layers
 from lifeofprompt.engine.llm import LLM
 from lifeofprompt.errors import ParallelConfigError
-from lifeofprompt.distributed.sizes import check_pipeline_parallel_size, stage_layers
-from tiny_models import TINY_SMOLLM2_LAYOUT, assert_parallel_agrees, tiny_model
-from test_tensor_parallel import BLOCK_SIZE, ENGINE, PROMPTS, greedy
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.ranks]
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +37,9 @@ def test_stages_are_contiguous_and_cover_every_layer():
 @pytest.mark.parametrize("tp, pp", [(1, 2), (3, 2)])
 def test_stages_give_the_single_process_tokens(single, tp, pp):
     model, tokenizer = tiny_model()
-    llm = LLM(model, tokenizer=tokenizer, tensor_parallel_size=tp, pipeline_parallel_size=pp, pipeline_overlap=False,
-              **ENGINE)
+    llm = LLM(
+        model, tokenizer=tokenizer, tensor_parallel_size=tp, pipeline_parallel_size=pp, pipeline_overlap=False, **ENGINE
+    )
     try:
         outputs = llm.generate(PROMPTS, greedy())
         engine = llm.engine
@@ -51,13 +52,13 @@ def test_stages_give_the_single_process_tokens(single, tp, pp):
         assert [r["rank"] for r in reports] == list(range(tp * pp))
         full_bytes = sum(p.numel() * p.element_size() for p in full.parameters())
         kv_heads = 3 // tp
-        embedding = full.embed_tokens.weight.numel() * 4                  # the tied head's copy on the last stage
+        embedding = full.embed_tokens.weight.numel() * 4  # the tied head's copy on the last stage
         for r in reports:
             shapes = r["weights"]["shapes"]
             assert r["stage"] == r["rank"] // tp and r["layers"] == [(0, 1), (1, 2)][r["stage"]]
             assert "layers.0.self_attn.qkv_proj.weight" in shapes and "layers.1.self_attn.qkv_proj.weight" not in shapes
             assert ("embed_tokens.weight" in shapes) == (r["stage"] == 0)
-            assert ("lm_head.weight" in shapes) == (r["stage"] == 1)      # the tied head, copied to the last stage
+            assert ("lm_head.weight" in shapes) == (r["stage"] == 1)  # the tied head, copied to the last stage
             assert r["kv_shape"] == (1, 2, 12, BLOCK_SIZE, kv_heads, 16)
             # half the layers and the embedding (first stage) or its copy as the LM head (last), each 1/T of it
             assert r["weights"]["nbytes"] == pytest.approx(((full_bytes - embedding) / pp + embedding) / tp, rel=0.02)
@@ -97,9 +98,24 @@ def test_two_torchrun_nodes_give_the_same_tokens(single, tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "lifeofprompt-test",
-               "--max-restarts", "0", str(script)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "lifeofprompt-test",
+        "--max-restarts",
+        "0",
+        str(script),
+    ]
     nodes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     try:
         results = [node.communicate(timeout=240) for node in nodes]
@@ -109,6 +125,6 @@ def test_two_torchrun_nodes_give_the_same_tokens(single, tmp_path):
                 node.kill()
     assert [node.returncode for node in nodes] == [0, 0], [err[-3000:] for _, err in results]
     lines = [line for out, _ in results for line in out.splitlines() if line.startswith("TOKENS ")]
-    assert len(lines) == 1                                      # only rank 0 comes back from LLM(...)
+    assert len(lines) == 1  # only rank 0 comes back from LLM(...)
     found = json.loads(lines[0].removeprefix("TOKENS "))
-    assert found["rank"] == 0 and found["tokens"] == single     # the same ops on the same weights: exactly equal
+    assert found["rank"] == 0 and found["tokens"] == single  # the same ops on the same weights: exactly equal

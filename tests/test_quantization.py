@@ -9,11 +9,11 @@ from lifeofprompt.model.config import SMOLLM2_135M
 def test_embedded_gguf_is_mostly_4_bit():
     stored = gguf_bytes()
     assert set(stored.bytes_by_type) == {"Q4_1", "Q8_0", "F32"}
-    assert stored.bits_per_weight("Q4_1") == 5.0          # 4-bit values + an fp16 scale and minimum per 32
-    assert stored.bits_per_weight("Q8_0") == 8.5          # the (tied) embedding table
-    assert stored.bits_per_weight("F32") == 32.0          # the norms
-    assert stored.num_weights == 134_515_008              # every weight of SmolLM2-135M, the table once
-    assert stored.total_bytes < stored.num_weights        # under one byte a weight
+    assert stored.bits_per_weight("Q4_1") == 5.0  # 4-bit values + an fp16 scale and minimum per 32
+    assert stored.bits_per_weight("Q8_0") == 8.5  # the (tied) embedding table
+    assert stored.bits_per_weight("F32") == 32.0  # the norms
+    assert stored.num_weights == 134_515_008  # every weight of SmolLM2-135M, the table once
+    assert stored.total_bytes < stored.num_weights  # under one byte a weight
 
 
 def test_floors_scale_with_bytes():
@@ -21,4 +21,4 @@ def test_floors_scale_with_bytes():
     floors = decode_floors(stored, read_bandwidth=10.0)
     assert [f.weight_bytes for f in floors] == [90, 180, 360]
     assert [f.floor_s for f in floors] == pytest.approx([9.0, 18.0, 36.0])
-    assert SMOLLM2_135M.tie_word_embeddings              # why the whole table counts: the LM head reads it
+    assert SMOLLM2_135M.tie_word_embeddings  # why the whole table counts: the LM head reads it

@@ -11,21 +11,33 @@ and runs its shard, and the logits are gathered. The tokens must be the single-p
 from __future__ import annotations
 
 import pytest
+from tiny_models import assert_parallel_agrees, tiny_model
 
 from lifeofprompt.engine.llm import LLM
 from lifeofprompt.engine.sampling_params import SamplingParams
-from tiny_models import assert_parallel_agrees, tiny_model
 
 T = 3
 # Four requests, at most 4 at a time: graph sizes 1, 2, 4, so a step of 3 decodes is padded to 4.
 # The pool runs out (12 blocks of 4): a preempted request comes back through the eager path.
-ENGINE = dict(dtype="float32", block_size=4, num_kv_blocks=12, max_num_seqs=4, max_num_batched_tokens=8,
-              enable_prefix_caching=True, log_stats=False, check_invariants=True)
-PROMPTS = [[11, 12, 13, 14, 15, 16, 17, 18, 40, 41, 42], [11, 12, 13, 14, 50, 51], [60, 61, 62, 63, 64, 65, 66],
-           [70, 71, 72]]
+ENGINE = dict(
+    dtype="float32",
+    block_size=4,
+    num_kv_blocks=12,
+    max_num_seqs=4,
+    max_num_batched_tokens=8,
+    enable_prefix_caching=True,
+    log_stats=False,
+    check_invariants=True,
+)
+PROMPTS = [
+    [11, 12, 13, 14, 15, 16, 17, 18, 40, 41, 42],
+    [11, 12, 13, 14, 50, 51],
+    [60, 61, 62, 63, 64, 65, 66],
+    [70, 71, 72],
+]
 MAX_TOKENS = 12
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.ranks]
 
 
 def greedy():

@@ -17,8 +17,15 @@ WEIGHTS = reconcile.batch1_weight_bytes()
 
 
 def profile(**overrides) -> MachineProfile:
-    fields = dict(name="AMD EPYC, 1 thread", read_bandwidth=32e9, copy_bandwidth=24e9, matmul_flops=1e11,
-                  decode_step_s=0.020, measured_at="2026-12-01 14:43 UTC", load_average=0.25)
+    fields = dict(
+        name="AMD EPYC, 1 thread",
+        read_bandwidth=32e9,
+        copy_bandwidth=24e9,
+        matmul_flops=1e11,
+        decode_step_s=0.020,
+        measured_at="2026-12-01 14:43 UTC",
+        load_average=0.25,
+    )
     return MachineProfile(**(fields | overrides))
 
 
@@ -29,16 +36,29 @@ def bench(step_s=0.026, fastest_s=0.024, read=24e9, load=None, timed_steps=None)
     b1 = dict(step_s=step_s, read_bandwidth=read, floor_s=WEIGHTS / read, ratio=step_s / (WEIGHTS / read))
     if load is not None:
         b1["load_average"] = load
-    return {"env": {"date": "2026-12-01 16:59 UTC"}, "threads": 1, "dtype": "float32",
-            "batching_curve": [dict(batch=2, context=128, step_s=0.04), row], "batch1_step": b1,
-            "machine": dict(name="CPU", bandwidth=22e9, flops=1e11), "decode_floor_s": WEIGHTS / 22e9}
+    return {
+        "env": {"date": "2026-12-01 16:59 UTC"},
+        "threads": 1,
+        "dtype": "float32",
+        "batching_curve": [dict(batch=2, context=128, step_s=0.04), row],
+        "batch1_step": b1,
+        "machine": dict(name="CPU", bandwidth=22e9, flops=1e11),
+        "decode_floor_s": WEIGHTS / 22e9,
+    }
 
 
 def linear() -> dict:
-    rows = [{"rows": 1, "linear": {"ms": 33.8, "weight_GB_per_s": 12.6}, "rowwise": {"ms": 20.4, "weight_GB_per_s": 20.8}},
-            {"rows": 2, "linear": {"ms": 60.0, "weight_GB_per_s": 7.6}, "rowwise": {"ms": 21.0, "weight_GB_per_s": 20.1}}]
-    return {"env": {"date": "2026-12-01 10:18 UTC"}, "threads": 1, "weight_bytes": 424673280,
-            "sum_read_GB_per_s": 28.4, "rows": rows}
+    rows = [
+        {"rows": 1, "linear": {"ms": 33.8, "weight_GB_per_s": 12.6}, "rowwise": {"ms": 20.4, "weight_GB_per_s": 20.8}},
+        {"rows": 2, "linear": {"ms": 60.0, "weight_GB_per_s": 7.6}, "rowwise": {"ms": 21.0, "weight_GB_per_s": 20.1}},
+    ]
+    return {
+        "env": {"date": "2026-12-01 10:18 UTC"},
+        "threads": 1,
+        "weight_bytes": 424673280,
+        "sum_read_GB_per_s": 28.4,
+        "rows": rows,
+    }
 
 
 def test_the_profile_names_its_threads():

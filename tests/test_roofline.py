@@ -5,15 +5,29 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lifeofprompt.env import cpu_label
-
-from lifeofprompt.model.config import LLAMA_3_1_8B, SMOLLM2_135M, TINYLLAMA_1_1B
-from lifeofprompt.lessons.flops import (attention_pairs, cached_step_flops, forward_flops, generation_flops,
-                                naive_step_flops)
 from lifeofprompt.engine.memory import kv_bytes_per_token
-from lifeofprompt.lessons.roofline import (Machine, arithmetic_intensity, break_even, decode_floor, decode_weight_bytes,
-                                   fit_overhead, measure_copy_bandwidth, measure_machine, measure_matmul_rate,
-                                   predict_step_time, step_bytes_and_flops)
+from lifeofprompt.env import cpu_label
+from lifeofprompt.lessons.flops import (
+    attention_pairs,
+    cached_step_flops,
+    forward_flops,
+    generation_flops,
+    naive_step_flops,
+)
+from lifeofprompt.lessons.roofline import (
+    Machine,
+    arithmetic_intensity,
+    break_even,
+    decode_floor,
+    decode_weight_bytes,
+    fit_overhead,
+    measure_copy_bandwidth,
+    measure_machine,
+    measure_matmul_rate,
+    predict_step_time,
+    step_bytes_and_flops,
+)
+from lifeofprompt.model.config import LLAMA_3_1_8B, SMOLLM2_135M, TINYLLAMA_1_1B
 
 H100 = Machine("H100 SXM (datasheet)", bandwidth=3.35e12, flops=989e12)
 
@@ -22,16 +36,18 @@ def test_matmul_flops_are_twice_the_weights_per_token():
     """Every non-embedding weight takes part in one multiply-add per token row."""
     for config in (TINYLLAMA_1_1B, SMOLLM2_135M, LLAMA_3_1_8B):
         f = forward_flops(config, num_tokens=1, context_tokens=0)
-        params = config.num_parameters() - config.vocab_size * config.hidden_size * (1 if not config.tie_word_embeddings else 0)
+        params = config.num_parameters() - config.vocab_size * config.hidden_size * (
+            1 if not config.tie_word_embeddings else 0
+        )
         norms = (2 * config.num_layers + 1) * config.hidden_size
         assert f.qkv + f.o + f.mlp + f.lm_head == 2 * (params - norms)
         assert f.scores == f.context == 2 * config.num_layers * config.num_heads * config.head_dim * 1
 
 
 def test_attention_pairs():
-    assert attention_pairs(5) == 15                        # a 5-token prefill: 1 + 2 + 3 + 4 + 5
-    assert attention_pairs(1, 9) == 10                     # a decode after 9 cached tokens sees 10 keys
-    assert attention_pairs(4, 4 * 99, num_seqs=4) == 400   # four decodes after 99 tokens each
+    assert attention_pairs(5) == 15  # a 5-token prefill: 1 + 2 + 3 + 4 + 5
+    assert attention_pairs(1, 9) == 10  # a decode after 9 cached tokens sees 10 keys
+    assert attention_pairs(4, 4 * 99, num_seqs=4) == 400  # four decodes after 99 tokens each
     with pytest.raises(ValueError):
         attention_pairs(-1)
 
@@ -51,10 +67,10 @@ def test_naive_against_cached_steps():
 def test_cumulative_cost_quadratic_against_linear():
     naive = generation_flops(SMOLLM2_135M, prompt_len=4, max_new_tokens=64, cached=False)
     cached = generation_flops(SMOLLM2_135M, prompt_len=4, max_new_tokens=64, cached=True)
-    assert naive[0] == cached[0]                            # the first forward is the same prefill
+    assert naive[0] == cached[0]  # the first forward is the same prefill
     deltas = [b - a for a, b in zip(naive, naive[1:])]
-    assert all(d > 0 for d in deltas) and deltas[-1] > deltas[0]   # growing steps: quadratic sum
-    assert max(cached[1:]) / min(cached[1:]) < 1.05        # nearly flat after the prefill
+    assert all(d > 0 for d in deltas) and deltas[-1] > deltas[0]  # growing steps: quadratic sum
+    assert max(cached[1:]) / min(cached[1:]) < 1.05  # nearly flat after the prefill
     assert sum(naive) > 10 * sum(cached)
 
 
@@ -69,7 +85,7 @@ def test_decode_floor_and_intensity():
     assert decode_floor(LLAMA_3_1_8B, "bf16", H100) == pytest.approx(4.48e-3, rel=1e-3)
     decode = arithmetic_intensity(LLAMA_3_1_8B, "bf16", num_tokens=1, context_tokens=0)
     prefill = arithmetic_intensity(LLAMA_3_1_8B, "bf16", num_tokens=1024, context_tokens=0)
-    assert decode == pytest.approx(1.0, rel=0.01)         # two operations per 2-byte weight
+    assert decode == pytest.approx(1.0, rel=0.01)  # two operations per 2-byte weight
     assert decode < break_even(H100) < prefill
     assert break_even(H100) == pytest.approx(295.2, rel=1e-3)
 
@@ -105,4 +121,6 @@ def test_measurements_on_this_machine_are_positive():
     assert measure_matmul_rate("cpu", torch.float32, size=64, repeats=1) > 1e6
     machine = measure_machine("cpu")
     assert machine.bandwidth > 0 and machine.flops > 0
-    assert machine.name == f"{cpu_label()}, {torch.get_num_threads()} thread{'s' if torch.get_num_threads() != 1 else ''}"
+    assert (
+        machine.name == f"{cpu_label()}, {torch.get_num_threads()} thread{'s' if torch.get_num_threads() != 1 else ''}"
+    )

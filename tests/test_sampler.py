@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from lifeofprompt.errors import InvalidRequestError
 from lifeofprompt.engine.sampler import Sampler, apply_filters, make_generator
 from lifeofprompt.engine.sampling_params import SamplingParams
+from lifeofprompt.errors import InvalidRequestError
 
 # probabilities 0.4, 0.3, 0.15, 0.1, 0.05 (as logits: their logs), in a shuffled order
 PROBS = torch.tensor([0.1, 0.4, 0.05, 0.3, 0.15])
@@ -58,7 +58,11 @@ def test_greedy_is_the_argmax_and_mixes_with_sampling():
 def test_seeded_draws_repeat_and_ignore_the_batch():
     torch.manual_seed(0)
     logits = torch.randn(3, 50)
-    params = [SamplingParams(temperature=1.0, seed=11), SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, seed=5)]
+    params = [
+        SamplingParams(temperature=1.0, seed=11),
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.0, seed=5),
+    ]
 
     def draws(rows, ps, n=8):
         gens = [make_generator(p.seed, "cpu") for p in ps]
@@ -66,9 +70,9 @@ def test_seeded_draws_repeat_and_ignore_the_batch():
 
     a, b = draws(logits, params), draws(logits, params)
     assert [r[0] for r in a] == [r[0] for r in b] and [r[2] for r in a] == [r[2] for r in b]
-    alone = draws(logits[:1], params[:1])                 # the seeded request alone: same draws
+    alone = draws(logits[:1], params[:1])  # the seeded request alone: same draws
     assert [r[0] for r in alone] == [r[0] for r in a]
-    assert len({r[0] for r in a}) > 1                     # and it is really sampling
+    assert len({r[0] for r in a}) > 1  # and it is really sampling
 
 
 def test_sampling_follows_the_distribution():
@@ -92,11 +96,21 @@ def test_logprobs_are_raw_log_softmax_of_chosen_and_top_n():
     assert Sampler()(logits, [SamplingParams(temperature=0)]).logprobs is None
 
 
-@pytest.mark.parametrize("kwargs,param", [
-    (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(max_tokens=0), "max_tokens"), (dict(top_k=0), "top_k"), (dict(min_p=1.5), "min_p"),
-    (dict(n=0), "n"), (dict(logprobs=-1), "logprobs"), (dict(seed="x"), "seed"), (dict(stop=[""]), "stop"),
-])
+@pytest.mark.parametrize(
+    "kwargs,param",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(top_k=0), "top_k"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(n=0), "n"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(seed="x"), "seed"),
+        (dict(stop=[""]), "stop"),
+    ],
+)
 def test_bad_sampling_params_raise_typed_errors(kwargs, param):
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams(**kwargs)
@@ -105,6 +119,15 @@ def test_bad_sampling_params_raise_typed_errors(kwargs, param):
 
 def test_vllm_defaults():
     p = SamplingParams()
-    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens, p.ignore_eos, p.logprobs, p.seed) == \
-        (1, 1.0, 1.0, -1, 0.0, 16, False, None, None)
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens, p.ignore_eos, p.logprobs, p.seed) == (
+        1,
+        1.0,
+        1.0,
+        -1,
+        0.0,
+        16,
+        False,
+        None,
+        None,
+    )
     assert SamplingParams(stop="x").stop == ["x"]

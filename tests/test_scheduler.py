@@ -11,21 +11,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lifeofprompt.engine.block_manager import BlockManager
-from lifeofprompt.errors import RequestTooLargeError
 from lifeofprompt.engine.sampling_params import SamplingParams
 from lifeofprompt.engine.scheduler import Scheduler
 from lifeofprompt.engine.sequence import Sequence, SequenceStatus
+from lifeofprompt.errors import RequestTooLargeError
 
 
 def seq(name, prompt_len, max_tokens, first=0):
-    return Sequence(name, [(first + i) % 100 for i in range(prompt_len)], SamplingParams(temperature=0, max_tokens=max_tokens))
+    return Sequence(
+        name, [(first + i) % 100 for i in range(prompt_len)], SamplingParams(temperature=0, max_tokens=max_tokens)
+    )
 
 
 def run_step(scheduler):
     """Schedule, 'run' (next token = last + 1 for sequences that reached their end), update, finish."""
     record = scheduler.schedule()
-    sampled = [(s.token_ids[-1] + 1) % 100 if s.num_computed_tokens + n == len(s) else None
-               for s, n in zip(record.seqs, record.num_scheduled_tokens)]
+    sampled = [
+        (s.token_ids[-1] + 1) % 100 if s.num_computed_tokens + n == len(s) else None
+        for s, n in zip(record.seqs, record.num_scheduled_tokens)
+    ]
     for s in scheduler.update(record, sampled):
         if len(s.output_token_ids) >= s.sampling_params.max_tokens:
             scheduler.finish(s, "length")
@@ -49,7 +53,7 @@ def test_decodes_first_then_prompt_chunks_share_one_budget():
         [("a", "decode", 5, 1), ("b", "prefill", 14, 6)],
     ]
     assert steps[2].finished == ["a"] and all(s.num_batched_tokens <= 8 for s in steps)
-    assert steps[0].scheduled[1].block_table == [1, 2]          # blocks for tokens 0..6 of b
+    assert steps[0].scheduled[1].block_table == [1, 2]  # blocks for tokens 0..6 of b
 
 
 def test_max_num_seqs_caps_the_running_set():
@@ -58,7 +62,7 @@ def test_max_num_seqs_caps_the_running_set():
         sched.add(seq(f"r{i}", 2, 2))
     record = run_step(sched)
     assert record.admitted == ["r0", "r1"] and record.num_waiting == 1
-    run_step(sched)                                               # r0, r1 finish
+    run_step(sched)  # r0, r1 finish
     assert run_step(sched).admitted == ["r2"]
 
 
@@ -67,7 +71,7 @@ def test_admission_waits_for_blocks():
     sched.add(seq("big", 12, 1))
     sched.add(seq("small", 6, 1))
     record = run_step(sched)
-    assert record.admitted == ["big"] and record.num_free_blocks == 1   # small needs 2 blocks: it waits
+    assert record.admitted == ["big"] and record.num_free_blocks == 1  # small needs 2 blocks: it waits
     assert sched.waiting[0].request_id == "small" and sched.waiting[0].block_table == []
     assert run_step(sched).admitted == ["small"]
 
@@ -77,18 +81,22 @@ def test_preemption_evicts_the_newest_and_it_returns_first():
     old, new = seq("old", 7, 5), seq("new", 7, 6, first=50)
     sched.add(old)
     sched.add(new)
-    assert run_step(sched).admitted == ["old", "new"]            # 2 blocks each: the pool is full
-    assert run_step(sched).preempted == []                        # token 7 still fits in block 1
-    record = run_step(sched)                                      # both need a 3rd block for token 8
+    assert run_step(sched).admitted == ["old", "new"]  # 2 blocks each: the pool is full
+    assert run_step(sched).preempted == []  # token 7 still fits in block 1
+    record = run_step(sched)  # both need a 3rd block for token 8
     assert record.preempted == ["new"] and [r.request_id for r in record.scheduled] == ["old"]
     assert new.status == SequenceStatus.WAITING and new.num_computed_tokens == 0 and new.block_table == []
     assert sched.waiting[0] is new and new.num_preemptions == 1 and new.output_token_ids == [57, 58]
     while old.status != SequenceStatus.FINISHED:
-        assert run_step(sched).admitted == []                     # its first block is cached, but 2 more are needed
+        assert run_step(sched).admitted == []  # its first block is cached, but 2 more are needed
     record = run_step(sched)
     assert record.admitted == ["new"] and record.scheduled[0].kind == "recompute"
     # the first block of its prompt was still in the prefix cache: 4 tokens reused, 5 recomputed
-    assert (record.scheduled[0].num_cached_tokens, record.scheduled[0].start, record.scheduled[0].num_tokens) == (4, 4, 5)
+    assert (record.scheduled[0].num_cached_tokens, record.scheduled[0].start, record.scheduled[0].num_tokens) == (
+        4,
+        4,
+        5,
+    )
     while new.status != SequenceStatus.FINISHED:
         run_step(sched)
     assert new.output_token_ids == list(range(57, 63)) and old.output_token_ids == list(range(7, 12))
@@ -98,14 +106,19 @@ def test_preemption_evicts_the_newest_and_it_returns_first():
 def test_a_request_that_can_never_fit_is_rejected_at_add():
     sched = Scheduler(BlockManager(4, block_size=4), max_num_seqs=8, max_num_batched_tokens=100)
     with pytest.raises(RequestTooLargeError, match="16 tokens"):
-        sched.add(seq("huge", 10, 7))                             # 17 tokens > 4 blocks × 4
-    sched.add(seq("fits", 10, 6))                                 # exactly 16: fine
+        sched.add(seq("huge", 10, 7))  # 17 tokens > 4 blocks × 4
+    sched.add(seq("fits", 10, 6))  # exactly 16: fine
     assert len(sched.waiting) == 1
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 20), st.integers(1, 10), st.integers(0, 6)), min_size=1, max_size=8),
-       st.integers(4, 16), st.integers(1, 24), st.integers(1, 4), st.integers(2, 4))
+@given(
+    st.lists(st.tuples(st.integers(1, 20), st.integers(1, 10), st.integers(0, 6)), min_size=1, max_size=8),
+    st.integers(4, 16),
+    st.integers(1, 24),
+    st.integers(1, 4),
+    st.integers(2, 4),
+)
 def test_every_workload_finishes_with_the_same_tokens(requests, num_blocks, budget, max_seqs, block_size):
     """Random arrivals, pools and budgets: no livelock, budget and caps respected, no leaks, and each
     request's tokens equal what it would produce alone (last + 1 chains)."""
@@ -113,7 +126,7 @@ def test_every_workload_finishes_with_the_same_tokens(requests, num_blocks, budg
     pending = [(arrive, seq(f"r{i}", p, m, first=i * 7)) for i, (p, m, arrive) in enumerate(requests)]
     added = []
     for step in range(2000):
-        for arrive, s in [x for x in pending if x[0] == step]:
+        for _, s in [x for x in pending if x[0] == step]:
             try:
                 sched.add(s)
                 added.append(s)

@@ -10,15 +10,16 @@ def test_every_figure_of_the_seed_follows_from_its_inputs():
     assert len(rows) == 19
     differ = [row for row in rows if not row.agrees]
     # one of the seed's figures is itself imprecise: its p99 of 60 is not the second slowest sample
-    assert [row.claim for row in differ] == [next(r.claim for r in rows if r.claim.startswith("p99 of 60"))], \
-        "\n".join(row.line() for row in differ)
+    assert [row.claim for row in differ] == [next(r.claim for r in rows if r.claim.startswith("p99 of 60"))], "\n".join(
+        row.line() for row in differ
+    )
     assert "DIFFERS" in differ[0].line() and "58.4" in differ[0].line()
 
 
 def test_p99_of_60_is_interpolated_between_the_two_slowest():
     low, high, frac = seed.p99_position(60)
     assert (low, high) == (58, 59) and abs(frac - 0.41) < 1e-9
-    values = np.arange(60.0)                       # sorted samples 0..59: the percentile is the index itself
+    values = np.arange(60.0)  # sorted samples 0..59: the percentile is the index itself
     assert np.percentile(values, 99) == low + frac
 
 
@@ -35,5 +36,6 @@ def test_select_picks_by_claim_and_refuses_nothing():
     assert len(select("p99", "TPOT")) == 2
     assert report("p99").endswith("DIFFERS") and report("TPOT").endswith("agrees")
     import pytest
+
     with pytest.raises(KeyError):
         select("no such claim")

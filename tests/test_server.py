@@ -21,14 +21,14 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from lifeofprompt.engine.llm_engine import LLMEngine  # noqa: E402
 from lifeofprompt.engine.llm import LLM  # noqa: E402
+from lifeofprompt.engine.llm_engine import LLMEngine  # noqa: E402
 from lifeofprompt.engine.sampling_params import SamplingParams  # noqa: E402
 from lifeofprompt.serving.server import ServerThread  # noqa: E402
 
 MODEL = "smollm2-135m"
-NUM_BLOCKS = 64                      # 64 × 16 = 1,024 tokens: the engine's limit per request
-HI_IDS = [6004, 957, 1462, 314]      # "hi my name is"
+NUM_BLOCKS = 64  # 64 × 16 = 1,024 tokens: the engine's limit per request
+HI_IDS = [6004, 957, 1462, 314]  # "hi my name is"
 SUMMER = "today is a beautiful summer day"
 HELLO = [{"role": "user", "content": "hello there"}]
 
@@ -45,8 +45,13 @@ def expected(smollm2):
     greedy = SamplingParams(temperature=0, max_tokens=6)
     hi, summer = llm.generate([HI_IDS, SUMMER], greedy, use_tqdm=False)
     chat = llm.chat(HELLO, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
-    return {"hi": hi.outputs[0], "summer": summer.outputs[0], "chat": chat.outputs[0],
-            "summer_prompt_len": len(summer.prompt_token_ids), "chat_prompt_len": len(chat.prompt_token_ids)}
+    return {
+        "hi": hi.outputs[0],
+        "summer": summer.outputs[0],
+        "chat": chat.outputs[0],
+        "summer_prompt_len": len(summer.prompt_token_ids),
+        "chat_prompt_len": len(chat.prompt_token_ids),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +87,9 @@ def assert_no_leaks(server, timeout: float = 60.0) -> None:
 
 
 def test_completion_matches_llm_generate(client, server, expected):
-    response = client.completions.create(model=MODEL, prompt=HI_IDS, max_tokens=6, temperature=0,
-                                         extra_body={"return_token_ids": True})
+    response = client.completions.create(
+        model=MODEL, prompt=HI_IDS, max_tokens=6, temperature=0, extra_body={"return_token_ids": True}
+    )
     choice = response.choices[0]
     assert choice.text == expected["hi"].text
     assert choice.model_extra["token_ids"] == expected["hi"].token_ids
@@ -94,8 +100,15 @@ def test_completion_matches_llm_generate(client, server, expected):
 
 
 def test_completion_stream_matches_llm_generate(client, expected):
-    stream = client.completions.create(model=MODEL, prompt=SUMMER, max_tokens=6, temperature=0, stream=True,
-                                       stream_options={"include_usage": True}, extra_body={"return_token_ids": True})
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=SUMMER,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"return_token_ids": True},
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     ids = [t for c in chunks if c.choices for t in c.choices[0].model_extra["token_ids"]]
@@ -103,7 +116,7 @@ def test_completion_stream_matches_llm_generate(client, expected):
     assert ids == expected["summer"].token_ids
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert len([c for c in chunks if c.choices]) >= 2, "a stream sends more than one chunk"
-    usage = chunks[-1].usage                       # the last chunk: no choices, the totals
+    usage = chunks[-1].usage  # the last chunk: no choices, the totals
     assert chunks[-1].choices == []
     assert (usage.prompt_tokens, usage.completion_tokens) == (expected["summer_prompt_len"], 6)
 
@@ -164,18 +177,21 @@ def test_metrics_parse_as_prometheus(client, server):
 # ----------------------------------------------------------------------------- errors
 
 
-@pytest.mark.parametrize("body, status, param", [
-    ({"prompt": HI_IDS, "temperature": -1}, 400, "temperature"),
-    ({"prompt": HI_IDS, "max_tokens": 0}, 400, "max_tokens"),
-    ({"prompt": HI_IDS, "max_tokens": 5000}, 413, "max_tokens"),        # prompt + max_tokens > the 1,024-token pool
-    ({"prompt": [7] * 1100}, 413, "max_tokens"),                         # the prompt alone is too long
-    ({"prompt": [10**9]}, 400, "prompt"),                                # outside the vocabulary
-    ({"prompt": ""}, 400, "prompt"),
-    ({"max_tokens": 3}, 400, "prompt"),                                  # missing field
-    ({"prompt": HI_IDS, "max_tokens": "many"}, 400, "max_tokens"),       # wrong type
-    ({"prompt": {"not": "a prompt"}}, 400, None),
-    ({"prompt": HI_IDS, "model": "gpt-4"}, 404, None),
-])
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"prompt": HI_IDS, "temperature": -1}, 400, "temperature"),
+        ({"prompt": HI_IDS, "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": HI_IDS, "max_tokens": 5000}, 413, "max_tokens"),  # prompt + max_tokens > the 1,024-token pool
+        ({"prompt": [7] * 1100}, 413, "max_tokens"),  # the prompt alone is too long
+        ({"prompt": [10**9]}, 400, "prompt"),  # outside the vocabulary
+        ({"prompt": ""}, 400, "prompt"),
+        ({"max_tokens": 3}, 400, "prompt"),  # missing field
+        ({"prompt": HI_IDS, "max_tokens": "many"}, 400, "max_tokens"),  # wrong type
+        ({"prompt": {"not": "a prompt"}}, 400, None),
+        ({"prompt": HI_IDS, "model": "gpt-4"}, 404, None),
+    ],
+)
 def test_malformed_requests_get_openai_errors(server, body, status, param):
     body = {"model": MODEL, **body}
     response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
@@ -197,7 +213,9 @@ def test_openai_client_raises_typed_errors(client):
 
 
 def test_invalid_json_body(server):
-    response = httpx.post(server.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    response = httpx.post(
+        server.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert response.status_code == 400
     assert response.json()["error"]["type"] == "invalid_request_error"
 
@@ -213,7 +231,9 @@ def test_full_queue_answers_503(server, client, expected):
 
     def ask(name):
         try:
-            results[name] = client.completions.create(model=MODEL, prompt=HI_IDS, max_tokens=6, temperature=0).choices[0].text
+            results[name] = (
+                client.completions.create(model=MODEL, prompt=HI_IDS, max_tokens=6, temperature=0).choices[0].text
+            )
         except openai.APIStatusError as exc:
             results[name] = exc.status_code
 
@@ -276,14 +296,21 @@ def test_concurrent_clients_cancelled_and_malformed(server, expected):
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
         async def complete(prompt):
-            r = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
-                                                extra_body={"return_token_ids": True})
+            r = await client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=6, temperature=0, extra_body={"return_token_ids": True}
+            )
             return r.choices[0].model_extra["token_ids"]
 
         async def stream(prompt):
             ids = []
-            async for chunk in await client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
-                                                               stream=True, extra_body={"return_token_ids": True}):
+            async for chunk in await client.completions.create(
+                model=MODEL,
+                prompt=prompt,
+                max_tokens=6,
+                temperature=0,
+                stream=True,
+                extra_body={"return_token_ids": True},
+            ):
                 ids += chunk.choices[0].model_extra["token_ids"]
             return ids
 
@@ -292,11 +319,12 @@ def test_concurrent_clients_cancelled_and_malformed(server, expected):
             return r.choices[0].message.content
 
         async def cancel_after_first_chunk():
-            response = await client.completions.create(model=MODEL, prompt="once upon a time", max_tokens=200,
-                                                       temperature=0, stream=True)
+            response = await client.completions.create(
+                model=MODEL, prompt="once upon a time", max_tokens=200, temperature=0, stream=True
+            )
             async for _ in response:
                 break
-            await response.close()              # the client hangs up mid-stream
+            await response.close()  # the client hangs up mid-stream
             return "cancelled"
 
         async def malformed(body):
@@ -306,10 +334,15 @@ def test_concurrent_clients_cancelled_and_malformed(server, expected):
                 return exc.status_code
             return "accepted"
 
-        jobs = ([complete(HI_IDS), stream(HI_IDS), complete(SUMMER), stream(SUMMER), chat(), chat()]
-                + [cancel_after_first_chunk() for _ in range(3)]
-                + [malformed({"prompt": "x", "temperature": -2}), malformed({"prompt": [1] * 2000}),
-                   malformed({"prompt": "x", "top_p": 7})])
+        jobs = (
+            [complete(HI_IDS), stream(HI_IDS), complete(SUMMER), stream(SUMMER), chat(), chat()]
+            + [cancel_after_first_chunk() for _ in range(3)]
+            + [
+                malformed({"prompt": "x", "temperature": -2}),
+                malformed({"prompt": [1] * 2000}),
+                malformed({"prompt": "x", "top_p": 7}),
+            ]
+        )
         try:
             return await asyncio.gather(*jobs)
         finally:
@@ -321,8 +354,11 @@ def test_concurrent_clients_cancelled_and_malformed(server, expected):
     assert results[6:9] == ["cancelled"] * 3
     assert results[9:] == [400, 413, 400]
     assert_no_leaks(server)
-    aborted = [line for line in httpx.get(server.url + "/metrics").text.splitlines()
-               if line.startswith('lifeofprompt_request_success_total{finished_reason="abort"}')]
+    aborted = [
+        line
+        for line in httpx.get(server.url + "/metrics").text.splitlines()
+        if line.startswith('lifeofprompt_request_success_total{finished_reason="abort"}')
+    ]
     assert aborted and float(aborted[0].split()[-1]) >= 3
 
 
@@ -333,8 +369,11 @@ def test_disconnect_frees_blocks_while_others_run(server, expected):
         first = next(line for line in response.iter_lines() if line.startswith("data: "))
         assert json.loads(first[6:])["choices"][0]["text"], first
         assert server.engine.block_manager.num_used_blocks > 0, first
-    other = httpx.post(server.url + "/v1/completions", timeout=60,
-                       json={"model": MODEL, "prompt": HI_IDS, "max_tokens": 6, "temperature": 0}).json()
+    other = httpx.post(
+        server.url + "/v1/completions",
+        timeout=60,
+        json={"model": MODEL, "prompt": HI_IDS, "max_tokens": 6, "temperature": 0},
+    ).json()
     assert other["choices"][0]["text"] == expected["hi"].text
     assert_no_leaks(server)
 
@@ -350,9 +389,12 @@ def test_non_streaming_client_that_gives_up_aborts_its_request(server):
 
 def test_a_bad_seed_is_a_400_and_hurts_nobody(server, expected):
     """seed=2**64 once passed validation and failed every request in flight with a 500."""
+
     async def run():
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
-            good = http.post("/v1/completions", json={"model": MODEL, "prompt": HI_IDS, "max_tokens": 6, "temperature": 0})
+            good = http.post(
+                "/v1/completions", json={"model": MODEL, "prompt": HI_IDS, "max_tokens": 6, "temperature": 0}
+            )
             bad = http.post("/v1/completions", json={"model": MODEL, "prompt": HI_IDS, "max_tokens": 6, "seed": 2**64})
             return await asyncio.gather(good, bad)
 
@@ -362,17 +404,41 @@ def test_a_bad_seed_is_a_400_and_hurts_nobody(server, expected):
     assert_no_leaks(server)
 
 
-# ----------------------------------------------------------------------------- the whole surface, real and random weights
+# ------------------------------------------------------------------------- the whole surface, real and random weights
 
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
-          "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0, "maximum": 150}}}
-WEATHER = {"type": "object", "additionalProperties": False, "required": ["city"],
-           "properties": {"city": {"type": "string", "maxLength": 12}}}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
-                                           "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "add", "parameters": {
-             "type": "object", "additionalProperties": False, "required": ["a", "b"],
-             "properties": {"a": {"type": "integer", "maximum": 999}, "b": {"type": "integer", "maximum": 999}}}}}]
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "age"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
+}
+WEATHER = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["city"],
+    "properties": {"city": {"type": "string", "maxLength": 12}},
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "the weather in a city", "parameters": WEATHER},
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["a", "b"],
+                "properties": {"a": {"type": "integer", "maximum": 999}, "b": {"type": "integer", "maximum": 999}},
+            },
+        },
+    },
+]
 TOOL_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
@@ -404,15 +470,23 @@ def target(request, smollm2):
 
 def test_client_n_and_logprobs(target):
     client, name, llm = target
-    response = client.completions.create(model=name, prompt="once upon a time", max_tokens=5, n=3, seed=11,
-                                         logprobs=2, extra_body={"return_token_ids": True})
+    response = client.completions.create(
+        model=name,
+        prompt="once upon a time",
+        max_tokens=5,
+        n=3,
+        seed=11,
+        logprobs=2,
+        extra_body={"return_token_ids": True},
+    )
     assert [c.index for c in response.choices] == [0, 1, 2]
     alone = llm.generate(["once upon a time"], SamplingParams(n=3, seed=11, max_tokens=5), use_tqdm=False)[0]
     assert [c.model_extra["token_ids"] for c in response.choices] == [o.token_ids for o in alone.outputs]
     for choice in response.choices:
         assert len(choice.logprobs.token_logprobs) == 5 and all(lp <= 0 for lp in choice.logprobs.token_logprobs)
-    chat = client.chat.completions.create(model=name, messages=HELLO, max_tokens=4, n=2, seed=3, logprobs=True,
-                                          top_logprobs=3)
+    chat = client.chat.completions.create(
+        model=name, messages=HELLO, max_tokens=4, n=2, seed=3, logprobs=True, top_logprobs=3
+    )
     assert len(chat.choices) == 2
     for entry in chat.choices[0].logprobs.content:
         assert len(entry.top_logprobs) == 3 and entry.logprob <= entry.top_logprobs[0].logprob + 1e-6
@@ -421,17 +495,26 @@ def test_client_n_and_logprobs(target):
 def test_client_penalties_and_logit_bias_are_the_engines(target):
     client, name, llm = target
     knobs = dict(presence_penalty=1.5, frequency_penalty=1.0)
-    response = client.completions.create(model=name, prompt="the the the the", max_tokens=8, temperature=0,
-                                         extra_body={"repetition_penalty": 1.3, "min_tokens": 8, "return_token_ids": True},
-                                         **knobs)
-    expected = llm.generate(["the the the the"], SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.3,
-                                                                min_tokens=8, **knobs), use_tqdm=False)[0].outputs[0]
+    response = client.completions.create(
+        model=name,
+        prompt="the the the the",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"repetition_penalty": 1.3, "min_tokens": 8, "return_token_ids": True},
+        **knobs,
+    )
+    expected = llm.generate(
+        ["the the the the"],
+        SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.3, min_tokens=8, **knobs),
+        use_tqdm=False,
+    )[0].outputs[0]
     plain = llm.generate(["the the the the"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
     assert response.choices[0].model_extra["token_ids"] == expected.token_ids
-    if name == MODEL:                      # the real model repeats "the" unpenalised (random weights repeat nothing)
+    if name == MODEL:  # the real model repeats "the" unpenalised (random weights repeat nothing)
         assert expected.token_ids != plain.token_ids
-    biased = client.completions.create(model=name, prompt="hi", max_tokens=4, logit_bias={"42": 100},
-                                       extra_body={"return_token_ids": True})
+    biased = client.completions.create(
+        model=name, prompt="hi", max_tokens=4, logit_bias={"42": 100}, extra_body={"return_token_ids": True}
+    )
     assert biased.choices[0].model_extra["token_ids"] == [42] * 4
 
 
@@ -439,17 +522,35 @@ def test_client_json_schema_regex_and_choice(target):
     jsonschema = pytest.importorskip("jsonschema")
     client, name, _ = target
     messages = [{"role": "user", "content": "Describe a person as JSON with a name and an age."}]
-    response = client.chat.completions.create(model=name, messages=messages, max_tokens=60, temperature=1.0, n=6,
-                                              seed=5, response_format={"type": "json_schema",
-                                                                       "json_schema": {"name": "person", "schema": SCHEMA}})
+    response = client.chat.completions.create(
+        model=name,
+        messages=messages,
+        max_tokens=60,
+        temperature=1.0,
+        n=6,
+        seed=5,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}},
+    )
     for choice in response.choices:
         assert choice.finish_reason == "stop", choice.message.content
         jsonschema.validate(json.loads(choice.message.content), SCHEMA)
-    regex = client.completions.create(model=name, prompt="a date:", max_tokens=20, temperature=1.0, seed=1,
-                                      extra_body={"structured_outputs": {"regex": r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"}})
+    regex = client.completions.create(
+        model=name,
+        prompt="a date:",
+        max_tokens=20,
+        temperature=1.0,
+        seed=1,
+        extra_body={"structured_outputs": {"regex": r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"}},
+    )
     assert re.fullmatch(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", regex.choices[0].text)
-    choice = client.chat.completions.create(model=name, messages=HELLO, max_tokens=10, n=4, seed=2,
-                                            extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe"]}})
+    choice = client.chat.completions.create(
+        model=name,
+        messages=HELLO,
+        max_tokens=10,
+        n=4,
+        seed=2,
+        extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe"]}},
+    )
     assert all(c.message.content in ("yes", "no", "maybe") for c in choice.choices)
 
 
@@ -457,15 +558,17 @@ def test_client_tools(target):
     jsonschema = pytest.importorskip("jsonschema")
     client, name, _ = target
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    response = client.chat.completions.create(model=name, messages=messages, tools=TOOLS, tool_choice="required",
-                                              max_tokens=200, n=4, seed=9)
+    response = client.chat.completions.create(
+        model=name, messages=messages, tools=TOOLS, tool_choice="required", max_tokens=200, n=4, seed=9
+    )
     for choice in response.choices:
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         call = choice.message.tool_calls[0]
         jsonschema.validate(json.loads(call.function.arguments), TOOL_SCHEMAS[call.function.name])
     named = {"type": "function", "function": {"name": "get_weather"}}
-    stream = client.chat.completions.create(model=name, messages=messages, tools=TOOLS, tool_choice=named,
-                                            max_tokens=200, stream=True)
+    stream = client.chat.completions.create(
+        model=name, messages=messages, tools=TOOLS, tool_choice=named, max_tokens=200, stream=True
+    )
     calls = [call for chunk in stream for c in chunk.choices for call in (c.delta.tool_calls or [])]
     assert len(calls) == 1 and calls[0].function.name == "get_weather"
     jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER)
@@ -477,7 +580,9 @@ def test_tokenize_and_detokenize_over_http(target):
     client, name, _ = target
     base = str(client.base_url).removesuffix("/v1/")
     tokens = httpx.post(base + "/tokenize", json={"model": name, "prompt": SUMMER, "add_special_tokens": False}).json()
-    assert httpx.post(base + "/detokenize", json={"model": name, "tokens": tokens["tokens"]}).json() == {"prompt": SUMMER}
+    assert httpx.post(base + "/detokenize", json={"model": name, "tokens": tokens["tokens"]}).json() == {
+        "prompt": SUMMER
+    }
     chat = httpx.post(base + "/tokenize", json={"model": name, "messages": HELLO}).json()
     billed = client.chat.completions.create(model=name, messages=HELLO, max_tokens=1).usage.prompt_tokens
     assert chat["count"] == billed

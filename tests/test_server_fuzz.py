@@ -23,17 +23,26 @@ pytest.importorskip("fastapi")
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
-from schemathesis.specs.openapi.checks import (content_type_conformance, response_headers_conformance,  # noqa: E402
-                                               response_schema_conformance, status_code_conformance)
-
+from schemathesis.specs.openapi.checks import (  # noqa: E402
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 from tiny_models import build_tiny_model  # noqa: E402
+
 from lifeofprompt.engine.llm_engine import LLMEngine  # noqa: E402
 from lifeofprompt.serving.openai_protocol import UNSUPPORTED  # noqa: E402
 from lifeofprompt.serving.server import build_app  # noqa: E402
 
 MAX_TOKENS = 4
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
-          response_schema_conformance]
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+]
 
 
 def fuzzed_app():
@@ -70,6 +79,7 @@ def tame(case) -> None:
             case.body["max_tokens"] = MAX_TOKENS
 
 
+@pytest.mark.slow
 @schema.parametrize()
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 def test_the_server_never_fails_and_always_conforms(case):

@@ -10,8 +10,8 @@ and there was no key.
 from __future__ import annotations
 
 import json
-import re
 import logging
+import re
 import threading
 
 import pytest
@@ -30,7 +30,7 @@ LIMIT = 64 * 1024
 def tiny_engine(tiny_model, **kwargs):
     model, tokenizer = tiny_model
     tokenizer = type(tokenizer)(tokenizer.vocab_size)
-    tokenizer.chat_template = "tags"           # ByteTokenizer.apply_chat_template: <role>\ncontent\n
+    tokenizer.chat_template = "tags"  # ByteTokenizer.apply_chat_template: <role>\ncontent\n
     return LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=64, max_num_seqs=4, log_stats=False, **kwargs)
 
 
@@ -42,8 +42,12 @@ def http(tiny_model):
 
 
 def post(http, path, body, **kwargs):
-    return http.post(path, content=json.dumps(body) if not isinstance(body, (bytes, str)) else body,
-                     headers={"content-type": "application/json", **kwargs.pop("headers", {})}, **kwargs)
+    return http.post(
+        path,
+        content=json.dumps(body) if not isinstance(body, (bytes, str)) else body,
+        headers={"content-type": "application/json", **kwargs.pop("headers", {})},
+        **kwargs,
+    )
 
 
 def assert_openai_error(response, status, param="unset"):
@@ -59,64 +63,116 @@ COMPLETION = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 
 
-@pytest.mark.parametrize("path, extra, param", [
-    ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # auto
-    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
-    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
-    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
-    ("/v1/completions", {"logit_bias": {"x": 1}}, "logit_bias"),
-    ("/v1/completions", {"logit_bias": {"300": 1}}, "logit_bias"),
-    ("/v1/completions", {"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
-    ("/v1/completions", {"logprobs": 21}, "logprobs"),
-    ("/v1/completions", {"n": 100}, "n"),
-    ("/v1/completions", {"best_of": 2}, "best_of"),
-    ("/v1/completions", {"presence_penalty": 2.5}, "presence_penalty"),
-    ("/v1/completions", {"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
-    ("/v1/completions", {"guided_json": {"type": "object"}, "guided_regex": "a+"}, "guided_regex"),
-    ("/v1/completions", {"structured_outputs": {"regex": "(", }}, "structured_outputs.regex"),
-    ("/v1/completions", {"echo": True}, "echo"),
-])
+@pytest.mark.parametrize(
+    "path, extra, param",
+    [
+        ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
+        (
+            "/v1/chat/completions",
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format",
+        ),
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # auto
+        ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+        ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
+        ("/v1/completions", {"logit_bias": {"x": 1}}, "logit_bias"),
+        ("/v1/completions", {"logit_bias": {"300": 1}}, "logit_bias"),
+        ("/v1/completions", {"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+        ("/v1/completions", {"logprobs": 21}, "logprobs"),
+        ("/v1/completions", {"n": 100}, "n"),
+        ("/v1/completions", {"best_of": 2}, "best_of"),
+        ("/v1/completions", {"presence_penalty": 2.5}, "presence_penalty"),
+        ("/v1/completions", {"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        ("/v1/completions", {"guided_json": {"type": "object"}, "guided_regex": "a+"}, "guided_regex"),
+        (
+            "/v1/completions",
+            {
+                "structured_outputs": {
+                    "regex": "(",
+                }
+            },
+            "structured_outputs.regex",
+        ),
+        ("/v1/completions", {"echo": True}, "echo"),
+    ],
+)
 def test_unsupported_fields_and_bad_values_are_refused_by_name(http, path, extra, param):
     base = CHAT if "chat" in path else COMPLETION
     assert_openai_error(post(http, path, {**base, **extra}), 400, param)
 
 
 def test_penalties_logit_bias_and_min_tokens_are_served(http):
-    ids = lambda extra: post(http, "/v1/completions", {**COMPLETION, "max_tokens": 6, "temperature": 0,  # noqa: E731
-                                                       "return_token_ids": True, **extra}).json()["choices"][0]["token_ids"]
+    ids = lambda extra: post(
+        http,
+        "/v1/completions",
+        {
+            **COMPLETION,
+            "max_tokens": 6,
+            "temperature": 0,  # noqa: E731
+            "return_token_ids": True,
+            **extra,
+        },
+    ).json()["choices"][0]["token_ids"]
     assert ids({"logit_bias": {"7": 100}}) == [7] * 6
-    assert len(ids({"presence_penalty": 1.5, "frequency_penalty": 1.0, "repetition_penalty": 1.2, "min_tokens": 6})) == 6
+    assert (
+        len(ids({"presence_penalty": 1.5, "frequency_penalty": 1.0, "repetition_penalty": 1.2, "min_tokens": 6})) == 6
+    )
 
 
 def test_neutral_values_of_unsupported_fields_are_fine(http):
-    ok = post(http, "/v1/chat/completions", {**CHAT, "response_format": {"type": "text"}, "tool_choice": "none",
-                                            "logprobs": False, "logit_bias": {}, "n": 1, "user": "me", "store": False})
+    ok = post(
+        http,
+        "/v1/chat/completions",
+        {
+            **CHAT,
+            "response_format": {"type": "text"},
+            "tool_choice": "none",
+            "logprobs": False,
+            "logit_bias": {},
+            "n": 1,
+            "user": "me",
+            "store": False,
+        },
+    )
     assert ok.status_code == 200, ok.text
 
 
 @pytest.mark.parametrize("raw", ["NaN", "Infinity", "-Infinity"])
 def test_temperature_nan_and_inf_are_refused(http, raw):
-    body = '{"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": %s}' % raw
+    body = f'{{"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": {raw}}}'
     assert_openai_error(post(http, "/v1/completions", body), 400, "temperature")
 
 
 def test_tiny_temperatures_are_greedy_or_clamped(http):
     assert SamplingParams(temperature=1e-320).temperature == 0 and SamplingParams(temperature=9e-6).greedy
     assert SamplingParams(temperature=1e-5).temperature == SamplingParams(temperature=0.005).temperature == 0.01
-    ids = lambda t: post(http, "/v1/completions", {**COMPLETION, "max_tokens": 8, "temperature": t,  # noqa: E731
-                                                   "return_token_ids": True}).json()["choices"][0]["token_ids"]
+    ids = lambda t: post(
+        http,
+        "/v1/completions",
+        {
+            **COMPLETION,
+            "max_tokens": 8,
+            "temperature": t,  # noqa: E731
+            "return_token_ids": True,
+        },
+    ).json()["choices"][0]["token_ids"]
     assert ids(1e-320) == ids(0)
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
-    ("/v1/completions", '{"prompt": ["ok", "\\udfff"], "max_tokens": 2}', "prompt.1"),
-    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud83d"}], "max_tokens": 2}',
-     "messages.0.content"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+        ("/v1/completions", '{"prompt": ["ok", "\\udfff"], "max_tokens": 2}', "prompt.1"),
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "\\ud83d"}], "max_tokens": 2}',
+            "messages.0.content",
+        ),
+    ],
+)
 def test_lone_surrogates_are_a_400(http, path, body, param):
     assert_openai_error(post(http, path, body), 400, param)
 
@@ -128,11 +184,13 @@ def test_undecodable_bytes_are_a_400(http):
 
 def test_malformed_json_says_where(http):
     error = assert_openai_error(post(http, "/v1/completions", '{"prompt": "hi",\n "max_tokens": 2,,}'), 400, None)
-    assert "line 2, column 18" in error["message"], error      # the second comma
+    assert "line 2, column 18" in error["message"], error  # the second comma
 
 
-@pytest.mark.parametrize("method, path, status", [("GET", "/v1/nowhere", 404), ("DELETE", "/v1/completions", 405),
-                                                  ("GET", "/v1/completions", 405)])
+@pytest.mark.parametrize(
+    "method, path, status",
+    [("GET", "/v1/nowhere", 404), ("DELETE", "/v1/completions", 405), ("GET", "/v1/completions", 405)],
+)
 def test_fastapi_own_errors_come_in_openai_shape(http, method, path, status):
     assert_openai_error(http.request(method, path), status)
 
@@ -164,7 +222,7 @@ def test_an_absurd_prompt_is_refused_without_tokenizing(http, monkeypatch):
     tokenizer = http.app.state.prompt_tokenizer.tokenizer
     assert tokenizer is not http.app.state.engine.tokenizer, "the server tokenizes on its own instance"
     monkeypatch.setattr(tokenizer, "encode", lambda *a, **k: pytest.fail("the prompt was tokenized"))
-    too_long = "z" * (http.app.state.engine.max_model_len + 1)       # one character a token at least
+    too_long = "z" * (http.app.state.engine.max_model_len + 1)  # one character a token at least
     assert_openai_error(post(http, "/v1/completions", {**COMPLETION, "prompt": too_long}), 413, "prompt")
 
 
@@ -196,12 +254,12 @@ def locked(tiny_model):
         yield client
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"},
-                                     {"Authorization": "Bearer sekrit2"}])
+@pytest.mark.parametrize(
+    "headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}, {"Authorization": "Bearer sekrit2"}]
+)
 def test_the_api_key_is_required_on_v1(locked, headers):
     for path in ("/v1/models", "/v1/completions"):
-        response = locked.request("GET" if path == "/v1/models" else "POST", path, headers=headers,
-                                  json=COMPLETION)
+        response = locked.request("GET" if path == "/v1/models" else "POST", path, headers=headers, json=COMPLETION)
         error = assert_openai_error(response, 401)
         assert error["code"] == "invalid_api_key"
 
@@ -246,12 +304,24 @@ def test_binding_beyond_loopback_without_a_key_warns(tiny_model, monkeypatch, ca
 def test_response_format_json_schema_gives_json_that_validates(http):
     import jsonschema
 
-    schema = {"type": "object", "required": ["word"], "additionalProperties": False,
-              "properties": {"word": {"type": "string", "maxLength": 6}}}
+    schema = {
+        "type": "object",
+        "required": ["word"],
+        "additionalProperties": False,
+        "properties": {"word": {"type": "string", "maxLength": 6}},
+    }
     for seed in range(5):
-        reply = post(http, "/v1/chat/completions", {**CHAT, "max_tokens": 200, "temperature": 1.0, "seed": seed,
-                                                    "response_format": {"type": "json_schema",
-                                                                        "json_schema": {"name": "w", "schema": schema}}})
+        reply = post(
+            http,
+            "/v1/chat/completions",
+            {
+                **CHAT,
+                "max_tokens": 200,
+                "temperature": 1.0,
+                "seed": seed,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}},
+            },
+        )
         assert reply.status_code == 200, reply.text
         jsonschema.validate(json.loads(reply.json()["choices"][0]["message"]["content"]), schema)
     regex = post(http, "/v1/completions", {**COMPLETION, "max_tokens": 20, "structured_outputs": {"regex": "[0-9]{4}"}})

@@ -25,7 +25,7 @@ def record(level: int, message: str) -> logging.LogRecord:
 def test_the_engines_lines_carry_their_own_level():
     from lifeofprompt.engine.llm_engine import logger
 
-    handler = next(h for h in logger.handlers if type(h) is logging.StreamHandler)    # ours, not pytest's
+    handler = next(h for h in logger.handlers if type(h) is logging.StreamHandler)  # ours, not pytest's
     assert handler.format(record(logging.WARNING, "request r1 failed")).startswith("WARNING ")
     assert handler.format(record(logging.INFO, "KV cache: 4 blocks")).startswith("INFO ")
     assert handler.format(record(logging.ERROR, "x")).split()[2] == "engine:"
@@ -56,7 +56,7 @@ def test_log_to_stderr_adds_a_handler_only_where_none_is_configured():
         assert log_to_stderr(FRESH, "server", stream)
         FRESH.info("shutting down")
         FRESH.debug("not shown")
-        assert not log_to_stderr(FRESH, "server", io.StringIO())          # it has one now
+        assert not log_to_stderr(FRESH, "server", io.StringIO())  # it has one now
         assert len(FRESH.handlers) == 1
     assert stream.getvalue().startswith("INFO ") and stream.getvalue().rstrip().endswith("server: shutting down")
     assert len(stream.getvalue().splitlines()) == 1
@@ -74,7 +74,7 @@ def test_serve_logs_the_exposure_the_door_and_the_shutdown(tiny_model, monkeypat
     from lifeofprompt.serving import server
     from lifeofprompt.serving.limits import ServerLimits
 
-    class Uvicorn:                                  # instead of a real one: "runs", then gets SIGTERM
+    class Uvicorn:  # instead of a real one: "runs", then gets SIGTERM
         def __init__(self, app):
             self.app = app
 
@@ -83,8 +83,9 @@ def test_serve_logs_the_exposure_the_door_and_the_shutdown(tiny_model, monkeypat
 
     monkeypatch.setattr(server, "_uvicorn_server", lambda app, *args: Uvicorn(app))
     model, tokenizer = tiny_model
-    engine = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=16, max_num_seqs=2, max_num_batched_tokens=256,
-                       log_stats=False)
+    engine = LLMEngine(
+        model, tokenizer=tokenizer, num_kv_blocks=16, max_num_seqs=2, max_num_batched_tokens=256, log_stats=False
+    )
     config = server.ServerConfig(limits=ServerLimits(max_request_bytes=2**20), shutdown_timeout=7.0)
     with no_logging_setup(server.logger):
         server.serve(engine, host="0.0.0.0", port=1, config=config)
@@ -92,9 +93,16 @@ def test_serve_logs_the_exposure_the_door_and_the_shutdown(tiny_model, monkeypat
     warning, door, shutdown = lines
     assert warning.startswith("WARNING ") and "server: binding '0.0.0.0' without an API key" in warning
     assert door.startswith("INFO ") and "server: door: API key off;" in door
-    for part in ("docs off", "CORS off", "bodies up to 1 MiB", "up to 64 prompts", "n <= 16",
-                 "queue: 2 running + 8 waiting, then 503", "fair prefill: a prompt's chunk at most 64 of 256 tokens",
-                 "running requests get 7 s"):
+    for part in (
+        "docs off",
+        "CORS off",
+        "bodies up to 1 MiB",
+        "up to 64 prompts",
+        "n <= 16",
+        "queue: 2 running + 8 waiting, then 503",
+        "fair prefill: a prompt's chunk at most 64 of 256 tokens",
+        "running requests get 7 s",
+    ):
         assert part in door, (part, door)
     assert shutdown.startswith("INFO ") and "server: shutting down: queued requests aborted now" in shutdown
 
@@ -104,10 +112,18 @@ def test_the_door_line_names_a_key_and_fair_prefill_off(tiny_model):
     from lifeofprompt.serving.server import ServerConfig, door_settings
 
     model, tokenizer = tiny_model
-    engine = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=16, max_num_batched_tokens=256,
-                       long_prefill_token_threshold=0, log_stats=False)
+    engine = LLMEngine(
+        model,
+        tokenizer=tokenizer,
+        num_kv_blocks=16,
+        max_num_batched_tokens=256,
+        long_prefill_token_threshold=0,
+        log_stats=False,
+    )
     line = door_settings(engine, ServerConfig(api_key="k", enable_docs=True, allowed_origins=["http://a.example"]))
-    assert line.startswith("door: API key on (/v1/*, /tokenize, /detokenize; /health and /metrics open); docs on; "
-                           "CORS for http://a.example;")
-    assert "bodies up to 4 MiB" in line and "256 running + unbounded waiting" in line    # build_app bounds it, not this
+    assert line.startswith(
+        "door: API key on (/v1/*, /tokenize, /detokenize; /health and /metrics open); docs on; "
+        "CORS for http://a.example;"
+    )
+    assert "bodies up to 4 MiB" in line and "256 running + unbounded waiting" in line  # build_app bounds it, not this
     assert "fair prefill: off (a prompt's chunk may take all 256 tokens of a step)" in line

@@ -61,8 +61,12 @@ def server_process(tmp_path):
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "LIFEOFPROMPT_TEST_THREADS": "1"}
     log = open(tmp_path / "server.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-c", SERVER.format(tests=str(Path(__file__).parent), port=port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVER.format(tests=str(Path(__file__).parent), port=port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
 
     def up():
@@ -112,7 +116,7 @@ def test_sigterm_aborts_queued_now_running_after_the_timeout_then_exits(server_p
     tokens = "".join(c.text for c in streamed)
     assert 0 < len(streamed) - 1 < LONG["max_tokens"] and tokens
     assert len(streamed) > results["streamed_when_queued_ended"], "the running request ran on after the queued ended"
-    assert proc.wait(30) in (0, -signal.SIGTERM)     # uvicorn re-raises the signal once it has drained
+    assert proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has drained
     with pytest.raises(httpx.TransportError):
         httpx.get(url + "/health", timeout=2)
     # and it said so on stderr (before, the server's logger had no handler: its INFO lines were dropped)

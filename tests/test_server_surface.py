@@ -23,19 +23,29 @@ from lifeofprompt.lessons.agreement import teacher_forced_logits  # noqa: E402
 from lifeofprompt.serving.server import ServerConfig, build_app  # noqa: E402
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}]}
-ADD = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
-       "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"type": "integer"}}}
-ECHO = {"type": "object", "additionalProperties": False, "required": ["s"],
-        "properties": {"s": {"type": "string", "maxLength": 5}}}
-TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": ADD}},
-         {"type": "function", "function": {"name": "echo", "parameters": ECHO}}]
+ADD = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["a", "b"],
+    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"type": "integer"}},
+}
+ECHO = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["s"],
+    "properties": {"s": {"type": "string", "maxLength": 5}},
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": ADD}},
+    {"type": "function", "function": {"name": "echo", "parameters": ECHO}},
+]
 SCHEMAS = {"add": ADD, "echo": ECHO}
 
 
 def tiny_engine(tiny_model):
     model, tokenizer = tiny_model
     tokenizer = type(tokenizer)(tokenizer.vocab_size)
-    tokenizer.chat_template = "tags"           # ByteTokenizer.apply_chat_template: <role>\ncontent\n
+    tokenizer.chat_template = "tags"  # ByteTokenizer.apply_chat_template: <role>\ncontent\n
     return LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=128, max_num_seqs=8, log_stats=False)
 
 
@@ -74,7 +84,7 @@ def test_n_answers_are_seeded_seed_to_seed_plus_n_minus_one(http):
             assert many["choices"][p * 3 + i]["token_ids"] == one["token_ids"]
     assert len({tuple(c["token_ids"]) for c in many["choices"][:3]}) > 1
     assert many["usage"]["completion_tokens"] == 6 * 6
-    assert many["usage"]["prompt_tokens"] == len("hello") + len("abc")       # each prompt counted once
+    assert many["usage"]["prompt_tokens"] == len("hello") + len("abc")  # each prompt counted once
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
@@ -95,8 +105,19 @@ def test_a_streamed_n_gives_the_same_answers_as_a_whole_one(http, path):
 def test_completion_logprobs_are_the_raw_models(http):
     """Greedy: each token's logprob is the log-softmax of the model's own logits (teacher-forced), and
     the sampled token is the most likely of its top_logprobs."""
-    out = ok(http.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 5, "temperature": 0,
-                                                "logprobs": 3, "return_token_ids": True}))["choices"][0]
+    out = ok(
+        http.post(
+            "/v1/completions",
+            json={
+                "model": "tiny",
+                "prompt": "hello",
+                "max_tokens": 5,
+                "temperature": 0,
+                "logprobs": 3,
+                "return_token_ids": True,
+            },
+        )
+    )["choices"][0]
     lp, ids = out["logprobs"], out["token_ids"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(ids) == 5
     prompt = http.engine.tokenizer.encode("hello", add_special_tokens=False)
@@ -147,15 +168,32 @@ def assert_valid_calls(choices):
 
 
 def test_tool_choice_required_calls_one_of_the_tools_with_valid_arguments(http):
-    out = ok(http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 120, "tools": TOOLS, "tool_choice": "required",
-                                                     "n": 12, "seed": 0, "temperature": 1.0}))
+    out = ok(
+        http.post(
+            "/v1/chat/completions",
+            json={
+                **CHAT,
+                "max_tokens": 120,
+                "tools": TOOLS,
+                "tool_choice": "required",
+                "n": 12,
+                "seed": 0,
+                "temperature": 1.0,
+            },
+        )
+    )
     names = assert_valid_calls(out["choices"])
-    assert set(names) == {"add", "echo"}, names                # the grammar lets either be chosen
+    assert set(names) == {"add", "echo"}, names  # the grammar lets either be chosen
 
 
 def test_a_named_tool_is_called_and_streams_as_one_call(http):
-    body = {**CHAT, "max_tokens": 120, "tools": TOOLS, "seed": 2,
-            "tool_choice": {"type": "function", "function": {"name": "add"}}}
+    body = {
+        **CHAT,
+        "max_tokens": 120,
+        "tools": TOOLS,
+        "seed": 2,
+        "tool_choice": {"type": "function", "function": {"name": "add"}},
+    }
     whole = ok(http.post("/v1/chat/completions", json={**body, "n": 4}))
     assert assert_valid_calls(whole["choices"]) == ["add"] * 4
     chunks = streamed(http, "/v1/chat/completions", body)
@@ -175,17 +213,20 @@ def test_tool_choice_none_ignores_the_tools_and_auto_needs_a_template_for_them(h
     assert ok(http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4, "tools": TOOLS}))["choices"]
 
 
-@pytest.mark.parametrize("extra, param", [
-    ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools.0"),
-    ({"tools": [{"type": "function", "function": {"name": "has space"}}], "tool_choice": "required"}, "tools.0"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS + TOOLS[:1], "tool_choice": "required"}, "tools"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
-    ({"logprobs": 3}, "logprobs"),
-    ({"top_logprobs": 2}, "top_logprobs"),
-])
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools.0"),
+        ({"tools": [{"type": "function", "function": {"name": "has space"}}], "tool_choice": "required"}, "tools.0"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS + TOOLS[:1], "tool_choice": "required"}, "tools"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"logprobs": 3}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+    ],
+)
 def test_bad_tools_and_logprobs_are_400s_naming_the_field(http, extra, param):
     response = http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4, **extra})
     assert response.status_code == 400, response.text
@@ -215,14 +256,17 @@ def test_tokenize_messages_counts_what_the_chat_endpoint_bills(http):
     assert counted == billed
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/tokenize", {}, "prompt"),
-    ("/tokenize", {"prompt": "a", "messages": CHAT["messages"]}, "prompt"),
-    ("/tokenize", {"prompt": "\ud800"}, "prompt"),
-    ("/detokenize", {"tokens": [10**6]}, "tokens"),
-    ("/detokenize", {"tokens": [-1]}, "tokens"),
-    ("/detokenize", {"tokens": "abc"}, "tokens"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": "a", "messages": CHAT["messages"]}, "prompt"),
+        ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+        ("/detokenize", {"tokens": [10**6]}, "tokens"),
+        ("/detokenize", {"tokens": [-1]}, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ],
+)
 def test_tokenizer_routes_answer_openai_errors(http, path, body, param):
     response = http.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
     assert response.status_code == 400, response.text
@@ -244,13 +288,18 @@ def test_without_xgrammar_structured_output_is_a_400_that_says_what_to_install(h
     from lifeofprompt import SamplingParams, StructuredOutputUnavailableError
     from lifeofprompt.engine.structured_output import StructuredOutputsParams
 
-    monkeypatch.setitem(sys.modules, "xgrammar", None)            # `import xgrammar` now raises ImportError
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` now raises ImportError
     monkeypatch.setattr(http.engine, "_grammar_backend", None)
     with pytest.raises(StructuredOutputUnavailableError, match="pip install xgrammar"):
-        http.engine.add_request("no-grammar", "hi", SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")))
-    for body in ({**CHAT, "response_format": {"type": "json_object"}}, {**CHAT, "tools": TOOLS, "tool_choice": "required"}):
+        http.engine.add_request(
+            "no-grammar", "hi", SamplingParams(structured_outputs=StructuredOutputsParams(regex="a"))
+        )
+    for body in (
+        {**CHAT, "response_format": {"type": "json_object"}},
+        {**CHAT, "tools": TOOLS, "tool_choice": "required"},
+    ):
         response = http.post("/v1/chat/completions", json={**body, "max_tokens": 4})
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["type"] == "missing_dependency" and "pip install xgrammar" in error["message"]
-    assert ok(http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2}))["choices"]   # the rest still served
+    assert ok(http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2}))["choices"]  # the rest still served

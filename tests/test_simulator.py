@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lifeofprompt.serving.arrivals import all_at_once, closed_loop, poisson
-from lifeofprompt.model.config import SMOLLM2_135M
-from lifeofprompt.lessons.roofline import Machine, predict_step_time
 from lifeofprompt.engine.scheduler import ScheduledRequest, StepRecord
+from lifeofprompt.lessons.roofline import Machine, predict_step_time
 from lifeofprompt.lessons.simulator import SimRequest, Simulator, calibrate, compare_steps, random_workload
+from lifeofprompt.model.config import SMOLLM2_135M
+from lifeofprompt.serving.arrivals import closed_loop, poisson
 
 MACHINE = Machine("test machine", bandwidth=10e9, flops=50e9, overhead_s=0.01)
 
@@ -64,7 +64,7 @@ def test_arrival_patterns_drive_the_clock():
     assert max(len(s.scheduled) for s in loop.steps) <= 3
     slow = Simulator(machine=MACHINE).run(work, poisson(30, rate=0.5, seed=1))
     assert slow.summary["achieved_arrival_rate"] == pytest.approx(0.5, rel=0.5)
-    assert slow.duration > 30                            # the last request arrives after about a minute
+    assert slow.duration > 30  # the last request arrives after about a minute
 
 
 def test_calibrate_and_compare_on_timed_steps():
@@ -88,7 +88,7 @@ def test_calibrate_and_compare_on_timed_steps():
 def test_the_simulator_takes_the_engines_threshold():
     from lifeofprompt.errors import ConfigError
 
-    assert Simulator(machine=MACHINE).scheduler.long_prefill_token_threshold == 512          # 2,048 / 4, as LLMEngine
+    assert Simulator(machine=MACHINE).scheduler.long_prefill_token_threshold == 512  # 2,048 / 4, as LLMEngine
     assert Simulator(machine=MACHINE, max_num_batched_tokens=256).scheduler.long_prefill_token_threshold == 64
     assert Simulator(machine=MACHINE, long_prefill_token_threshold=0).scheduler.long_prefill_token_threshold is None
     assert Simulator(machine=MACHINE, long_prefill_token_threshold=300).scheduler.long_prefill_token_threshold == 300
@@ -100,8 +100,9 @@ def test_the_simulator_takes_the_engines_threshold():
 def scene(threshold=None, budget=256):
     from lifeofprompt.lessons.fair_prefill import simulated_short_beside_long
 
-    sim = Simulator(machine=MACHINE, num_blocks=160, max_num_batched_tokens=budget,
-                    long_prefill_token_threshold=threshold)
+    sim = Simulator(
+        machine=MACHINE, num_blocks=160, max_num_batched_tokens=budget, long_prefill_token_threshold=threshold
+    )
     return simulated_short_beside_long(sim, 1000, 5, short_max_tokens=4)
 
 
@@ -109,33 +110,50 @@ def test_a_short_request_beside_a_long_prompt_waits_one_step_with_the_threshold_
     off, on = scene(0), scene()
     assert (off.threshold, on.threshold) == (None, 64)
     assert (off.steps_to_first_token, on.steps_to_first_token) == (3, 1)
-    assert [s.long_tokens for s in off.spans] == [256, 256, 256, 232, 0, 0, 0]   # then the short one's 3 decodes
+    assert [s.long_tokens for s in off.spans] == [256, 256, 256, 232, 0, 0, 0]  # then the short one's 3 decodes
     # capped to 64 while the short request runs (its prompt, 3 decodes), the whole budget again once it is done
-    assert [(s.long_tokens, s.short_tokens) for s in on.spans] == [(256, 0), (64, 5), (64, 1), (64, 1), (64, 1),
-                                                                  (256, 0), (232, 0)]
-    assert (off.long_prefill_steps, on.long_prefill_steps) == (4, 7)             # what the cap costs the long prompt
+    assert [(s.long_tokens, s.short_tokens) for s in on.spans] == [
+        (256, 0),
+        (64, 5),
+        (64, 1),
+        (64, 1),
+        (64, 1),
+        (256, 0),
+        (232, 0),
+    ]
+    assert (off.long_prefill_steps, on.long_prefill_steps) == (4, 7)  # what the cap costs the long prompt
     assert on.short_arrival_s == pytest.approx(step_time(256, 0)) and on.short_arrival_s == off.short_arrival_s
-    assert on.ttft_s == pytest.approx(on.spans[1].duration_s) and on.ttft_s < off.ttft_s   # roofline seconds
+    assert on.ttft_s == pytest.approx(on.spans[1].duration_s) and on.ttft_s < off.ttft_s  # roofline seconds
     assert off.ttft_s == pytest.approx(sum(s.duration_s for s in off.spans[1:4]))
 
 
 def test_the_simulator_cuts_the_same_chunks_as_the_engine_on_the_same_queue():
     """Same queue, same budget, same threshold: every step's tokens per request equal the real engine's."""
     from tiny_models import build_tiny_model
+
     from lifeofprompt.engine.llm_engine import LLMEngine
     from lifeofprompt.lessons.fair_prefill import short_beside_long, synthetic_ids
 
     model, tokenizer = build_tiny_model(max_position_embeddings=2048)
     for threshold in (0, None, 100):
-        engine = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=160, max_num_batched_tokens=256,
-                           long_prefill_token_threshold=threshold, log_stats=False)
+        engine = LLMEngine(
+            model,
+            tokenizer=tokenizer,
+            num_kv_blocks=160,
+            max_num_batched_tokens=256,
+            long_prefill_token_threshold=threshold,
+            log_stats=False,
+        )
         real = short_beside_long(engine, synthetic_ids(300, 1000), synthetic_ids(300, 5, stride=13))
         simulated = scene(threshold)
         assert simulated.threshold == real.threshold
-        assert [(s.long_tokens, s.short_tokens) for s in simulated.spans] == [(s.long_tokens, s.short_tokens)
-                                                                             for s in real.spans], threshold
-        assert (simulated.steps_to_first_token, simulated.long_prefill_steps) == (real.steps_to_first_token,
-                                                                                 real.long_prefill_steps)
+        assert [(s.long_tokens, s.short_tokens) for s in simulated.spans] == [
+            (s.long_tokens, s.short_tokens) for s in real.spans
+        ], threshold
+        assert (simulated.steps_to_first_token, simulated.long_prefill_steps) == (
+            real.steps_to_first_token,
+            real.long_prefill_steps,
+        )
 
 
 def test_the_runs_table_shows_steps_and_seconds_only_when_asked():

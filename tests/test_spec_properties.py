@@ -27,8 +27,18 @@ from lifeofprompt.model.loader import ByteTokenizer
 VOCAB = 32
 K = 4
 MAX_TOKENS = 12
-TINY = replace(TINYLLAMA_1_1B, name="tiny", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
-               num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=128)
+TINY = replace(
+    TINYLLAMA_1_1B,
+    name="tiny",
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+    max_position_embeddings=128,
+)
 NGRAM = {"method": "ngram", "num_speculative_tokens": K}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -47,7 +57,9 @@ def reference(model, tokenizer, prompt: tuple) -> list[int]:
     """The greedy continuation without speculation (memoised: the model never changes)."""
     if prompt not in _references:
         engine = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=32, log_stats=False)
-        engine.add_request("r", list(prompt), SamplingParams(temperature=0, max_tokens=MAX_TOKENS + K + 1, ignore_eos=True))
+        engine.add_request(
+            "r", list(prompt), SamplingParams(temperature=0, max_tokens=MAX_TOKENS + K + 1, ignore_eos=True)
+        )
         _references[prompt] = engine.run_until_done()[0].outputs[0].token_ids
     return _references[prompt]
 
@@ -63,11 +75,11 @@ class ScriptedProposer:
         num_draft, num_right = self.script[self.calls % len(self.script)]
         self.calls += 1
         num_draft = min(num_draft, max_draft or 0)
-        prompt = max((p for p in self.references if tuple(token_ids[:len(p)]) == p), key=len, default=None)
+        prompt = max((p for p in self.references if tuple(token_ids[: len(p)]) == p), key=len, default=None)
         if prompt is None:
             return []
         done = len(token_ids) - len(prompt)
-        right = self.references[prompt][done:done + num_draft]
+        right = self.references[prompt][done : done + num_draft]
         return [t if i < num_right else (t + 1 + i) % VOCAB for i, t in enumerate(right)]
 
 
@@ -77,30 +89,54 @@ def check_cached_blocks_were_verified(bm, verified: list[list[int]]) -> None:
     for tokens in verified:
         parent = None
         for i in range(len(tokens) // bm.block_size):
-            parent = hash_block(parent, tokens[i * bm.block_size:(i + 1) * bm.block_size])
+            parent = hash_block(parent, tokens[i * bm.block_size : (i + 1) * bm.block_size])
             known.add(parent)
     for h, block_id in bm.hash_to_block.items():
         assert h in known, f"cached block {block_id} {bm.blocks[block_id].token_ids} holds tokens no sequence verified"
 
 
 prompts = st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=10).map(tuple)
-requests = st.lists(st.tuples(prompts, st.integers(3, MAX_TOKENS), st.sampled_from([None, 1, 3, 6]),
-                              st.sampled_from([None, None, None, 3, 6])), min_size=2, max_size=4)
-scripts = st.lists(st.integers(0, K).flatmap(lambda d: st.tuples(st.just(d), st.integers(0, d))), min_size=2, max_size=8)
+requests = st.lists(
+    st.tuples(
+        prompts, st.integers(3, MAX_TOKENS), st.sampled_from([None, 1, 3, 6]), st.sampled_from([None, None, None, 3, 6])
+    ),
+    min_size=2,
+    max_size=4,
+)
+scripts = st.lists(
+    st.integers(0, K).flatmap(lambda d: st.tuples(st.just(d), st.integers(0, d))), min_size=2, max_size=8
+)
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(requests=requests, script=scripts, extra_blocks=st.integers(0, 4), block_size=st.sampled_from([2, 4]),
-       budget=st.sampled_from([4, 8, 64]), caching=st.booleans())
-def test_random_accept_reject_stops_aborts_and_preemption_keep_the_books(tiny, requests, script, extra_blocks,
-                                                                         block_size, budget, caching):
+@settings(
+    max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(
+    requests=requests,
+    script=scripts,
+    extra_blocks=st.integers(0, 4),
+    block_size=st.sampled_from([2, 4]),
+    budget=st.sampled_from([4, 8, 64]),
+    caching=st.booleans(),
+)
+def test_random_accept_reject_stops_aborts_and_preemption_keep_the_books(
+    tiny, requests, script, extra_blocks, block_size, budget, caching
+):
     model, tokenizer = tiny
     refs = {p: reference(model, tokenizer, p) for p, *_ in requests}
     # a pool that just holds the largest request, plus a few blocks: the others get preempted
     num_blocks = max(-(-(len(p) + n) // block_size) for p, n, *_ in requests) + extra_blocks
-    engine = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=num_blocks, block_size=block_size,
-                       max_num_batched_tokens=budget, enable_prefix_caching=caching, log_stats=False,
-                       check_invariants=True, speculative_config=NGRAM)
+    engine = LLMEngine(
+        model,
+        tokenizer=tokenizer,
+        num_kv_blocks=num_blocks,
+        block_size=block_size,
+        max_num_batched_tokens=budget,
+        enable_prefix_caching=caching,
+        log_stats=False,
+        check_invariants=True,
+        speculative_config=NGRAM,
+    )
     engine.proposer = ScriptedProposer(refs, script)
     verified: list[list[int]] = []
     update = engine.scheduler.update
@@ -118,17 +154,20 @@ def test_random_accept_reject_stops_aborts_and_preemption_keep_the_books(tiny, r
         stops[str(i)] = stop
         if abort_at is not None:
             aborts[str(i)] = abort_at
-        engine.add_request(str(i), list(prompt), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
-                                                                stop_token_ids=stop))
+        engine.add_request(
+            str(i),
+            list(prompt),
+            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, stop_token_ids=stop),
+        )
     outs, step = {}, 0
     while engine.has_unfinished_requests():
         for rid, at in aborts.items():
             if at == step:
-                engine.abort(rid)                     # between steps: its drafts are pending
+                engine.abort(rid)  # between steps: its drafts are pending
         for out in engine.step():
             if out.finished:
                 outs[out.request_id] = out
-        for seq in engine.scheduler.running:      # rolled back: no block kept for rejected drafts only
+        for seq in engine.scheduler.running:  # rolled back: no block kept for rejected drafts only
             assert len(seq.block_table) == -(-seq.num_computed_tokens // block_size), seq
         step += 1
         assert step < 400, "the engine stopped making progress"
@@ -149,7 +188,7 @@ def test_random_accept_reject_stops_aborts_and_preemption_keep_the_books(tiny, r
         else:
             # (length is checked first: a stop token that is also the last allowed one ends it as "length")
             assert out.finish_reason == "length" and len(tokens) == max_tokens and not set(stop) & set(tokens[:-1])
-        ref = refs[prompt][:len(tokens)]
+        ref = refs[prompt][: len(tokens)]
         got.append(tokens)
         want.append(ref)
         margins.append(top2_margins(teacher_forced_logits(model, list(prompt), ref)).tolist())
@@ -160,21 +199,38 @@ def test_random_accept_reject_stops_aborts_and_preemption_keep_the_books(tiny, r
     assert sum(spec.num_accepted_tokens_per_pos) == spec.num_accepted_tokens
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(requests=requests, extra_blocks=st.integers(0, 4), block_size=st.sampled_from([2, 4]),
-       budget=st.sampled_from([4, 8, 64]), caching=st.booleans(), k=st.integers(1, 4))
-def test_the_model_as_its_own_draft_through_preemption_aborts_and_cache_hits(tiny, requests, extra_blocks, block_size,
-                                                                             budget, caching, k):
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(
+    requests=requests,
+    extra_blocks=st.integers(0, 4),
+    block_size=st.sampled_from([2, 4]),
+    budget=st.sampled_from([4, 8, 64]),
+    caching=st.booleans(),
+    k=st.integers(1, 4),
+)
+def test_the_model_as_its_own_draft_through_preemption_aborts_and_cache_hits(
+    tiny, requests, extra_blocks, block_size, budget, caching, k
+):
     """The draft's K/V live in its own pool under the target's block tables. If any slot were wrong after a
     rollback, a preemption or a prefix-cache hit, the model as its own draft would start to disagree with
     itself: nearly every draft must be accepted."""
     model, tokenizer = tiny
     refs = {p: reference(model, tokenizer, p) for p, *_ in requests}
     num_blocks = max(-(-(len(p) + n) // block_size) for p, n, *_ in requests) + extra_blocks
-    engine = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=num_blocks, block_size=block_size,
-                       max_num_batched_tokens=budget, enable_prefix_caching=caching, log_stats=False,
-                       check_invariants=True, speculative_config={"model": model, "num_speculative_tokens": k})
-    for i, (prompt, max_tokens, _, abort_at) in enumerate(requests):
+    engine = LLMEngine(
+        model,
+        tokenizer=tokenizer,
+        num_kv_blocks=num_blocks,
+        block_size=block_size,
+        max_num_batched_tokens=budget,
+        enable_prefix_caching=caching,
+        log_stats=False,
+        check_invariants=True,
+        speculative_config={"model": model, "num_speculative_tokens": k},
+    )
+    for i, (prompt, max_tokens, _, _) in enumerate(requests):
         engine.add_request(str(i), list(prompt), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     outs, step = {}, 0
     while engine.has_unfinished_requests():
@@ -193,6 +249,6 @@ def test_the_model_as_its_own_draft_through_preemption_aborts_and_cache_hits(tin
         out = outs[str(i)].outputs[0]
         if out.finish_reason != "abort":
             got.append(out.token_ids)
-            want.append(refs[prompt][:len(out.token_ids)])
+            want.append(refs[prompt][: len(out.token_ids)])
             margins.append(top2_margins(teacher_forced_logits(model, list(prompt), want[-1])).tolist())
     assert_greedy_agrees(got, want, margins, FP32_TOLERANCE, min_steps=0)

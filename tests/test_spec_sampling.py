@@ -25,9 +25,19 @@ from lifeofprompt.model.loader import ByteTokenizer
 
 VOCAB = 16
 NUM_SAMPLES = 3000
-PROMPT = list(range(VOCAB)) + [0, 1, 2, 3]   # every token occurs in it: prompt lookup always finds a draft
-TINY = replace(TINYLLAMA_1_1B, name="tiny16", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
-               num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=64)
+PROMPT = list(range(VOCAB)) + [0, 1, 2, 3]  # every token occurs in it: prompt lookup always finds a draft
+TINY = replace(
+    TINYLLAMA_1_1B,
+    name="tiny16",
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+    max_position_embeddings=64,
+)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 PARAMS = {
     "plain": dict(temperature=1.0),
@@ -42,12 +52,13 @@ def tiny():
     torch.manual_seed(1)
     model = LlamaForCausalLM(TINY).eval()
     with torch.no_grad():
-        model.lm_head.weight.mul_(6.0)          # peaked distributions: p(draft) spans (0, 1), not all ~1/16
+        model.lm_head.weight.mul_(6.0)  # peaked distributions: p(draft) spans (0, 1), not all ~1/16
     return model, ByteTokenizer(VOCAB)
 
 
 def exact_joint(model, params: SamplingParams) -> torch.Tensor:
     """P(t1, t2, t3) ``[V, V, V]`` after ``PROMPT``, with the sampler's temperature and filters."""
+
     def next_probs(contexts):
         with torch.no_grad():
             logits = model(torch.tensor(contexts))[:, -1]
@@ -79,8 +90,15 @@ class GreedyOracle:
 
 
 def sample_first_three(model, tokenizer, params: dict, proposer=None, num: int = NUM_SAMPLES, spec=NGRAM):
-    engine = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=num + 8, block_size=16, max_num_seqs=256,
-                       log_stats=False, speculative_config=spec)
+    engine = LLMEngine(
+        model,
+        tokenizer=tokenizer,
+        num_kv_blocks=num + 8,
+        block_size=16,
+        max_num_seqs=256,
+        log_stats=False,
+        speculative_config=spec,
+    )
     if proposer is not None:
         engine.proposer = proposer
     for i in range(num):
@@ -117,13 +135,16 @@ def p_values(samples: torch.Tensor, joint: torch.Tensor) -> dict[str, float]:
     return result
 
 
-@pytest.mark.parametrize("drafter, case", [("ngram", "plain"), ("greedy oracle", "filtered"), ("draft model", "filtered")])
+@pytest.mark.parametrize(
+    "drafter, case", [("ngram", "plain"), ("greedy oracle", "filtered"), ("draft model", "filtered")]
+)
 def test_speculation_keeps_the_distribution_of_the_first_three_tokens(tiny, drafter, case):
     """The draft model (the tiny model's first layer, norm and head) has a q of its own, not one-hot."""
     model, tokenizer = tiny
     spec = {"model": first_layers(model, 1), "num_speculative_tokens": 3} if drafter == "draft model" else NGRAM
-    samples, engine = sample_first_three(model, tokenizer, PARAMS[case],
-                                         GreedyOracle(model) if drafter == "greedy oracle" else None, spec=spec)
+    samples, engine = sample_first_three(
+        model, tokenizer, PARAMS[case], GreedyOracle(model) if drafter == "greedy oracle" else None, spec=spec
+    )
     spec = engine.spec_stats
     rejected = spec.num_draft_tokens - spec.num_accepted_tokens
     assert spec.num_accepted_tokens > 200 and rejected > 200, "the rule must both accept and reject to be tested"
@@ -138,12 +159,12 @@ def test_a_broken_rule_fails_the_same_test(tiny, monkeypatch, broken):
     if broken == "accept whenever p(x) > 0":
         monkeypatch.setattr(rejection_sampler, "accept_probability", lambda p_x, q_x: (p_x > 0).to(p_x.dtype))
         spec, case = NGRAM, "plain"
-    else:                                   # subtler: right only where q is one-hot or the draft is accepted
+    else:  # subtler: right only where q is one-hot or the draft is accepted
         monkeypatch.setattr(rejection_sampler, "residual_distribution", lambda p, q, rejected: p)
         spec, case = {"model": first_layers(model, 1), "num_speculative_tokens": 3}, "filtered"
     samples, _ = sample_first_three(model, tokenizer, PARAMS[case], spec=spec)
     pvals = p_values(samples, exact_joint(model, SamplingParams(**PARAMS[case])))
-    assert pvals["t1"] >= 1e-3                  # the first token comes from the prefill: no draft touches it
+    assert pvals["t1"] >= 1e-3  # the first token comes from the prefill: no draft touches it
     assert min(pvals.values()) < 1e-6, pvals
 
 
@@ -152,13 +173,14 @@ def test_seeded_speculative_runs_repeat_themselves(tiny):
     first, _ = sample_first_three(model, tokenizer, PARAMS["filtered"], num=64)
     again, _ = sample_first_three(model, tokenizer, PARAMS["filtered"], num=64)
     assert torch.equal(first, again)
-    assert len({tuple(r) for r in first.tolist()}) > 8              # and the seeds do differ
+    assert len({tuple(r) for r in first.tolist()}) > 8  # and the seeds do differ
 
 
 def test_n_answers_speculate_apart(tiny):
     model, tokenizer = tiny
-    engine = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=16, log_stats=False, check_invariants=True,
-                       speculative_config=NGRAM)
+    engine = LLMEngine(
+        model, tokenizer=tokenizer, num_kv_blocks=16, log_stats=False, check_invariants=True, speculative_config=NGRAM
+    )
     engine.add_request("n", PROMPT, SamplingParams(n=3, max_tokens=8, seed=5, ignore_eos=True, **PARAMS["plain"]))
     out = engine.run_until_done()[0]
     answers = [c.token_ids for c in out.outputs]
@@ -178,11 +200,14 @@ def test_a_verify_that_fails_ends_its_request_alone(tiny, monkeypatch):
         return verify(seq, logits, target_ids)
 
     monkeypatch.setattr(rejection_sampler, "verify_sequence", failing)
-    engine = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=16, log_stats=False, check_invariants=True,
-                       speculative_config=NGRAM)
+    engine = LLMEngine(
+        model, tokenizer=tokenizer, num_kv_blocks=16, log_stats=False, check_invariants=True, speculative_config=NGRAM
+    )
     for seed in (12, 13, 14):
         engine.add_request(str(seed), PROMPT, SamplingParams(max_tokens=6, seed=seed, ignore_eos=True))
     outs = {o.request_id: o for o in engine.run_until_done()}
     assert outs["13"].outputs[0].finish_reason == "error" and outs["13"].error is not None
-    assert all(outs[r].outputs[0].finish_reason == "length" and len(outs[r].outputs[0].token_ids) == 6 for r in ("12", "14"))
+    assert all(
+        outs[r].outputs[0].finish_reason == "length" and len(outs[r].outputs[0].token_ids) == 6 for r in ("12", "14")
+    )
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -20,9 +20,16 @@ from lifeofprompt.engine.structured_output import StructuredOutputsParams
 pytest.importorskip("xgrammar")
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "city", "age"],
-          "properties": {"name": {"type": "string", "maxLength": 6}, "city": {"type": "string", "maxLength": 6},
-                         "age": {"type": "integer", "minimum": 0, "maximum": 99}}}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "city", "age"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "city": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+}
 PROMPT = '{"name": "ann", "city": "rome", "age": 31}\n{"name": "bob", "city": "oslo", "age": 42}\n'
 STRUCTURE = StructuredOutputsParams(json=SCHEMA)
 
@@ -30,8 +37,14 @@ STRUCTURE = StructuredOutputsParams(json=SCHEMA)
 @pytest.fixture(scope="module")
 def llms(tiny_model):
     model, tokenizer = tiny_model
-    make = lambda spec: LLM(model, tokenizer=tokenizer, log_stats=False, num_kv_blocks=512, max_num_seqs=16,  # noqa: E731
-                            speculative_config=spec)
+    make = lambda spec: LLM(
+        model,
+        tokenizer=tokenizer,
+        log_stats=False,
+        num_kv_blocks=512,
+        max_num_seqs=16,  # noqa: E731
+        speculative_config=spec,
+    )
     return make(None), make(NGRAM)
 
 
@@ -54,8 +67,9 @@ def test_greedy_grammar_answers_draft_and_equal_the_plain_ones(llms):
 
 def test_sampled_grammar_answers_under_speculation_all_validate(llms):
     _, spec = llms
-    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=200, structured_outputs=STRUCTURE)
-              for seed in range(12)]
+    params = [
+        SamplingParams(temperature=1.0, seed=seed, max_tokens=200, structured_outputs=STRUCTURE) for seed in range(12)
+    ]
     outs = spec.generate([PROMPT] * len(params), params, use_tqdm=False)
     for out in outs:
         assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
@@ -68,8 +82,10 @@ def test_a_grammar_request_beside_a_verify_still_walks_its_grammar(llms):
     """A penalised grammar request never drafts; decoding plainly in steps that hold another request's
     verify, it must still advance its grammar after each token (it did not: its mask went stale)."""
     plain, spec = llms
-    asks = [SamplingParams(temperature=0, max_tokens=200, structured_outputs=STRUCTURE, presence_penalty=0.5),
-            SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)]
+    asks = [
+        SamplingParams(temperature=0, max_tokens=200, structured_outputs=STRUCTURE, presence_penalty=0.5),
+        SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+    ]
     prompts = [PROMPT, PROMPT * 2]
     expected = plain.generate(prompts, asks, use_tqdm=False)
     outs = spec.generate(prompts, asks, use_tqdm=False)
@@ -85,10 +101,10 @@ def test_drafts_are_cut_to_what_the_grammar_allows(llms):
     a, b, c, x = (plain.engine.tokenizer.encode(ch, add_special_tokens=False)[0] for ch in "abcx")
     assert state.valid_prefix([a, b, b, x, b]) == 3
     assert state.valid_prefix([x]) == 0
-    assert state.valid_prefix([a, b, c]) == 3          # the grammar can still take EOS after c
+    assert state.valid_prefix([a, b, c]) == 3  # the grammar can still take EOS after c
     rows = state.verify_bitmask([a, b])
     logits = torch.zeros(3, backend.vocab_size)
     backend.apply(logits, rows)
     allowed = [set((logits[i] == 0).nonzero().flatten().tolist()) for i in range(3)]
     assert allowed[0] == {a} and allowed[1] == {b} and allowed[2] == {b, c}
-    assert state.accept(a)                              # the tentative walk left the state where it was
+    assert state.accept(a)  # the tentative walk left the state where it was

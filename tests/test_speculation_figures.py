@@ -8,7 +8,13 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-from lifeofprompt.figures.speculation import update_speculation, verify_cells, verify_figure, visible_token, yield_figure  # noqa: E402
+from lifeofprompt.figures.speculation import (
+    update_speculation,
+    verify_cells,
+    verify_figure,
+    visible_token,
+    yield_figure,
+)  # noqa: E402
 from lifeofprompt.lessons.speculation import SpeculationRun, expected_tokens_per_step  # noqa: E402
 
 
@@ -24,7 +30,7 @@ def test_cells_put_the_models_token_where_the_first_rejection_was():
     step = Step(10, [5, 6, 7, 8], 2, [5, 6, 99])
     assert verify_cells(step) == [(5, "kept"), (6, "kept"), (99, "own"), (7, "rejected"), (8, "rejected")]
     assert verify_cells(Step(3, [1, 2], 2, [1, 2, 4])) == [(1, "kept"), (2, "kept"), (4, "own")]
-    assert verify_cells(Step(3, [1, 2], 1, [1])) == [(1, "kept"), (2, "rejected")]      # a stop after the kept draft
+    assert verify_cells(Step(3, [1, 2], 1, [1])) == [(1, "kept"), (2, "rejected")]  # a stop after the kept draft
 
 
 def test_whitespace_tokens_print_as_visible_marks():
@@ -68,6 +74,10 @@ def test_labels_of_close_runs_at_the_same_k_are_lifted_apart():
 
     from lifeofprompt.figures.speculation import label_lifts
 
-    runs = [Run(k=4, tokens_per_step=1.59), Run(k=4, tokens_per_step=1.50), Run(k=4, tokens_per_step=3.24),
-            Run(k=2, tokens_per_step=1.55)]
-    assert label_lifts(runs) == [24, 0, 0, 0]          # the higher of the two close ones moves; others stay
+    runs = [
+        Run(k=4, tokens_per_step=1.59),
+        Run(k=4, tokens_per_step=1.50),
+        Run(k=4, tokens_per_step=3.24),
+        Run(k=2, tokens_per_step=1.55),
+    ]
+    assert label_lifts(runs) == [24, 0, 0, 0]  # the higher of the two close ones moves; others stay

@@ -4,8 +4,14 @@ import random
 
 import pytest
 
-from lifeofprompt.lessons.speculation import (accepted_fraction, alpha_from_accepted_fraction, alpha_from_counts, benchmark_rows,
-                                              expected_tokens_per_step, predicted_speedup)
+from lifeofprompt.lessons.speculation import (
+    accepted_fraction,
+    alpha_from_accepted_fraction,
+    alpha_from_counts,
+    benchmark_rows,
+    expected_tokens_per_step,
+    predicted_speedup,
+)
 
 
 def simulate(alpha: float, k: int, steps: int, seed: int = 0):
@@ -33,7 +39,7 @@ def test_the_formulas_match_a_simulated_drafter(alpha, k):
 
 
 def test_the_accepted_fraction_is_not_alpha_and_inverts():
-    assert accepted_fraction(0.8, 4) < 0.8                       # drafts after a rejection are wasted
+    assert accepted_fraction(0.8, 4) < 0.8  # drafts after a rejection are wasted
     assert accepted_fraction(0.8, 1) == pytest.approx(0.8)
     assert alpha_from_accepted_fraction(accepted_fraction(0.7, 5), 5) == pytest.approx(0.7, abs=1e-9)
     # the naive reading (fraction as α) underestimates the yield
@@ -44,15 +50,23 @@ def test_the_accepted_fraction_is_not_alpha_and_inverts():
 def test_edges_and_bad_input():
     assert expected_tokens_per_step(1.0, 3) == 4 and expected_tokens_per_step(0.0, 3) == 1
     assert predicted_speedup(0.0, 4, verify_cost=1.1) < 1 < predicted_speedup(0.8, 4, verify_cost=1.1)
-    for bad in (lambda: expected_tokens_per_step(1.2, 3), lambda: accepted_fraction(0.5, 0),
-                lambda: alpha_from_counts([0, 0], [0, 0]), lambda: alpha_from_counts([3], [2])):
+    for bad in (
+        lambda: expected_tokens_per_step(1.2, 3),
+        lambda: accepted_fraction(0.5, 0),
+        lambda: alpha_from_counts([0, 0], [0, 0]),
+        lambda: alpha_from_counts([3], [2]),
+    ):
         with pytest.raises(ValueError):
             bad()
 
 
 def test_benchmark_rows_put_each_run_in_a_line_with_its_ratio():
-    run = lambda plain, lookup: {"batch": 1, "none": {"tokens_per_s": plain}, "ngram": {"tokens_per_s": lookup},  # noqa: E731
-                                 "ngram_speedup": lookup / plain}
+    run = lambda plain, lookup: {
+        "batch": 1,
+        "none": {"tokens_per_s": plain},
+        "ngram": {"tokens_per_s": lookup},  # noqa: E731
+        "ngram_speedup": lookup / plain,
+    }
     lines = benchmark_rows({"runs": {"code_batch1": run(50.0, 77.7), "open_batch8": {**run(186.7, 147.6), "batch": 8}}})
     assert lines[1].split() == ["code", "1", "50.0", "77.7", "1.55x"]
     assert lines[2].split() == ["open", "8", "186.7", "147.6", "0.79x"]

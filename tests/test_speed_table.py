@@ -25,13 +25,26 @@ def test_the_vector_isa_is_the_widest_the_flags_name():
 
 def test_two_cpus_of_one_name_get_their_own_files_and_rows(tmp_path):
     """A Zen 3 and a Zen 4 VM both call themselves "AMD EPYC": their results must not overwrite or hide each other."""
-    older = {"model": "AMD EPYC", "simd_flags": ZEN4, "flags": ""}                 # a file from before vector_isa
+    older = {"model": "AMD EPYC", "simd_flags": ZEN4, "flags": ""}  # a file from before vector_isa
     newer = {"model": "AMD EPYC", "vector_isa": "AVX2", "simd_flags": ZEN3, "flags": ""}
     assert bench_engine.cpu_file_slug(older) == "amd-epyc-avx-512"
     assert bench_engine.cpu_file_slug(newer) == "amd-epyc-avx2"
-    for name, cpu, date, ratio in (("a.json", older, "2026-12-01", 2.0), ("b.json", older, "2026-12-02", 2.5),
-                                   ("c.json", newer, "2026-12-02", 1.5)):
-        (tmp_path / name).write_text(json.dumps({"cpu": cpu, "env": {"date": date}, "threads": 1, "dtype": "float32",
-                                                 "mixed": {}, "mixed_speedup": ratio}))
+    for name, cpu, date, ratio in (
+        ("a.json", older, "2026-12-01", 2.0),
+        ("b.json", older, "2026-12-02", 2.5),
+        ("c.json", newer, "2026-12-02", 1.5),
+    ):
+        (tmp_path / name).write_text(
+            json.dumps(
+                {
+                    "cpu": cpu,
+                    "env": {"date": date},
+                    "threads": 1,
+                    "dtype": "float32",
+                    "mixed": {},
+                    "mixed_speedup": ratio,
+                }
+            )
+        )
     rows = speed_table.newest(speed_table.read_results(tmp_path))
     assert [(r["cpu"], r["mixed_speedup"]) for r in rows] == [("AMD EPYC (AVX-512)", 2.5), ("AMD EPYC (AVX2)", 1.5)]

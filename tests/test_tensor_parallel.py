@@ -10,27 +10,34 @@ from __future__ import annotations
 
 import psutil
 import pytest
+from tiny_models import TINY_SMOLLM2_LAYOUT, assert_parallel_agrees, tiny_model
 
-from lifeofprompt.distributed.sizes import ShardPlan, check_tensor_parallel_size, valid_tensor_parallel_sizes
 from lifeofprompt.distributed import collectives
 from lifeofprompt.distributed.sharded_model import shard_weights
+from lifeofprompt.distributed.sizes import ShardPlan, check_tensor_parallel_size, valid_tensor_parallel_sizes
 from lifeofprompt.engine.llm import LLM
 from lifeofprompt.engine.sampling_params import SamplingParams
 from lifeofprompt.errors import ParallelConfigError, WorkerFailedError
 from lifeofprompt.model.config import SMOLLM2_135M, ModelConfig
-from tiny_models import TINY_SMOLLM2_LAYOUT, assert_parallel_agrees, tiny_model
 
 T = 3
 BLOCK_SIZE = 4
 # 12 blocks of 4 tokens for 4 requests of up to 23 tokens: the pool runs out and the newest is preempted;
 # 8 tokens a step: prompts are chunked; prompts 0 and 1 share two full blocks: prefix caching.
-ENGINE = dict(dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=12, max_num_batched_tokens=8,
-              enable_prefix_caching=True, log_stats=False, check_invariants=True)
+ENGINE = dict(
+    dtype="float32",
+    block_size=BLOCK_SIZE,
+    num_kv_blocks=12,
+    max_num_batched_tokens=8,
+    enable_prefix_caching=True,
+    log_stats=False,
+    check_invariants=True,
+)
 SHARED = [11, 12, 13, 14, 15, 16, 17, 18]
 PROMPTS = [SHARED + [40, 41, 42], SHARED + [50, 51, 52, 53, 54], [60, 61, 62, 63, 64, 65, 66], [70, 71, 72]]
 MAX_TOKENS = 12
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.ranks]
 
 
 def greedy():
@@ -82,13 +89,21 @@ def test_a_bad_size_is_refused_before_any_process_starts():
 
 def test_kv_heads_are_replicated_when_ranks_outnumber_them():
     """4 query / 2 KV heads over 4 ranks: each rank holds the one KV head its query head reads."""
-    config = ModelConfig(name="gqa", vocab_size=10, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=4,
-                         num_kv_heads=2, head_dim=2)
+    config = ModelConfig(
+        name="gqa",
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=2,
+    )
     plans = [ShardPlan.for_rank(config, r, 4) for r in range(4)]
     assert [p.kv_heads for p in plans] == [(0, 1), (0, 1), (1, 2), (1, 2)]
     assert [p.heads for p in plans] == [(0, 1), (1, 2), (2, 3), (3, 4)]
     assert plans[0].kv_replication == 2 and plans[0].config.num_kv_heads == 1
-    assert [p.vocab for p in plans] == [(0, 3), (3, 6), (6, 9), (9, 12)]     # 10 rows padded to 12
+    assert [p.vocab for p in plans] == [(0, 3), (3, 6), (6, 9), (9, 12)]  # 10 rows padded to 12
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -105,7 +120,7 @@ def test_tokens_match_the_single_process_engine(single, parallel):
         kinds = {s.kind for r in records for s in r.scheduled}
         assert {"prefill chunk", "recompute", "decode"} <= kinds, kinds
         assert llm.engine.scheduler.num_preemptions > 0
-    assert outputs[1].num_cached_tokens >= 2 * BLOCK_SIZE          # prompt 1 found prompt 0's two blocks
+    assert outputs[1].num_cached_tokens >= 2 * BLOCK_SIZE  # prompt 1 found prompt 0's two blocks
 
     full, _ = tiny_model()
     assert_parallel_agrees(llm_t.engine.model, full, PROMPTS, tokens_t, tokens_1)
@@ -119,15 +134,19 @@ def test_each_rank_holds_its_third(parallel):
     full, _ = tiny_model()
     full_bytes = sum(p.numel() * p.element_size() for p in full.parameters())
     d, hidden = 16, 144
-    expected = {"embed_tokens.weight": (107, hidden), "norm.weight": (hidden,),
-                "layers.0.self_attn.qkv_proj.weight": ((3 + 2 * 1) * d, hidden),
-                "layers.0.self_attn.o_proj.weight": (hidden, 3 * d),
-                "layers.0.mlp.gate_up_proj.weight": (2 * 32, hidden), "layers.0.mlp.down_proj.weight": (hidden, 32)}
-    one_pool = 2 * 2 * 12 * BLOCK_SIZE * 1 * d * 4                 # layers, K/V, blocks, slots, 1 KV head, head_dim, fp32
+    expected = {
+        "embed_tokens.weight": (107, hidden),
+        "norm.weight": (hidden,),
+        "layers.0.self_attn.qkv_proj.weight": ((3 + 2 * 1) * d, hidden),
+        "layers.0.self_attn.o_proj.weight": (hidden, 3 * d),
+        "layers.0.mlp.gate_up_proj.weight": (2 * 32, hidden),
+        "layers.0.mlp.down_proj.weight": (hidden, 32),
+    }
+    one_pool = 2 * 2 * 12 * BLOCK_SIZE * 1 * d * 4  # layers, K/V, blocks, slots, 1 KV head, head_dim, fp32
     for report in reports:
         shapes = report["weights"]["shapes"]
         assert {k: shapes[k] for k in expected} == expected
-        assert "lm_head.weight" not in shapes                       # tied: the embedding's shard is the LM head
+        assert "lm_head.weight" not in shapes  # tied: the embedding's shard is the LM head
         assert abs(report["weights"]["nbytes"] / full_bytes - 1 / T) < 0.01
         assert report["kv_shape"] == (2, 2, 12, BLOCK_SIZE, 1, d) and report["kv_nbytes"] == one_pool
         # the very slice of the full weights, not just its shape
@@ -153,13 +172,13 @@ def test_every_rank_ran_the_same_block_table(parallel):
     llm, _ = parallel
     engine = llm.engine
     engine.add_request("tables", PROMPTS[2], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
-    engine.step()                                                   # a paged step, so the tables are this one's
+    engine.step()  # a paged step, so the tables are this one's
     reports = engine.parallel.report(engine.model, engine.runner.kv_cache)
     tables = [r["block_tables"] for r in reports]
     assert tables[0] is not None and tables[0] == tables[1] == tables[2]
     seq = engine.scheduler.running[0] if engine.scheduler.running else None
     if seq is not None:
-        assert tables[0][0][:len(seq.block_table)] == seq.block_table
+        assert tables[0][0][: len(seq.block_table)] == seq.block_table
     engine.run_until_done()
 
 
@@ -174,7 +193,7 @@ def test_every_collective_of_a_step_is_counted(parallel):
     records = list(engine.step_records)[before:]
     tokens = sum(r.num_batched_tokens for r in records)
     stats = collectives.snapshot()
-    assert len(records) == 3 and tokens == 3 + 1 + 1                 # a prefill of 3, two decodes
+    assert len(records) == 3 and tokens == 3 + 1 + 1  # a prefill of 3, two decodes
     assert stats["broadcast"]["calls"] == 2 * len(records)
     assert stats["all_reduce"]["calls"] == (1 + 2 * 2) * len(records)
     assert stats["all_reduce"]["bytes"] == (1 + 2 * 2) * tokens * 144 * 4
@@ -186,6 +205,7 @@ def test_every_collective_of_a_step_is_counted(parallel):
     mine = collectives.samples()["all_reduce"]
     assert [n for n, _ in mine] == [t * 144 * 4 for r in records for t in [r.num_batched_tokens] * 5]
     from lifeofprompt.lessons.parallelism import last_arrival_calls
+
     last = last_arrival_calls([mine] + [w["collective_calls"]["all_reduce"] for w in workers])
     assert [n for n, _ in last] == [n for n, _ in mine] and all(t <= s for (_, t), (_, s) in zip(last, mine))
 
@@ -199,4 +219,4 @@ def test_shutdown_ends_every_worker(parallel):
     assert all(gone(p) for p in pids)
     with pytest.raises(WorkerFailedError, match="shut down"):
         llm.generate(PROMPTS[:1], greedy())
-    llm.shutdown()                                                  # idempotent
+    llm.shutdown()  # idempotent

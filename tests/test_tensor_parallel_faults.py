@@ -16,20 +16,20 @@ from pathlib import Path
 
 import psutil
 import pytest
+from tiny_models import tiny_model
 
 from lifeofprompt.distributed.group import ParallelGroup
 from lifeofprompt.engine.llm import LLM
 from lifeofprompt.engine.sampling_params import SamplingParams
 from lifeofprompt.errors import WorkerFailedError
 from lifeofprompt.lessons.agreement import teacher_forced_logits
-from tiny_models import tiny_model
 
 T = 3
 ENGINE = dict(dtype="float32", block_size=4, num_kv_blocks=128, log_stats=False)
 TESTS = Path(__file__).resolve().parent
 DEADLINE_S = 30
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.ranks]
 
 
 def gone(pid: int) -> bool:
@@ -88,7 +88,7 @@ def test_a_worker_killed_mid_run_gives_the_typed_error_and_no_process_survives()
     assert start is not None and time.monotonic() - start < DEADLINE_S
     assert info.value.rank == 2 and info.value.exitcode == -signal.SIGKILL
     assert wait_gone(pids, 5) == [] and spawned_children() == []
-    with pytest.raises(WorkerFailedError):                  # the engine stays failed, and says so at once
+    with pytest.raises(WorkerFailedError):  # the engine stays failed, and says so at once
         llm.generate([[5, 6]], params)
     llm.shutdown()
 
@@ -99,7 +99,7 @@ def test_a_hung_worker_gives_the_typed_error_within_the_timeout():
     group, shard = ParallelGroup.launch(model, T, num_blocks=8, block_size=4, timeout_s=3)
     try:
         pids = group.worker_pids
-        teacher_forced_logits(shard, [5, 6, 7], [8, 9])        # a forward that works
+        teacher_forced_logits(shard, [5, 6, 7], [8, 9])  # a forward that works
         os.kill(pids[0], signal.SIGSTOP)
         start = time.monotonic()
         with pytest.raises(WorkerFailedError, match="did not answer within 3 s"):
@@ -135,8 +135,12 @@ def start_driver(mode: str, script: Path | None = None) -> tuple[subprocess.Pope
     code = DRIVER.format(tests=str(TESTS), T=T, mode=mode)
     if script is not None:
         script.write_text(code)
-    driver = subprocess.Popen([sys.executable, *(["-c", code] if script is None else [str(script)])],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    driver = subprocess.Popen(
+        [sys.executable, *(["-c", code] if script is None else [str(script)])],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     line = driver.stdout.readline()
     assert line, driver.stderr.read()[-3000:]
     return driver, json.loads(line)
@@ -153,13 +157,13 @@ def test_interpreter_exit_ends_the_workers_of_an_unguarded_script(tmp_path):
     driver, pids = start_driver("exit", tmp_path / "unguarded.py")
     assert driver.wait(60) == 0, driver.stderr.read()[-3000:]
     assert wait_gone(pids, 10) == []
-    assert "Traceback" not in driver.stderr.read()              # the workers did not re-run the script
+    assert "Traceback" not in driver.stderr.read()  # the workers did not re-run the script
 
 
 def test_sigkill_of_the_driver_mid_run_leaves_no_worker_behind():
     driver, pids = start_driver("run")
     try:
-        time.sleep(1.0)                                     # generating now
+        time.sleep(1.0)  # generating now
         everything = set(pids) | set(descendants(driver.pid))
         assert set(pids) <= everything and len(pids) == T - 1
         driver.kill()
@@ -182,7 +186,7 @@ def test_the_server_answers_503_in_openais_shape_when_a_worker_dies():
         with ServerThread(llm.engine, model_name="tiny") as server:
             assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
             os.kill(llm.engine.parallel.worker_pids[0], signal.SIGKILL)
-            for _ in range(2):                              # the failing step, then a dead engine: both answer
+            for _ in range(2):  # the failing step, then a dead engine: both answer
                 response = httpx.post(server.url + "/v1/completions", json=body, timeout=DEADLINE_S)
                 assert response.status_code == 503
                 error = response.json()["error"]

@@ -5,15 +5,15 @@ logit difference, and each rank holds its share of SmolLM2's weights and of its 
 from __future__ import annotations
 
 import pytest
+from tiny_models import assert_parallel_agrees
 
 from lifeofprompt.engine.llm import LLM
 from lifeofprompt.engine.sampling_params import SamplingParams
-from tiny_models import assert_parallel_agrees
 
 MAX_TOKENS = 6
 ENGINE = dict(dtype="float32", num_kv_blocks=32, log_stats=False)
 
-pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.numerics]
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.numerics, pytest.mark.ranks]
 
 
 def greedy():
@@ -52,7 +52,7 @@ def test_each_rank_holds_its_share_of_smollm2(smollm2, parallel):
     for r in reports:
         shapes, (first, last) = r["weights"]["shapes"], r["layers"]
         assert last - first == 30 // pp and r["kv_shape"] == (30 // pp, 2, 32, 16, 3 // tp, 64)
-        assert shapes["layers.0.self_attn.qkv_proj.weight"] == ((9 + 2 * 3) // tp * 64, 576)   # its heads only
+        assert shapes["layers.0.self_attn.qkv_proj.weight"] == ((9 + 2 * 3) // tp * 64, 576)  # its heads only
         assert shapes["layers.0.mlp.down_proj.weight"] == (576, 1536 // tp)
         head = "embed_tokens.weight" if r["stage"] == 0 else "lm_head.weight"
         assert shapes[head] == (49152 // tp, 576)
@@ -62,12 +62,14 @@ def test_each_rank_holds_its_share_of_smollm2(smollm2, parallel):
 
 
 def test_serve_passes_the_parallel_sizes_to_the_engine():
-    """``serve --tensor-parallel-size/--pipeline-parallel-size`` reach the engine, which names SmolLM2's valid sizes first."""
+    """``serve --tensor-parallel-size/--pipeline-parallel-size`` reach the engine, which names SmolLM2's valid sizes."""
     from lifeofprompt.cli import build_parser
     from lifeofprompt.commands import _engine_for_serving
     from lifeofprompt.errors import ParallelConfigError
 
-    args = build_parser().parse_args(["serve", "--tensor-parallel-size", "2", "--dtype", "float32", "--num-kv-blocks", "8"])
+    args = build_parser().parse_args(
+        ["serve", "--tensor-parallel-size", "2", "--dtype", "float32", "--num-kv-blocks", "8"]
+    )
     with pytest.raises(ParallelConfigError, match="valid sizes: 1, 3"):
         _engine_for_serving(args)
     args = build_parser().parse_args(["serve", "--pipeline-parallel-size", "31", "--dtype", "float32"])

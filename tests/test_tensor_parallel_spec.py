@@ -1,4 +1,4 @@
-"""Prompt-lookup speculation on a tensor- and pipeline-parallel engine (its own process: one parallel engine per process)."""
+"""Prompt-lookup speculation on a tensor- and pipeline-parallel engine (one parallel engine per process)."""
 
 import json
 import subprocess
@@ -11,6 +11,7 @@ from lifeofprompt import LLM
 from lifeofprompt.errors import SpeculativeConfigError
 
 HERE = Path(__file__).resolve().parent
+pytestmark = pytest.mark.ranks
 
 SCRIPT = r"""
 import json, sys, torch
@@ -42,11 +43,15 @@ print(json.dumps(dict(verifies=verifies, accepted=accepted, lengths=[len(t) for 
 @pytest.mark.parametrize("t,p,overlap", [(3, 1, True), (1, 2, True), (1, 2, False), (3, 2, True)])
 def test_ngram_speculation_keeps_the_single_engines_tokens(t, p, overlap):
     """P = 2 with its steps overlapped (the default) and one step at a time; T x P = 3 x 2 overlapped."""
-    done = subprocess.run([sys.executable, "-c", SCRIPT.format(here=str(HERE), t=t, p=p, overlap=overlap)],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT.format(here=str(HERE), t=t, p=p, overlap=overlap)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["verifies"] > 0 and result["accepted"] > 0          # the drafter fired and was right sometimes
+    assert result["verifies"] > 0 and result["accepted"] > 0  # the drafter fired and was right sometimes
     assert result["lengths"] == [24, 24, 24]
     assert result["in_flight"] == (2 if p > 1 and overlap else 1)
 
@@ -56,5 +61,10 @@ def test_a_draft_model_with_parallel_sizes_is_a_typed_error():
 
     model, tok = tiny_model()
     with pytest.raises(SpeculativeConfigError) as info:
-        LLM(model, tokenizer=tok, tensor_parallel_size=3, speculative_config={"model": model, "num_speculative_tokens": 2})
+        LLM(
+            model,
+            tokenizer=tok,
+            tensor_parallel_size=3,
+            speculative_config={"model": model, "num_speculative_tokens": 2},
+        )
     assert info.value.param == "model"

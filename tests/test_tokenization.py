@@ -6,10 +6,23 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lifeofprompt.model.tokenization import (STORY_TINYLLAMA_COUNTS, byte_to_unicode, bpe_encode, bpe_steps,
-                                       bpe_walkthrough, bytes_as_symbols, chat_prompt, format_token_table,
-                                       format_walkthrough, merge_ranks, plot_walkthrough, pretokenize,
-                                       special_tokens, token_table, token_table_html)
+from lifeofprompt.model.tokenization import (
+    STORY_TINYLLAMA_COUNTS,
+    bpe_encode,
+    bpe_steps,
+    bpe_walkthrough,
+    byte_to_unicode,
+    bytes_as_symbols,
+    chat_prompt,
+    format_token_table,
+    format_walkthrough,
+    merge_ranks,
+    plot_walkthrough,
+    pretokenize,
+    special_tokens,
+    token_table,
+    token_table_html,
+)
 from lifeofprompt.story import STORY_PROMPTS
 
 STORY_IDS = [[6004, 957, 1462, 314], [28195, 314, 253, 3953, 4018, 1194], [28120, 665]]
@@ -40,7 +53,7 @@ def test_walkthrough_of_beautiful(tokenizer):
     assert [s.pair for s in walk.steps][:3] == [("Ġ", "b"), ("u", "t"), ("Ġb", "e")]
     assert [s.rank for s in walk.steps] == [26, 64, 73, 84, 90, 1396, 2634, 3188, 3701]
     assert walk.tokens == ("Ġbeautiful",) and walk.ids == (3953,)
-    for step in walk.steps:                       # merging never loses or adds a character
+    for step in walk.steps:  # merging never loses or adds a character
         assert "".join(step.symbols) == "Ġbeautiful"
     text = format_walkthrough(walk)
     assert "merge  9" in text and "ids [3953]" in text
@@ -60,7 +73,7 @@ def test_bpe_steps_merges_the_best_ranked_pair_everywhere():
     ranks = {("a", "b"): 1, ("b", "c"): 0, ("ab", "ab"): 2}
     steps = bpe_steps(list("abab"), ranks)
     assert [s.symbols for s in steps] == [("ab", "ab"), ("abab",)]
-    assert [s.symbols for s in bpe_steps(list("abc"), ranks)] == [("a", "bc")]   # rank 0 wins
+    assert [s.symbols for s in bpe_steps(list("abc"), ranks)] == [("a", "bc")]  # rank 0 wins
     assert bpe_steps(list("xyz"), ranks) == []
 
 
@@ -69,6 +82,7 @@ def test_our_encoder_gives_the_story_ids(tokenizer):
         assert bpe_encode(tokenizer, text) == ids == tokenizer.encode(text)
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=30))
 def test_our_encoder_equals_the_tokenizer_on_any_text(tokenizer, text):
@@ -99,7 +113,7 @@ def test_special_tokens_and_chat_template(tokenizer):
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
     assert len(ids) == 34 and ids[0] == 1 and ids[-4:] == [1, 520, 9531, 198]
     start = ids.index(6004)
-    assert ids[start:start + 4] == STORY_IDS[0]
+    assert ids[start : start + 4] == STORY_IDS[0]
 
 
 def test_walkthrough_figure_draws_every_symbol(tokenizer):
@@ -119,7 +133,7 @@ def test_missing_bytes_are_dropped_like_the_tokenizer_does(tokenizer):
 
     gaps = missing_bytes(tokenizer)
     assert len(gaps) == 21 and 0x04 in gaps and 0xF1 in gaps and 32 not in gaps
-    assert tokenizer.encode("a\x04b") == bpe_encode(tokenizer, "a\x04b") == [81, 82]   # a, b: the 0x04 is gone
+    assert tokenizer.encode("a\x04b") == bpe_encode(tokenizer, "a\x04b") == [81, 82]  # a, b: the 0x04 is gone
     # the gap closes before merging: '"' and ':' merge into one token across the dropped byte
     assert tokenizer.encode('"\x16:') == bpe_encode(tokenizer, '"\x16:') == tokenizer.encode('":') == [1799]
 
@@ -180,13 +194,13 @@ def test_the_vocabulary_step_keeps_only_the_file_it_came_for(tmp_path, monkeypat
     assert "--no-binary" in downloads[0] and f"llama-cpp-python=={sdist.LLAMA_CPP_PYTHON_VERSION}" in downloads[0]
     assert sdist.SDIST_NAME in (folder / "PROVENANCE.txt").read_text()
     assert not (sdist.cache_root() / "downloads" / sdist.SDIST_NAME).exists()
-    assert sdist.llama_spm_vocab(fetch=False) == folder and len(downloads) == 1     # cached: no second download
+    assert sdist.llama_spm_vocab(fetch=False) == folder and len(downloads) == 1  # cached: no second download
 
 
 def test_the_vocabulary_step_reuses_the_benchmark_peers_download(tmp_path, monkeypatch):
     """Where the llama-server peer already holds the sdist, the vocabulary comes from it and it stays."""
     sdist, downloads, vocab = fake_sdist(tmp_path, monkeypatch)
-    archive = sdist.sdist_path()                       # the peer's download (benchmarks/llama_cpp.py)
+    archive = sdist.sdist_path()  # the peer's download (benchmarks/llama_cpp.py)
     assert len(downloads) == 1
     assert (sdist.llama_spm_vocab() / sdist.SPM_VOCAB).read_bytes() == vocab
     assert len(downloads) == 1 and archive.exists()

@@ -9,9 +9,17 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lifeofprompt.lessons.toy_attention import (
+    layer_walkthrough,
+    plot_attention,
+    plot_gqa,
+    plot_matrix,
+    plot_projections,
+    plot_rope,
+    rope_scores,
+    toy_attention,
+)
 from lifeofprompt.model.llama import RotaryEmbedding
-from lifeofprompt.lessons.toy_attention import (layer_walkthrough, plot_attention, plot_gqa, plot_matrix, plot_projections,
-                                        plot_rope, rope_scores, toy_attention)
 
 matplotlib.use("Agg")
 
@@ -33,7 +41,7 @@ def test_toy_is_causal_attention_for_any_seed(seed):
     sdpa = F.scaled_dot_product_attention(toy.Q[None], toy.K[None], toy.V[None], is_causal=True)[0]
     assert torch.allclose(toy.context, sdpa, atol=1e-5)
     assert torch.allclose(toy.weights.sum(-1), torch.ones(3))
-    last_only = (toy.Q[-1] @ toy.K.T / 2).softmax(-1) @ toy.V     # one query, every key and value
+    last_only = (toy.Q[-1] @ toy.K.T / 2).softmax(-1) @ toy.V  # one query, every key and value
     assert torch.allclose(last_only, toy.context[-1], atol=1e-6)
     assert torch.allclose(toy.logits, toy.context[-1] @ toy.W_LM)
 
@@ -50,7 +58,7 @@ def test_heatmaps_carry_shapes_and_highlights():
     masked_ax = next(ax for ax in fig.axes if ax.get_title().startswith("causal mask"))
     assert sum(t.get_text() == "-inf" for t in masked_ax.texts) == 3
     red = [p for p in masked_ax.patches if p.get_edgecolor()[:3] == (1.0, 0.0, 0.0)]
-    assert len(red) == 1 and red[0].get_y() == pytest.approx(1.5)       # the last row, and only it
+    assert len(red) == 1 and red[0].get_y() == pytest.approx(1.5)  # the last row, and only it
     assert "argmax = 'extremely'" in fig.axes[-1].get_title()
     plt.close(fig)
     fig, ax = plt.subplots()
@@ -64,9 +72,10 @@ def test_rope_scores_depend_on_relative_position_only():
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(16, generator=g), torch.randn(16, generator=g)
     s = rope_scores(rotary, q, k, 12)
-    assert torch.allclose(s[:-1, :-1], s[1:, 1:], atol=1e-4)      # constant along every diagonal
-    assert not torch.allclose(s[0, 0], s[5, 0], atol=1e-3)        # but it does change with the distance
+    assert torch.allclose(s[:-1, :-1], s[1:, 1:], atol=1e-4)  # constant along every diagonal
+    assert not torch.allclose(s[0, 0], s[5, 0], atol=1e-3)  # but it does change with the distance
     import matplotlib.pyplot as plt
+
     plt.close(plot_rope(rotary, 16))
     fig = plot_gqa(9, 3)
     assert "9 query heads share 3 key/value heads" in fig.axes[0].get_title()
@@ -81,4 +90,4 @@ def test_layer_walkthrough_equals_the_layer(smollm2, layer_idx):
     assert walk["attn_weights"].shape == (9, 4, 4) and walk["swiglu"].shape == (4, 1536)
     assert torch.equal(walk["attn_weights"].triu(1), torch.zeros(9, 4, 4))
     assert (walk["layer_output"] - walk["reference_output"]).abs().max().item() < 1e-4
-    assert (walk["layer_output"] - walk["layer_input"]).abs().max().item() > 1e-2   # the layer did something
+    assert (walk["layer_output"] - walk["layer_input"]).abs().max().item() > 1e-2  # the layer did something

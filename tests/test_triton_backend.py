@@ -11,6 +11,7 @@ every sequence cross blocks.
 from __future__ import annotations
 
 import importlib.util
+
 import pytest
 import torch
 
@@ -18,9 +19,8 @@ from lifeofprompt.engine.model_runner import ModelRunner
 from lifeofprompt.engine.sampling_params import SamplingParams
 from lifeofprompt.engine.sequence import Sequence
 
-if importlib.util.find_spec("triton") is None:     # find it without importing it: lifeofprompt.kernels
-    pytest.skip("Triton is not installed", allow_module_level=True)   # must be first (interpreter mode)
-from lifeofprompt import kernels  # noqa: E402
+if importlib.util.find_spec("triton") is None:  # find it without importing it: lifeofprompt.kernels
+    pytest.skip("Triton is not installed", allow_module_level=True)  # must be first (interpreter mode)
 from lifeofprompt.lessons.agreement import FP32_TOLERANCE, assert_argmax_agrees  # noqa: E402
 
 pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("one_thread")]
@@ -46,14 +46,17 @@ def step_logits(runner, seqs, num_tokens):
     return logits
 
 
+@pytest.mark.slow
 def test_triton_backend_logits_match_torch(smollm2, story_ids):
     model, _ = smollm2
     assert [len(ids) for ids in story_ids] == [4, 6, 2]
     # The torch runner runs the torch forward whatever the product path (a pinned ``rowwise`` would
     # otherwise send its steps through the one-call C step, another summation order throughout), so
     # the two runners differ in their attention alone.
-    runners = {name: ModelRunner(model, num_blocks=16, block_size=4, backend=name, cpu_decode=False)
-               for name in ("torch", "triton")}
+    runners = {
+        name: ModelRunner(model, num_blocks=16, block_size=4, backend=name, cpu_decode=False)
+        for name in ("torch", "triton")
+    }
     # the GPU engine's full path: Triton attention and the fused element-wise kernels
     runners["fused"] = ModelRunner(model, num_blocks=16, block_size=4, backend="triton", fused_kernels=True)
     assert (runners["triton"].fused_kernels, runners["fused"].fused_kernels) == (False, True)

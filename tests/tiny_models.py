@@ -19,8 +19,8 @@ def assert_parallel_agrees(parallel_model, full_model, prompts, tokens, referenc
     reference = [teacher_forced_logits(full_model, p, t) for p, t in zip(prompts, reference_tokens)]
     candidate = [teacher_forced_logits(parallel_model, p, t) for p, t in zip(prompts, reference_tokens)]
     difference = max((a - b).abs().max().item() for a, b in zip(reference, candidate))
-    assert difference < FP32_TOLERANCE                              # the logits agree, not just the argmax
-    tolerance = 2 * difference                                      # a margin moves by at most twice that
+    assert difference < FP32_TOLERANCE  # the logits agree, not just the argmax
+    tolerance = 2 * difference  # a margin moves by at most twice that
     margins = [top2_margins(r).tolist() for r in reference]
     steps = sum(len(t) for t in reference_tokens)
     assert sum(m > tolerance for ms in margins for m in ms) >= min_fraction * steps
@@ -35,8 +35,17 @@ def build_tiny_model(max_position_embeddings: int = 512, seed: int = 0):
     from lifeofprompt.model.llama import LlamaForCausalLM
     from lifeofprompt.model.loader import ByteTokenizer
 
-    config = ModelConfig(name="tiny-random", vocab_size=300, hidden_size=32, intermediate_size=64, num_layers=2,
-                         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=max_position_embeddings)
+    config = ModelConfig(
+        name="tiny-random",
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=max_position_embeddings,
+    )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     with torch.no_grad():

@@ -1,5 +1,4 @@
-"""Tensor and pipeline parallelism through ``torch.distributed``. Public face: ``group.ParallelGroup``, ``sizes.ShardPlan``.
-
-``sizes``: the splits a model allows; ``sharded_model``: one rank's Llama; ``step``: each forward's inputs sent out
-(``pipeline``: down the stages), counted by ``collectives``; ``group``: rank 0, ``worker``: the rest, ``rank_graphs``: CUDA graphs.
+"""Tensor and pipeline parallelism through ``torch.distributed``: ``group.ParallelGroup`` (rank 0), ``worker`` (the
+rest), ``sizes``, ``sharded_model`` (one rank's Llama), ``step`` and ``pipeline`` (each forward's inputs sent out),
+``collectives`` (counted), ``rank_graphs`` (CUDA graphs per rank).
 """

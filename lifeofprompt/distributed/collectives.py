@@ -20,7 +20,7 @@ STATS: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0, "bytes": 0
 # stall (the OS running another process first) moves far less than it moves the sum.
 SAMPLES: dict[str, deque] = defaultdict(lambda: deque(maxlen=SAMPLES_PER_OP))
 SAMPLES_PER_OP = 8192
-WORLD = None        # the group of every rank the step's broadcasts and sends use (None: the default group)
+WORLD = None  # the group of every rank the step's broadcasts and sends use (None: the default group)
 
 
 def use_world(group) -> None:

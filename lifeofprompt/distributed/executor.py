@@ -19,12 +19,16 @@ EXECUTOR_BACKENDS = (None, "uni", "mp")
 def uses_process_group(backend, tensor_parallel_size: int, pipeline_parallel_size: int) -> bool:
     """Whether the engine starts a process group; ``ConfigError`` for an unknown backend or a split ``"uni"``."""
     if not (backend is None or isinstance(backend, str)) or backend not in EXECUTOR_BACKENDS:
-        raise ConfigError(f"distributed_executor_backend={backend!r} is not one of: None (one process when "
-                          "tensor_parallel_size x pipeline_parallel_size = 1, else a process group), 'uni' (one "
-                          "process), 'mp' (a process group, even of one rank)")
+        raise ConfigError(
+            f"distributed_executor_backend={backend!r} is not one of: None (one process when "
+            "tensor_parallel_size x pipeline_parallel_size = 1, else a process group), 'uni' (one "
+            "process), 'mp' (a process group, even of one rank)"
+        )
     split = tensor_parallel_size != 1 or pipeline_parallel_size != 1
     if backend == "uni" and split:
-        raise ConfigError(f"distributed_executor_backend='uni' runs one process, but tensor_parallel_size="
-                          f"{tensor_parallel_size} x pipeline_parallel_size={pipeline_parallel_size} asks for "
-                          "several: use 'mp' or None")
+        raise ConfigError(
+            f"distributed_executor_backend='uni' runs one process, but tensor_parallel_size="
+            f"{tensor_parallel_size} x pipeline_parallel_size={pipeline_parallel_size} asks for "
+            "several: use 'mp' or None"
+        )
     return split or backend == "mp"

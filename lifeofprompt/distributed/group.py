@@ -43,31 +43,40 @@ from ..errors import ConfigError, WorkerFailedError
 from . import collectives, pipeline, step
 from .sharded_model import ShardedLlamaForCausalLM, load_shard, shard_weights, weight_report
 from .sizes import ShardPlan, check_pipeline_parallel_size, check_tensor_parallel_size
-from .worker import WorkerSpec, main as worker_main, tensor_parallel_groups
+from .worker import WorkerSpec, tensor_parallel_groups
+from .worker import main as worker_main
 
-DEFAULT_TIMEOUT_S = 20.0            # a hung worker is reported within this (the issue asks for <= 30 s)
+DEFAULT_TIMEOUT_S = 20.0  # a hung worker is reported within this (the issue asks for <= 30 s)
 JOIN_TIMEOUT_S = 5.0
-START_TIMEOUT_S = 180.0             # spawn + import torch, on a busy 2-core machine
+START_TIMEOUT_S = 180.0  # spawn + import torch, on a busy 2-core machine
 logger = logging.getLogger("lifeofprompt.engine")
 
 
 class ParallelGroup:
     """Rank 0's handle on the workers. ``launch`` returns it with the driver's own shard."""
 
-    def __init__(self, size: int, processes: list, backend: str, device: torch.device, timeout_s: float,
-                 stages: int = 1, worker_threads: int = 1):
+    def __init__(
+        self,
+        size: int,
+        processes: list,
+        backend: str,
+        device: torch.device,
+        timeout_s: float,
+        stages: int = 1,
+        worker_threads: int = 1,
+    ):
         self.size, self.processes, self.backend, self.device = size, processes, backend, device
         self.worker_threads = worker_threads
-        self.worker_plans_source = ""                      # where the workers' product paths came from (start-up log)
+        self.worker_plans_source = ""  # where the workers' product paths came from (start-up log)
         self.stages = stages
         self.world_size = size * stages
         self.timeout_s = timeout_s
         self.error: WorkerFailedError | None = None
-        self.dead: tuple[int, int | None] | None = None     # (rank, exit code) the monitor saw die
+        self.dead: tuple[int, int | None] | None = None  # (rank, exit code) the monitor saw die
         self.closed = False
-        self.stage_group = None                            # stage 0's tensor-parallel group (P > 1)
-        self.driver_plan = None                            # rank 0's ShardPlan, once the weights are out
-        self._lock = threading.RLock()                     # one step's collectives at a time
+        self.stage_group = None  # stage 0's tensor-parallel group (P > 1)
+        self.driver_plan = None  # rank 0's ShardPlan, once the weights are out
+        self._lock = threading.RLock()  # one step's collectives at a time
         self._closing = threading.Event()
         self._monitor = threading.Thread(target=self._watch, name="lifeofprompt-tp-monitor", daemon=True)
         self._monitor.start()
@@ -75,33 +84,59 @@ class ParallelGroup:
     # ------------------------------------------------------------------ start
 
     @classmethod
-    def launch(cls, full_model, size: int, num_blocks: int, block_size: int, timeout_s: float = DEFAULT_TIMEOUT_S,
-               worker_threads: int | None = None, stages: int = 1) -> tuple["ParallelGroup", ShardedLlamaForCausalLM]:
+    def launch(
+        cls,
+        full_model,
+        size: int,
+        num_blocks: int,
+        block_size: int,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        worker_threads: int | None = None,
+        stages: int = 1,
+    ) -> tuple[ParallelGroup, ShardedLlamaForCausalLM]:
         """Start ``size * stages - 1`` workers, split ``full_model`` over all ranks; ``(group, rank 0's shard)``."""
         config = full_model.config
         check_tensor_parallel_size(config, size)
         check_pipeline_parallel_size(config, stages)
         world = size * stages
         if dist.is_initialized():
-            raise ConfigError("a parallel engine is already running in this process (torch.distributed has one "
-                              "default group): call shutdown() on it first")
+            raise ConfigError(
+                "a parallel engine is already running in this process (torch.distributed has one "
+                "default group): call shutdown() on it first"
+            )
         if not 0 < timeout_s <= 30:
             raise ConfigError(f"the collective timeout must be in (0, 30] seconds, got {timeout_s}")
         device = full_model.device
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda" and torch.cuda.device_count() < world:
-            raise ConfigError(f"{size} x {stages} ranks need {world} GPUs; this machine has {torch.cuda.device_count()}")
+            raise ConfigError(
+                f"{size} x {stages} ranks need {world} GPUs; this machine has {torch.cuda.device_count()}"
+            )
         threads = worker_threads or max(1, torch.get_num_threads() // world)
         if "TORCHELASTIC_RUN_ID" in os.environ:
-            return cls._launch_under_torchrun(full_model, size, stages, num_blocks, block_size, timeout_s, backend, threads)
-        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=timeout_s))
+            return cls._launch_under_torchrun(
+                full_model, size, stages, num_blocks, block_size, timeout_s, backend, threads
+            )
+        store = dist.TCPStore(
+            "127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+        )
         context = multiprocessing.get_context("spawn")
         processes = []
         for rank in range(1, world):
-            spec = WorkerSpec(rank, world, size, store.port, config, str(full_model.dtype).removeprefix("torch."),
-                              f"cuda:{rank}" if device.type == "cuda" else "cpu", backend, num_blocks, block_size,
-                              threads, os.getpid())
+            spec = WorkerSpec(
+                rank,
+                world,
+                size,
+                store.port,
+                config,
+                str(full_model.dtype).removeprefix("torch."),
+                f"cuda:{rank}" if device.type == "cuda" else "cpu",
+                backend,
+                num_blocks,
+                block_size,
+                threads,
+                os.getpid(),
+            )
             process = context.Process(target=worker_main, args=(spec,), name=f"lifeofprompt-tp-rank{rank}", daemon=True)
             with _main_module_hidden():
                 process.start()
@@ -110,8 +145,9 @@ class ParallelGroup:
         try:
             group._wait_until_started(store)
             with group.guard():
-                dist.init_process_group(backend, store=store, rank=0, world_size=world,
-                                        timeout=timedelta(seconds=timeout_s))
+                dist.init_process_group(
+                    backend, store=store, rank=0, world_size=world, timeout=timedelta(seconds=timeout_s)
+                )
                 model = group._send_weights(full_model)
         except BaseException:
             group.shutdown()
@@ -135,14 +171,28 @@ class ParallelGroup:
         device = full_model.device
         if rank > 0:
             local = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if device.type == "cuda" else "cpu"
-            main_under_torchrun(WorkerSpec(rank, world, size, 0, full_model.config,
-                                           str(full_model.dtype).removeprefix("torch."), local, backend, num_blocks,
-                                           block_size, threads, os.getppid()))
+            main_under_torchrun(
+                WorkerSpec(
+                    rank,
+                    world,
+                    size,
+                    0,
+                    full_model.config,
+                    str(full_model.dtype).removeprefix("torch."),
+                    local,
+                    backend,
+                    num_blocks,
+                    block_size,
+                    threads,
+                    os.getppid(),
+                )
+            )
             raise SystemExit(0)
         group = cls(size, [], backend, device, timeout_s, stages, threads)
         try:
-            dist.init_process_group(backend, init_method="env://", rank=0, world_size=world,
-                                    timeout=timedelta(seconds=START_TIMEOUT_S))
+            dist.init_process_group(
+                backend, init_method="env://", rank=0, world_size=world, timeout=timedelta(seconds=START_TIMEOUT_S)
+            )
             collectives.use_world(dist.new_group(list(range(world)), timeout=timedelta(seconds=timeout_s)))
             with group.guard():
                 model = group._send_weights(full_model)
@@ -163,8 +213,12 @@ class ParallelGroup:
             for rank, p in enumerate(self.processes, start=1):
                 if not p.is_alive():
                     p.join(1.0)
-                    raise WorkerFailedError(f"parallel worker rank {rank} exited with code {p.exitcode} while "
-                                            "starting (its traceback is above)", rank=rank, exitcode=p.exitcode)
+                    raise WorkerFailedError(
+                        f"parallel worker rank {rank} exited with code {p.exitcode} while "
+                        "starting (its traceback is above)",
+                        rank=rank,
+                        exitcode=p.exitcode,
+                    )
             if time.monotonic() > deadline:
                 raise WorkerFailedError(f"the parallel workers did not start within {START_TIMEOUT_S:g} s")
 
@@ -172,7 +226,7 @@ class ParallelGroup:
     def _send_weights(self, full_model) -> ShardedLlamaForCausalLM:
         """Each rank's slice of each weight it holds, sent from here one tensor at a time; rank 0 keeps its own."""
         config = full_model.config
-        groups = tensor_parallel_groups(self.size, self.stages, timedelta(seconds=self.timeout_s))   # every rank, first
+        groups = tensor_parallel_groups(self.size, self.stages, timedelta(seconds=self.timeout_s))  # every rank, first
         self.stage_group = groups[0]
         for rank in range(1, self.world_size):
             plan = ShardPlan.for_world_rank(config, rank, self.size, self.stages)
@@ -207,7 +261,7 @@ class ParallelGroup:
                 yield
             except WorkerFailedError:
                 raise
-            except Exception as exc:        # gloo/NCCL: a closed connection, a timeout
+            except Exception as exc:  # gloo/NCCL: a closed connection, a timeout
                 timed_out = time.monotonic() - start >= self.timeout_s or "timed out" in str(exc).lower()
                 raise self._fail(exc, timed_out) from exc
 
@@ -218,7 +272,7 @@ class ParallelGroup:
             ready = wait_for(list(sentinels), timeout=0.5)
             if ready and not self._closing.is_set():
                 rank = sentinels[ready[0]]
-                self.processes[rank - 1].join(1.0)          # its pipe closes a moment before it can be reaped
+                self.processes[rank - 1].join(1.0)  # its pipe closes a moment before it can be reaped
                 self.dead = (rank, self.processes[rank - 1].exitcode)
                 self._kill_workers()
                 return
@@ -229,19 +283,24 @@ class ParallelGroup:
         After a timeout the others fail too (rank 0 drops its connections), so a death seen then
         is a consequence, not the cause: the hung worker is the news.
         """
-        if self.dead is None and not timed_out:     # the collective may fail before the monitor wakes
+        if self.dead is None and not timed_out:  # the collective may fail before the monitor wakes
             deadline = time.monotonic() + 1.0
             while self.dead is None and time.monotonic() < deadline:
                 time.sleep(0.02)
         if self.dead is not None and not timed_out:
             rank, code = self.dead
             how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-            error = WorkerFailedError(f"parallel worker rank {rank} {how}; the engine shut the other workers "
-                                      "down and cannot serve any more", rank=rank, exitcode=code)
+            error = WorkerFailedError(
+                f"parallel worker rank {rank} {how}; the engine shut the other workers down and cannot serve any more",
+                rank=rank,
+                exitcode=code,
+            )
         else:
-            error = WorkerFailedError(f"a parallel worker did not answer within {self.timeout_s:g} s (hung?) "
-                                      f"or the group failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
-                                      "the engine shut every worker down and cannot serve any more")
+            error = WorkerFailedError(
+                f"a parallel worker did not answer within {self.timeout_s:g} s (hung?) "
+                f"or the group failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                "the engine shut every worker down and cannot serve any more"
+            )
         self.error = error
         self._close(graceful=False)
         return error
@@ -272,7 +331,7 @@ class ParallelGroup:
         collectives.use_world(None)
 
     def _command(self, command: int) -> None:
-        """Stop, report or plans to every rank: broadcast with one stage, down the pipe with several (``pipeline.py``)."""
+        """Stop, report or plans to every rank: broadcast with one stage, down the pipe with several (``pipeline``)."""
         if self.stages == 1:
             step.send_command(command, self.device)
         else:
@@ -303,8 +362,8 @@ class ParallelGroup:
         theirs. A shape only another stage holds (the last stage's LM head) keeps plain products.
         Under torchrun on other machines the plans are the driver's CPU's: right, if not tuned there.
         """
-        from ..model.linear_calibration import choose_cpu_linear
         from ..model.linear import apply_plans
+        from ..model.linear_calibration import choose_cpu_linear
 
         plans, self.worker_plans_source = choice.plans, f"the driver's ({choice.source})"
         if choice.pinned is None and self.worker_threads != torch.get_num_threads():
@@ -314,7 +373,7 @@ class ParallelGroup:
                 theirs = choose_cpu_linear(driver_model, cpu_linear)
             finally:
                 torch.set_num_threads(previous)
-                apply_plans(driver_model, choice.plans)        # timing drops packed copies: restore the driver's
+                apply_plans(driver_model, choice.plans)  # timing drops packed copies: restore the driver's
             plans = theirs.plans
             self.worker_plans_source = f"for {self.worker_threads} thread(s) a rank ({theirs.source})"
         with self.guard():
@@ -339,31 +398,48 @@ class ParallelGroup:
         embed = c.vocab_size * c.hidden_size * driver_model.embed_tokens.weight.element_size()
         embed *= 1 if c.tie_word_embeddings else 2
         shared = f", each KV head on {plan.kv_replication} ranks" if plan.kv_replication > 1 else ""
-        padded = f" (vocabulary padded {c.vocab_size} -> {plan.vocab[1] - plan.vocab[0]} x {self.size})" \
-            if c.vocab_size % self.size else ""
-        others = (f"ranks 1-{self.world_size - 1} are spawned workers, pids {', '.join(map(str, self.worker_pids))}"
-                  if self.world_size > 1 else "no other rank: distributed_executor_backend='mp' runs the distributed "
-                  "path alone, to measure its cost")
+        padded = (
+            f" (vocabulary padded {c.vocab_size} -> {plan.vocab[1] - plan.vocab[0]} x {self.size})"
+            if c.vocab_size % self.size
+            else ""
+        )
+        others = (
+            f"ranks 1-{self.world_size - 1} are spawned workers, pids {', '.join(map(str, self.worker_pids))}"
+            if self.world_size > 1
+            else "no other rank: distributed_executor_backend='mp' runs the distributed path alone, to measure its cost"
+        )
         lines = [
-            f"parallel: {self.size} tensor x {self.stages} pipeline = {self.world_size} rank{'s' * (self.world_size > 1)} "
-            f"over {self.backend} (rank 0 is this process and samples; {others}); collective timeout {self.timeout_s:g} s",
-            f"split: q/k/v by heads ({h} of {c.num_heads} query and {k} of {c.num_kv_heads} KV heads per rank{shared}), "
-            f"gate/up by columns ({i} of {c.intermediate_size}); o_proj and down_proj row-parallel, one all-reduce each",
-            f"embedding and LM head: vocab-parallel, {plan.vocab[1] - plan.vocab[0]} rows per rank{padded}; replicated they "
-            f"would keep {_mib(embed)} ({embed / max(full_bytes, 1):.0%} of the weights) on every rank; the price is one "
-            "all-reduce of [tokens, hidden] after the lookup and one gather of the sampled rows' logits to rank 0",
-            f"weights on rank 0: {_mib(per_rank)} of {_mib(full_bytes)} ({per_rank / max(full_bytes, 1):.1%}; 1/{self.world_size} "
-            f"= {1 / self.world_size:.1%}); each rank's KV pool holds only its {k} KV head{'s' if k > 1 else ''}"
-            + (f" of its stage's layers" if self.stages > 1 else ""),
+            f"parallel: {self.size} tensor x {self.stages} pipeline = {self.world_size} "
+            f"rank{'s' * (self.world_size > 1)} over {self.backend} (rank 0 is this process and samples; {others}); "
+            f"collective timeout {self.timeout_s:g} s",
+            f"split: q/k/v by heads ({h} of {c.num_heads} query and {k} of {c.num_kv_heads} KV heads per "
+            f"rank{shared}), gate/up by columns ({i} of {c.intermediate_size}); o_proj and down_proj row-parallel, "
+            "one all-reduce each",
+            f"embedding and LM head: vocab-parallel, {plan.vocab[1] - plan.vocab[0]} rows per rank{padded}; "
+            f"replicated they would keep {_mib(embed)} ({embed / max(full_bytes, 1):.0%} of the weights) on every "
+            "rank; the price is one all-reduce of [tokens, hidden] after the lookup and one gather of the sampled "
+            "rows' logits to rank 0",
+            f"weights on rank 0: {_mib(per_rank)} of {_mib(full_bytes)} ({per_rank / max(full_bytes, 1):.1%}; "
+            f"1/{self.world_size} = {1 / self.world_size:.1%}); each rank's KV pool holds only its {k} KV "
+            f"head{'s' if k > 1 else ''}" + (" of its stage's layers" if self.stages > 1 else ""),
         ]
         if self.stages > 1:
-            stages = [ShardPlan.for_world_rank(c, s * self.size, self.size, self.stages).layers for s in range(self.stages)]
-            lines.insert(3, "pipeline: contiguous stages of layers " + ", ".join(f"{a}-{b - 1}" for a, b in stages)
-                         + "; each step goes stage to stage with its hidden states by send/recv, "
-                         + (f"up to {steps_in_flight} steps in flight, one per micro-batch group of requests, so the "
-                            "stages overlap (vLLM's virtual engines); fewer busy groups than stages leave stages idle "
-                            "(the bubble)" if steps_in_flight > 1 else
-                            "one step at a time (no overlap: each stage waits while the others run, the bubble)"))
+            stages = [
+                ShardPlan.for_world_rank(c, s * self.size, self.size, self.stages).layers for s in range(self.stages)
+            ]
+            lines.insert(
+                3,
+                "pipeline: contiguous stages of layers "
+                + ", ".join(f"{a}-{b - 1}" for a, b in stages)
+                + "; each step goes stage to stage with its hidden states by send/recv, "
+                + (
+                    f"up to {steps_in_flight} steps in flight, one per micro-batch group of requests, so the "
+                    "stages overlap (vLLM's virtual engines); fewer busy groups than stages leave stages idle "
+                    "(the bubble)"
+                    if steps_in_flight > 1
+                    else "one step at a time (no overlap: each stage waits while the others run, the bubble)"
+                ),
+            )
         if self.worker_plans_source:
             lines.append(f"workers' CPU matrix products: {self.worker_plans_source}, sent to every rank")
         return lines
@@ -380,7 +456,9 @@ def _main_module_hidden():
     the name are hidden while it starts, as they already are for ``python -c`` and notebooks.
     """
     main = sys.modules.get("__main__")
-    saved = {name: main.__dict__[name] for name in ("__file__", "__spec__") if main is not None and name in main.__dict__}
+    saved = {
+        name: main.__dict__[name] for name in ("__file__", "__spec__") if main is not None and name in main.__dict__
+    }
     try:
         for name in saved:
             if name == "__file__":

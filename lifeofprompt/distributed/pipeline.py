@@ -41,8 +41,8 @@ import torch
 from . import collectives
 from .step import HEADER, STEP, payload_size
 
-STAGE_TIMES = 4096          # steps each rank remembers the times of
-LOGITS_TAGS = 1024          # step k's logits travel with tag 1 + k % LOGITS_TAGS (gloo; NCCL keeps order anyway)
+STAGE_TIMES = 4096  # steps each rank remembers the times of
+LOGITS_TAGS = 1024  # step k's logits travel with tag 1 + k % LOGITS_TAGS (gloo; NCCL keeps order anyway)
 
 
 def logits_tag(step_number: int) -> int:
@@ -89,7 +89,9 @@ def first_hop(plan, header: torch.Tensor, payload: torch.Tensor | None, group) -
             collectives.broadcast(payload, src=0, group=group)
 
 
-def send_on(plan, header: torch.Tensor, payload: torch.Tensor | None = None, hidden: torch.Tensor | None = None) -> None:
+def send_on(
+    plan, header: torch.Tensor, payload: torch.Tensor | None = None, hidden: torch.Tensor | None = None
+) -> None:
     """Header, payload and hidden states to this rank's peer in the next stage (nothing from the last stage)."""
     if plan.is_last_stage:
         return

@@ -3,8 +3,9 @@
 A single-process engine captures its decode step once per batch size and replays it
 (``model/graph_capture.py``, filled by ``engine/cuda_graphs.py``). With T ranks the step also
 holds all-reduces, and each rank's graph must replay in step with the others'. What cannot go
-inside a graph is the step's inputs travelling from rank 0: a graph replays the values its buffers hold, so a broadcast captured
-in it would resend the capture's own header forever. So the step splits in three, on every rank:
+inside a graph is the step's inputs travelling from rank 0: a graph replays the values its buffers
+hold, so a broadcast captured in it would resend the capture's own header forever.
+So the step splits in three, on every rank:
 
 1. outside any graph, rank 0 broadcasts the padded decode step (ids, positions, slots,
    lengths, block tables: ``step.send_replay``), and each rank copies it into its static buffers;
@@ -33,8 +34,18 @@ class RankDecodeGraphs(GraphCapture):
     """One rank's static decode buffers and its graphs of them (``GraphCapture``'s buffers and capture,
     around this shard's ``local_logits`` instead of a whole forward)."""
 
-    def __init__(self, model, cache, sizes: list[int], max_num_seqs: int, max_blocks: int, max_model_len: int,
-                 backend: str, fused: bool, capture: bool):
+    def __init__(
+        self,
+        model,
+        cache,
+        sizes: list[int],
+        max_num_seqs: int,
+        max_blocks: int,
+        max_model_len: int,
+        backend: str,
+        fused: bool,
+        capture: bool,
+    ):
         self.model, self.kv_cache, self.device = model, cache, model.device
         self.graph_sizes, self.max_num_seqs, self.max_blocks_per_seq = list(sizes), max_num_seqs, max_blocks
         self.max_model_len, self.backend, self.fused = max_model_len, backend, fused
@@ -44,7 +55,7 @@ class RankDecodeGraphs(GraphCapture):
             self.capture_graphs()
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        """What a graph holds (``GraphCapture.capture_graphs`` captures this): the shard's ``[rows, vocab / T]`` logits."""
+        """What a graph holds (``GraphCapture.capture_graphs``): the shard's ``[rows, vocab / T]`` logits."""
         return self.model.local_logits(input_ids, positions, meta, self.fused)
 
     def load(self, size: int, payload: torch.Tensor) -> None:
@@ -63,15 +74,21 @@ class RankDecodeGraphs(GraphCapture):
             graph, local = self.graphs[size]
             graph.replay()
         else:
-            local = self.run_model(self.static_input_ids[:size], self.static_positions[:size],
-                                   self.static_decode_metadata(size))
+            local = self.run_model(
+                self.static_input_ids[:size], self.static_positions[:size], self.static_decode_metadata(size)
+            )
         return self.model.gather_logits(local)
 
 
 def replay_payload(runner, size: int) -> torch.Tensor:
-    """Rank 0: the first ``size`` rows of the runner's filled static buffers (``fill_static_decode``) as one int64 tensor."""
-    parts = [runner.static_input_ids[:size], runner.static_positions[:size], runner.static_slot_mapping[:size],
-             runner.static_seq_lens[:size], runner.static_block_tables[:size].reshape(-1)]
+    """Rank 0: the first ``size`` rows of the runner's filled static buffers (``fill_static_decode``), as int64."""
+    parts = [
+        runner.static_input_ids[:size],
+        runner.static_positions[:size],
+        runner.static_slot_mapping[:size],
+        runner.static_seq_lens[:size],
+        runner.static_block_tables[:size].reshape(-1),
+    ]
     payload = torch.cat([p.to(torch.long) for p in parts])
     assert payload.numel() == step.replay_payload_size(size, runner.max_blocks_per_seq)
     return payload

@@ -45,7 +45,7 @@ from .sizes import ShardPlan
 class RowParallelLinear(Linear):
     """``x[:, my columns] @ W[:, my columns].T``, summed over the tensor-parallel ranks by one all-reduce."""
 
-    group = None                       # this stage's tensor-parallel group (None: every rank)
+    group = None  # this stage's tensor-parallel group (None: every rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)
@@ -78,11 +78,11 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
         super().__init__(plan.config)
         self.plan = plan
         self.full_config = plan.full
-        self.collective_guard = collective_guard      # the driver's fault handling around each step
-        self.last_block_tables = None                 # what the last paged step ran (tests compare ranks)
-        self.decode_graphs = None                     # rank_graphs.RankDecodeGraphs, once the runner starts them
+        self.collective_guard = collective_guard  # the driver's fault handling around each step
+        self.last_block_tables = None  # what the last paged step ran (tests compare ranks)
+        self.decode_graphs = None  # rank_graphs.RankDecodeGraphs, once the runner starts them
         self.tp_group = None
-        self.stage_clock = pipeline.StageClock()      # when this rank ran its layers, step by step (P > 1)
+        self.stage_clock = pipeline.StageClock()  # when this rank ran its layers, step by step (P > 1)
         c = plan.config
         self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, plan.vocab[0])
         if c.tie_word_embeddings:
@@ -94,12 +94,12 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
         if not plan.is_last_stage:
             del self.norm, self.lm_head
         elif not plan.is_first_stage and c.tie_word_embeddings:
-            self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)   # its own copy of the tied shard
+            self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)  # its own copy of the tied shard
         if not plan.is_first_stage:
             del self.embed_tokens
 
     @classmethod
-    def empty(cls, plan: ShardPlan, device, dtype, collective_guard=None) -> "ShardedLlamaForCausalLM":
+    def empty(cls, plan: ShardPlan, device, dtype, collective_guard=None) -> ShardedLlamaForCausalLM:
         """The shard's modules on ``device``, their weights to be overwritten (``load_shard``, ``dist.recv``).
 
         Built on the device itself, not on "meta": a shard is small, and torch's meta
@@ -130,7 +130,7 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
         return self.plan.world_rank == 0
 
     def forward(self, input_ids, positions=None, meta=None, fused_kernels=False):
-        if input_ids.dim() == 2 and meta is None:          # the convenience form: flattened, then below
+        if input_ids.dim() == 2 and meta is None:  # the convenience form: flattened, then below
             return super().forward(input_ids, positions, meta, fused_kernels)
         if not self.is_driver:
             return self.shard_forward(input_ids, positions, meta, fused_kernels)
@@ -153,8 +153,14 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
             header, payload = step.pack(input_ids, positions, meta, fused_kernels)
             pipeline.first_hop(plan, header, payload, self.tp_group)
             rows = input_ids.shape[0] if meta.logits_indices is None else meta.logits_indices.shape[0]
-            pending = pipeline.PendingLogits(rows, plan.full.vocab_size, plan.peer(plan.num_stages - 1) - plan.rank,
-                                             pipeline.logits_tag(self.stage_clock.num_steps), self.device, guard)
+            pending = pipeline.PendingLogits(
+                rows,
+                plan.full.vocab_size,
+                plan.peer(plan.num_stages - 1) - plan.rank,
+                pipeline.logits_tag(self.stage_clock.num_steps),
+                self.device,
+                guard,
+            )
             self.shard_forward(input_ids, positions, meta, fused_kernels, wire=(header, payload))
         return pending
 
@@ -188,7 +194,7 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
             pipeline.send_on(plan, *wire, hidden)
             return None
         logits = self.gather_logits(self.logits_of(hidden, meta))
-        if logits is not None and plan.num_stages > 1:             # the step this rank just counted
+        if logits is not None and plan.num_stages > 1:  # the step this rank just counted
             collectives.send(logits.contiguous(), dst=0, tag=pipeline.logits_tag(self.stage_clock.num_steps - 1))
             return None
         return logits
@@ -202,7 +208,7 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
     def gather_logits(self, local: torch.Tensor) -> torch.Tensor | None:
         """Every tensor-parallel rank's slice to this stage's rank 0, whole there; None on the others."""
         plan = self.plan
-        first = plan.peer(plan.stage) - plan.rank           # this stage's tensor-parallel rank 0
+        first = plan.peer(plan.stage) - plan.rank  # this stage's tensor-parallel rank 0
         return step.gather_logits(local, plan.full.vocab_size, plan.size, group=self.tp_group, dst=first)
 
     # ------------------------------------------------------------------ decode graphs, one per rank (P = 1)
@@ -220,9 +226,15 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
         if self.plan.num_stages > 1:
             raise NotImplementedError("decode graphs with pipeline stages: a stage's graph would wait on a receive")
         guard = self.collective_guard or contextlib.nullcontext
-        settings = dict(sizes=runner.graph_sizes, max_num_seqs=runner.max_num_seqs, max_blocks=runner.max_blocks_per_seq,
-                        max_model_len=runner.max_model_len, backend=runner.backend, fused=runner.fused_kernels,
-                        capture=capture)
+        settings = dict(
+            sizes=runner.graph_sizes,
+            max_num_seqs=runner.max_num_seqs,
+            max_blocks=runner.max_blocks_per_seq,
+            max_model_len=runner.max_model_len,
+            backend=runner.backend,
+            fused=runner.fused_kernels,
+            capture=capture,
+        )
         with guard():
             step.send_capture(device=self.device, **settings)
             self.decode_graphs = RankDecodeGraphs(self, runner.kv_cache, **settings)
@@ -238,8 +250,14 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
 # ----------------------------------------------------------------------------- weights
 
 
-LAYER_PARAMETERS = ("input_layernorm.weight", "self_attn.qkv_proj.weight", "self_attn.o_proj.weight",
-                    "post_attention_layernorm.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight")
+LAYER_PARAMETERS = (
+    "input_layernorm.weight",
+    "self_attn.qkv_proj.weight",
+    "self_attn.o_proj.weight",
+    "post_attention_layernorm.weight",
+    "mlp.gate_up_proj.weight",
+    "mlp.down_proj.weight",
+)
 
 
 def shard_names(plan: ShardPlan) -> list[str]:
@@ -255,7 +273,7 @@ def shard_names(plan: ShardPlan) -> list[str]:
 
 
 def _source_name(name: str, plan: ShardPlan) -> str:
-    """The full model's parameter behind a shard's: local layer j is layer ``layers[0] + j``; a tied LM head is the embedding."""
+    """The full model's parameter behind a shard's: local layer j is layer ``layers[0] + j``; tied head: embedding."""
     if name.startswith("layers."):
         _, j, rest = name.split(".", 2)
         return f"layers.{plan.layers[0] + int(j)}.{rest}"
@@ -277,19 +295,21 @@ def shard_weights(full: LlamaForCausalLM, plan: ShardPlan) -> dict[str, torch.Te
         weight = params[_source_name(name, plan)]
         if name.endswith("qkv_proj.weight"):
             q_all, kv_all = c.num_heads * d, c.num_kv_heads * d
-            out[name] = torch.cat([weight[q0:q1], weight[q_all + k0:q_all + k1], weight[q_all + kv_all + k0:q_all + kv_all + k1]])
+            out[name] = torch.cat(
+                [weight[q0:q1], weight[q_all + k0 : q_all + k1], weight[q_all + kv_all + k0 : q_all + kv_all + k1]]
+            )
         elif name.endswith("o_proj.weight"):
             out[name] = weight[:, q0:q1]
         elif name.endswith("gate_up_proj.weight"):
-            out[name] = torch.cat([weight[i0:i1], weight[c.intermediate_size + i0:c.intermediate_size + i1]])
+            out[name] = torch.cat([weight[i0:i1], weight[c.intermediate_size + i0 : c.intermediate_size + i1]])
         elif name.endswith("down_proj.weight"):
             out[name] = weight[:, i0:i1]
         elif name in ("embed_tokens.weight", "lm_head.weight"):
             v0, v1 = plan.vocab
-            rows = weight[v0:min(v1, c.vocab_size)]
+            rows = weight[v0 : min(v1, c.vocab_size)]
             pad = (v1 - v0) - rows.shape[0]
             out[name] = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])]) if pad else rows
-        else:                                       # norms: replicated
+        else:  # norms: replicated
             out[name] = weight
     return {name: t.detach().contiguous() for name, t in out.items()}
 
@@ -303,6 +323,8 @@ def load_shard(model: ShardedLlamaForCausalLM, tensors: dict[str, torch.Tensor])
 def weight_report(model: nn.Module) -> dict:
     """Shape, bytes and sum of every parameter (tied ones once): what a test checks rank by rank."""
     params = dict(model.named_parameters())
-    return dict(shapes={n: tuple(p.shape) for n, p in params.items()},
-                sums={n: float(p.detach().double().sum()) for n, p in params.items()},
-                nbytes=sum(p.numel() * p.element_size() for p in params.values()))
+    return dict(
+        shapes={n: tuple(p.shape) for n, p in params.items()},
+        sums={n: float(p.detach().double().sum()) for n, p in params.items()},
+        nbytes=sum(p.numel() * p.element_size() for p in params.values()),
+    )

@@ -48,16 +48,21 @@ def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
     reason = _why_not(config, size) if isinstance(size, int) and not isinstance(size, bool) else "it must be an int"
     if reason is not None:
         valid = valid_tensor_parallel_sizes(config)
-        raise ParallelConfigError(f"tensor_parallel_size={size!r} cannot split {config.name}: {reason}; "
-                                  f"valid sizes: {', '.join(map(str, valid))}", valid_sizes=valid)
+        raise ParallelConfigError(
+            f"tensor_parallel_size={size!r} cannot split {config.name}: {reason}; "
+            f"valid sizes: {', '.join(map(str, valid))}",
+            valid_sizes=valid,
+        )
 
 
 def check_pipeline_parallel_size(config: ModelConfig, stages: int) -> None:
     """Each pipeline stage needs at least one layer."""
     if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= config.num_layers:
-        raise ParallelConfigError(f"pipeline_parallel_size={stages!r} cannot split {config.name}: each stage needs at "
-                                  f"least one of its {config.num_layers} layers; valid sizes: 1 to {config.num_layers}",
-                                  valid_sizes=tuple(range(1, config.num_layers + 1)))
+        raise ParallelConfigError(
+            f"pipeline_parallel_size={stages!r} cannot split {config.name}: each stage needs at "
+            f"least one of its {config.num_layers} layers; valid sizes: 1 to {config.num_layers}",
+            valid_sizes=tuple(range(1, config.num_layers + 1)),
+        )
 
 
 def stage_layers(num_layers: int, stages: int, stage: int) -> tuple[int, int]:
@@ -75,16 +80,16 @@ class ShardPlan:
     rank: int
     size: int
     full: ModelConfig
-    heads: tuple[int, int]         # query heads [start, end)
-    kv_heads: tuple[int, int]      # KV heads [start, end)
+    heads: tuple[int, int]  # query heads [start, end)
+    kv_heads: tuple[int, int]  # KV heads [start, end)
     intermediate: tuple[int, int]  # gate/up columns [start, end)
-    vocab: tuple[int, int]         # vocabulary rows [start, start + padded shard), may pass vocab_size
+    vocab: tuple[int, int]  # vocabulary rows [start, start + padded shard), may pass vocab_size
     stage: int = 0
     num_stages: int = 1
-    layers: tuple[int, int] = (0, 0)   # the full model's layers [start, end) this stage runs
+    layers: tuple[int, int] = (0, 0)  # the full model's layers [start, end) this stage runs
 
     @classmethod
-    def for_world_rank(cls, config: ModelConfig, world_rank: int, size: int, stages: int = 1) -> "ShardPlan":
+    def for_world_rank(cls, config: ModelConfig, world_rank: int, size: int, stages: int = 1) -> ShardPlan:
         check_pipeline_parallel_size(config, stages)
         stage, rank = divmod(world_rank, size)
         plan = cls.for_rank(config, rank, size)
@@ -107,26 +112,38 @@ class ShardPlan:
         return stage * self.size + self.rank
 
     @classmethod
-    def for_rank(cls, config: ModelConfig, rank: int, size: int) -> "ShardPlan":
+    def for_rank(cls, config: ModelConfig, rank: int, size: int) -> ShardPlan:
         check_tensor_parallel_size(config, size)
         h, i = config.num_heads // size, config.intermediate_size // size
         if config.num_kv_heads % size == 0:
             k = config.num_kv_heads // size
             kv = (rank * k, rank * k + k)
-        else:                                      # replicated: the KV head this rank's queries read
+        else:  # replicated: the KV head this rank's queries read
             first = rank // (size // config.num_kv_heads)
             kv = (first, first + 1)
         per = -(-config.vocab_size // size)
-        return cls(rank, size, config, (rank * h, rank * h + h), kv, (rank * i, rank * i + i),
-                   (rank * per, rank * per + per), layers=(0, config.num_layers))
+        return cls(
+            rank,
+            size,
+            config,
+            (rank * h, rank * h + h),
+            kv,
+            (rank * i, rank * i + i),
+            (rank * per, rank * per + per),
+            layers=(0, config.num_layers),
+        )
 
     @property
     def config(self) -> ModelConfig:
         """The shard's own shapes: the existing Llama built from it *is* the shard."""
-        return replace(self.full, num_heads=self.heads[1] - self.heads[0],
-                       num_kv_heads=self.kv_heads[1] - self.kv_heads[0],
-                       intermediate_size=self.intermediate[1] - self.intermediate[0],
-                       vocab_size=self.vocab[1] - self.vocab[0], num_layers=self.layers[1] - self.layers[0])
+        return replace(
+            self.full,
+            num_heads=self.heads[1] - self.heads[0],
+            num_kv_heads=self.kv_heads[1] - self.kv_heads[0],
+            intermediate_size=self.intermediate[1] - self.intermediate[0],
+            vocab_size=self.vocab[1] - self.vocab[0],
+            num_layers=self.layers[1] - self.layers[0],
+        )
 
     @property
     def kv_replication(self) -> int:

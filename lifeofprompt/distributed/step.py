@@ -22,8 +22,8 @@ import torch.distributed as dist
 from ..model.attention import NoCacheMetadata, PagedCacheMetadata
 from . import collectives
 
-STEP, STOP, REPORT, PLANS, CAPTURE, REPLAY = 1, 2, 3, 4, 5, 6   # commands in header[0]
-NO_CACHE, PAGED = 0, 1              # metadata kinds in header[1]
+STEP, STOP, REPORT, PLANS, CAPTURE, REPLAY = 1, 2, 3, 4, 5, 6  # commands in header[0]
+NO_CACHE, PAGED = 0, 1  # metadata kinds in header[1]
 BACKENDS = ("torch", "triton")
 HEADER = 11
 
@@ -42,10 +42,23 @@ def pack(input_ids: torch.Tensor, positions: torch.Tensor, meta, fused: bool) ->
         width = meta.block_tables.shape[1]
         parts += [meta.slot_mapping, meta.block_tables.reshape(-1)]
     device = input_ids.device
-    header = torch.tensor([STEP, PAGED if paged else NO_CACHE, input_ids.shape[0], meta.num_seqs, width,
-                           -1 if logits is None else logits.shape[0], meta.max_query_len, meta.max_seq_len,
-                           int(bool(fused)), BACKENDS.index(getattr(meta, "backend", "torch")),
-                           int(getattr(meta, "decode_in_c", False))], dtype=torch.long, device=device)
+    header = torch.tensor(
+        [
+            STEP,
+            PAGED if paged else NO_CACHE,
+            input_ids.shape[0],
+            meta.num_seqs,
+            width,
+            -1 if logits is None else logits.shape[0],
+            meta.max_query_len,
+            meta.max_seq_len,
+            int(bool(fused)),
+            BACKENDS.index(getattr(meta, "backend", "torch")),
+            int(getattr(meta, "decode_in_c", False)),
+        ],
+        dtype=torch.long,
+        device=device,
+    )
     payload = torch.cat([p.reshape(-1).to(device=device, dtype=torch.long) for p in parts])
     return header, payload
 
@@ -61,12 +74,23 @@ def unpack(header: list[int], payload: torch.Tensor, cache=None):
     _, kind, tokens, seqs, width, logits, max_query_len, max_seq_len, fused, backend, decode_in_c = header
     sizes = [tokens, tokens, seqs + 1, seqs, max(logits, 0)] + ([tokens, seqs * width] if kind == PAGED else [])
     ids, positions, starts, lens, rows, *paged = payload.split(sizes)
-    fields = dict(query_start_loc=starts.int(), seq_lens=lens.int(), max_query_len=max_query_len,
-                  max_seq_len=max_seq_len, logits_indices=rows if logits >= 0 else None)
+    fields = dict(
+        query_start_loc=starts.int(),
+        seq_lens=lens.int(),
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        logits_indices=rows if logits >= 0 else None,
+    )
     if kind == PAGED:
         slots, tables = paged
-        meta = PagedCacheMetadata(**fields, cache=cache, block_tables=tables.view(seqs, width).int(), slot_mapping=slots,
-                                  backend=BACKENDS[backend], decode_in_c=bool(decode_in_c))
+        meta = PagedCacheMetadata(
+            **fields,
+            cache=cache,
+            block_tables=tables.view(seqs, width).int(),
+            slot_mapping=slots,
+            backend=BACKENDS[backend],
+            decode_in_c=bool(decode_in_c),
+        )
     else:
         meta = NoCacheMetadata(**fields)
     return ids, positions, meta, bool(fused)
@@ -99,7 +123,7 @@ def receive(device) -> tuple[list[int], torch.Tensor | None]:
 
 
 def gather_logits(local: torch.Tensor, vocab_size: int, size: int, group=None, dst: int = 0) -> torch.Tensor | None:
-    """The ``size`` ranks' ``[rows, vocab / T]`` logits to rank ``dst`` as ``[rows, vocab]`` (the padding cut off); None elsewhere."""
+    """The ``size`` ranks' ``[rows, vocab / T]`` logits to rank ``dst`` as ``[rows, vocab]`` (unpadded); else None."""
     local = local.contiguous()
     if size == 1:
         return local[:, :vocab_size]
@@ -121,12 +145,35 @@ def gather_logits(local: torch.Tensor, vocab_size: int, size: int, group=None, d
 # buffers and replays, and the logits are gathered after the replay.
 
 
-def send_capture(sizes: list[int], max_num_seqs: int, max_blocks: int, max_model_len: int, backend: str,
-                 fused: bool, capture: bool, device) -> None:
+def send_capture(
+    sizes: list[int],
+    max_num_seqs: int,
+    max_blocks: int,
+    max_model_len: int,
+    backend: str,
+    fused: bool,
+    capture: bool,
+    device,
+) -> None:
     """Rank 0: every rank sets up its static decode buffers and its graphs of ``sizes`` rows
     (or, with ``capture=False``, runs the same padded steps eagerly: how the CPU tests check it)."""
-    header = torch.tensor([CAPTURE, len(sizes), max_num_seqs, max_blocks, max_model_len, BACKENDS.index(backend),
-                           int(bool(fused)), int(bool(capture)), 0, 0, 0], dtype=torch.long, device=device)
+    header = torch.tensor(
+        [
+            CAPTURE,
+            len(sizes),
+            max_num_seqs,
+            max_blocks,
+            max_model_len,
+            BACKENDS.index(backend),
+            int(bool(fused)),
+            int(bool(capture)),
+            0,
+            0,
+            0,
+        ],
+        dtype=torch.long,
+        device=device,
+    )
     collectives.broadcast(header, src=0)
     collectives.broadcast(torch.tensor(sizes, dtype=torch.long, device=device), src=0)
 
@@ -136,8 +183,15 @@ def receive_capture(header: list[int], device) -> dict:
     _, count, max_num_seqs, max_blocks, max_model_len, backend, fused, capture = header[:8]
     sizes = torch.empty(count, dtype=torch.long, device=device)
     collectives.broadcast(sizes, src=0)
-    return dict(sizes=sizes.tolist(), max_num_seqs=max_num_seqs, max_blocks=max_blocks, max_model_len=max_model_len,
-                backend=BACKENDS[backend], fused=bool(fused), capture=bool(capture))
+    return dict(
+        sizes=sizes.tolist(),
+        max_num_seqs=max_num_seqs,
+        max_blocks=max_blocks,
+        max_model_len=max_model_len,
+        backend=BACKENDS[backend],
+        fused=bool(fused),
+        capture=bool(capture),
+    )
 
 
 def replay_payload_size(size: int, max_blocks: int) -> int:

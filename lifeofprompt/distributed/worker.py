@@ -22,21 +22,21 @@ import torch
 import torch.distributed as dist
 
 WATCHDOG_PERIOD_S = 0.2
-IDLE_TIMEOUT = timedelta(days=1)       # a worker may wait this long for the next step (an idle server)
+IDLE_TIMEOUT = timedelta(days=1)  # a worker may wait this long for the next step (an idle server)
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
     """Everything a worker needs, picklable: no model, no tensors (the weights arrive by scatter)."""
 
-    rank: int                   # in the world: stage * tensor_parallel_size + tensor-parallel rank
+    rank: int  # in the world: stage * tensor_parallel_size + tensor-parallel rank
     world_size: int
     tensor_parallel_size: int
     port: int
-    config: object              # the full model's ModelConfig
-    dtype: str                  # "float32"
-    device: str                 # "cpu", "cuda:1"
-    backend: str                # "gloo", "nccl"
+    config: object  # the full model's ModelConfig
+    dtype: str  # "float32"
+    device: str  # "cpu", "cuda:1"
+    backend: str  # "gloo", "nccl"
     num_blocks: int
     block_size: int
     threads: int
@@ -46,10 +46,12 @@ class WorkerSpec:
 
 def watch_parent(parent_pid: int) -> None:
     """Exit this process as soon as the driver that started it is gone."""
+
     def loop():
         while os.getppid() == parent_pid:
             time.sleep(WATCHDOG_PERIOD_S)
         os._exit(3)
+
     threading.Thread(target=loop, name="lifeofprompt-parent-watchdog", daemon=True).start()
 
 
@@ -58,7 +60,7 @@ def main(spec: WorkerSpec) -> None:
     watch_parent(spec.parent_pid)
     plan, model, cache = build_shard(spec)
     store = dist.TCPStore(spec.host, spec.port, spec.world_size, is_master=False, timeout=timedelta(seconds=60))
-    store.set(f"started/{spec.rank}", "1")          # rank 0 waits for every worker before the timed collectives
+    store.set(f"started/{spec.rank}", "1")  # rank 0 waits for every worker before the timed collectives
     dist.init_process_group(spec.backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=IDLE_TIMEOUT)
     run_shard(spec, plan, model, cache)
 
@@ -67,8 +69,9 @@ def main_under_torchrun(spec: WorkerSpec) -> None:
     """A rank > 0 that torchrun started (on this machine or another): the same, joined through torchrun's
     rendezvous (``MASTER_ADDR``/``MASTER_PORT``), with one more group every rank makes: the timed world."""
     plan, model, cache = build_shard(spec)
-    dist.init_process_group(spec.backend, init_method="env://", rank=spec.rank, world_size=spec.world_size,
-                            timeout=IDLE_TIMEOUT)
+    dist.init_process_group(
+        spec.backend, init_method="env://", rank=spec.rank, world_size=spec.world_size, timeout=IDLE_TIMEOUT
+    )
     from . import collectives
 
     collectives.use_world(dist.new_group(list(range(spec.world_size)), timeout=IDLE_TIMEOUT))  # rank 0's timed world
@@ -101,12 +104,16 @@ def run_shard(spec: WorkerSpec, plan, model, cache) -> None:
         model.set_tp_group(tensor_parallel_groups(spec.tensor_parallel_size, stages, IDLE_TIMEOUT)[plan.stage])
         params = dict(model.named_parameters())
         with torch.no_grad():
-            for name in shard_names(plan):                 # the order rank 0 sends them in
+            for name in shard_names(plan):  # the order rank 0 sends them in
                 dist.recv(params[name].data, src=0)
         serve(model, cache, model.device)
-    except Exception as exc:     # the group failed (rank 0 gone, timed out, a peer died): say so in one line
-        print(f"lifeofprompt parallel worker rank {spec.rank}: {type(exc).__name__}: "
-              f"{str(exc).splitlines()[0] if str(exc) else ''}; exiting", file=sys.stderr, flush=True)
+    except Exception as exc:  # the group failed (rank 0 gone, timed out, a peer died): say so in one line
+        print(
+            f"lifeofprompt parallel worker rank {spec.rank}: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}; exiting",
+            file=sys.stderr,
+            flush=True,
+        )
         raise SystemExit(1) from None
     finally:
         dist.destroy_process_group()
@@ -130,7 +137,7 @@ def serve(model, cache, device) -> None:
     from . import collectives, pipeline, step
 
     staged = model.plan.num_stages > 1
-    graphs = None                                           # this rank's decode graphs, once rank 0 asks (P = 1)
+    graphs = None  # this rank's decode graphs, once rank 0 asks (P = 1)
     while True:
         if staged:
             wire, header, payload = pipeline.receive(model.plan, device, model.tp_group)
@@ -141,14 +148,16 @@ def serve(model, cache, device) -> None:
         if header[0] == step.REPORT:
             dist.gather_object(shard_report(model, cache), None, dst=0)
             continue
-        if header[0] == step.PLANS:                         # the CPU product paths the driver chose
+        if header[0] == step.PLANS:  # the CPU product paths the driver chose
             from ..model.linear import apply_plans
+
             plans = [None]
             dist.broadcast_object_list(plans, src=0, group=collectives.WORLD)
             apply_plans(model, plans[0])
             continue
-        if header[0] == step.CAPTURE:                       # the same sizes, in the same order, on every rank
+        if header[0] == step.CAPTURE:  # the same sizes, in the same order, on every rank
             from .rank_graphs import RankDecodeGraphs
+
             graphs = RankDecodeGraphs(model, cache, **step.receive_capture(header, device))
             continue
         if header[0] == step.REPLAY:
@@ -166,9 +175,23 @@ def shard_report(model, cache) -> dict:
     from . import collectives
 
     plan = model.plan
-    products = {name: module.plan.describe() if getattr(module, "plan", None) else None
-                for name, module in model.named_modules() if hasattr(module, "prepack")}
-    return dict(products=products, rank=plan.world_rank, collectives=collectives.snapshot(),
-                collective_calls=collectives.samples(), tp_rank=plan.rank, stage=plan.stage, layers=plan.layers, pid=os.getpid(),
-                weights=weight_report(model), kv_shape=tuple(cache.kv.shape), stage_times=list(model.stage_clock.times),
-                kv_nbytes=cache.nbytes, block_tables=None if tables is None else tables.tolist())
+    products = {
+        name: module.plan.describe() if getattr(module, "plan", None) else None
+        for name, module in model.named_modules()
+        if hasattr(module, "prepack")
+    }
+    return dict(
+        products=products,
+        rank=plan.world_rank,
+        collectives=collectives.snapshot(),
+        collective_calls=collectives.samples(),
+        tp_rank=plan.rank,
+        stage=plan.stage,
+        layers=plan.layers,
+        pid=os.getpid(),
+        weights=weight_report(model),
+        kv_shape=tuple(cache.kv.shape),
+        stage_times=list(model.stage_clock.times),
+        kv_nbytes=cache.nbytes,
+        block_tables=None if tables is None else tables.tolist(),
+    )

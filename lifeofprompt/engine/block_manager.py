@@ -49,22 +49,23 @@ def hash_block(parent_hash: int | None, token_ids) -> int:
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None                 # set while the block is registered in the prefix cache
-    parent_hash: int | None = None          # checked on a hit, with the tokens
-    token_ids: tuple[int, ...] = ()         # the tokens its K/V were computed for (cached blocks only)
+    hash: int | None = None  # set while the block is registered in the prefix cache
+    parent_hash: int | None = None  # checked on a hit, with the tokens
+    token_ids: tuple[int, ...] = ()  # the tokens its K/V were computed for (cached blocks only)
 
 
 @dataclass
 class _SeqState:
-    num_tokens: int = 0                     # token slots its block table was sized for
+    num_tokens: int = 0  # token slots its block table was sized for
     block_hashes: list[int] = field(default_factory=list)  # hashes of its leading full, computed blocks
-    claim: tuple[int, int] = (0, 0)         # (hits, misses) its admission counted, undone if admission fails
+    claim: tuple[int, int] = (0, 0)  # (hits, misses) its admission counted, undone if admission fails
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
         if num_blocks < 1 or block_size < 1:
             from ..errors import ConfigError
+
             raise ConfigError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -73,9 +74,9 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # head = next out
         self.hash_to_block: dict[int, int] = {}
         self._seqs: dict[int, _SeqState] = {}
-        self.hits = 0            # full prompt blocks found in the cache at admission
-        self.misses = 0          # full prompt blocks looked up and not found (they will be computed)
-        self.saved_tokens = 0    # tokens whose K/V were reused instead of computed
+        self.hits = 0  # full prompt blocks found in the cache at admission
+        self.misses = 0  # full prompt blocks looked up and not found (they will be computed)
+        self.saved_tokens = 0  # tokens whose K/V were reused instead of computed
 
     # ---------------------------------------------------------------- counts
     @property
@@ -97,9 +98,15 @@ class BlockManager:
     @property
     def stats(self) -> dict:
         lookups = self.hits + self.misses
-        return dict(free=self.num_free_blocks, used=self.num_used_blocks, cached=self.num_cached_blocks,
-                    hits=self.hits, misses=self.misses, hit_rate=self.hits / lookups if lookups else 0.0,
-                    saved_tokens=self.saved_tokens)
+        return dict(
+            free=self.num_free_blocks,
+            used=self.num_used_blocks,
+            cached=self.num_cached_blocks,
+            hits=self.hits,
+            misses=self.misses,
+            hit_rate=self.hits / lookups if lookups else 0.0,
+            saved_tokens=self.saved_tokens,
+        )
 
     def _state(self, seq) -> _SeqState:
         state = self._seqs.get(seq.seq_id)
@@ -120,19 +127,19 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return 0
         tokens = seq.token_ids
-        eligible = (len(tokens) - 1) // self.block_size   # full blocks that still leave a token to compute
+        eligible = (len(tokens) - 1) // self.block_size  # full blocks that still leave a token to compute
         parent = None
         for i in range(eligible):
-            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
             h = hash_block(parent, chunk)
             block_id = self.hash_to_block.get(h)
             if block_id is None:
                 break
             block = self.blocks[block_id]
             if block.token_ids != chunk or block.parent_hash != parent:
-                break                                           # a hash collision: not our prefix
+                break  # a hash collision: not our prefix
             if block.ref_count == 0:
-                del self.free_queue[block_id]                  # revived before the pool reused it
+                del self.free_queue[block_id]  # revived before the pool reused it
             block.ref_count += 1
             seq.block_table.append(block_id)
             state.block_hashes.append(h)
@@ -165,7 +172,7 @@ class BlockManager:
         return self.num_new_blocks(seq, num_new_tokens) <= self.num_free_blocks
 
     def allocate_slots(self, seq, num_new_tokens: int) -> bool:
-        """Grow ``seq.block_table`` for its next ``num_new_tokens`` tokens; False (and no change) if the pool is short."""
+        """Grow ``seq.block_table`` for its next ``num_new_tokens`` tokens; False (no change) if the pool is short."""
         count = self.num_new_blocks(seq, num_new_tokens)
         if count > self.num_free_blocks:
             return False
@@ -178,7 +185,7 @@ class BlockManager:
     def _take_free_block(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)
         block = self.blocks[block_id]
-        if block.hash is not None:                               # evict: its prefix is forgotten now
+        if block.hash is not None:  # evict: its prefix is forgotten now
             if self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]
             block.hash, block.parent_hash, block.token_ids = None, None, ()
@@ -197,11 +204,11 @@ class BlockManager:
         state = self._state(seq)
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         if num_full <= len(state.block_hashes):
-            return                                   # the usual decode step: no block filled up
+            return  # the usual decode step: no block filled up
         tokens = seq.token_ids
         for i in range(len(state.block_hashes), num_full):
             parent = state.block_hashes[-1] if state.block_hashes else None
-            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
             h = hash_block(parent, chunk)
             state.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
@@ -257,11 +264,16 @@ class BlockManager:
             assert self.blocks[block_id].ref_count == 0, f"block {block_id} is free but referenced"
         for h, block_id in self.hash_to_block.items():
             block = self.blocks[block_id]
-            assert block.hash == h and len(block.token_ids) == self.block_size, f"cache entry of block {block_id} is stale"
-            assert hash_block(block.parent_hash, block.token_ids) == h, f"block {block_id} hash does not match its tokens"
+            assert block.hash == h and len(block.token_ids) == self.block_size, (
+                f"cache entry of block {block_id} is stale"
+            )
+            assert hash_block(block.parent_hash, block.token_ids) == h, (
+                f"block {block_id} hash does not match its tokens"
+            )
         for block in self.blocks:
-            assert block.hash is None or self.hash_to_block.get(block.hash) == block.block_id, \
+            assert block.hash is None or self.hash_to_block.get(block.hash) == block.block_id, (
                 f"block {block.block_id} has a hash the cache does not know"
+            )
         if not seqs:
             return
         owners: dict[int, list] = {}
@@ -269,32 +281,42 @@ class BlockManager:
             assert len(set(seq.block_table)) == len(seq.block_table), f"{seq.request_id} holds a block twice"
             state = self._seqs.get(seq.seq_id)
             if state is not None and seq.block_table:
-                assert len(seq.block_table) == self.blocks_needed(state.num_tokens), \
+                assert len(seq.block_table) == self.blocks_needed(state.num_tokens), (
                     f"{seq.request_id}: {len(seq.block_table)} blocks for {state.num_tokens} tokens"
-            assert len(seq.block_table) * self.block_size >= seq.num_computed_tokens, \
+                )
+            assert len(seq.block_table) * self.block_size >= seq.num_computed_tokens, (
                 f"{seq.request_id}: computed tokens outside its blocks"
+            )
             for i, block_id in enumerate(seq.block_table):
                 owners.setdefault(block_id, []).append((seq, i))
                 block = self.blocks[block_id]
-                if block.hash is not None:      # a cached block holds computed tokens of this sequence, never drafts
-                    assert (i + 1) * self.block_size <= seq.num_computed_tokens <= len(seq), \
+                if block.hash is not None:  # a cached block holds computed tokens of this sequence, never drafts
+                    assert (i + 1) * self.block_size <= seq.num_computed_tokens <= len(seq), (
                         f"{seq.request_id}: cached block {block_id} holds tokens not (yet) computed"
-                    assert tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size]) == block.token_ids, \
+                    )
+                    assert tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size]) == block.token_ids, (
                         f"{seq.request_id}: cached block {block_id} holds other tokens than its own"
+                    )
         for block_id, holders in owners.items():
             block = self.blocks[block_id]
-            assert block.ref_count == len(holders), f"block {block_id}: ref_count {block.ref_count}, {len(holders)} owners"
+            assert block.ref_count == len(holders), (
+                f"block {block_id}: ref_count {block.ref_count}, {len(holders)} owners"
+            )
             if len(holders) > 1:
                 assert block.hash is not None, f"block {block_id} is shared but not a cached (read-only) block"
                 for seq, i in holders:
-                    assert (i + 1) * self.block_size <= seq.num_computed_tokens or \
-                        (seq.num_computed_tokens == 0 and not seq.block_table), \
-                        f"{seq.request_id} shares block {block_id} but would still write into it"
-                    assert tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size]) == block.token_ids, \
+                    assert (i + 1) * self.block_size <= seq.num_computed_tokens or (
+                        seq.num_computed_tokens == 0 and not seq.block_table
+                    ), f"{seq.request_id} shares block {block_id} but would still write into it"
+                    assert tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size]) == block.token_ids, (
                         f"{seq.request_id} shares block {block_id} holding other tokens"
-        assert sum(b.ref_count for b in self.blocks) == sum(len(h) for h in owners.values()), \
+                    )
+        assert sum(b.ref_count for b in self.blocks) == sum(len(h) for h in owners.values()), (
             "some blocks are referenced by sequences not given"
+        )
 
     def __repr__(self) -> str:
-        return (f"BlockManager({self.num_blocks} blocks × {self.block_size} tokens: {self.num_used_blocks} used, "
-                f"{self.num_free_blocks} free, {self.num_cached_blocks} cached)")
+        return (
+            f"BlockManager({self.num_blocks} blocks × {self.block_size} tokens: {self.num_used_blocks} used, "
+            f"{self.num_free_blocks} free, {self.num_cached_blocks} cached)"
+        )

@@ -15,7 +15,9 @@ from .request_state import _Completion, _Request, _unpack_logprobs
 
 
 class CompletionUpdates:
-    def _on_tokens(self, request: _Request, completion: _Completion, tokens: list[int], logprob_entry, now: float) -> None:
+    def _on_tokens(
+        self, request: _Request, completion: _Completion, tokens: list[int], logprob_entry, now: float
+    ) -> None:
         """A step's new tokens, one by one; a stop among them ends the output there and drops the rest."""
         seq = completion.seq
         base = len(seq.output_token_ids) - len(tokens)
@@ -24,11 +26,18 @@ class CompletionUpdates:
             entry = logprob_entry[j] if isinstance(logprob_entry, list) else (logprob_entry if last else None)
             self._on_token(request, completion, token, entry, now, base + j + 1)
             if completion.finished and not last:
-                del seq.output_token_ids[base + j + 1:]
+                del seq.output_token_ids[base + j + 1 :]
                 break
 
-    def _on_token(self, request: _Request, completion: _Completion, token: int, logprob_entry, now: float,
-                  num_output: int | None = None) -> None:
+    def _on_token(
+        self,
+        request: _Request,
+        completion: _Completion,
+        token: int,
+        logprob_entry,
+        now: float,
+        num_output: int | None = None,
+    ) -> None:
         """One new token: its time, text and logprobs, and whether it ends the request.
 
         ``num_output``: the output's length counting this token (a verify appends several at once).
@@ -47,8 +56,11 @@ class CompletionUpdates:
         with self._tokenizer_lock:
             completion.detokenizer.add(token)
         reason, stop_reason = None, None
-        may_stop = num_output >= params.min_tokens                     # min_tokens holds every stop back
-        if num_output >= (params.max_tokens or self.max_model_len) or seq.num_prompt_tokens + num_output >= self.max_model_len:
+        may_stop = num_output >= params.min_tokens  # min_tokens holds every stop back
+        if (
+            num_output >= (params.max_tokens or self.max_model_len)
+            or seq.num_prompt_tokens + num_output >= self.max_model_len
+        ):
             reason = "length"
         elif may_stop and not params.ignore_eos and token in self.eos_token_ids:
             reason, stop_reason = "stop", None
@@ -73,17 +85,32 @@ class CompletionUpdates:
         for c in request.completions:
             seq = c.seq
             visible = len(c.text)
-            if not c.finished and request.params.stop:   # hold back what could be the start of a stop string
+            if not c.finished and request.params.stop:  # hold back what could be the start of a stop string
                 visible = max(c.emitted_text_len, len(c.text) - max(map(len, request.params.stop)) + 1)
-            new_text = c.text[c.emitted_text_len:visible]
+            new_text = c.text[c.emitted_text_len : visible]
             c.emitted_text_len = visible
             new_ids, c.new_token_ids = c.new_token_ids, []
-            completions.append(CompletionOutput(
-                index=c.index, text=c.text[:visible], token_ids=list(seq.output_token_ids),
-                finish_reason=seq.finish_reason if c.finished else None, stop_reason=seq.stop_reason,
-                logprobs=list(c.logprobs) if c.logprobs is not None else None,
-                cumulative_logprob=c.cumulative_logprob, new_token_ids=new_ids, new_text=new_text))
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
-                             request.finished, request.metrics,
-                             num_cached_tokens=request.completions[0].seq.num_cached_tokens,
-                             random_weights=getattr(self.model, "is_random", False), error=request.error)
+            completions.append(
+                CompletionOutput(
+                    index=c.index,
+                    text=c.text[:visible],
+                    token_ids=list(seq.output_token_ids),
+                    finish_reason=seq.finish_reason if c.finished else None,
+                    stop_reason=seq.stop_reason,
+                    logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                    cumulative_logprob=c.cumulative_logprob,
+                    new_token_ids=new_ids,
+                    new_text=new_text,
+                )
+            )
+        return RequestOutput(
+            request.request_id,
+            request.prompt,
+            request.prompt_token_ids,
+            completions,
+            request.finished,
+            request.metrics,
+            num_cached_tokens=request.completions[0].seq.num_cached_tokens,
+            random_weights=getattr(self.model, "is_random", False),
+            error=request.error,
+        )

@@ -17,9 +17,21 @@ import time
 
 import torch
 
-from ..model.cpu_decode import (C_STEP, MIN_CACHED_ROWS, STEP_ROW_COUNTS, decode_attention_faster, layer_shapes,
-                                layout_for, measured_rows, supports as cpu_decode_supports,
-                                usable_rows as cpu_decode_rows)
+from ..model.cpu_decode import (
+    C_STEP,
+    MIN_CACHED_ROWS,
+    STEP_ROW_COUNTS,
+    decode_attention_faster,
+    layer_shapes,
+    layout_for,
+    measured_rows,
+)
+from ..model.cpu_decode import (
+    supports as cpu_decode_supports,
+)
+from ..model.cpu_decode import (
+    usable_rows as cpu_decode_rows,
+)
 from .sequence import Sequence
 
 
@@ -43,7 +55,7 @@ class CpuPathChoices:
             self.cpu_decode_reason = f"follows the pinned {self.linear_choice.pinned} path"
             return cpu_decode_rows(self.linear_choice.plans, layer_shapes(self.model), self.linear_choice.timings)
         answer, self.cpu_decode_reason = self.measure_cpu_decode_rows()
-        if isinstance(answer, int):                        # measured as "not measurable" (a small pool)
+        if isinstance(answer, int):  # measured as "not measurable" (a small pool)
             return answer
         self.cpu_step_layouts = {int(n): layout for n, layout in answer["layouts"].items()}
         self.cpu_step_seconds = {int(n): s for n, s in answer["seconds"].items() if int(n) <= answer["rows"]}
@@ -74,13 +86,15 @@ class CpuPathChoices:
         from ..model.cpu_decode import measured_step_key
         from ..model.linear_calibration import cached_answer
 
-        context = 64                                       # cached tokens per dummy sequence
+        context = 64  # cached tokens per dummy sequence
         per_block = math.ceil(context / self.block_size)
-        counts = tuple(n for n in STEP_ROW_COUNTS if n * per_block <= self.num_blocks)   # what the pool holds
+        counts = tuple(n for n in STEP_ROW_COUNTS if n * per_block <= self.num_blocks)  # what the pool holds
         if len(counts) < 4:
             return 0, f"not measured: the pool holds fewer than {STEP_ROW_COUNTS[3]} x {context} tokens"
-        key = dict(measured_step_key(self.model, self.linear_choice.plans, self.block_size, self.decode_attention_in_c),
-                   row_counts=list(counts))
+        key = dict(
+            measured_step_key(self.model, self.linear_choice.plans, self.block_size, self.decode_attention_in_c),
+            row_counts=list(counts),
+        )
 
         def measure(rows: int, fused) -> float:
             input_ids, positions, meta = self.dummy_decode(rows, context)
@@ -94,22 +108,31 @@ class CpuPathChoices:
             # by the first packed step instead, they cost 1.4 s of a slow CPU's 3 s, and were timed from
             # ordinary pages. A runner that ends up reading none frees them (``pack_for_cpu_step``).
             from ..model import cpu_decode
+
             cpu_decode.pack_all(self.model)
             answer, why = measured_rows(measure, row_counts=counts)
             stopped = answer["stopped_before"]
             if stopped is not None and stopped <= MIN_CACHED_ROWS:
-                return answer, why + f"; not cached (the budget ran out before {stopped} rows, a sign of a busy " \
-                    "machine): measured again at the next start", None
-            if stopped is not None:          # a slow machine, or a busy moment: one more look at the next start
-                return answer, why + "; kept, and measured once more at the next start (a moment's load may " \
-                    "have cut it short)", {"provisional": True}
+                return (
+                    answer,
+                    why + f"; not cached (the budget ran out before {stopped} rows, a sign of a busy "
+                    "machine): measured again at the next start",
+                    None,
+                )
+            if stopped is not None:  # a slow machine, or a busy moment: one more look at the next start
+                return (
+                    answer,
+                    why + "; kept, and measured once more at the next start (a moment's load may have cut it short)",
+                    {"provisional": True},
+                )
             return answer, why, {}
 
         return cached_answer(key, measure_all)
 
     def dummy_decode(self, rows: int, context: int):
-        """Inputs of one decode step of ``rows`` sequences with ``context`` tokens each, in the runner's pool (timing)."""
+        """Inputs of one decode step of ``rows`` sequences of ``context`` tokens each, in the runner's pool (timing)."""
         from .sampling_params import SamplingParams
+
         blocks = math.ceil(context / self.block_size)
         seqs = []
         for i in range(rows):

@@ -39,19 +39,21 @@ from .sampler import make_generator
 from .sequence import Sequence
 from .speculative import SpeculativeConfig
 
-PLACEHOLDER = -1        # a draft token still to be drafted (its slot is what the scheduler plans for)
+PLACEHOLDER = -1  # a draft token still to be drafted (its slot is what the scheduler plans for)
 
 
 def first_layers(model, num_layers: int):
     """The model's first ``num_layers`` layers, with its final norm and LM head: a draft sharing its weights."""
     if not 1 <= num_layers <= model.config.num_layers:
-        raise SpeculativeConfigError(f"first_layers wants 1..{model.config.num_layers} layers, got {num_layers}",
-                                     param="model")
-    draft = copy.copy(model)                       # the same modules, a separate module dict for the layers
+        raise SpeculativeConfigError(
+            f"first_layers wants 1..{model.config.num_layers} layers, got {num_layers}", param="model"
+        )
+    draft = copy.copy(model)  # the same modules, a separate module dict for the layers
     draft._modules = dict(model._modules)
     draft.layers = nn.ModuleList(list(model.layers)[:num_layers])
-    draft.config = dataclasses.replace(model.config, num_layers=num_layers,
-                                       name=f"{model.config.name}-first{num_layers}")
+    draft.config = dataclasses.replace(
+        model.config, num_layers=num_layers, name=f"{model.config.name}-first{num_layers}"
+    )
     draft.source = f"{getattr(model, 'source', model.config.name)}: its first {num_layers} layers + norm + LM head"
     return draft
 
@@ -59,18 +61,26 @@ def first_layers(model, num_layers: int):
 def check_same_tokenizer(target_tokenizer, draft_tokenizer, target_vocab: int, draft_vocab: int) -> None:
     """A draft proposes token ids; they mean the same text only with the same vocabulary."""
     if target_vocab != draft_vocab:
-        raise SpeculativeConfigError(f"the draft's vocabulary has {draft_vocab} tokens, the model's {target_vocab}: "
-                                     "a draft needs the same tokenizer", param="model")
+        raise SpeculativeConfigError(
+            f"the draft's vocabulary has {draft_vocab} tokens, the model's {target_vocab}: "
+            "a draft needs the same tokenizer",
+            param="model",
+        )
     if draft_tokenizer is None or draft_tokenizer is target_tokenizer:
         return
     vocab = getattr(target_tokenizer, "get_vocab", None)
     other = getattr(draft_tokenizer, "get_vocab", None)
     probe = "def f(x):\n    return x + 1  # héllo"
-    same = (vocab() == other()) if vocab and other else \
-        list(target_tokenizer.encode(probe, add_special_tokens=False)) == list(draft_tokenizer.encode(probe, add_special_tokens=False))
+    same = (
+        (vocab() == other())
+        if vocab and other
+        else list(target_tokenizer.encode(probe, add_special_tokens=False))
+        == list(draft_tokenizer.encode(probe, add_special_tokens=False))
+    )
     if not same:
-        raise SpeculativeConfigError("the draft's tokenizer differs from the model's: a draft needs the same tokenizer",
-                                     param="model")
+        raise SpeculativeConfigError(
+            "the draft's tokenizer differs from the model's: a draft needs the same tokenizer", param="model"
+        )
 
 
 def load_draft(config: SpeculativeConfig, target, target_tokenizer):
@@ -78,14 +88,18 @@ def load_draft(config: SpeculativeConfig, target, target_tokenizer):
     model, tokenizer = config.model, config.draft_tokenizer
     if isinstance(model, str):
         from ..model.loader import load_model
+
         try:
             model, tokenizer = load_model(model, dtype=target.dtype, device=target.device)
         except torch.cuda.OutOfMemoryError as exc:
-            raise OutOfMemoryError(f"speculative_config['model']: the draft {config.model!r} does not fit in memory "
-                                   f"beside the model ({exc})") from None
+            raise OutOfMemoryError(
+                f"speculative_config['model']: the draft {config.model!r} does not fit in memory "
+                f"beside the model ({exc})"
+            ) from None
     if not hasattr(model, "config") or not hasattr(model, "hidden_states"):
-        raise SpeculativeConfigError(f"a draft model is a name, a path or a loaded LlamaForCausalLM, got "
-                                     f"{type(model).__name__}", param="model")
+        raise SpeculativeConfigError(
+            f"a draft model is a name, a path or a loaded LlamaForCausalLM, got {type(model).__name__}", param="model"
+        )
     if model.device != target.device or model.dtype != target.dtype:
         model = model.to(device=target.device, dtype=target.dtype)
     check_same_tokenizer(target_tokenizer, tokenizer, target.config.vocab_size, model.config.vocab_size)
@@ -100,9 +114,11 @@ class DraftModelProposer:
         self.model = model
         self.block_size = block_size
         self.backend = backend
-        self.kv_cache = PagedKVCache.for_model(model.config, num_blocks, block_size, dtype=model.dtype, device=model.device)
+        self.kv_cache = PagedKVCache.for_model(
+            model.config, num_blocks, block_size, dtype=model.dtype, device=model.device
+        )
         self.num_forwards = 0
-        self.cpu_decode_rows = 0      # steps of up to this many rows run as one C call (choose_cpu_products)
+        self.cpu_decode_rows = 0  # steps of up to this many rows run as one C call (choose_cpu_products)
 
     def choose_cpu_products(self, runner) -> None:
         """Multiply as the target's runner chose, and take the one-call C step where it does.
@@ -121,10 +137,10 @@ class DraftModelProposer:
         if choice is None or self.model.dtype != torch.float32:
             return
         linears = [m for m in self.model.modules() if plannable(m)]
-        if linears and all(m.plan is not None for m in linears):            # the target's own modules
+        if linears and all(m.plan is not None for m in linears):  # the target's own modules
             self.cpu_decode_rows = runner.cpu_decode_rows
             return
-        move_weights_to_huge_pages(self.model)                    # where the target's weights are, before timing
+        move_weights_to_huge_pages(self.model)  # where the target's weights are, before timing
         own = choose_cpu_linear(self.model, choice.pinned, prepack=runner.prepack_cpu_weights)
         apply_plans(self.model, own.plans)
         if runner.cpu_decode_rows and cpu_decode.supports(self.model):
@@ -132,6 +148,7 @@ class DraftModelProposer:
 
     def _fused(self, rows: int) -> str | bool:
         from ..model.cpu_decode import C_STEP, takes_step
+
         return C_STEP if takes_step(rows, self.cpu_decode_rows, self.kv_cache.kv) else False
 
     def kv_bytes_per_block(self) -> int:
@@ -142,10 +159,17 @@ class DraftModelProposer:
     def mirror(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedCacheMetadata) -> None:
         """The target's step over the draft's pool: same rows, same slots, no logits (only its K/V matter)."""
         self.num_forwards += 1
-        own = PagedCacheMetadata(query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
-                                 max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, logits_indices=None,
-                                 cache=self.kv_cache, block_tables=meta.block_tables, slot_mapping=meta.slot_mapping,
-                                 backend=meta.backend)
+        own = PagedCacheMetadata(
+            query_start_loc=meta.query_start_loc,
+            seq_lens=meta.seq_lens,
+            max_query_len=meta.max_query_len,
+            max_seq_len=meta.max_seq_len,
+            logits_indices=None,
+            cache=self.kv_cache,
+            block_tables=meta.block_tables,
+            slot_mapping=meta.slot_mapping,
+            backend=meta.backend,
+        )
         self.model.hidden_states(input_ids, positions, own, fused_kernels=self._fused(input_ids.shape[0]))
 
     # ---------------------------------------------------------------- drafting
@@ -188,11 +212,20 @@ class DraftModelProposer:
         tables = torch.tensor([s.block_table + [-1] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32)
         device = self.model.device
         fields = PagedCacheMetadata.describe_batch([1] * len(seqs), [p + 1 for p in positions], device)
-        meta = PagedCacheMetadata(**fields, cache=self.kv_cache, block_tables=tables.to(device),
-                                  slot_mapping=torch.tensor(slots, dtype=torch.long, device=device), backend=self.backend)
+        meta = PagedCacheMetadata(
+            **fields,
+            cache=self.kv_cache,
+            block_tables=tables.to(device),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            backend=self.backend,
+        )
         self.num_forwards += 1
-        return self.model(torch.tensor(ids, device=device), torch.tensor(positions, device=device), meta,
-                          fused_kernels=self._fused(len(ids)))
+        return self.model(
+            torch.tensor(ids, device=device),
+            torch.tensor(positions, device=device),
+            meta,
+            fused_kernels=self._fused(len(ids)),
+        )
 
     @staticmethod
     def _choose(seq: Sequence, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:

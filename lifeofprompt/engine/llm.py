@@ -21,31 +21,55 @@ finish; outputs come back in the order of the prompts. ``stream`` yields what ea
 from __future__ import annotations
 
 import itertools
-from typing import Iterator, Sequence as Seq
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
 
-from .llm_engine import LLMEngine
 from ..errors import InvalidRequestError
+from .llm_engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
-TQDM_MIN_REQUESTS = 16      # a progress bar only for runs long enough to want one
+TQDM_MIN_REQUESTS = 16  # a progress bar only for runs long enough to want one
 
 
 class LLM:
-    def __init__(self, model="smollm2-135m", dtype=None, device=None, block_size: int = 16,
-                 num_kv_blocks: int | None = None, kv_cache_memory: int | None = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
-                 attention_backend: str | None = None, enforce_eager: bool = False, speculative_config: dict | None = None,
-                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                 distributed_executor_backend: str | None = None, **engine_kwargs):
-        self.engine = LLMEngine(model, dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
-                                kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                                max_num_batched_tokens=max_num_batched_tokens,
-                                enable_prefix_caching=enable_prefix_caching, attention_backend=attention_backend,
-                                enforce_eager=enforce_eager, speculative_config=speculative_config,
-                                tensor_parallel_size=tensor_parallel_size,
-                                pipeline_parallel_size=pipeline_parallel_size,
-                                distributed_executor_backend=distributed_executor_backend, **engine_kwargs)
+    def __init__(
+        self,
+        model="smollm2-135m",
+        dtype=None,
+        device=None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        attention_backend: str | None = None,
+        enforce_eager: bool = False,
+        speculative_config: dict | None = None,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        distributed_executor_backend: str | None = None,
+        **engine_kwargs,
+    ):
+        self.engine = LLMEngine(
+            model,
+            dtype=dtype,
+            device=device,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory=kv_cache_memory,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            attention_backend=attention_backend,
+            enforce_eager=enforce_eager,
+            speculative_config=speculative_config,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            distributed_executor_backend=distributed_executor_backend,
+            **engine_kwargs,
+        )
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
@@ -65,10 +89,16 @@ class LLM:
         """A string, a list of strings, a list of token-id lists (or one token-id list) → a list of prompts."""
         if isinstance(prompts, (str, dict)):
             return [prompts]
-        if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        if (
+            isinstance(prompts, (list, tuple))
+            and prompts
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts)
+        ):
             return [list(prompts)]
         if not isinstance(prompts, (list, tuple)):
-            raise InvalidRequestError(f"prompts must be a string or a list, got {type(prompts).__name__}", param="prompt")
+            raise InvalidRequestError(
+                f"prompts must be a string or a list, got {type(prompts).__name__}", param="prompt"
+            )
         return list(prompts)
 
     def _validated(self, prompts, sampling_params) -> list[tuple]:
@@ -80,8 +110,10 @@ class LLM:
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
-                raise InvalidRequestError(f"{len(params)} sampling_params for {len(prompts)} prompts: give one, or one per prompt",
-                                          param="sampling_params")
+                raise InvalidRequestError(
+                    f"{len(params)} sampling_params for {len(prompts)} prompts: give one, or one per prompt",
+                    param="sampling_params",
+                )
         requests = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             self.engine.validate(prompt, p, index=i)
@@ -97,8 +129,9 @@ class LLM:
         return ids
 
     # ---------------------------------------------------------------- generation
-    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True
+    ) -> list[RequestOutput]:
         """Complete every prompt; one ``RequestOutput`` per prompt, in order."""
         requests = self._validated(prompts, sampling_params)
         ids = self._add(requests)
@@ -107,18 +140,19 @@ class LLM:
         bar = None
         if use_tqdm and len(ids) >= TQDM_MIN_REQUESTS:
             from tqdm.auto import tqdm
+
             bar = tqdm(total=len(ids), desc="Processed prompts", unit="req")
         try:
             while any(r is None for r in results):
                 for out in self.engine.step():
                     if out.error is not None and out.request_id in position:
-                        raise out.error         # that request failed alone; the others are aborted below
+                        raise out.error  # that request failed alone; the others are aborted below
                     if out.finished and out.request_id in position:
                         results[position[out.request_id]] = out
                         if bar is not None:
                             bar.update(1)
         except BaseException:
-            for rid in ids:                 # leave the engine clean for the next call
+            for rid in ids:  # leave the engine clean for the next call
                 self.engine.abort(rid)
             self.engine.step()
             raise
@@ -147,8 +181,9 @@ class LLM:
             if pending:
                 self.engine.step()
 
-    def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+    def chat(
+        self, messages, sampling_params=None, use_tqdm: bool = True, add_generation_prompt: bool = True
+    ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation (a list of
         ``{"role", "content"}`` dicts) or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -157,15 +192,23 @@ class LLM:
 
     def apply_chat_template(self, conversation, add_generation_prompt: bool = True) -> dict:
         """The conversation as the token ids the model was trained to continue."""
-        if not isinstance(conversation, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
-                                                         for m in conversation):
-            raise InvalidRequestError("a conversation is a list of {'role': ..., 'content': ...} messages", param="messages")
+        if not isinstance(conversation, list) or not all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in conversation
+        ):
+            raise InvalidRequestError(
+                "a conversation is a list of {'role': ..., 'content': ...} messages", param="messages"
+            )
         text, ids = render_chat(self.engine.tokenizer, conversation, add_generation_prompt, self.engine.model_name)
         return {"prompt": text, "prompt_token_ids": ids}
 
 
-def render_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool = True,
-                model_name: str = "this model", tools: list[dict] | None = None) -> tuple[str, list[int]]:
+def render_chat(
+    tokenizer,
+    conversation: list[dict],
+    add_generation_prompt: bool = True,
+    model_name: str = "this model",
+    tools: list[dict] | None = None,
+) -> tuple[str, list[int]]:
     """A conversation through the tokenizer's own chat template: the text and its token ids.
 
     Shared by ``LLM.chat`` and the server's ``/v1/chat/completions`` (and ``/tokenize``); ``tools``
@@ -174,6 +217,7 @@ def render_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequestError(f"the tokenizer of {model_name} has no chat template", param="messages")
     extra = {"tools": tools} if tools else {}
-    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         **extra)
+    text = tokenizer.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
+    )
     return text, list(tokenizer.encode(text, add_special_tokens=False))

@@ -38,20 +38,26 @@ from dataclasses import replace
 
 import torch
 
+from ..errors import (
+    ConfigError,
+    InvalidRequestError,
+    LifeOfPromptError,
+    QueueFullError,
+    RequestFailedError,
+    SpeculativeConfigError,
+)
 from .block_manager import BlockManager
 from .completions import CompletionUpdates
 from .logs import log_to_stderr
-from ..errors import (ConfigError, InvalidRequestError, LifeOfPromptError, QueueFullError, RequestFailedError,
-                      SpeculativeConfigError)
 from .outputs import RequestMetrics, RequestOutput
+from .request_state import IncrementalDetokenizer, _Completion, _Request
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, StepRecord, fair_prefill_threshold, format_steps
 from .sequence import Sequence, SequenceStatus
-from .request_state import IncrementalDetokenizer, _Completion, _Request
 from .speculative import SpeculativeConfig
 
 logger = logging.getLogger("lifeofprompt.engine")
-log_to_stderr(logger, "engine", defer_to_root=False)   # like vLLM: the start-up lines show without any set-up
+log_to_stderr(logger, "engine", defer_to_root=False)  # like vLLM: the start-up lines show without any set-up
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
 
@@ -60,22 +66,44 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
 
 
 class LLMEngine(CompletionUpdates):
-    def __init__(self, model="smollm2-135m", *, tokenizer=None, dtype=None, device=None, block_size: int = 16,
-                 num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 long_prefill_token_threshold: int | None = None,
-                 enable_prefix_caching: bool = True, attention_backend: str | None = None,
-                 enforce_eager: bool = False, gpu_memory_utilization: float = 0.9,
-                 max_waiting: int | None = None, check_invariants: bool = False,
-                 max_step_records: int = 10_000, log_stats: bool = True, clock=time.monotonic,
-                 prepack_cpu_weights: bool = True, cpu_linear: str | None = None,
-                 cpu_decode: bool | None = None, speculative_config=None, tensor_parallel_size: int = 1,
-                 pipeline_parallel_size: int = 1, pipeline_overlap: bool = True,
-                 distributed_executor_backend: str | None = None):
-        from ..distributed.executor import uses_process_group     # a bad value fails before the model loads
+    def __init__(
+        self,
+        model="smollm2-135m",
+        *,
+        tokenizer=None,
+        dtype=None,
+        device=None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        long_prefill_token_threshold: int | None = None,
+        enable_prefix_caching: bool = True,
+        attention_backend: str | None = None,
+        enforce_eager: bool = False,
+        gpu_memory_utilization: float = 0.9,
+        max_waiting: int | None = None,
+        check_invariants: bool = False,
+        max_step_records: int = 10_000,
+        log_stats: bool = True,
+        clock=time.monotonic,
+        prepack_cpu_weights: bool = True,
+        cpu_linear: str | None = None,
+        cpu_decode: bool | None = None,
+        speculative_config=None,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        pipeline_overlap: bool = True,
+        distributed_executor_backend: str | None = None,
+    ):
+        from ..distributed.executor import uses_process_group  # a bad value fails before the model loads
+
         process_group = uses_process_group(distributed_executor_backend, tensor_parallel_size, pipeline_parallel_size)
         if isinstance(model, str):
             from ..model.loader import load_model
+
             self.model, self.tokenizer = load_model(model, dtype=dtype, device=device)
             self.model_name = model
         else:
@@ -88,9 +116,10 @@ class LLMEngine(CompletionUpdates):
         self.config = self.model.config
         self.clock = clock
         self.spec_config = SpeculativeConfig.from_user(speculative_config)
-        self.spec = None                       # speculative decoding's drafter and counters (spec_decode.py)
+        self.spec = None  # speculative decoding's drafter and counters (spec_decode.py)
         if self.spec_config is not None:
             from .spec_decode import SpecDecoder
+
             self.spec = SpecDecoder(self.spec_config, self.model, self.tokenizer, block_size)
             enforce_eager = enforce_eager or self.spec.needs_eager
         self.block_size = block_size
@@ -101,23 +130,38 @@ class LLMEngine(CompletionUpdates):
             self.spec.check_context(context_len)
         if num_kv_blocks is None and (kv_cache_memory is not None or self.model.device.type != "cuda"):
             num_kv_blocks = self._blocks_for_memory(kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY)
-        self.parallel = None     # T×P > 1 or "mp": the process group (lifeofprompt.distributed); self.model is rank 0's shard
+        self.parallel = (
+            None  # T×P > 1 or "mp": the process group (lifeofprompt.distributed); self.model is rank 0's shard
+        )
         if process_group:
             if self.spec_config is not None and self.spec_config.method != "ngram":
-                raise SpeculativeConfigError("a draft model runs in one process only: use method 'ngram' with "
-                                             "tensor_parallel_size or pipeline_parallel_size > 1", param="model")
+                raise SpeculativeConfigError(
+                    "a draft model runs in one process only: use method 'ngram' with "
+                    "tensor_parallel_size or pipeline_parallel_size > 1",
+                    param="model",
+                )
             self._launch_tensor_parallel(tensor_parallel_size, pipeline_parallel_size, num_kv_blocks)
-            cpu_decode = False             # the one-call C step has no place for the all-reduces
+            cpu_decode = False  # the one-call C step has no place for the all-reduces
             # One stage: every rank captures its own decode graphs (distributed/rank_graphs.py). Several:
             # a stage's graph would wait inside on the previous stage's send, so the pipeline stays eager.
             enforce_eager = enforce_eager or pipeline_parallel_size > 1
         from .model_runner import ModelRunner
-        self.runner = ModelRunner(self.model, num_kv_blocks, block_size, attention_backend or "auto",
-                                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                  max_model_len=context_len, enforce_eager=enforce_eager or None,
-                                  gpu_memory_utilization=gpu_memory_utilization,
-                                  prepack_cpu_weights=prepack_cpu_weights, cpu_linear=cpu_linear,
-                                  cpu_decode=cpu_decode, extra_kv_bytes_per_block=self._draft_bytes_per_block())
+
+        self.runner = ModelRunner(
+            self.model,
+            num_kv_blocks,
+            block_size,
+            attention_backend or "auto",
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=context_len,
+            enforce_eager=enforce_eager or None,
+            gpu_memory_utilization=gpu_memory_utilization,
+            prepack_cpu_weights=prepack_cpu_weights,
+            cpu_linear=cpu_linear,
+            cpu_decode=cpu_decode,
+            extra_kv_bytes_per_block=self._draft_bytes_per_block(),
+        )
         if self.parallel is not None and self.runner.linear_choice is not None:
             self.parallel.share_plans(self.model, self.runner.linear_choice, cpu_linear)
         if self.spec is not None:
@@ -126,26 +170,32 @@ class LLMEngine(CompletionUpdates):
         self.block_manager = BlockManager(self.num_kv_blocks, block_size, enable_prefix_caching)
         # P > 1: up to P steps in flight, one per micro-batch group (pipeline_overlap.py), verifies included
         depth = pipeline_parallel_size if pipeline_overlap else 1
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, context_len,
-                                   fair_prefill_threshold(long_prefill_token_threshold, max_num_batched_tokens),
-                                   num_groups=depth)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs,
+            max_num_batched_tokens,
+            context_len,
+            fair_prefill_threshold(long_prefill_token_threshold, max_num_batched_tokens),
+            num_groups=depth,
+        )
         self.pipeline = None
         if depth > 1:
             from .pipeline_overlap import PipelineOverlap
+
             self.pipeline = PipelineOverlap(self.scheduler, self.runner, depth, self._start_step)
         self.max_model_len = self.scheduler.max_model_len
         self.eos_token_ids = set(self.config.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self.runner.eos_token_ids = tuple(sorted(self.eos_token_ids))       # what min_tokens holds back
+        self.runner.eos_token_ids = tuple(sorted(self.eos_token_ids))  # what min_tokens holds back
         self._grammar_backend = None
         self.requests: dict[str, _Request] = {}
-        self._owner: dict[int, tuple[_Request, _Completion]] = {}   # seq_id -> its request and answer
+        self._owner: dict[int, tuple[_Request, _Completion]] = {}  # seq_id -> its request and answer
         self.step_records: deque[StepRecord] = deque(maxlen=max_step_records)
         self._inbox: list[tuple[str, object]] = []
         self._pending_outputs: list[RequestOutput] = []
-        self._lock = threading.Lock()            # guards the inbox and the request table
-        self._step_lock = threading.Lock()       # held while a step (or an inbox drain) runs
+        self._lock = threading.Lock()  # guards the inbox and the request table
+        self._step_lock = threading.Lock()  # held while a step (or an inbox drain) runs
         self._tokenizer_lock = threading.Lock()  # HF fast tokenizers dislike concurrent use
         self.startup_log = self._startup_lines(context_len)
         if log_stats:
@@ -173,13 +223,18 @@ class LLMEngine(CompletionUpdates):
     def _blocks_for_memory(self, kv_bytes: int) -> int:
         """Blocks that fit ``kv_bytes``; with a draft model a block is the target's bytes plus the draft's."""
         from .memory import kv_bytes_per_block
-        blocks = int(kv_bytes) // (kv_bytes_per_block(self.config, self.model.dtype, self.block_size)
-                                   + self._draft_bytes_per_block())
+
+        blocks = int(kv_bytes) // (
+            kv_bytes_per_block(self.config, self.model.dtype, self.block_size) + self._draft_bytes_per_block()
+        )
         if blocks < 1:
             from ..errors import OutOfMemoryError
+
             if self._draft_bytes_per_block():
-                raise OutOfMemoryError(f"speculative_config['model']: with the draft's KV beside the model's, "
-                                       f"kv_cache_memory={kv_bytes} bytes holds not one block of {self.block_size} tokens")
+                raise OutOfMemoryError(
+                    f"speculative_config['model']: with the draft's KV beside the model's, "
+                    f"kv_cache_memory={kv_bytes} bytes holds not one block of {self.block_size} tokens"
+                )
             raise OutOfMemoryError(f"kv_cache_memory={kv_bytes} bytes holds not one block of {self.block_size} tokens")
         return blocks
 
@@ -192,12 +247,16 @@ class LLMEngine(CompletionUpdates):
         and sent to every rank (``ParallelGroup.share_plans``).
         """
         from ..distributed.group import ParallelGroup
+
         if num_kv_blocks is None:
-            raise ConfigError("a parallel engine on a GPU needs num_kv_blocks or kv_cache_memory "
-                              "(the pool is not profiled across ranks)")
+            raise ConfigError(
+                "a parallel engine on a GPU needs num_kv_blocks or kv_cache_memory "
+                "(the pool is not profiled across ranks)"
+            )
         self._full_weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self.parallel, self.model = ParallelGroup.launch(self.model, size, num_kv_blocks, self.block_size,
-                                                               stages=stages)
+        self.parallel, self.model = ParallelGroup.launch(
+            self.model, size, num_kv_blocks, self.block_size, stages=stages
+        )
         self.parallel.shutdown_with(self)
 
     def shutdown(self) -> None:
@@ -207,6 +266,7 @@ class LLMEngine(CompletionUpdates):
 
     def _startup_lines(self, context_len: int) -> list[str]:
         from .startup_log import startup_lines
+
         return startup_lines(self, context_len)
 
     # ---------------------------------------------------------------- requests in (any thread)
@@ -221,27 +281,36 @@ class LLMEngine(CompletionUpdates):
     def validate(self, prompt, params: SamplingParams, index: int | None = None) -> tuple[str | None, list[int]]:
         """Tokenize and check one request; raise a typed error naming ``index`` (when given)."""
         if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}",
-                                      param="sampling_params", index=index)
+            raise InvalidRequestError(
+                f"sampling_params must be a SamplingParams, got {type(params).__name__}",
+                param="sampling_params",
+                index=index,
+            )
         try:
             params.validate()
         except InvalidRequestError as exc:
             raise InvalidRequestError(str(exc), param=exc.param, index=index) from None
         if not isinstance(prompt, (str, list, tuple, dict)):
-            raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}",
-                                      param="prompt", index=index)
+            raise InvalidRequestError(
+                f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}",
+                param="prompt",
+                index=index,
+            )
         text, ids = self.tokenize(prompt)
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt", index=index)
         vocab = self.config.vocab_size
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise InvalidRequestError(f"token id {t!r} is outside the vocabulary [0, {vocab})", param="prompt", index=index)
+                raise InvalidRequestError(
+                    f"token id {t!r} is outside the vocabulary [0, {vocab})", param="prompt", index=index
+                )
         for field_name, tokens in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
             outside = [t for t in tokens if not 0 <= t < vocab]
             if outside:
-                raise InvalidRequestError(f"token id {outside[0]!r} is outside the vocabulary [0, {vocab})",
-                                          param=field_name, index=index)
+                raise InvalidRequestError(
+                    f"token id {outside[0]!r} is outside the vocabulary [0, {vocab})", param=field_name, index=index
+                )
         if params.structured_outputs is not None:
             try:
                 self.grammar_backend().compile(params.structured_outputs)
@@ -258,11 +327,13 @@ class LLMEngine(CompletionUpdates):
         """The structured-output compiler for this engine's tokenizer, made on first use (``structured_output.py``)."""
         if self._grammar_backend is None:
             from .structured_output import GrammarBackend
+
             self._grammar_backend = GrammarBackend(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
         return self._grammar_backend
 
-    def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+    def add_request(
+        self, request_id: str, prompt, sampling_params: SamplingParams | None = None, arrival_time: float | None = None
+    ) -> None:
         """Queue a request (text, token ids, or ``{"prompt_token_ids": [...]}``); safe from any thread."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         text, ids = self.validate(prompt, params)
@@ -274,22 +345,33 @@ class LLMEngine(CompletionUpdates):
             child = replace(params, n=1, seed=None if params.seed is None else params.seed + i)
             seq_id = request_id if params.n == 1 else f"{request_id}/{i}"
             seq = Sequence(seq_id, ids, child, prompt=text, arrival_time=arrival)
-            if params.structured_outputs is not None:       # each answer walks the grammar on its own
+            if params.structured_outputs is not None:  # each answer walks the grammar on its own
                 seq.grammar = self.grammar_backend().matcher(params.structured_outputs)
-            completions.append(_Completion(i, seq, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
-                                           logprobs=[] if params.logprobs is not None else None,
-                                           cumulative_logprob=0.0 if params.logprobs is not None else None))
-        metrics = RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(ids),
-                                 spec_decode=self.spec.new_request_stats() if self.spec is not None else None)
-        for completion in completions:                   # the drafts' price reads the request's own acceptance
+            completions.append(
+                _Completion(
+                    i,
+                    seq,
+                    IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
+                    logprobs=[] if params.logprobs is not None else None,
+                    cumulative_logprob=0.0 if params.logprobs is not None else None,
+                )
+            )
+        metrics = RequestMetrics(
+            arrival_time=arrival,
+            num_prompt_tokens=len(ids),
+            spec_decode=self.spec.new_request_stats() if self.spec is not None else None,
+        )
+        for completion in completions:  # the drafts' price reads the request's own acceptance
             completion.seq.spec_stats = metrics.spec_decode
         request = _Request(request_id, text, ids, params, metrics, completions, pending=completions[1:])
         with self._lock:
             if request_id in self.requests:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
             if self.max_waiting is not None and self._num_queued() >= self.max_waiting + self._free_seats():
-                raise QueueFullError(f"the engine is full: {self.scheduler.max_num_seqs} requests running and "
-                                     f"{self.max_waiting} waiting (max_waiting); retry later")
+                raise QueueFullError(
+                    f"the engine is full: {self.scheduler.max_num_seqs} requests running and "
+                    f"{self.max_waiting} waiting (max_waiting); retry later"
+                )
             self.requests[request_id] = request
             for c in completions:
                 self._owner[c.seq.seq_id] = (request, c)
@@ -307,9 +389,16 @@ class LLMEngine(CompletionUpdates):
     def queued_request_ids(self) -> list[str]:
         """Requests none of whose answers has started (a shutdown aborts these at once)."""
         with self._lock:
-            return [rid for rid, r in self.requests.items()
-                    if all(c.seq.status == SequenceStatus.WAITING and not c.seq.output_token_ids
-                           and c.seq.num_computed_tokens == 0 for c in r.completions)]
+            return [
+                rid
+                for rid, r in self.requests.items()
+                if all(
+                    c.seq.status == SequenceStatus.WAITING
+                    and not c.seq.output_token_ids
+                    and c.seq.num_computed_tokens == 0
+                    for c in r.completions
+                )
+            ]
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks (now if no step is running, else at the next step)."""
@@ -323,8 +412,11 @@ class LLMEngine(CompletionUpdates):
 
     def has_unfinished_requests(self) -> bool:
         with self._lock:
-            return (bool(self._inbox or self._pending_outputs) or self.scheduler.has_unfinished()
-                    or bool(self.pipeline is not None and self.pipeline.in_flight))
+            return (
+                bool(self._inbox or self._pending_outputs)
+                or self.scheduler.has_unfinished()
+                or bool(self.pipeline is not None and self.pipeline.in_flight)
+            )
 
     def get_num_unfinished_requests(self) -> int:
         with self._lock:
@@ -340,14 +432,14 @@ class LLMEngine(CompletionUpdates):
                 continue
             request = self.requests.get(item)
             if request is None or request.finished:
-                continue                               # unknown or already done: nothing to stop
+                continue  # unknown or already done: nothing to stop
             for c in request.completions:
                 if c.finished:
                     continue
-                if any(c is p for p in request.pending):    # never handed to the scheduler: holds no block
+                if any(c is p for p in request.pending):  # never handed to the scheduler: holds no block
                     c.seq.status, c.seq.finish_reason = SequenceStatus.FINISHED, "abort"
                 else:
-                    self.scheduler.finish(c.seq, "abort")   # its blocks go back now
+                    self.scheduler.finish(c.seq, "abort")  # its blocks go back now
             request.pending.clear()
             request.metrics.finished_time = self.clock()
             self._pending_outputs.append(self._make_output(request))
@@ -382,7 +474,7 @@ class LLMEngine(CompletionUpdates):
     def _start_step(self, record: StepRecord) -> dict:
         """Before a step runs: a draft model drafts, the clock starts, first-scheduled metrics; its drafts by seq_id."""
         if self.spec is not None:
-            self.spec.fill(record.seqs, self.clock)    # a draft model drafts now, into the slots just given
+            self.spec.fill(record.seqs, self.clock)  # a draft model drafts now, into the slots just given
         record.start_time = self.clock()
         for seq in record.seqs:
             request, _ = self._owner[seq.seq_id]
@@ -403,8 +495,9 @@ class LLMEngine(CompletionUpdates):
         if drafts:
             self.spec_stats.verify_time += now - record.start_time
         entries = {seq.seq_id: lp for seq, lp in zip(record.seqs, logprob_rows)}
-        new_tokens = {seq.seq_id: (t if isinstance(t, list) else [t]) for seq, t in zip(record.seqs, sampled)
-                      if t is not None}
+        new_tokens = {
+            seq.seq_id: (t if isinstance(t, list) else [t]) for seq, t in zip(record.seqs, sampled) if t is not None
+        }
         starts = {seq.seq_id: seq.num_computed_tokens for seq in record.seqs}
         shares = {seq.seq_id: share for seq, share in zip(record.seqs, record.scheduled)}
         changed: dict[str, _Request] = {}
@@ -418,7 +511,7 @@ class LLMEngine(CompletionUpdates):
                 shares[seq.seq_id].num_accepted_tokens = kept
             try:
                 self._on_tokens(request, completion, tokens, entries.get(seq.seq_id), now)
-            except Exception as exc:     # this request's detokenizer or stop check: it alone ends
+            except Exception as exc:  # this request's detokenizer or stop check: it alone ends
                 self._fail(request, exc, "while turning its token into text", now)
                 changed[request.request_id] = request
                 continue
@@ -450,8 +543,11 @@ class LLMEngine(CompletionUpdates):
     def _fail(self, request: _Request, exc: BaseException, where: str, now: float) -> None:
         """End one request with a typed error (its own input's fault: 4xx; else a 500); free its blocks."""
         if request.error is None:
-            request.error = exc if isinstance(exc, LifeOfPromptError) else RequestFailedError(
-                f"request {request.request_id!r} failed {where}: {type(exc).__name__}: {exc}")
+            request.error = (
+                exc
+                if isinstance(exc, LifeOfPromptError)
+                else RequestFailedError(f"request {request.request_id!r} failed {where}: {type(exc).__name__}: {exc}")
+            )
             logger.warning("request %s failed %s: %r", request.request_id, where, exc)
         for c in request.completions:
             if c.finished:
@@ -468,11 +564,18 @@ class LLMEngine(CompletionUpdates):
     def stats(self) -> dict:
         """Numbers for a /metrics page: queue lengths, blocks, prefix-cache hits, preemptions."""
         bm = self.block_manager
-        return dict(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-                    num_kv_blocks=bm.num_blocks, num_used_blocks=bm.num_used_blocks, num_free_blocks=bm.num_free_blocks,
-                    kv_cache_usage=bm.num_used_blocks / bm.num_blocks, prefix_cache_hit_rate=bm.stats["hit_rate"],
-                    num_preemptions=self.scheduler.num_preemptions, num_steps=self.scheduler.num_steps,
-                    spec_decode=self.spec_stats.as_dict() if self.spec_stats is not None else None)
+        return dict(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_kv_blocks=bm.num_blocks,
+            num_used_blocks=bm.num_used_blocks,
+            num_free_blocks=bm.num_free_blocks,
+            kv_cache_usage=bm.num_used_blocks / bm.num_blocks,
+            prefix_cache_hit_rate=bm.stats["hit_rate"],
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.scheduler.num_steps,
+            spec_decode=self.spec_stats.as_dict() if self.spec_stats is not None else None,
+        )
 
     def format_trace(self, records=None, fold_quiet: bool = False) -> str:
         """The step-by-step schedule: who ran, how many tokens, which blocks (``scheduler.format_steps``)."""

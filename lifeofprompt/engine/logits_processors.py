@@ -21,8 +21,13 @@ import torch
 from .sampling_params import SamplingParams
 
 
-def process_logits(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]] | None,
-                   outputs: list[list[int]] | None, eos_token_ids=()) -> torch.Tensor:
+def process_logits(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    prompts: list[list[int]] | None,
+    outputs: list[list[int]] | None,
+    eos_token_ids=(),
+) -> torch.Tensor:
     """Logits ``[B, V]`` (fp32) after each row's min_tokens, logit_bias and penalties; a new tensor if any applied."""
     rows = [b for b, p in enumerate(params) if p.needs_history]
     if not rows:
@@ -49,6 +54,8 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams], prompts: 
             penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
             row.copy_(torch.where(seen, penalised, row))
         if (p.frequency_penalty or p.presence_penalty) and outputs[b]:
-            counts = torch.bincount(torch.tensor(outputs[b], dtype=torch.long, device=row.device), minlength=vocab)[:vocab]
+            counts = torch.bincount(torch.tensor(outputs[b], dtype=torch.long, device=row.device), minlength=vocab)[
+                :vocab
+            ]
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
     return logits

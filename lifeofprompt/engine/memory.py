@@ -18,22 +18,36 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.config import ModelConfig
 from ..errors import ConfigError, OutOfMemoryError
+from ..model.config import ModelConfig
 
 GiB = 1024**3
 MiB = 1024**2
 KiB = 1024
 
-_DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16, "fp32": torch.float32,
-                "float": torch.float32, "fp8": torch.float8_e4m3fn}
+_DTYPE_NAMES = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "fp8": torch.float8_e4m3fn,
+}
 
 
 # meta-llama/Llama-2-13b-hf: 40 layers and no grouped-query attention (40 KV heads of 128), the
 # kind of model whose cache is near a megabyte per token (notebook 05). Shapes from its config.json.
-LLAMA_2_13B = ModelConfig(name="meta-llama/Llama-2-13b-hf", vocab_size=32000, hidden_size=5120,
-                          intermediate_size=13824, num_layers=40, num_heads=40, num_kv_heads=40, head_dim=128,
-                          max_position_embeddings=4096)
+LLAMA_2_13B = ModelConfig(
+    name="meta-llama/Llama-2-13b-hf",
+    vocab_size=32000,
+    hidden_size=5120,
+    intermediate_size=13824,
+    num_layers=40,
+    num_heads=40,
+    num_kv_heads=40,
+    head_dim=128,
+    max_position_embeddings=4096,
+)
 
 
 def dtype_bytes(dtype) -> int:
@@ -82,8 +96,9 @@ def num_blocks_for_bytes(kv_pool_bytes: int, config: ModelConfig, dtype, block_s
     return max(0, int(kv_pool_bytes) // kv_bytes_per_block(config, dtype, block_size))
 
 
-def max_concurrent_requests(kv_pool_bytes: int, config: ModelConfig, dtype, context_len: int,
-                            block_size: int = 16) -> int:
+def max_concurrent_requests(
+    kv_pool_bytes: int, config: ModelConfig, dtype, context_len: int, block_size: int = 16
+) -> int:
     """Requests of ``context_len`` tokens whose caches fit the pool at once (each holds whole blocks)."""
     if context_len <= 0:
         raise ConfigError(f"context_len must be >= 1, got {context_len}")
@@ -99,8 +114,9 @@ def weight_bytes(config: ModelConfig, dtype) -> int:
     return config.num_parameters() * dtype_bytes(dtype)
 
 
-def estimate_activation_bytes(config: ModelConfig, dtype, num_tokens: int = 2048, logits_rows: int = 256,
-                              score_copies: int = 0) -> int:
+def estimate_activation_bytes(
+    config: ModelConfig, dtype, num_tokens: int = 2048, logits_rows: int = 256, score_copies: int = 0
+) -> int:
     """A rough peak of the transient tensors of one forward over ``num_tokens`` rows (an *estimate*).
 
     Per row, the tensors alive inside one layer: the residual stream, its normed copy and the
@@ -146,15 +162,15 @@ def measure_activation_bytes(model, num_tokens: int = 2048) -> int:
 class MemoryPlan:
     """How one device's memory is shared: ``total`` = unusable + weights + activations + KV pool."""
 
-    total: int                   # bytes the device reports
-    usable: int                  # total × gpu_memory_utilization
+    total: int  # bytes the device reports
+    usable: int  # total × gpu_memory_utilization
     weights: int
     activations: int
-    activations_measured: bool   # True: measured on the device; False: estimated from the shapes
-    kv_pool: int                 # usable − weights − activations
+    activations_measured: bool  # True: measured on the device; False: estimated from the shapes
+    kv_pool: int  # usable − weights − activations
     bytes_per_block: int
-    num_gpu_blocks: int          # whole blocks in the KV pool ("GPU blocks" in vLLM's log)
-    num_cpu_blocks: int          # whole blocks in the host swap pool ("CPU blocks")
+    num_gpu_blocks: int  # whole blocks in the KV pool ("GPU blocks" in vLLM's log)
+    num_cpu_blocks: int  # whole blocks in the host swap pool ("CPU blocks")
     block_size: int = 16
     bytes_per_token: int = 0
 
@@ -178,9 +194,17 @@ class MemoryPlan:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
-def plan_memory(config: ModelConfig, dtype, total_memory: int, gpu_memory_utilization: float = 0.9,
-                block_size: int = 16, weights: int | None = None, activations: int | None = None,
-                activations_measured: bool = False, cpu_swap_bytes: int = 4 * GiB) -> MemoryPlan:
+def plan_memory(
+    config: ModelConfig,
+    dtype,
+    total_memory: int,
+    gpu_memory_utilization: float = 0.9,
+    block_size: int = 16,
+    weights: int | None = None,
+    activations: int | None = None,
+    activations_measured: bool = False,
+    cpu_swap_bytes: int = 4 * GiB,
+) -> MemoryPlan:
     """Share ``total_memory`` bytes out as vLLM does at start-up and count the KV blocks.
 
     ``weights`` defaults to the parameters in ``dtype``; ``activations`` to
@@ -205,18 +229,29 @@ def plan_memory(config: ModelConfig, dtype, total_memory: int, gpu_memory_utiliz
         raise OutOfMemoryError(
             f"the weights of {config.name} ({weights / GiB:.2f} GiB) do not fit in {usable / GiB:.2f} GiB "
             f"({gpu_memory_utilization:.0%} of {total_memory / GiB:.2f} GiB): use a larger device, a smaller "
-            "dtype, or a higher gpu_memory_utilization")
+            "dtype, or a higher gpu_memory_utilization"
+        )
     per_block = kv_bytes_per_block(config, dtype, block_size)
     kv_pool = usable - weights - activations
     if kv_pool < per_block:
         raise OutOfMemoryError(
             f"no KV block left: {usable / GiB:.2f} GiB usable − {weights / GiB:.2f} GiB weights − "
             f"{activations / GiB:.2f} GiB activations leaves {max(kv_pool, 0) / MiB:.1f} MiB, and one block of "
-            f"{block_size} tokens needs {per_block / MiB:.2f} MiB")
-    return MemoryPlan(total=int(total_memory), usable=usable, weights=weights, activations=activations,
-                      activations_measured=activations_measured, kv_pool=kv_pool, bytes_per_block=per_block,
-                      num_gpu_blocks=kv_pool // per_block, num_cpu_blocks=int(cpu_swap_bytes) // per_block,
-                      block_size=block_size, bytes_per_token=kv_bytes_per_token(config, dtype))
+            f"{block_size} tokens needs {per_block / MiB:.2f} MiB"
+        )
+    return MemoryPlan(
+        total=int(total_memory),
+        usable=usable,
+        weights=weights,
+        activations=activations,
+        activations_measured=activations_measured,
+        kv_pool=kv_pool,
+        bytes_per_block=per_block,
+        num_gpu_blocks=kv_pool // per_block,
+        num_cpu_blocks=int(cpu_swap_bytes) // per_block,
+        block_size=block_size,
+        bytes_per_token=kv_bytes_per_token(config, dtype),
+    )
 
 
 def format_bytes(n: float) -> str:

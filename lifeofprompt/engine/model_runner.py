@@ -30,20 +30,20 @@ import math
 
 import torch
 
-from ..model.attention import PagedCacheMetadata, PagedKVCache
 from ..errors import ConfigError, InvalidRequestError, OutOfMemoryError, RequestFailedError
-from .memory import kv_bytes_per_block, plan_memory
-from ..model.cpu_decode import takes_step as cpu_decode_takes_step
 from ..model.allocator import keep_freed_memory
+from ..model.attention import PagedCacheMetadata, PagedKVCache
+from ..model.cpu_decode import takes_step as cpu_decode_takes_step
 from ..model.huge_pages import move_weights_to_huge_pages
 from ..model.linear import apply_plans
 from ..model.linear_calibration import choose_cpu_linear
 from . import rejection_sampler
 from .cpu_paths import CpuPathChoices
 from .cuda_graphs import DecodeGraphs
+from .memory import kv_bytes_per_block, plan_memory
 from .sampler import Sampler, SamplerOutput, make_generator
-from .structured_output import grammar_bitmask
 from .sequence import Sequence
+from .structured_output import grammar_bitmask
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -80,12 +80,25 @@ class ModelRunner(CpuPathChoices, DecodeGraphs):
     what ``max_num_seqs`` sequences of ``max_model_len`` tokens could ever use).
     """
 
-    def __init__(self, model, num_blocks: int | None = None, block_size: int = 16, backend: str = "auto", *,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
-                 max_model_len: int | None = None, enforce_eager: bool | None = None,
-                 gpu_memory_utilization: float = 0.9, cpu_kv_bytes: int = 2 << 30,
-                 fused_kernels: bool | None = None, prepack_cpu_weights: bool = True,
-                 cpu_linear: str | None = None, cpu_decode: bool | None = None, extra_kv_bytes_per_block: int = 0):
+    def __init__(
+        self,
+        model,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        backend: str = "auto",
+        *,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        max_model_len: int | None = None,
+        enforce_eager: bool | None = None,
+        gpu_memory_utilization: float = 0.9,
+        cpu_kv_bytes: int = 2 << 30,
+        fused_kernels: bool | None = None,
+        prepack_cpu_weights: bool = True,
+        cpu_linear: str | None = None,
+        cpu_decode: bool | None = None,
+        extra_kv_bytes_per_block: int = 0,
+    ):
         if block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size}")
         self.model = model
@@ -99,21 +112,25 @@ class ModelRunner(CpuPathChoices, DecodeGraphs):
             fused_kernels = self.backend == "triton" and self.device.type == "cuda"
         self.fused_kernels = fused_kernels
         self.max_num_seqs = max_num_seqs
-        self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
-                                 self.config.max_position_embeddings)
+        self.max_model_len = min(
+            max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings
+        )
         self.max_num_batched_tokens = max_num_batched_tokens or max(self.max_model_len, 2048)
         self.max_blocks_per_seq = math.ceil(self.max_model_len / block_size)
         self.gpu_memory_utilization = gpu_memory_utilization
         self.sampler = Sampler()
-        self.eos_token_ids: tuple[int, ...] = tuple(self.config.eos_token_ids)   # min_tokens holds these back (the engine adds the tokenizer's)
+        self.eos_token_ids: tuple[int, ...] = tuple(
+            self.config.eos_token_ids
+        )  # min_tokens holds these back (the engine adds the tokenizer's)
         self.memory_report: dict = {}
-        self.extra_kv_bytes_per_block = extra_kv_bytes_per_block   # a draft model's KV share of every block
-        self.draft = None                                        # a DraftModelProposer mirrors every eager forward
+        self.extra_kv_bytes_per_block = extra_kv_bytes_per_block  # a draft model's KV share of every block
+        self.draft = None  # a DraftModelProposer mirrors every eager forward
         if num_blocks is None:
-            num_blocks = (self.profile_num_blocks() if self.device.type == "cuda"
-                          else self.cpu_num_blocks(cpu_kv_bytes))
+            num_blocks = self.profile_num_blocks() if self.device.type == "cuda" else self.cpu_num_blocks(cpu_kv_bytes)
         self.num_blocks = num_blocks
-        self.kv_cache = PagedKVCache.for_model(self.config, num_blocks, block_size, dtype=model.dtype, device=self.device)
+        self.kv_cache = PagedKVCache.for_model(
+            self.config, num_blocks, block_size, dtype=model.dtype, device=self.device
+        )
         # On the CPU each matrix product takes the path measured fastest on this machine for its
         # shape and row count (model/linear_calibration.py); weights whose plan uses oneDNN get a packed
         # second copy (prepack_cpu_weights=False rules that path out: less memory).
@@ -128,13 +145,13 @@ class ModelRunner(CpuPathChoices, DecodeGraphs):
             self.linear_choice = choose_cpu_linear(model, cpu_linear, prepack=prepack_cpu_weights)
         self.prepacked_bytes = apply_plans(model, self.linear_choice.plans if self.linear_choice else None)
         self.decode_attention_in_c, self.decode_attention_reason = self.choose_decode_attention(cpu_decode)
-        self.cpu_decode_reason = ""                # how the C step's row limit was chosen (start-up log)
-        self.cpu_decode_rows = self.choose_cpu_decode_rows(cpu_decode)   # after the attention: the torch step uses it
+        self.cpu_decode_reason = ""  # how the C step's row limit was chosen (start-up log)
+        self.cpu_decode_rows = self.choose_cpu_decode_rows(cpu_decode)  # after the attention: the torch step uses it
         self.cpu_step_packed_bytes = self.pack_for_cpu_step()
         self.last_output: SamplerOutput | None = None
-        self.last_logprobs: list | None = None     # per seq: None or (logprob, {token_id: logprob, ...})
-        self.last_failures: dict[str, BaseException] = {}   # seq_id -> why its row could not be sampled
-        self.last_launch: dict = {}               # how the last step ran (eager / graph replay, padding), for traces
+        self.last_logprobs: list | None = None  # per seq: None or (logprob, {token_id: logprob, ...})
+        self.last_failures: dict[str, BaseException] = {}  # seq_id -> why its row could not be sampled
+        self.last_launch: dict = {}  # how the last step ran (eager / graph replay, padding), for traces
         # Static decode buffers: used by CUDA graphs, and by the CPU tests that check the padding.
         self._alloc_static_buffers()
         if enforce_eager is None:
@@ -145,7 +162,7 @@ class ModelRunner(CpuPathChoices, DecodeGraphs):
         self.pad_decode_eagerly = False
         self.graph_sizes = graph_batch_sizes(max_num_seqs)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.rank_graphs = False                  # a shard: every rank runs its own decode graphs (distributed/rank_graphs.py)
+        self.rank_graphs = False  # a shard: every rank runs its own decode graphs (distributed/rank_graphs.py)
         if not enforce_eager:
             self.start_decode_graphs()
 
@@ -180,6 +197,7 @@ class ModelRunner(CpuPathChoices, DecodeGraphs):
         lengths = [num_tokens // num_seqs + (1 if i < num_tokens % num_seqs else 0) for i in range(num_seqs)]
         seqs, next_block = [], 0
         from .sampling_params import SamplingParams
+
         for i, n in enumerate(lengths):
             seq = Sequence(f"dummy-{i}", [i % self.config.vocab_size] * n, SamplingParams(temperature=0))
             blocks = math.ceil(n / self.block_size)
@@ -211,7 +229,9 @@ class ModelRunner(CpuPathChoices, DecodeGraphs):
         weights = torch.cuda.memory_allocated()
         tokens = self.max_num_batched_tokens
         scratch_blocks = math.ceil(tokens / self.block_size) + self.max_num_seqs
-        scratch = PagedKVCache.for_model(self.config, scratch_blocks, self.block_size, dtype=self.model.dtype, device=self.device)
+        scratch = PagedKVCache.for_model(
+            self.config, scratch_blocks, self.block_size, dtype=self.model.dtype, device=self.device
+        )
         torch.cuda.reset_peak_memory_stats()
         self.dummy_prefill(scratch, tokens, self.max_num_seqs)
         torch.cuda.synchronize()
@@ -220,17 +240,30 @@ class ModelRunner(CpuPathChoices, DecodeGraphs):
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         non_torch = max(0, (total - free) - torch.cuda.memory_reserved())
-        plan = plan_memory(self.config, self.model.dtype, total, self.gpu_memory_utilization, self.block_size,
-                           weights=weights, activations=activations + non_torch, activations_measured=True)
+        plan = plan_memory(
+            self.config,
+            self.model.dtype,
+            total,
+            self.gpu_memory_utilization,
+            self.block_size,
+            weights=weights,
+            activations=activations + non_torch,
+            activations_measured=True,
+        )
         self.memory_plan = plan
-        if self.extra_kv_bytes_per_block:          # the draft's pool takes its share of every block
+        if self.extra_kv_bytes_per_block:  # the draft's pool takes its share of every block
             per_block = self.kv_bytes_per_block()
             blocks = plan.num_gpu_blocks * per_block // (per_block + self.extra_kv_bytes_per_block)
             if blocks < 1:
                 raise OutOfMemoryError("speculative_config['model']: the draft leaves no room for one KV block")
             return blocks
-        self.memory_report = dict(plan.as_dict(), activation_bytes_torch=activations, non_torch_bytes=non_torch,
-                                  profiled_tokens=tokens, profiled_seqs=self.max_num_seqs)
+        self.memory_report = dict(
+            plan.as_dict(),
+            activation_bytes_torch=activations,
+            non_torch_bytes=non_torch,
+            profiled_tokens=tokens,
+            profiled_seqs=self.max_num_seqs,
+        )
         return plan.num_gpu_blocks
 
     # ------------------------------------------------------------------ one step
@@ -241,25 +274,36 @@ class ModelRunner(CpuPathChoices, DecodeGraphs):
         for b, (seq, n) in enumerate(zip(seqs, num_scheduled_tokens)):
             start = seq.num_computed_tokens
             tokens = seq.tokens_with_spec()
-            ids.extend(tokens[start:start + n])
+            ids.extend(tokens[start : start + n])
             positions.extend(range(start, start + n))
             seq_of_row.extend([b] * n)
             query_lens.append(n)
             seq_lens.append(start + n)
-            if start + n == len(tokens):          # a verify wants every row it checks: the last 1 + k
+            if start + n == len(tokens):  # a verify wants every row it checks: the last 1 + k
                 logits_rows.extend(range(len(ids) - 1 - len(seq.spec_token_ids), len(ids)))
         width = max(len(s.block_table) for s in seqs)
-        block_tables = torch.tensor([s.block_table + [-1] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32)
+        block_tables = torch.tensor(
+            [s.block_table + [-1] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32
+        )
         pos = torch.tensor(positions, dtype=torch.long)
         rows = torch.tensor(seq_of_row, dtype=torch.long)
         slots = block_tables[rows, pos // self.block_size].long() * self.block_size + pos % self.block_size
         device = self.device
         fields = PagedCacheMetadata.describe_batch(query_lens, seq_lens, device)
         fields["logits_indices"] = torch.tensor(logits_rows, dtype=torch.long).to(device, non_blocking=True)
-        meta = PagedCacheMetadata(**fields, cache=cache or self.kv_cache, block_tables=block_tables.to(device, non_blocking=True),
-                                  slot_mapping=slots.to(device, non_blocking=True), backend=self.backend,
-                                  decode_in_c=self.decode_attention_in_c)
-        return torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True), pos.to(device, non_blocking=True), meta
+        meta = PagedCacheMetadata(
+            **fields,
+            cache=cache or self.kv_cache,
+            block_tables=block_tables.to(device, non_blocking=True),
+            slot_mapping=slots.to(device, non_blocking=True),
+            backend=self.backend,
+            decode_in_c=self.decode_attention_in_c,
+        )
+        return (
+            torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True),
+            pos.to(device, non_blocking=True),
+            meta,
+        )
 
     @staticmethod
     def is_decode(seqs: list[Sequence], num_scheduled_tokens: list[int]) -> bool:
@@ -269,29 +313,46 @@ class ModelRunner(CpuPathChoices, DecodeGraphs):
     @torch.no_grad()
     def forward(self, seqs: list[Sequence], num_scheduled_tokens: list[int]) -> torch.Tensor:
         """Logits ``[sequences that sample, vocab]`` of one step: graph replay for decode, else eager."""
-        if self.draft is None and self.is_decode(seqs, num_scheduled_tokens):   # a draft mirrors eager steps only
+        if self.draft is None and self.is_decode(seqs, num_scheduled_tokens):  # a draft mirrors eager steps only
             padded = self.graphs or self.pad_decode_eagerly or self.rank_graphs
             size = padded_batch_size(len(seqs), self.graph_sizes) if padded else None
             if size is not None and self.rank_graphs:
                 from ..distributed.rank_graphs import replay_payload
+
                 captured = bool(self.model.decode_graphs.graphs)
-                self.last_launch = dict(mode="CUDA graph replay on every rank" if captured else "padded eager decode on every rank",
-                                        rows=len(seqs), padded_to=size, backend=self.backend, fused=self.fused_kernels)
+                self.last_launch = dict(
+                    mode="CUDA graph replay on every rank" if captured else "padded eager decode on every rank",
+                    rows=len(seqs),
+                    padded_to=size,
+                    backend=self.backend,
+                    fused=self.fused_kernels,
+                )
                 self.fill_static_decode(seqs, size)
-                return self.model.replay_decode(size, replay_payload(self, size))[:len(seqs)]
+                return self.model.replay_decode(size, replay_payload(self, size))[: len(seqs)]
             if size is not None and not self.graphs:
-                self.last_launch = dict(mode="padded eager decode", rows=len(seqs), padded_to=size, backend=self.backend,
-                                        fused=self.fused_kernels)
+                self.last_launch = dict(
+                    mode="padded eager decode",
+                    rows=len(seqs),
+                    padded_to=size,
+                    backend=self.backend,
+                    fused=self.fused_kernels,
+                )
                 return self.run_static_decode(seqs, size)
             if size is not None:
-                self.last_launch = dict(mode="CUDA graph replay", rows=len(seqs), padded_to=size, backend=self.backend,
-                                        fused=self.fused_kernels)
+                self.last_launch = dict(
+                    mode="CUDA graph replay",
+                    rows=len(seqs),
+                    padded_to=size,
+                    backend=self.backend,
+                    fused=self.fused_kernels,
+                )
                 self.fill_static_decode(seqs, size)
                 graph, logits = self.graphs[size]
                 graph.replay()
-                return logits[:len(seqs)]
-        self.last_launch = dict(mode="eager", rows=sum(num_scheduled_tokens), padded_to=None, backend=self.backend,
-                                fused=self.fused_kernels)
+                return logits[: len(seqs)]
+        self.last_launch = dict(
+            mode="eager", rows=sum(num_scheduled_tokens), padded_to=None, backend=self.backend, fused=self.fused_kernels
+        )
         input_ids, positions, meta = self.prepare(seqs, num_scheduled_tokens)
         logits = self.run_model(input_ids, positions, meta)
         if self.draft is not None:
@@ -317,8 +378,13 @@ class ModelRunner(CpuPathChoices, DecodeGraphs):
         ``collect`` waits for the logits and samples. Always eager: a step in the pipe keeps no
         static buffer, so another step can be prepared while it runs.
         """
-        self.last_launch = dict(mode="pipelined eager", rows=sum(num_scheduled_tokens), padded_to=None,
-                                backend=self.backend, fused=self.fused_kernels)
+        self.last_launch = dict(
+            mode="pipelined eager",
+            rows=sum(num_scheduled_tokens),
+            padded_to=None,
+            backend=self.backend,
+            fused=self.fused_kernels,
+        )
         input_ids, positions, meta = self.prepare(seqs, num_scheduled_tokens)
         return self.model.submit(input_ids, positions, meta, fused_kernels=self.fused_kernels)
 
@@ -334,7 +400,7 @@ class ModelRunner(CpuPathChoices, DecodeGraphs):
         sampling = [s for s, n in zip(seqs, num_scheduled_tokens) if s.num_computed_tokens + n == len(s)]
         out = self.sample(logits, sampling)
         self.last_failures = {sampling[row].seq_id: exc for row, exc in out.failed.items()}
-        sampled = out.token_ids.tolist()                 # the step's one host synchronisation
+        sampled = out.token_ids.tolist()  # the step's one host synchronisation
         self.advance_grammars(sampling, sampled)
         logprob_rows = self.read_logprobs(out, sampling)
         tokens = iter(sampled)
@@ -352,7 +418,7 @@ class ModelRunner(CpuPathChoices, DecodeGraphs):
         plain_rows, plain, verifies, row = [], [], [], 0
         for s, n in zip(seqs, num_scheduled_tokens):
             if s.num_computed_tokens + n != len(s) + len(s.spec_token_ids):
-                continue                                   # a prompt chunk: no logits
+                continue  # a prompt chunk: no logits
             if s.spec_token_ids:
                 verifies.append((s, row))
                 row += 1 + len(s.spec_token_ids)
@@ -365,15 +431,15 @@ class ModelRunner(CpuPathChoices, DecodeGraphs):
             out = self.sample(logits[plain_rows], plain)
             self.last_failures = {plain[row].seq_id: exc for row, exc in out.failed.items()}
             tokens = out.token_ids.tolist()
-            self.advance_grammars(plain, tokens)           # a plain row beside the verifies walks its grammar too
+            self.advance_grammars(plain, tokens)  # a plain row beside the verifies walks its grammar too
             for s, token, lp in zip(plain, tokens, self.read_logprobs(out, plain)):
                 result[s.seq_id] = (token, lp)
-        argmax = logits.argmax(dim=-1).tolist()            # greedy verifies read theirs from here: one copy
+        argmax = logits.argmax(dim=-1).tolist()  # greedy verifies read theirs from here: one copy
         for s, start in verifies:
             end = start + len(s.spec_token_ids) + 1
             try:
                 result[s.seq_id] = rejection_sampler.verify_sequence(s, logits[start:end], argmax[start:end])
-            except Exception as exc:      # this request alone fails (the engine ends it); the others go on
+            except Exception as exc:  # this request alone fails (the engine ends it); the others go on
                 self.last_failures[s.seq_id] = exc
         self.last_logprobs = [result.get(s.seq_id, (None, None))[1] for s in seqs]
         return [result.get(s.seq_id, (None, None))[0] for s in seqs]
@@ -385,12 +451,13 @@ class ModelRunner(CpuPathChoices, DecodeGraphs):
             if seq.sampling_params.seed is not None and getattr(seq, "generator", None) is None:
                 try:
                     seq.generator = make_generator(seq.sampling_params.seed, logits.device)
-                except Exception as exc:     # this request's seed alone: the others still sample
-                    failed[row] = InvalidRequestError(f"seed {seq.sampling_params.seed!r} cannot seed a generator: {exc}",
-                                                      param="seed")
+                except Exception as exc:  # this request's seed alone: the others still sample
+                    failed[row] = InvalidRequestError(
+                        f"seed {seq.sampling_params.seed!r} cannot seed a generator: {exc}", param="seed"
+                    )
             generators.append(getattr(seq, "generator", None))
         history = None
-        if any(s.sampling_params.needs_history for s in seqs):       # penalties, min_tokens, logit_bias
+        if any(s.sampling_params.needs_history for s in seqs):  # penalties, min_tokens, logit_bias
             history = ([s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs], self.eos_token_ids)
         states = [getattr(s, "grammar", None) for s in seqs]
         bitmask = grammar_bitmask(states)
@@ -407,7 +474,8 @@ class ModelRunner(CpuPathChoices, DecodeGraphs):
                 continue
             if not state.accept(token):
                 self.last_failures[seq.seq_id] = RequestFailedError(
-                    f"request {seq.request_id!r}: token {token} breaks its structured_outputs grammar")
+                    f"request {seq.request_id!r}: token {token} breaks its structured_outputs grammar"
+                )
 
     @staticmethod
     def read_logprobs(out: SamplerOutput, seqs: list[Sequence]) -> list:
@@ -426,8 +494,9 @@ class ModelRunner(CpuPathChoices, DecodeGraphs):
         return rows
 
 
-def run_greedy_loop(runner: ModelRunner, prompts: list[list[int]], max_tokens: int | list[int],
-                    params=None, chunk: int | None = None) -> list[list[int]]:
+def run_greedy_loop(
+    runner: ModelRunner, prompts: list[list[int]], max_tokens: int | list[int], params=None, chunk: int | None = None
+) -> list[list[int]]:
     """Drive a runner without a scheduler: each prompt gets its blocks up front, one prefill step, then
     every sequence decodes together until its ``max_tokens`` (EOS ignored).
 
@@ -443,13 +512,15 @@ def run_greedy_loop(runner: ModelRunner, prompts: list[list[int]], max_tokens: i
         seq = Sequence(f"r{i}", prompt, params)
         blocks = math.ceil((len(prompt) + limit) / runner.block_size)
         if next_block + blocks > runner.num_blocks:
-            raise OutOfMemoryError(f"run_greedy_loop: {len(prompts)} requests need more than {runner.num_blocks} blocks")
+            raise OutOfMemoryError(
+                f"run_greedy_loop: {len(prompts)} requests need more than {runner.num_blocks} blocks"
+            )
         seq.block_table = list(range(next_block, next_block + blocks))
         next_block += blocks
         seqs.append(seq)
     budget = chunk or runner.max_num_batched_tokens
     pending = list(seqs)
-    while pending:                                   # prefill, as many whole prompts per step as fit the budget
+    while pending:  # prefill, as many whole prompts per step as fit the budget
         batch, used = [], 0
         while pending and (not batch or used + len(pending[0]) <= budget):
             used += len(pending[0])
@@ -458,7 +529,7 @@ def run_greedy_loop(runner: ModelRunner, prompts: list[list[int]], max_tokens: i
     running = [s for s, limit in zip(seqs, limits) if len(s.output_token_ids) < limit]
     while running:
         for start in range(0, len(running), runner.max_num_seqs):
-            group = running[start:start + runner.max_num_seqs]
+            group = running[start : start + runner.max_num_seqs]
             step(runner, group, [1] * len(group))
         running = [s for s, limit in zip(seqs, limits) if len(s.output_token_ids) < limit]
     return [s.output_token_ids for s in seqs]

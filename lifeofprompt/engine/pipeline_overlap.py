@@ -54,17 +54,17 @@ from dataclasses import dataclass
 class InFlight:
     """A submitted step: what the scheduler gave it, its draft tokens, its logits on their way back."""
 
-    record: object            # scheduler.StepRecord
+    record: object  # scheduler.StepRecord
     drafts: dict
-    pending: object           # distributed.pipeline.PendingLogits
+    pending: object  # distributed.pipeline.PendingLogits
 
 
 class PipelineOverlap:
     def __init__(self, scheduler, runner, depth: int, start_step):
         self.scheduler, self.runner, self.depth = scheduler, runner, depth
-        self.start_step = start_step         # the engine's bookkeeping as a step starts; returns its drafts
+        self.start_step = start_step  # the engine's bookkeeping as a step starts; returns its drafts
         self.in_flight: deque[InFlight] = deque()
-        self.next_group = 0                  # round robin: the group after the last one submitted
+        self.next_group = 0  # round robin: the group after the last one submitted
         self.max_in_flight = 0
 
     def advance(self):
@@ -86,7 +86,7 @@ class PipelineOverlap:
             if any(f.record.group == group for f in self.in_flight) or not self.scheduler.has_work(group):
                 continue
             record = self.scheduler.schedule(group)
-            if record.is_empty:                  # waiting, but no room for its first chunk yet
+            if record.is_empty:  # waiting, but no room for its first chunk yet
                 continue
             busy = {seq.seq_id for f in self.in_flight for seq in f.record.seqs}
             assert busy.isdisjoint(seq.seq_id for seq in record.seqs), "a sequence in two steps in flight"
@@ -102,5 +102,6 @@ class PipelineOverlap:
         ``seq.spec_token_ids`` again now, so nobody may have drafted for its requests in between."""
         now = {seq.seq_id: list(seq.spec_token_ids) for seq in done.record.seqs if seq.spec_token_ids}
         if now != done.drafts:
-            raise AssertionError(f"step {done.record.step}: drafts changed while it was in the pipe "
-                                 f"(sent {done.drafts}, now {now})")
+            raise AssertionError(
+                f"step {done.record.step}: drafts changed while it was in the pipe (sent {done.drafts}, now {now})"
+            )

@@ -52,6 +52,7 @@ def greedy_verify(target_ids: list[int], draft: list[int]) -> list[int]:
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Rows of probabilities ``[rows, V]`` after temperature, top-k, top-p and min-p (the sampler's order)."""
     rows, vocab = logits.shape
+
     def column(value, dtype):
         return torch.full((rows,), value, dtype=dtype, device=logits.device)
 
@@ -66,8 +67,9 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def rejection_verify(probs: torch.Tensor, draft: list[int], draft_probs: torch.Tensor | None,
-                     generator: torch.Generator | None) -> list[int]:
+def rejection_verify(
+    probs: torch.Tensor, draft: list[int], draft_probs: torch.Tensor | None, generator: torch.Generator | None
+) -> list[int]:
     """Speculative sampling for one request. ``probs``: the model's ``[k + 1, V]``; ``draft_probs``:
     the drafter's ``[k, V]``, or None for a one-hot drafter (n-gram). The kept drafts, then one drawn token."""
     k = len(draft)
@@ -91,13 +93,19 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor | None, rejected: int
     else:
         residual = p.clone()
         residual[rejected] = 0.0
-    if float(residual.sum()) <= 0:          # p == q up to rounding: nothing is left to correct; draw from p
+    if float(residual.sum()) <= 0:  # p == q up to rounding: nothing is left to correct; draw from p
         residual = p
     return residual / residual.sum()
 
 
-def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams, generator: torch.Generator | None = None,
-           draft_probs: torch.Tensor | None = None, target_ids: list[int] | None = None) -> list[int]:
+def verify(
+    logits: torch.Tensor,
+    draft: list[int],
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    draft_probs: torch.Tensor | None = None,
+    target_ids: list[int] | None = None,
+) -> list[int]:
     """One request's verify rows ``[k + 1, V]`` → the tokens it keeps (1 to k + 1 of them).
 
     ``target_ids``: the rows' argmax when the caller computed them for the whole batch at once.
@@ -122,7 +130,7 @@ def verify_sequence(seq, logits: torch.Tensor, target_ids: list[int]) -> tuple[l
     if grammar is not None:
         return verify_with_grammar(seq, grammar, logits)
     kept = verify(logits, seq.spec_token_ids, params, getattr(seq, "generator", None), seq.spec_probs, target_ids)
-    return kept, kept_logprobs(logits[:len(kept)], kept, params.logprobs)
+    return kept, kept_logprobs(logits[: len(kept)], kept, params.logprobs)
 
 
 def verify_with_grammar(seq, grammar, logits: torch.Tensor) -> tuple[list[int], list | None]:
@@ -132,15 +140,15 @@ def verify_with_grammar(seq, grammar, logits: torch.Tensor) -> tuple[list[int], 
     masked one a plain decode would sample from, so greedy keeps exactly the plain tokens and sampling
     keeps their distribution. Logprobs stay the raw model's, as without speculation."""
     params = seq.sampling_params
-    draft = seq.spec_token_ids[:grammar.valid_prefix(seq.spec_token_ids)]
-    rows = logits[:len(draft) + 1].float().clone()
+    draft = seq.spec_token_ids[: grammar.valid_prefix(seq.spec_token_ids)]
+    rows = logits[: len(draft) + 1].float().clone()
     grammar.backend.apply(rows, grammar.verify_bitmask(draft))
-    draft_probs = None if seq.spec_probs is None else seq.spec_probs[:len(draft)]
+    draft_probs = None if seq.spec_probs is None else seq.spec_probs[: len(draft)]
     kept = verify(rows, draft, params, getattr(seq, "generator", None), draft_probs)
     for token in kept:
         if not grammar.accept(token):
             raise RequestFailedError(f"request {seq.request_id!r}: token {token} breaks its structured_outputs grammar")
-    return kept, kept_logprobs(logits[:len(kept)], kept, params.logprobs)
+    return kept, kept_logprobs(logits[: len(kept)], kept, params.logprobs)
 
 
 def kept_logprobs(rows: torch.Tensor, kept: list[int], num: int | None) -> list | None:

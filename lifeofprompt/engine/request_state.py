@@ -13,7 +13,7 @@ from .outputs import RequestMetrics
 from .sampling_params import SamplingParams
 from .sequence import Sequence, SequenceStatus
 
-DETOKENIZE_CONTEXT = 5        # prompt tokens kept as context so the first output token decodes with its space
+DETOKENIZE_CONTEXT = 5  # prompt tokens kept as context so the first output token decodes with its space
 
 
 # ----------------------------------------------------------------------------- text, a token at a time
@@ -41,11 +41,11 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.ids[self.prefix_offset:])
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
-        delta = new_text[len(prefix_text):]
+        delta = new_text[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.text += delta
         return delta
@@ -61,8 +61,8 @@ class _Completion:
     index: int
     seq: Sequence
     detokenizer: IncrementalDetokenizer
-    text: str = ""                  # the output text (stop strings cut off)
-    emitted_text_len: int = 0       # how much of ``text`` earlier outputs already carried
+    text: str = ""  # the output text (stop strings cut off)
+    emitted_text_len: int = 0  # how much of ``text`` earlier outputs already carried
     logprobs: list | None = None
     cumulative_logprob: float | None = None
     new_token_ids: list[int] = field(default_factory=list)
@@ -80,8 +80,8 @@ class _Request:
     params: SamplingParams
     metrics: RequestMetrics
     completions: list[_Completion]
-    pending: list[_Completion] = field(default_factory=list)   # n > 1: waiting for the first one's prompt
-    error: LifeOfPromptError | None = None                    # set when this request alone failed in a step
+    pending: list[_Completion] = field(default_factory=list)  # n > 1: waiting for the first one's prompt
+    error: LifeOfPromptError | None = None  # set when this request alone failed in a step
 
     @property
     def finished(self) -> bool:

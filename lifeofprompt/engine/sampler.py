@@ -42,15 +42,16 @@ from .sampling_params import SamplingParams
 class SamplerOutput:
     """Device tensors for one step; ``None`` fields were not asked for."""
 
-    token_ids: torch.Tensor                       # [B] long
-    logprobs: torch.Tensor | None = None          # [B] float: log p(chosen token)
-    top_ids: torch.Tensor | None = None           # [B, N] long
-    top_logprobs: torch.Tensor | None = None      # [B, N] float
-    failed: dict[int, BaseException] = field(default_factory=dict)   # row -> why it could not be sampled
+    token_ids: torch.Tensor  # [B] long
+    logprobs: torch.Tensor | None = None  # [B] float: log p(chosen token)
+    top_ids: torch.Tensor | None = None  # [B, N] long
+    top_logprobs: torch.Tensor | None = None  # [B, N] float
+    failed: dict[int, BaseException] = field(default_factory=dict)  # row -> why it could not be sampled
 
 
-def apply_filters(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                  min_p: torch.Tensor | None) -> torch.Tensor:
+def apply_filters(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, min_p: torch.Tensor | None
+) -> torch.Tensor:
     """Logits ``[B, V]`` with every token outside a row's top_k / top_p / min_p set at ``-inf``.
 
     ``top_k`` is ``[B]`` long (a value >= V, or -1, keeps all), ``top_p`` and ``min_p`` ``[B]``
@@ -71,8 +72,8 @@ def apply_filters(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch
         drop |= rank >= k[:, None]
     if top_p is not None:
         sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-        before = sorted_probs.cumsum(dim=-1) - sorted_probs     # mass of the tokens ranked above
-        drop |= before >= top_p[:, None]                        # already reached top_p without me
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the tokens ranked above
+        drop |= before >= top_p[:, None]  # already reached top_p without me
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
@@ -90,9 +91,14 @@ def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator |
 class Sampler:
     """Batched sampling for a list of requests' ``SamplingParams`` (one logits row each)."""
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None] | None = None, history=None,
-                 grammar=None) -> SamplerOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None] | None = None,
+        history=None,
+        grammar=None,
+    ) -> SamplerOutput:
         """``history``: ``(prompts, outputs, eos_token_ids)`` per row, for the requests with penalties,
         min_tokens or logit_bias (``logits_processors.py``); None when no row needs it. ``grammar``:
         ``(apply, bitmask)``, the step's allowed-token bitmask and the function that applies it."""
@@ -101,23 +107,38 @@ class Sampler:
         try:
             return self.sample(logits, params, generators, history=history, grammar=grammar)
         except Exception:
-            for generator, state in zip(generators, states):    # undo the draws of the failed attempt
+            for generator, state in zip(generators, states):  # undo the draws of the failed attempt
                 if generator is not None:
                     generator.set_state(state)
             return self.sample_row_by_row(logits, params, generators, history, grammar)
 
-    def sample_row_by_row(self, logits: torch.Tensor, params: list[SamplingParams],
-                          generators: list[torch.Generator | None], history=None, grammar=None) -> SamplerOutput:
+    def sample_row_by_row(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        history=None,
+        grammar=None,
+    ) -> SamplerOutput:
         """One row at a time, so that a failing row is found and the others still get their token."""
         num_logprobs = max((p.logprobs or 0) for p in params)
         wants_logprobs = any(p.logprobs is not None for p in params)
         rows, failed = [], {}
         for b in range(logits.shape[0]):
             try:
-                one = None if history is None else (history[0][b:b + 1], history[1][b:b + 1], history[2])
-                mask = None if grammar is None else (grammar[0], grammar[1][b:b + 1])
-                rows.append(self.sample(logits[b:b + 1], params[b:b + 1], generators[b:b + 1],
-                                        num_logprobs, wants_logprobs, one, mask))
+                one = None if history is None else (history[0][b : b + 1], history[1][b : b + 1], history[2])
+                mask = None if grammar is None else (grammar[0], grammar[1][b : b + 1])
+                rows.append(
+                    self.sample(
+                        logits[b : b + 1],
+                        params[b : b + 1],
+                        generators[b : b + 1],
+                        num_logprobs,
+                        wants_logprobs,
+                        one,
+                        mask,
+                    )
+                )
             except Exception as exc:
                 failed[b] = exc
                 rows.append(None)
@@ -132,12 +153,24 @@ class Sampler:
         token_ids = stack("token_ids")
         if token_ids is None:
             token_ids = torch.zeros(len(rows), dtype=torch.long, device=logits.device)
-        return SamplerOutput(token_ids=token_ids, logprobs=stack("logprobs"), top_ids=stack("top_ids"),
-                             top_logprobs=stack("top_logprobs"), failed=failed)
+        return SamplerOutput(
+            token_ids=token_ids,
+            logprobs=stack("logprobs"),
+            top_ids=stack("top_ids"),
+            top_logprobs=stack("top_logprobs"),
+            failed=failed,
+        )
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-               num_logprobs: int | None = None, wants_logprobs: bool | None = None, history=None,
-               grammar=None) -> SamplerOutput:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        num_logprobs: int | None = None,
+        wants_logprobs: bool | None = None,
+        history=None,
+        grammar=None,
+    ) -> SamplerOutput:
         """The batched computation (``num_logprobs``/``wants_logprobs``: the whole batch's, when sampling one row)."""
         raw = logits = logits.float()
         if history is not None or any(p.needs_history for p in params):
@@ -148,7 +181,7 @@ class Sampler:
             logits = logits.clone() if logits is raw else logits
             apply(logits, bitmask)
         batch, vocab = logits.shape
-        if batch == 0:                                   # a step of prompt chunks only: nothing to sample
+        if batch == 0:  # a step of prompt chunks only: nothing to sample
             return SamplerOutput(token_ids=torch.empty(0, dtype=torch.long, device=logits.device))
         device = logits.device
         greedy_ids = logits.argmax(dim=-1)
@@ -160,8 +193,9 @@ class Sampler:
         if all(p.temperature == 0 for p in params):
             token_ids = greedy_ids
         else:
-            temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
-                                       dtype=torch.float32, device=device)
+            temperature = torch.tensor(
+                [p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=torch.float32, device=device
+            )
             top_k = top_p = min_p = None
             if any(0 < p.top_k < vocab for p in params):
                 top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)

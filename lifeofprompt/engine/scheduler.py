@@ -42,8 +42,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager
 from ..errors import ConfigError, RequestTooLargeError
+from .block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus
 
 
@@ -52,13 +52,13 @@ class ScheduledRequest:
     """One request's share of one step (a trace line)."""
 
     request_id: str
-    kind: str                 # "prefill", "prefill chunk", "recompute", "decode", "verify"
-    start: int                # num_computed_tokens before the step: first position computed
-    num_tokens: int           # tokens computed this step
-    num_cached_tokens: int    # tokens claimed from the prefix cache when admitted this step (else 0)
-    block_table: list[int]    # the block table after this step's allocation
+    kind: str  # "prefill", "prefill chunk", "recompute", "decode", "verify"
+    start: int  # num_computed_tokens before the step: first position computed
+    num_tokens: int  # tokens computed this step
+    num_cached_tokens: int  # tokens claimed from the prefix cache when admitted this step (else 0)
+    block_table: list[int]  # the block table after this step's allocation
     num_draft_tokens: int = 0  # a verify: the drafts checked (num_tokens = 1 + num_draft_tokens)
-    num_accepted_tokens: int | None = None   # a verify, after the step: drafts kept (the rest rolled back)
+    num_accepted_tokens: int | None = None  # a verify, after the step: drafts kept (the rest rolled back)
 
     @property
     def end(self) -> int:
@@ -75,13 +75,13 @@ class StepRecord:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     admitted: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
-    finished: list[str] = field(default_factory=list)    # filled in after the step ran
-    num_waiting: int = 0                                 # after scheduling
+    finished: list[str] = field(default_factory=list)  # filled in after the step ran
+    num_waiting: int = 0  # after scheduling
     num_running: int = 0
     num_free_blocks: int = 0
-    group: int | None = None                             # its micro-batch group (pipeline overlap), else None
+    group: int | None = None  # its micro-batch group (pipeline overlap), else None
     overlapped: list[int] = field(default_factory=list)  # steps still in flight when this one was submitted
-    start_time: float | None = None                      # filled in by whoever runs the step
+    start_time: float | None = None  # filled in by whoever runs the step
     end_time: float | None = None
 
     @property
@@ -94,8 +94,10 @@ class StepRecord:
 
     def format(self) -> str:
         """One line per scheduled request: kind, token positions, blocks."""
-        head = (f"step {self.step:3d}: {self.num_batched_tokens:4d} tokens, {len(self.seqs)} running, "
-                f"{self.num_waiting} waiting, {self.num_free_blocks} blocks free")
+        head = (
+            f"step {self.step:3d}: {self.num_batched_tokens:4d} tokens, {len(self.seqs)} running, "
+            f"{self.num_waiting} waiting, {self.num_free_blocks} blocks free"
+        )
         if self.group is not None:
             beside = f", beside step {', '.join(map(str, self.overlapped))}" if self.overlapped else ""
             head += f"; group {self.group}{beside}"
@@ -104,8 +106,10 @@ class StepRecord:
             cached = f", {r.num_cached_tokens} cached" if r.num_cached_tokens else ""
             cached += f", {r.num_draft_tokens} drafts" if r.num_draft_tokens else ""
             cached += f", {r.num_accepted_tokens} kept" if r.num_accepted_tokens is not None else ""
-            lines.append(f"    {r.request_id:>10} {r.kind:13} tokens {r.start:3d}..{r.end - 1:<3d} "
-                         f"({r.num_tokens}{cached})  blocks {r.block_table}")
+            lines.append(
+                f"    {r.request_id:>10} {r.kind:13} tokens {r.start:3d}..{r.end - 1:<3d} "
+                f"({r.num_tokens}{cached})  blocks {r.block_table}"
+            )
         for rid in self.preempted:
             lines.append(f"    {rid:>10} PREEMPTED: blocks freed, back to the front of the queue")
         for rid in self.finished:
@@ -126,8 +130,13 @@ def format_steps(records, fold_quiet: bool = False) -> str:
 
     for record in records:
         tables = {r.request_id: r.block_table for r in record.scheduled}
-        quiet = (fold_quiet and not record.admitted and not record.finished and not record.preempted
-                 and all(r.kind == "decode" and previous.get(r.request_id) == r.block_table for r in record.scheduled))
+        quiet = (
+            fold_quiet
+            and not record.admitted
+            and not record.finished
+            and not record.preempted
+            and all(r.kind == "decode" and previous.get(r.request_id) == r.block_table for r in record.scheduled)
+        )
         previous = tables
         if quiet:
             folded.append(record.step)
@@ -139,20 +148,28 @@ def format_steps(records, fold_quiet: bool = False) -> str:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 max_model_len: int | None = None, long_prefill_token_threshold: int | None = None,
-                 num_groups: int = 1):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        long_prefill_token_threshold: int | None = None,
+        num_groups: int = 1,
+    ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise ConfigError(f"max_num_seqs and max_num_batched_tokens must be >= 1, got {max_num_seqs}, {max_num_batched_tokens}")
+            raise ConfigError(
+                f"max_num_seqs and max_num_batched_tokens must be >= 1, got {max_num_seqs}, {max_num_batched_tokens}"
+            )
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.long_prefill_token_threshold = long_prefill_token_threshold   # None or 0: off (see fair_chunk)
-        self.num_groups = num_groups            # micro-batch groups (pipeline overlap); 1: none
+        self.long_prefill_token_threshold = long_prefill_token_threshold  # None or 0: off (see fair_chunk)
+        self.num_groups = num_groups  # micro-batch groups (pipeline overlap); 1: none
         pool_tokens = block_manager.num_blocks * block_manager.block_size
         self.max_model_len = min(max_model_len or pool_tokens, pool_tokens)
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []       # in admission order: the last one is preempted first
+        self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.num_steps = 0
         self.num_preemptions = 0
 
@@ -170,9 +187,11 @@ class Scheduler:
             pool = self.block_manager.num_blocks * self.block_manager.block_size
             raise RequestTooLargeError(
                 f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.sampling_params.max_tokens}) = {total} "
-                f"tokens exceeds the engine's limit of {self.max_model_len} tokens (context length, or the whole KV pool: "
+                f"tokens exceeds the engine's limit of {self.max_model_len} tokens (context length, or the whole "
+                f"KV pool: "
                 f"{self.block_manager.num_blocks} blocks × {self.block_manager.block_size} = {pool} tokens)",
-                param="max_tokens")
+                param="max_tokens",
+            )
 
     def add(self, seq: Sequence, front: bool = False) -> None:
         """Queue a request (``front=True``: ahead of everyone, as for a preempted one)."""
@@ -239,12 +258,15 @@ class Scheduler:
             if group is not None and seq.group != group:
                 i += 1
                 continue
-            if seq.spec_token_ids:                  # a verify: 1 + k rows, k cut to what the budget leaves
-                seq.set_spec(seq.spec_token_ids[:budget - 1], seq.spec_probs)
-            n = (1 + len(seq.spec_token_ids) if seq.spec_token_ids
-                 else self.fair_chunk(min(len(seq) - seq.num_computed_tokens, budget)))
+            if seq.spec_token_ids:  # a verify: 1 + k rows, k cut to what the budget leaves
+                seq.set_spec(seq.spec_token_ids[: budget - 1], seq.spec_probs)
+            n = (
+                1 + len(seq.spec_token_ids)
+                if seq.spec_token_ids
+                else self.fair_chunk(min(len(seq) - seq.num_computed_tokens, budget))
+            )
             while not bm.allocate_slots(seq, n):
-                if seq.spec_token_ids:              # drafts never cost anyone their blocks: decode plainly
+                if seq.spec_token_ids:  # drafts never cost anyone their blocks: decode plainly
                     seq.set_spec([])
                     n = 1
                     continue
@@ -258,7 +280,7 @@ class Scheduler:
                 budget -= n
                 i += 1
                 continue
-            break                                   # seq preempted itself: it was the last one
+            break  # seq preempted itself: it was the last one
 
         # 2. waiting requests, in order, while there is room (not in a step that had to preempt)
         admitting = self.admission_open()
@@ -270,7 +292,7 @@ class Scheduler:
             seq.num_computed_tokens = cached
             n = self.fair_chunk(min(len(seq) - cached, budget))
             if not bm.allocate_slots(seq, n):
-                bm.cancel_claim(seq)                 # give the claimed prefix back; try again next step
+                bm.cancel_claim(seq)  # give the claimed prefix back; try again next step
                 seq.num_computed_tokens = 0
                 break
             self.waiting.remove(seq)
@@ -315,8 +337,9 @@ class Scheduler:
             kind = "prefill"
         record.seqs.append(seq)
         record.num_scheduled_tokens.append(n)
-        record.scheduled.append(ScheduledRequest(seq.request_id, kind, start, n, cached, list(seq.block_table),
-                                                 len(seq.spec_token_ids)))
+        record.scheduled.append(
+            ScheduledRequest(seq.request_id, kind, start, n, cached, list(seq.block_table), len(seq.spec_token_ids))
+        )
 
     def _preempt(self, seq: Sequence) -> None:
         """Evict by recompute: blocks freed, computed count to zero, front of the waiting line."""
@@ -347,12 +370,12 @@ class Scheduler:
         grown = []
         for seq, n, token in zip(record.seqs, record.num_scheduled_tokens, sampled):
             if seq.status != SequenceStatus.RUNNING:
-                continue                             # aborted while the step ran
+                continue  # aborted while the step ran
             tokens = token if isinstance(token, list) else ([] if token is None else [token])
             num_drafts = len(seq.spec_token_ids)
             seq.num_computed_tokens += n
             if num_drafts:
-                seq.num_computed_tokens -= num_drafts - (len(tokens) - 1)     # step back past the rejected
+                seq.num_computed_tokens -= num_drafts - (len(tokens) - 1)  # step back past the rejected
                 seq.set_spec([])
                 self.block_manager.trim(seq, seq.num_computed_tokens)
             seq.output_token_ids.extend(tokens)
@@ -362,7 +385,7 @@ class Scheduler:
         return grown
 
 
-MIN_FAIR_CHUNK = 64          # fair prefill never cuts a prompt's chunk thinner than this
+MIN_FAIR_CHUNK = 64  # fair prefill never cuts a prompt's chunk thinner than this
 
 
 def fair_prefill_threshold(requested: int | None, max_num_batched_tokens: int) -> int | None:

@@ -28,8 +28,14 @@ _counter = itertools.count()
 
 
 class Sequence:
-    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 prompt: str | None = None, arrival_time: float | None = None):
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+    ):
         self.request_id = request_id
         self.seq_id = next(_counter)
         self.prompt = prompt
@@ -37,17 +43,17 @@ class Sequence:
         self.output_token_ids: list[int] = []
         self.sampling_params = sampling_params
         self.status = SequenceStatus.WAITING
-        self.num_computed_tokens = 0        # tokens whose K/V are in the cache
-        self.block_table: list[int] = []    # physical block ids, in order
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.block_table: list[int] = []  # physical block ids, in order
         self.arrival_time = arrival_time
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
-        self.num_cached_tokens = 0          # prompt tokens found in the prefix cache at first admission
-        self.num_preemptions = 0            # times evicted (blocks freed) and recomputed
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
+        self.num_preemptions = 0  # times evicted (blocks freed) and recomputed
         self.spec_token_ids: list[int] = []  # draft tokens to verify next (speculative decoding)
-        self.spec_probs = None              # the drafter's q for each draft token [k, V] (None: one-hot, n-gram)
-        self.spec_stats = None              # its request's speculation counters (SpecDecodeStats): its own acceptance
-        self.group: int | None = None       # its micro-batch group with pipeline overlap (the scheduler's), else None
+        self.spec_probs = None  # the drafter's q for each draft token [k, V] (None: one-hot, n-gram)
+        self.spec_stats = None  # its request's speculation counters (SpecDecodeStats): its own acceptance
+        self.group: int | None = None  # its micro-batch group with pipeline overlap (the scheduler's), else None
 
     @property
     def token_ids(self) -> list[int]:
@@ -63,7 +69,7 @@ class Sequence:
     def set_spec(self, token_ids: list[int], probs=None) -> None:
         """Replace the drafts (and their q rows); ``[]`` clears them."""
         self.spec_token_ids = list(token_ids)
-        self.spec_probs = probs[:len(token_ids)] if probs is not None and token_ids else None
+        self.spec_probs = probs[: len(token_ids)] if probs is not None and token_ids else None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -74,5 +80,7 @@ class Sequence:
         return self.status == SequenceStatus.FINISHED
 
     def __repr__(self) -> str:
-        return (f"Sequence({self.request_id!r}, {self.status.value}, {len(self)} tokens, "
-                f"{self.num_computed_tokens} computed, blocks {self.block_table})")
+        return (
+            f"Sequence({self.request_id!r}, {self.status.value}, {len(self)} tokens, "
+            f"{self.num_computed_tokens} computed, blocks {self.block_table})"
+        )

@@ -35,6 +35,7 @@ class SpecDecoder:
         self.step_seconds: dict[int, float] | None = None
         if config.method == "draft_model":
             from .draft_model import load_draft
+
             self.draft_model = load_draft(config, model, tokenizer)
         else:
             self.proposer = NgramProposer(config)
@@ -47,16 +48,20 @@ class SpecDecoder:
     def check_context(self, context_len: int) -> None:
         """A draft must reach every position the model may: its rotary table ends at its own context."""
         from ..errors import SpeculativeConfigError
+
         if self.draft_model is not None and self.draft_model.config.max_position_embeddings < context_len:
-            raise SpeculativeConfigError(f"the draft's context is {self.draft_model.config.max_position_embeddings} "
-                                         f"tokens, the engine's {context_len}: give max_model_len <= the draft's",
-                                         param="model")
+            raise SpeculativeConfigError(
+                f"the draft's context is {self.draft_model.config.max_position_embeddings} "
+                f"tokens, the engine's {context_len}: give max_model_len <= the draft's",
+                param="model",
+            )
 
     def draft_bytes_per_block(self) -> int:
         """KV bytes the draft adds to every block (its pool shares the target's block tables)."""
         if self.draft_model is None:
             return 0
         from .memory import kv_bytes_per_block
+
         return kv_bytes_per_block(self.draft_model.config, self.draft_model.dtype, self.block_size)
 
     def attach(self, runner, num_blocks: int) -> None:
@@ -67,6 +72,7 @@ class SpecDecoder:
             self.step_seconds = getattr(runner, "cpu_step_seconds", None) or None
             return
         from .draft_model import DraftModelProposer
+
         self.proposer = DraftModelProposer(self.config, self.draft_model, num_blocks, self.block_size, runner.backend)
         if runner.device.type == "cpu":
             self.proposer.choose_cpu_products(runner)
@@ -80,20 +86,20 @@ class SpecDecoder:
         """Drafts for the next step, for each running request that is decoding (its prompt done)."""
         start = clock()
         decoding = [seq for seq in running if seq.num_computed_tokens == len(seq) - 1]
-        spare_rows = self.row_budget - len(decoding) if self.row_budget else None   # rows left for drafts
+        spare_rows = self.row_budget - len(decoding) if self.row_budget else None  # rows left for drafts
         for seq in decoding:
             limit = max_num_drafts(seq) if may_speculate(seq.sampling_params) else 0
             if spare_rows is not None:
                 limit = min(limit, spare_rows)
             if limit <= 0:
                 seq.set_spec([])
-            elif hasattr(self.proposer, "placeholders"):      # a draft model drafts after scheduling
+            elif hasattr(self.proposer, "placeholders"):  # a draft model drafts after scheduling
                 seq.set_spec(self.proposer.placeholders(seq, limit))
             else:
                 draft = self.proposer.propose(seq.token_ids, limit)
                 grammar = getattr(seq, "grammar", None)
-                if grammar is not None and draft:           # drafts the grammar refuses could never be kept
-                    draft = draft[:grammar.valid_prefix(draft)]
+                if grammar is not None and draft:  # drafts the grammar refuses could never be kept
+                    draft = draft[: grammar.valid_prefix(draft)]
                 seq.set_spec(draft)
             if spare_rows is not None:
                 spare_rows -= len(seq.spec_token_ids)
@@ -120,20 +126,27 @@ class SpecDecoder:
     # ---------------------------------------------------------------- looking inside
     def startup_lines(self, target_kv_bytes: int, num_blocks: int) -> list[str]:
         from .memory import format_bytes
+
         lines = [self.config.describe() + "; verify steps run eagerly (no CUDA graph)"]
         if self.row_budget:
-            lines.append(f"drafts are cut so a step holds at most {self.row_budget} rows, the one-call C step's "
-                         "measured limit: beyond it a verify would leave that path and cost more than it saves")
+            lines.append(
+                f"drafts are cut so a step holds at most {self.row_budget} rows, the one-call C step's "
+                "measured limit: beyond it a verify would leave that path and cost more than it saves"
+            )
         if self.step_seconds:
-            lines.append("drafts kept only where their expected tokens (each request's own acceptance so far) pay "
-                         "for their rows, priced by the C step's measured time per row count")
+            lines.append(
+                "drafts kept only where their expected tokens (each request's own acceptance so far) pay "
+                "for their rows, priced by the C step's measured time per row count"
+            )
         if self.draft_model is not None:
             draft_kv = self.proposer.kv_cache.nbytes
             name = getattr(self.draft_model, "source", self.draft_model.config.name)
-            lines.append(f"draft model {name}: {self.draft_model.config.num_layers} layers; its KV cache "
-                         f"{format_bytes(draft_kv)} on the same {num_blocks} block tables (memory split by bytes per "
-                         f"block: {format_bytes(target_kv_bytes)} target, {format_bytes(draft_kv)} draft); "
-                         "every step runs eagerly")
+            lines.append(
+                f"draft model {name}: {self.draft_model.config.num_layers} layers; its KV cache "
+                f"{format_bytes(draft_kv)} on the same {num_blocks} block tables (memory split by bytes per "
+                f"block: {format_bytes(target_kv_bytes)} target, {format_bytes(draft_kv)} draft); "
+                "every step runs eagerly"
+            )
         return lines
 
 
@@ -172,9 +185,14 @@ def drafts_worth_their_rows(decoding, step_seconds: dict[int, float]) -> int:
     N = 0, plain decoding, is among the choices. Returns the drafts kept.
     """
     rows = len(decoding)
-    candidates = sorted(((acceptance_estimate(seq) ** (i + 1), index, i)
-                         for index, seq in enumerate(decoding) for i in range(len(seq.spec_token_ids))),
-                        key=lambda c: (-c[0], c[2]))
+    candidates = sorted(
+        (
+            (acceptance_estimate(seq) ** (i + 1), index, i)
+            for index, seq in enumerate(decoding)
+            for i in range(len(seq.spec_token_ids))
+        ),
+        key=lambda c: (-c[0], c[2]),
+    )
     if not candidates:
         return 0
     best_n, best_rate, gain = 0, rows / step_time(rows, step_seconds), 0.0

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from ..errors import SpeculativeConfigError
 
 METHODS = ("ngram", "draft_model")
-DEFAULT_PROMPT_LOOKUP_MIN = 2     # a 1-token match fires on every common token and mostly proposes noise
+DEFAULT_PROMPT_LOOKUP_MIN = 2  # a 1-token match fires on every common token and mostly proposes noise
 DEFAULT_PROMPT_LOOKUP_MAX = 5
 
 
@@ -38,21 +38,28 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
-    model: object = None                  # draft_model: a name, a path, or a loaded LlamaForCausalLM
-    draft_tokenizer: object = None        # draft_model given loaded: its tokenizer (checked against the target's)
+    model: object = None  # draft_model: a name, a path, or a loaded LlamaForCausalLM
+    draft_tokenizer: object = None  # draft_model given loaded: its tokenizer (checked against the target's)
 
     @property
     def k(self) -> int:
         return self.num_speculative_tokens
 
     @classmethod
-    def from_user(cls, value) -> "SpeculativeConfig | None":
+    def from_user(cls, value) -> SpeculativeConfig | None:
         """None → no speculation; a dict (or a ``SpeculativeConfig``) → checked, else a typed error naming the field."""
         if value is None or isinstance(value, cls):
             return value
         if not isinstance(value, dict):
             raise SpeculativeConfigError(f"speculative_config must be a dict, got {type(value).__name__}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "draft_tokenizer"}
+        known = {
+            "method",
+            "num_speculative_tokens",
+            "prompt_lookup_min",
+            "prompt_lookup_max",
+            "model",
+            "draft_tokenizer",
+        }
         for key in value:
             if key not in known:
                 raise SpeculativeConfigError(f"unknown field (known: {sorted(known)})", param=str(key))
@@ -60,8 +67,9 @@ class SpeculativeConfig:
         if method is None:
             method = "draft_model" if value.get("model") is not None else None
         if method not in METHODS:
-            raise SpeculativeConfigError(f"unknown method {method!r}: use 'ngram' or 'draft_model' (or give 'model')",
-                                         param="method")
+            raise SpeculativeConfigError(
+                f"unknown method {method!r}: use 'ngram' or 'draft_model' (or give 'model')", param="method"
+            )
         k = value.get("num_speculative_tokens")
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise SpeculativeConfigError(f"must be an integer >= 1, got {k!r}", param="num_speculative_tokens")
@@ -82,14 +90,17 @@ class SpeculativeConfig:
         low = high if low is None else low
         high = low if high is None else high
         if low > high:
-            raise SpeculativeConfigError(f"prompt_lookup_min ({low}) is larger than prompt_lookup_max ({high})",
-                                         param="prompt_lookup_min")
+            raise SpeculativeConfigError(
+                f"prompt_lookup_min ({low}) is larger than prompt_lookup_max ({high})", param="prompt_lookup_min"
+            )
         self.prompt_lookup_min, self.prompt_lookup_max = low, high
 
     def describe(self) -> str:
         if self.method == "ngram":
-            return (f"speculative decoding: n-gram prompt lookup, {self.k} draft tokens a step, "
-                    f"suffixes of {self.prompt_lookup_min}..{self.prompt_lookup_max} tokens (earliest match)")
+            return (
+                f"speculative decoding: n-gram prompt lookup, {self.k} draft tokens a step, "
+                f"suffixes of {self.prompt_lookup_min}..{self.prompt_lookup_max} tokens (earliest match)"
+            )
         name = self.model if isinstance(self.model, str) else getattr(self.model, "source", type(self.model).__name__)
         return f"speculative decoding: draft model {name}, {self.k} draft tokens a step"
 
@@ -105,8 +116,8 @@ def find_ngram(tokens: array, n: int, latest: bool = False) -> int:
     """
     size = tokens.itemsize
     data = tokens.tobytes()
-    suffix = data[-n * size:]
-    end = len(data) - size           # the occurrence must end before the last token: something follows it
+    suffix = data[-n * size :]
+    end = len(data) - size  # the occurrence must end before the last token: something follows it
     if latest:
         at = data.rfind(suffix, 0, end)
         while at != -1 and at % size:
@@ -135,7 +146,7 @@ class NgramProposer:
     def __init__(self, config: SpeculativeConfig, latest: bool = False):
         self.k = config.k
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
-        self.latest = latest          # take the latest occurrence instead (to measure the choice against)
+        self.latest = latest  # take the latest occurrence instead (to measure the choice against)
 
     def propose(self, token_ids: list[int], max_draft: int | None = None) -> list[int]:
         k = self.k if max_draft is None else min(self.k, max_draft)
@@ -145,7 +156,7 @@ class NgramProposer:
         for n in range(min(self.max_n, len(token_ids) - 1), self.min_n - 1, -1):
             start = find_ngram(tokens, n, self.latest)
             if start != -1:
-                return list(token_ids[start + n:start + n + k])
+                return list(token_ids[start + n : start + n + k])
         return []
 
 
@@ -163,13 +174,13 @@ class SpecDecodeStats:
     """
 
     num_speculative_tokens: int = 0
-    num_drafts: int = 0                   # verify steps with at least one draft token
+    num_drafts: int = 0  # verify steps with at least one draft token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
-    num_reached_per_pos: list[int] = field(default_factory=list)   # drafted at i, and 0..i-1 all accepted
-    draft_time: float = 0.0               # seconds spent proposing
-    verify_time: float = 0.0              # seconds of the target steps that held a verify
+    num_reached_per_pos: list[int] = field(default_factory=list)  # drafted at i, and 0..i-1 all accepted
+    draft_time: float = 0.0  # seconds spent proposing
+    verify_time: float = 0.0  # seconds of the target steps that held a verify
 
     def __post_init__(self):
         k = self.num_speculative_tokens
@@ -211,11 +222,18 @@ class SpecDecodeStats:
 
     def per_token_acceptance(self) -> list[float]:
         """P(draft token i accepted | tokens before it accepted), per position (NaN where never reached)."""
-        return [a / r if r else float("nan") for a, r in zip(self.num_accepted_tokens_per_pos, self.num_reached_per_pos)]
+        return [
+            a / r if r else float("nan") for a, r in zip(self.num_accepted_tokens_per_pos, self.num_reached_per_pos)
+        ]
 
     def as_dict(self) -> dict:
-        return dict(num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
-                    num_accepted_tokens=self.num_accepted_tokens,
-                    num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos),
-                    draft_time=self.draft_time, verify_time=self.verify_time,
-                    acceptance_rate=self.acceptance_rate, alpha=self.alpha)
+        return dict(
+            num_drafts=self.num_drafts,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
+            num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos),
+            draft_time=self.draft_time,
+            verify_time=self.verify_time,
+            acceptance_rate=self.acceptance_rate,
+            alpha=self.alpha,
+        )

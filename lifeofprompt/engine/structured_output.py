@@ -46,13 +46,13 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # JSON may be laid out with spaces and newlines as models like to, but a run of whitespace is capped:
 # an unbounded one lets a model (random weights above all) pad until max_tokens and never close the object.
 MAX_WHITESPACE = 8
-LOOSE_STRING_CHARACTER = r'[^\"\\\r\n]'          # as xgrammar writes a length-bounded string's characters
-STRICT_STRING_CHARACTER = r'[^\0-\x1f\"\\\r\n]'   # ... and as JSON allows them
+LOOSE_STRING_CHARACTER = r"[^\"\\\r\n]"  # as xgrammar writes a length-bounded string's characters
+STRICT_STRING_CHARACTER = r"[^\0-\x1f\"\\\r\n]"  # ... and as JSON allows them
 
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
-    """Exactly one of: a JSON schema (dict or JSON text), a regex, a list of choices, an EBNF grammar, or any JSON object."""
+    """Exactly one of: a JSON schema (dict or JSON text), a regex, a list of choices, EBNF, or any JSON object."""
 
     json: dict | str | None = None
     regex: str | None = None
@@ -63,22 +63,35 @@ class StructuredOutputsParams:
     def __post_init__(self):
         given = [k for k in KINDS if getattr(self, k) is not None and getattr(self, k) is not False]
         if len(given) != 1:
-            raise InvalidRequestError(f"structured_outputs needs exactly one of {', '.join(KINDS)}; got "
-                                      f"{', '.join(given) or 'none'}", param="structured_outputs")
+            raise InvalidRequestError(
+                f"structured_outputs needs exactly one of {', '.join(KINDS)}; got {', '.join(given) or 'none'}",
+                param="structured_outputs",
+            )
         if self.choice is not None:
-            if not isinstance(self.choice, (list, tuple)) or not self.choice or not all(isinstance(c, str) and c for c in self.choice):
-                raise InvalidRequestError("structured_outputs.choice must be a non-empty list of non-empty strings",
-                                          param="structured_outputs.choice")
+            if (
+                not isinstance(self.choice, (list, tuple))
+                or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)
+            ):
+                raise InvalidRequestError(
+                    "structured_outputs.choice must be a non-empty list of non-empty strings",
+                    param="structured_outputs.choice",
+                )
             object.__setattr__(self, "choice", tuple(self.choice))
         for name in ("regex", "grammar"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
-                raise InvalidRequestError(f"structured_outputs.{name} must be a string", param=f"structured_outputs.{name}")
+                raise InvalidRequestError(
+                    f"structured_outputs.{name} must be a string", param=f"structured_outputs.{name}"
+                )
         if not isinstance(self.json_object, bool):
-            raise InvalidRequestError("structured_outputs.json_object must be true or false",
-                                      param="structured_outputs.json_object")
+            raise InvalidRequestError(
+                "structured_outputs.json_object must be true or false", param="structured_outputs.json_object"
+            )
         if self.json is not None and not isinstance(self.json, (dict, str)):
-            raise InvalidRequestError("structured_outputs.json must be a JSON schema (an object or its JSON text)",
-                                      param="structured_outputs.json")
+            raise InvalidRequestError(
+                "structured_outputs.json must be a JSON schema (an object or its JSON text)",
+                param="structured_outputs.json",
+            )
 
     @property
     def kind(self) -> str:
@@ -99,20 +112,22 @@ def _xgrammar():
         raise StructuredOutputUnavailableError(
             f"structured output (structured_outputs, response_format, tool calls) needs the xgrammar package, which "
             f"cannot be imported here ({exc}): pip install xgrammar (it is in lifeofprompt's serve and dev "
-            "extras)") from exc
+            "extras)"
+        ) from exc
     return xgrammar
 
 
 def _tokenizer_info(xgr, tokenizer, vocab_size: int, stop_token_ids: list[int]):
-    """xgrammar's view of the vocabulary: from a Hugging Face tokenizer, or byte by byte for the random twin's stand-in."""
+    """xgrammar's view of the vocabulary: from a Hugging Face tokenizer, or byte by byte for the random twin's."""
     if getattr(tokenizer, "is_stand_in", False):
         # loader.ByteTokenizer (the random twin's): id = byte + 3. Only its ASCII bytes are offered:
         # its other bytes are pieces of characters that a grammar over text cannot place (empty
         # entries are tokens a grammar never allows).
         vocab = [b""] * 3 + [bytes([b]) if b < 0x80 else b"" for b in range(256)]
         vocab += [b""] * (vocab_size - len(vocab))
-        return xgr.TokenizerInfo(vocab[:vocab_size], vocab_type=xgr.VocabType.RAW, vocab_size=vocab_size,
-                                 stop_token_ids=stop_token_ids)
+        return xgr.TokenizerInfo(
+            vocab[:vocab_size], vocab_type=xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop_token_ids
+        )
     return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
 
 
@@ -131,14 +146,16 @@ class GrammarBackend:
         if key not in self.compiled:
             try:
                 self.compiled[key] = self._compile(params)
-            except (RuntimeError, ValueError, TypeError) as exc:   # xgrammar's message says what it could not parse
-                raise InvalidRequestError(f"structured_outputs.{params.kind} could not be compiled: {exc}",
-                                          param=f"structured_outputs.{params.kind}") from None
+            except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's message says what it could not parse
+                raise InvalidRequestError(
+                    f"structured_outputs.{params.kind} could not be compiled: {exc}",
+                    param=f"structured_outputs.{params.kind}",
+                ) from None
         return self.compiled[key]
 
     def _compile(self, params: StructuredOutputsParams):
         c, kind = self.compiler, params.kind
-        if kind in ("json", "json_object"):              # OpenAI's json_object: any JSON *object*, not any value
+        if kind in ("json", "json_object"):  # OpenAI's json_object: any JSON *object*, not any value
             schema = {"type": "object"} if kind == "json_object" else params.json
             return c.compile_grammar(self.json_grammar(schema if isinstance(schema, str) else json.dumps(schema)))
         if kind == "regex":
@@ -157,7 +174,7 @@ class GrammarBackend:
         text = str(self.xgr.Grammar.from_json_schema(schema, max_whitespace_cnt=MAX_WHITESPACE))
         return text.replace(LOOSE_STRING_CHARACTER, STRICT_STRING_CHARACTER)
 
-    def matcher(self, params: StructuredOutputsParams) -> "GrammarState":
+    def matcher(self, params: StructuredOutputsParams) -> GrammarState:
         return GrammarState(self.xgr.GrammarMatcher(self.compile(params)), self)
 
     def new_bitmask(self, rows: int) -> torch.Tensor:
@@ -169,7 +186,7 @@ class GrammarBackend:
         self.xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
 
 
-def grammar_bitmask(states: list["GrammarState | None"]) -> torch.Tensor | None:
+def grammar_bitmask(states: list[GrammarState | None]) -> torch.Tensor | None:
     """The step's bitmask, a row per sequence (all bits set for those without a grammar), or None if none has one."""
     first = next((s for s in states if s is not None), None)
     if first is None:

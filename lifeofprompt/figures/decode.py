@@ -31,8 +31,9 @@ def plot_steps_and_total(lengths: list[int], series: dict[str, list[float]], uni
     return fig
 
 
-def plot_time_against_count(lengths: list[int], seconds: dict[str, list[float]], flops: dict[str, list[float]],
-                            title: str):
+def plot_time_against_count(
+    lengths: list[int], seconds: dict[str, list[float]], flops: dict[str, list[float]], title: str
+):
     """Measured milliseconds of one step (left axis, dots) and counted GFLOP (right axis, dashed) per length."""
     import matplotlib.pyplot as plt
 
@@ -42,7 +43,9 @@ def plot_time_against_count(lengths: list[int], seconds: dict[str, list[float]],
     for color, (label, values) in zip(colors, seconds.items()):
         ax.plot(lengths, [v * 1e3 for v in values], "o-", color=color, label=f"{label}: measured (ms, left)")
     for color, (label, values) in zip(colors, flops.items()):
-        right.plot(lengths, [v / 1e9 for v in values], "--", color=color, alpha=0.6, label=f"{label}: counted (GFLOP, right)")
+        right.plot(
+            lengths, [v / 1e9 for v in values], "--", color=color, alpha=0.6, label=f"{label}: counted (GFLOP, right)"
+        )
     ax.set_xlabel("tokens in the sequence at that step")
     ax.set_ylabel("ms per step (measured)")
     right.set_ylabel("GFLOP per step (counted)")

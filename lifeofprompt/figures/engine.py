@@ -20,26 +20,35 @@ RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 def kernels_of_step(model, launch: dict) -> str:
     """The kernels one step launches per layer, and how the step was launched."""
-    attention = "Triton store_kv + paged_attention" if launch.get("backend") == "triton" else "torch store_kv + paged_attention"
+    attention = (
+        "Triton store_kv + paged_attention" if launch.get("backend") == "triton" else "torch store_kv + paged_attention"
+    )
     how = launch.get("mode", "?")
     if launch.get("padded_to"):
         how += f" (batch {launch['rows']} padded to {launch['padded_to']})"
     if launch.get("fused") == "cpu":
-        return (f"{model.config.num_layers} layers in one C call (model/cpu_decode.c: RMSNorm, qkv, RoPE, attention from "
-                f"the pool, o_proj, RMSNorm, gate_up, SiLU·up, down) + final norm; lm_head GEMM; {how}")
+        return (
+            f"{model.config.num_layers} layers in one C call (model/cpu_decode.c: RMSNorm, qkv, RoPE, attention from "
+            f"the pool, o_proj, RMSNorm, gate_up, SiLU·up, down) + final norm; lm_head GEMM; {how}"
+        )
     if launch.get("fused"):
-        return (f"{model.config.num_layers} × [fused add+RMSNorm, qkv GEMM, fused RoPE, {attention}, o_proj GEMM, "
-                f"fused add+RMSNorm, gate_up GEMM, fused SiLU·up, down GEMM] + lm_head; {how}")
-    return (f"{model.config.num_layers} × [RMSNorm, qkv GEMM, RoPE, {attention}, o_proj GEMM, RMSNorm, "
-            f"gate_up GEMM, SiLU·up, down GEMM] + lm_head; {how}")
+        return (
+            f"{model.config.num_layers} × [fused add+RMSNorm, qkv GEMM, fused RoPE, {attention}, o_proj GEMM, "
+            f"fused add+RMSNorm, gate_up GEMM, fused SiLU·up, down GEMM] + lm_head; {how}"
+        )
+    return (
+        f"{model.config.num_layers} × [RMSNorm, qkv GEMM, RoPE, {attention}, o_proj GEMM, RMSNorm, "
+        f"gate_up GEMM, SiLU·up, down GEMM] + lm_head; {how}"
+    )
 
 
 def wrap_line(text: str, width: int = 100, indent: int = 13) -> str:
     """Break a long trace line between words (never inside one) to fit a notebook's output width."""
     import textwrap
 
-    return "\n".join(textwrap.wrap(text, width, subsequent_indent=" " * indent, break_long_words=False,
-                                    break_on_hyphens=False))
+    return "\n".join(
+        textwrap.wrap(text, width, subsequent_indent=" " * indent, break_long_words=False, break_on_hyphens=False)
+    )
 
 
 def live_trace(llm, prompts, params, out=print) -> list:
@@ -91,8 +100,10 @@ def measured_table(gpu: dict, results_path: Path) -> list[tuple[str, str]]:
     kernel bench kept beside the results), the decode step, throughput, the story and the tests'
     final state. Only measured values; a step that did not run has no row."""
     m, dec, ours, peer = gpu["machine"], gpu["decode"], gpu["ours"], gpu["peer"]
-    rows = [("copy bandwidth (read + write, 2 GiB)", f"{m['copy_bandwidth'] / 1e9:,.0f} GB/s"),
-            (f"bf16 matrix product {m['matmul_n']}³", f"{m['matmul_flops'] / 1e12:.1f} TFLOP/s")]
+    rows = [
+        ("copy bandwidth (read + write, 2 GiB)", f"{m['copy_bandwidth'] / 1e9:,.0f} GB/s"),
+        (f"bf16 matrix product {m['matmul_n']}³", f"{m['matmul_flops'] / 1e12:.1f} TFLOP/s"),
+    ]
     bench = results_path.parent / "kernel_bench_tinyllama_heads.json"
     if bench.exists():
         seen = set()
@@ -102,21 +113,37 @@ def measured_table(gpu: dict, results_path: Path) -> list[tuple[str, str]]:
                 seen.add(key)
                 splits = r.get("num_kv_splits")
                 how = "" if splits is None else ", no KV split" if splits == 1 else f", {splits} KV splits"
-                rows.append((f"attention b{r['batch']}×{r['context_len']}: {r['kernel']}{how}",
-                             f"{r['ms']:.3f} ms = {r['gb_per_s']:,.0f} GB/s"))
-    rows += [(f"batch-1 decode step, engine (context {dec['context']})", f"{dec['engine_step_s'] * 1e3:.2f} ms"),
-             ("  its forward as a CUDA graph replay", f"{dec['graph_replay_s'] * 1e3:.2f} ms"),
-             ("  the same forward eager", f"{dec['eager_forward_s'] * 1e3:.2f} ms"),
-             ("  floor: weight bytes ÷ copy bandwidth", f"{dec['floor_s'] * 1e3:.2f} ms"),
-             (f"{ours['requests']} requests (nano-vllm shape): lifeofprompt", f"{ours['tokens_per_s']:,.0f} tok/s "
-              f"({ours['seconds']:.1f} s)")]
+                rows.append(
+                    (
+                        f"attention b{r['batch']}×{r['context_len']}: {r['kernel']}{how}",
+                        f"{r['ms']:.3f} ms = {r['gb_per_s']:,.0f} GB/s",
+                    )
+                )
+    rows += [
+        (f"batch-1 decode step, engine (context {dec['context']})", f"{dec['engine_step_s'] * 1e3:.2f} ms"),
+        ("  its forward as a CUDA graph replay", f"{dec['graph_replay_s'] * 1e3:.2f} ms"),
+        ("  the same forward eager", f"{dec['eager_forward_s'] * 1e3:.2f} ms"),
+        ("  floor: weight bytes ÷ copy bandwidth", f"{dec['floor_s'] * 1e3:.2f} ms"),
+        (
+            f"{ours['requests']} requests (nano-vllm shape): lifeofprompt",
+            f"{ours['tokens_per_s']:,.0f} tok/s ({ours['seconds']:.1f} s)",
+        ),
+    ]
     if peer.get("tokens_per_s"):
-        rows.append((f"  transformers {peer.get('transformers', '')} continuous batching",
-                     f"{peer['tokens_per_s']:,.0f} tok/s (stopped at {peer['seconds']:.0f} s)"))
+        rows.append(
+            (
+                f"  transformers {peer.get('transformers', '')} continuous batching",
+                f"{peer['tokens_per_s']:,.0f} tok/s (stopped at {peer['seconds']:.0f} s)",
+            )
+        )
     for label, key in (("alone", "alone"), ("together", "together")):
         for r in gpu.get("story", {}).get(key, []):
-            rows.append((f"story {label}: {r['prompt']!r}", f"TTFT {r['ttft_s'] * 1e3:.1f} ms, "
-                         f"{r['decode_tokens_per_s']:.0f} tok/s"))
+            rows.append(
+                (
+                    f"story {label}: {r['prompt']!r}",
+                    f"TTFT {r['ttft_s'] * 1e3:.1f} ms, {r['decode_tokens_per_s']:.0f} tok/s",
+                )
+            )
     return rows + test_rows(results_path)
 
 
@@ -125,8 +152,11 @@ def test_rows(results_path: Path) -> list[tuple[str, str]]:
     import re
 
     def last_count(log: Path) -> str | None:
-        found = [re.sub(r" in [\d.]+s.*", "", ln.strip()) for ln in log.read_text().splitlines()
-                 if re.search(r"^\d+ (passed|failed)", ln.strip())]
+        found = [
+            re.sub(r" in [\d.]+s.*", "", ln.strip())
+            for ln in log.read_text().splitlines()
+            if re.search(r"^\d+ (passed|failed)", ln.strip())
+        ]
         return found[-1] if found else None
 
     folder, rows = results_path.parent, []
@@ -135,8 +165,12 @@ def test_rows(results_path: Path) -> list[tuple[str, str]]:
     runs = [folder / "pytest_gpu.txt"] + sorted(folder.glob("rerun-*/pytest_gpu.txt"))
     runs = [r for r in runs if r.exists() and last_count(r)]
     if runs:
-        rows.append(("tests/gpu/test_engine_gpu.py" + (f" ({rerun_label(runs[-1].parent.name)})" if len(runs) > 1 else ""),
-                     last_count(runs[-1])))
+        rows.append(
+            (
+                "tests/gpu/test_engine_gpu.py" + (f" ({rerun_label(runs[-1].parent.name)})" if len(runs) > 1 else ""),
+                last_count(runs[-1]),
+            )
+        )
     return rows
 
 
@@ -150,8 +184,11 @@ def rerun_label(folder_name: str) -> str:
 
 def gap_above_prediction(curve: list[dict]) -> list[tuple[int, float, float, float]]:
     """Per batch size: measured step, roofline prediction and the gap between them, in ms."""
-    return [(r["batch"], r["step_s"] * 1e3, r["predicted_s"] * 1e3, (r["step_s"] - r["predicted_s"]) * 1e3)
-            for r in curve if "step_s" in r and "predicted_s" in r]
+    return [
+        (r["batch"], r["step_s"] * 1e3, r["predicted_s"] * 1e3, (r["step_s"] - r["predicted_s"]) * 1e3)
+        for r in curve
+        if "step_s" in r and "predicted_s" in r
+    ]
 
 
 def _finish(fig, path: Path | None, ax=None):
@@ -195,8 +232,12 @@ def plot_batching_curve(rows: list[dict], title: str, floor_s: float | None = No
     fig, ax = plt.subplots(figsize=(6.4, 4))
     ax.plot([r["batch"] for r in rows], [r["step_s"] * 1e3 for r in rows], "o-", label="measured decode step")
     if rows and "predicted_s" in rows[0]:
-        ax.plot([r["batch"] for r in rows], [r["predicted_s"] * 1e3 for r in rows], "s--",
-                label="roofline: max(bytes/bandwidth, FLOPs/rate)")
+        ax.plot(
+            [r["batch"] for r in rows],
+            [r["predicted_s"] * 1e3 for r in rows],
+            "s--",
+            label="roofline: max(bytes/bandwidth, FLOPs/rate)",
+        )
     if floor_s:
         ax.axhline(floor_s * 1e3, color="gray", lw=0.8, ls=":", label="weight bytes ÷ bandwidth (batch-1 floor)")
     ax.set_xscale("log", base=2)
@@ -217,11 +258,24 @@ def plot_cpu_linear(result: dict, path: Path | None = None):
     rows = result["rows"]
     paths = [k for k in rows[0] if k != "rows"]
     fig, ax = plt.subplots(figsize=(6.8, 4))
-    for i, name in enumerate(paths):           # markers and dashes differ too: two paths can run at the same speed
-        ax.plot([r["rows"] for r in rows], [r[name]["weight_GB_per_s"] for r in rows], color=f"C{i}", label=name,
-                marker="osD^v"[i % 5], ls="-" if i % 2 == 0 else "--", markersize=7 - i, lw=1.4)
-    ax.axhline(result["sum_read_GB_per_s"], color="gray", lw=0.8, ls=":",
-               label=f"memory read by sum(): {result['sum_read_GB_per_s']:.0f} GB/s")
+    for i, name in enumerate(paths):  # markers and dashes differ too: two paths can run at the same speed
+        ax.plot(
+            [r["rows"] for r in rows],
+            [r[name]["weight_GB_per_s"] for r in rows],
+            color=f"C{i}",
+            label=name,
+            marker="osD^v"[i % 5],
+            ls="-" if i % 2 == 0 else "--",
+            markersize=7 - i,
+            lw=1.4,
+        )
+    ax.axhline(
+        result["sum_read_GB_per_s"],
+        color="gray",
+        lw=0.8,
+        ls=":",
+        label=f"memory read by sum(): {result['sum_read_GB_per_s']:.0f} GB/s",
+    )
     ax.set_xscale("log", base=2)
     ax.set_xticks([r["rows"] for r in rows], [str(r["rows"]) for r in rows])
     ax.set_ylim(bottom=0)
@@ -229,24 +283,29 @@ def plot_cpu_linear(result: dict, path: Path | None = None):
     ax.set_ylabel("weight bytes read per second (GB/s)")
     env = result["env"]
     cpu = cpu_label(env["cpu"], env.get("cpu_flags", "").split()) if env.get("cpu") else env["machine"]
-    ax.set_title(f"SmolLM2-135M's 120 layer matrices, fp32, {result['threads']} thread\n"
-                 f"{cpu}, torch {env['torch']}, {env['date']}", fontsize=9)
+    ax.set_title(
+        f"SmolLM2-135M's 120 layer matrices, fp32, {result['threads']} thread\n"
+        f"{cpu}, torch {env['torch']}, {env['date']}",
+        fontsize=9,
+    )
     return _finish(fig, path, ax)
 
 
 def decode_breakdown(decode: dict) -> list[tuple[str, float]]:
     """The batch-1 decode step in parts (ms), from the GPU script's ``decode`` section."""
-    parts = [("engine step (execute, sampling, host)", decode.get("engine_step_s")),
-             ("  the same without the fused kernels", decode.get("engine_step_unfused_s")),
-             ("CUDA graph replay (the forward)", decode.get("graph_replay_s")),
-             ("same forward eager (launch-bound)", decode.get("eager_forward_s")),
-             ("  kernel time in it: matmuls", decode.get("eager_kernel_time_by_kind_s", {}).get("matmul")),
-             ("  attention", decode.get("eager_kernel_time_by_kind_s", {}).get("attention")),
-             ("  store_kv", decode.get("eager_kernel_time_by_kind_s", {}).get("store_kv")),
-             ("  fused element-wise kernels", decode.get("eager_kernel_time_by_kind_s", {}).get("fused")),
-             ("  small element-wise kernels", decode.get("eager_kernel_time_by_kind_s", {}).get("other")),
-             ("greedy sampling", decode.get("sample_greedy_s")),
-             ("top-k/top-p sampling", decode.get("sample_topk_topp_s")),
-             ("host: fill static buffers", decode.get("host_fill_static_s")),
-             ("floor: weight bytes ÷ copy bandwidth", decode.get("floor_s"))]
+    parts = [
+        ("engine step (execute, sampling, host)", decode.get("engine_step_s")),
+        ("  the same without the fused kernels", decode.get("engine_step_unfused_s")),
+        ("CUDA graph replay (the forward)", decode.get("graph_replay_s")),
+        ("same forward eager (launch-bound)", decode.get("eager_forward_s")),
+        ("  kernel time in it: matmuls", decode.get("eager_kernel_time_by_kind_s", {}).get("matmul")),
+        ("  attention", decode.get("eager_kernel_time_by_kind_s", {}).get("attention")),
+        ("  store_kv", decode.get("eager_kernel_time_by_kind_s", {}).get("store_kv")),
+        ("  fused element-wise kernels", decode.get("eager_kernel_time_by_kind_s", {}).get("fused")),
+        ("  small element-wise kernels", decode.get("eager_kernel_time_by_kind_s", {}).get("other")),
+        ("greedy sampling", decode.get("sample_greedy_s")),
+        ("top-k/top-p sampling", decode.get("sample_topk_topp_s")),
+        ("host: fill static buffers", decode.get("host_fill_static_s")),
+        ("floor: weight bytes ÷ copy bandwidth", decode.get("floor_s")),
+    ]
     return [(name, value * 1e3) for name, value in parts if value is not None]

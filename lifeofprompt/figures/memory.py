@@ -9,9 +9,9 @@ it directly; ``memory_panel()`` wires it to ipywidgets.
 
 from __future__ import annotations
 
-from ..model.config import KNOWN_CONFIGS
-from ..errors import LifeOfPromptError
 from ..engine.memory import GiB, MemoryPlan, format_bytes, plan_memory
+from ..errors import LifeOfPromptError
+from ..model.config import KNOWN_CONFIGS
 
 LAND_COLORS = {"unusable": "#d9d9d9", "weights": "#4c72b0", "activations": "#dd8452", "KV pool": "#55a868"}
 
@@ -23,13 +23,23 @@ def land_figure(plan: MemoryPlan, title: str = "", ax=None):
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 3.0))
     act_label = "activations (measured)" if plan.activations_measured else "activations (estimated)"
-    parts = [("weights", plan.weights, "weights"), (act_label, plan.activations, "activations"),
-             ("KV pool", plan.kv_pool, "KV pool"), ("not used (1 − utilization)", plan.unusable, "unusable")]
+    parts = [
+        ("weights", plan.weights, "weights"),
+        (act_label, plan.activations, "activations"),
+        ("KV pool", plan.kv_pool, "KV pool"),
+        ("not used (1 − utilization)", plan.unusable, "unusable"),
+    ]
     left = 0.0
     for label, nbytes, color_key in parts:
         width = nbytes / GiB
-        ax.barh([0], [width], left=left, color=LAND_COLORS[color_key], edgecolor="white",
-                label=f"{label}: {format_bytes(nbytes)}")
+        ax.barh(
+            [0],
+            [width],
+            left=left,
+            color=LAND_COLORS[color_key],
+            edgecolor="white",
+            label=f"{label}: {format_bytes(nbytes)}",
+        )
         if width > 0.06 * plan.total / GiB:
             ax.text(left + width / 2, 0, format_bytes(nbytes), ha="center", va="center", fontsize=9)
         left += width
@@ -45,20 +55,21 @@ def land_figure(plan: MemoryPlan, title: str = "", ax=None):
 def land_report(plan: MemoryPlan, context_len: int) -> str:
     """The plan in words and the numbers a server log shows."""
     act = "measured" if plan.activations_measured else "estimated"
-    return "\n".join([
-        f"device memory      {format_bytes(plan.total)}  (usable {format_bytes(plan.usable)})",
-        f"weights            {format_bytes(plan.weights)}",
-        f"activations        {format_bytes(plan.activations)} ({act})",
-        f"KV pool            {format_bytes(plan.kv_pool)}",
-        f"bytes per block    {plan.bytes_per_block:,} ({plan.block_size} tokens × {plan.bytes_per_token:,} bytes)",
-        f"GPU blocks         {plan.num_gpu_blocks:,}  ({plan.kv_tokens:,} tokens)",
-        f"CPU blocks         {plan.num_cpu_blocks:,}",
-        f"requests of {context_len:,} tokens that fit at once: {plan.max_concurrency(context_len):,}",
-    ])
+    return "\n".join(
+        [
+            f"device memory      {format_bytes(plan.total)}  (usable {format_bytes(plan.usable)})",
+            f"weights            {format_bytes(plan.weights)}",
+            f"activations        {format_bytes(plan.activations)} ({act})",
+            f"KV pool            {format_bytes(plan.kv_pool)}",
+            f"bytes per block    {plan.bytes_per_block:,} ({plan.block_size} tokens × {plan.bytes_per_token:,} bytes)",
+            f"GPU blocks         {plan.num_gpu_blocks:,}  ({plan.kv_tokens:,} tokens)",
+            f"CPU blocks         {plan.num_cpu_blocks:,}",
+            f"requests of {context_len:,} tokens that fit at once: {plan.max_concurrency(context_len):,}",
+        ]
+    )
 
 
-def update_land(gpu_memory_gib: float, utilization: float, model: str, block_size: int, context_len: int,
-                dtype="bf16"):
+def update_land(gpu_memory_gib: float, utilization: float, model: str, block_size: int, context_len: int, dtype="bf16"):
     """Slider values → ``(figure or None, text)``: the land of ``model`` on a device reporting ``gpu_memory_gib`` GiB.
 
     A setting that cannot work (the model does not fit, a block size of 0) gives ``None`` and the
@@ -72,28 +83,36 @@ def update_land(gpu_memory_gib: float, utilization: float, model: str, block_siz
     except LifeOfPromptError as exc:
         return None, f"{type(exc).__name__}: {exc}"
     fig = land_figure(plan, title=f"{config.name} ({dtype}) on {gpu_memory_gib:g} GiB at {utilization:.0%}")
-    plt.close(fig)                           # shown by the caller, not by pyplot's auto-display
+    plt.close(fig)  # shown by the caller, not by pyplot's auto-display
     return fig, land_report(plan, context_len)
 
 
-def memory_panel(gpu_memory_gib: float = 16.0, utilization: float = 0.9, model: str = "tinyllama-1.1b",
-                 block_size: int = 16, context_len: int = 4096):
+def memory_panel(
+    gpu_memory_gib: float = 16.0,
+    utilization: float = 0.9,
+    model: str = "tinyllama-1.1b",
+    block_size: int = 16,
+    context_len: int = 4096,
+):
     """Sliders for GPU memory, utilization, model, block size and context length over the land."""
     import ipywidgets as widgets
     from IPython.display import display
 
     controls = dict(
-        gpu_memory_gib=widgets.FloatSlider(value=gpu_memory_gib, min=2, max=192, step=1, description="GPU GiB",
-                                           continuous_update=False),
-        utilization=widgets.FloatSlider(value=utilization, min=0.05, max=1.0, step=0.01, description="utilization",
-                                        continuous_update=False),
+        gpu_memory_gib=widgets.FloatSlider(
+            value=gpu_memory_gib, min=2, max=192, step=1, description="GPU GiB", continuous_update=False
+        ),
+        utilization=widgets.FloatSlider(
+            value=utilization, min=0.05, max=1.0, step=0.01, description="utilization", continuous_update=False
+        ),
         model=widgets.Dropdown(options=list(KNOWN_CONFIGS), value=model, description="model"),
         block_size=widgets.Dropdown(options=[8, 16, 32, 64, 128], value=block_size, description="block size"),
-        context_len=widgets.IntSlider(value=context_len, min=16, max=32768, step=16, description="context",
-                                      continuous_update=False),
+        context_len=widgets.IntSlider(
+            value=context_len, min=16, max=32768, step=16, description="context", continuous_update=False
+        ),
     )
     out = widgets.Output()
-    shown = {}                               # the latest text, readable without a browser
+    shown = {}  # the latest text, readable without a browser
 
     def redraw(_=None):
         fig, text = update_land(**{name: w.value for name, w in controls.items()})
@@ -107,8 +126,13 @@ def memory_panel(gpu_memory_gib: float = 16.0, utilization: float = 0.9, model: 
     for w in controls.values():
         w.observe(redraw, names="value")
     redraw()
-    panel = widgets.VBox([widgets.HBox([controls["gpu_memory_gib"], controls["utilization"]]),
-                          widgets.HBox([controls["model"], controls["block_size"], controls["context_len"]]), out])
-    panel.controls = controls                # for tests and for readers who want to set values in code
+    panel = widgets.VBox(
+        [
+            widgets.HBox([controls["gpu_memory_gib"], controls["utilization"]]),
+            widgets.HBox([controls["model"], controls["block_size"], controls["context_len"]]),
+            out,
+        ]
+    )
+    panel.controls = controls  # for tests and for readers who want to set values in code
     panel.shown = shown
     return panel

@@ -15,19 +15,32 @@ from matplotlib.collections import PatchCollection
 from matplotlib.patches import Patch, Rectangle
 
 from ..engine.block_manager import BlockManager
-from ..lessons.paging import PoolSnapshot, fragmentation_table, requests_that_fit, slots_wasted_contiguous, slots_wasted_paged
+from ..lessons.paging import (
+    PoolSnapshot,
+    requests_that_fit,
+    slots_wasted_contiguous,
+    slots_wasted_paged,
+)
 
 PALETTE = [matplotlib.colors.to_hex(c) for c in plt.get_cmap("tab20").colors[::2] + plt.get_cmap("tab20").colors[1::2]]
 CACHED_FREE = "#BBBBBB"
-UNUSED = "#C44E52"          # slots held but never (or not yet) written, dotted in both panels
+UNUSED = "#C44E52"  # slots held but never (or not yet) written, dotted in both panels
 
 
 def owner_colors(names) -> dict[str, str]:
     return {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(names)}
 
 
-def draw_pool_grid(ax, owners: list[list[str]], filled: list[int], block_size: int, colors: dict[str, str],
-                   cached: list[bool] | None = None, columns: int | None = None, label_blocks: bool | None = None):
+def draw_pool_grid(
+    ax,
+    owners: list[list[str]],
+    filled: list[int],
+    block_size: int,
+    colors: dict[str, str],
+    cached: list[bool] | None = None,
+    columns: int | None = None,
+    label_blocks: bool | None = None,
+):
     """Blocks as cells, row by row: coloured by owner, the filled part of each block solid, the rest
     (slots held but not yet written) white, dotted in red as the contiguous panel's unused slots are.
     Not a pale shade of the owner: half of the palette is pale already, so a pale tail could not be
@@ -72,8 +85,16 @@ def draw_pool_grid(ax, owners: list[list[str]], filled: list[int], block_size: i
             x, y = b % columns, rows - 1 - b // columns
             ax.text(x + 0.46, y + 0.66, f"#{b}", ha="center", va="center", fontsize=7.5, bbox=box, zorder=4)
             if owners[b] or cached[b]:
-                ax.text(x + 0.46, y + 0.28, f"{filled[b]}/{block_size}", ha="center", va="center", fontsize=7.5,
-                        bbox=box, zorder=4)
+                ax.text(
+                    x + 0.46,
+                    y + 0.28,
+                    f"{filled[b]}/{block_size}",
+                    ha="center",
+                    va="center",
+                    fontsize=7.5,
+                    bbox=box,
+                    zorder=4,
+                )
     ax.set_xlim(-0.1, columns)
     ax.set_ylim(-0.1, rows)
     ax.set_aspect("equal")
@@ -84,10 +105,12 @@ def draw_pool_grid(ax, owners: list[list[str]], filled: list[int], block_size: i
 def legend_handles(names) -> list[Patch]:
     """One patch per owner's colour, then the free, still-cached, and shared (hatched) blocks."""
     handles = [Patch(color=c, label=n) for n, c in owner_colors(names).items()]
-    return handles + [Patch(facecolor=CACHED_FREE, label="free, still cached"),
-                      Patch(facecolor="white", edgecolor="#444444", label="free"),
-                      Patch(facecolor="white", edgecolor=UNUSED, hatch="...", label="held, not yet written"),
-                      Patch(facecolor="white", edgecolor="black", hatch="///", label="shared")]
+    return handles + [
+        Patch(facecolor=CACHED_FREE, label="free, still cached"),
+        Patch(facecolor="white", edgecolor="#444444", label="free"),
+        Patch(facecolor="white", edgecolor=UNUSED, hatch="...", label="held, not yet written"),
+        Patch(facecolor="white", edgecolor="black", hatch="///", label="shared"),
+    ]
 
 
 def draw_snapshot(snap: PoolSnapshot, names, ax_grid=None, ax_text=None, columns: int = 8, title: str | None = None):
@@ -100,18 +123,26 @@ def draw_snapshot(snap: PoolSnapshot, names, ax_grid=None, ax_text=None, columns
     if alone:
         fig, (ax_grid, ax_text) = plt.subplots(1, 2, figsize=(12, 3.0), gridspec_kw=dict(width_ratios=[1, 1.1]))
     draw_pool_grid(ax_grid, snap.owners, snap.filled, snap.block_size, colors, snap.cached, columns)
-    ax_grid.set_title(title or f"after step {snap.step}: {snap.num_free_blocks} of {snap.num_blocks} blocks free",
-                      fontsize=10)
+    ax_grid.set_title(
+        title or f"after step {snap.step}: {snap.num_free_blocks} of {snap.num_blocks} blocks free", fontsize=10
+    )
     if ax_text is not None:
         lines = snap.table_lines() or ["(no live sequence)"]
         lines += [""] + [f"· {e}" for e in snap.events]
-        ax_text.text(0, 1, "\n".join(lines), va="top", ha="left", family="monospace", fontsize=8,
-                     transform=ax_text.transAxes)
+        ax_text.text(
+            0, 1, "\n".join(lines), va="top", ha="left", family="monospace", fontsize=8, transform=ax_text.transAxes
+        )
         ax_text.axis("off")
     if alone:
         fig = ax_grid.figure
-        ax_grid.text(0, -0.04, f"each cell: #block id, and slots filled / {snap.block_size}", fontsize=8, va="top",
-                     transform=ax_grid.transAxes)
+        ax_grid.text(
+            0,
+            -0.04,
+            f"each cell: #block id, and slots filled / {snap.block_size}",
+            fontsize=8,
+            va="top",
+            transform=ax_grid.transAxes,
+        )
         fig.tight_layout(rect=(0, 0.16, 1, 1))
         fig.legend(handles=legend_handles(names), loc="lower center", ncol=4, fontsize=8, frameon=False)
     return ax_grid.figure
@@ -119,14 +150,23 @@ def draw_snapshot(snap: PoolSnapshot, names, ax_grid=None, ax_text=None, columns
 
 def draw_trace(snapshots: list[PoolSnapshot], names, columns: int = 8, suptitle: str | None = None):
     """Several moments of a traced generation, one row each (the static version of the animation)."""
-    fig, axes = plt.subplots(len(snapshots), 2, figsize=(12, 1.7 * len(snapshots) + 0.6),
-                             gridspec_kw=dict(width_ratios=[1, 1.5]), squeeze=False)
+    fig, axes = plt.subplots(
+        len(snapshots),
+        2,
+        figsize=(12, 1.7 * len(snapshots) + 0.6),
+        gridspec_kw=dict(width_ratios=[1, 1.5]),
+        squeeze=False,
+    )
     for snap, (ax_grid, ax_text) in zip(snapshots, axes):
         draw_snapshot(snap, names, ax_grid, ax_text, columns)
     handles = legend_handles(names)
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
-    fig.suptitle(suptitle or f"The KV pool: {snapshots[0].num_blocks} blocks of {snapshots[0].block_size} "
-                 "token slots (solid = slots filled)", fontsize=11)
+    fig.suptitle(
+        suptitle
+        or f"The KV pool: {snapshots[0].num_blocks} blocks of {snapshots[0].block_size} "
+        "token slots (solid = slots filled)",
+        fontsize=11,
+    )
     fig.tight_layout(rect=(0, 0.04, 1, 0.97))
     return fig
 
@@ -146,8 +186,14 @@ def draw_fragmentation(rows: list[dict], title: str = "Contiguous reservation vs
     ax_fit.set_title("Requests that fit in the same pool")
     for ax, key, fmt in ((ax_waste, "wasted_share", "{:.0%}"), (ax_fit, "fit", "{}")):
         for i, r in enumerate(rows):
-            ax.text(i, ax.get_ylim()[1] * 0.01 + (100 * r[key] if key == "wasted_share" else r[key]),
-                    fmt.format(r[key]), ha="center", va="bottom", fontsize=8)
+            ax.text(
+                i,
+                ax.get_ylim()[1] * 0.01 + (100 * r[key] if key == "wasted_share" else r[key]),
+                fmt.format(r[key]),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     return fig
@@ -175,8 +221,14 @@ def place_requests(lengths: list[int], num_blocks: int, block_size: int) -> tupl
     return bm, seqs, len(seqs)
 
 
-def paging_panel(block_size: int, pool_tokens: int, lengths: list[int], max_len: int,
-                 bytes_per_token: int | None = None, bytes_label: str = ""):
+def paging_panel(
+    block_size: int,
+    pool_tokens: int,
+    lengths: list[int],
+    max_len: int,
+    bytes_per_token: int | None = None,
+    bytes_label: str = "",
+):
     """The widget's callback: the pool under paging and under contiguous reservation, plus the waste figures.
 
     Returns ``(figure, summary_text)``. Requests are admitted in order until the pool is full.
@@ -196,12 +248,23 @@ def paging_panel(block_size: int, pool_tokens: int, lengths: list[int], max_len:
     colors = owner_colors(names)
 
     fig, (ax_paged, ax_contig) = plt.subplots(1, 2, figsize=(12, 4.6), gridspec_kw=dict(width_ratios=[1.1, 1]))
-    draw_pool_grid(ax_paged, owners, filled, block_size, colors, columns=max(8, min(32, math.ceil(math.sqrt(num_blocks * 2)))))
+    draw_pool_grid(
+        ax_paged, owners, filled, block_size, colors, columns=max(8, min(32, math.ceil(math.sqrt(num_blocks * 2))))
+    )
     paged_waste = slots_wasted_paged(lengths[:fit_paged], block_size)
-    ax_paged.set_title(f"Paged: {num_blocks} blocks of {block_size} slots, {fit_paged} requests fit\n"
-                       f"{paged_waste} slots wasted (dotted: the empty tail of each last block)", fontsize=10)
-    ax_paged.text(0, -0.02, "colour = request (admitted in order until one does not fit); plain white = free block",
-                  transform=ax_paged.transAxes, va="top", fontsize=8)
+    ax_paged.set_title(
+        f"Paged: {num_blocks} blocks of {block_size} slots, {fit_paged} requests fit\n"
+        f"{paged_waste} slots wasted (dotted: the empty tail of each last block)",
+        fontsize=10,
+    )
+    ax_paged.text(
+        0,
+        -0.02,
+        "colour = request (admitted in order until one does not fit); plain white = free block",
+        transform=ax_paged.transAxes,
+        va="top",
+        fontsize=8,
+    )
 
     rows = pool_tokens // max_len
     for r in range(rows):
@@ -210,24 +273,30 @@ def paging_panel(block_size: int, pool_tokens: int, lengths: list[int], max_len:
         if r < fit_contig:
             n = lengths[r]
             ax_contig.add_patch(Rectangle((0, y), n, 0.8, facecolor=colors[names[r]]))
-            ax_contig.add_patch(Rectangle((n, y), max_len - n, 0.8, facecolor="white", hatch="...",
-                                          edgecolor=UNUSED, linewidth=0))
+            ax_contig.add_patch(
+                Rectangle((n, y), max_len - n, 0.8, facecolor="white", hatch="...", edgecolor=UNUSED, linewidth=0)
+            )
             ax_contig.text(max_len * 1.01, y + 0.4, f"{n}/{max_len}", va="center", fontsize=8.5)
     contig_waste = slots_wasted_contiguous(lengths[:fit_contig], max_len)
     ax_contig.set_xlim(0, max_len * 1.12)
     ax_contig.set_ylim(-0.2, max(rows, 1))
     ax_contig.set_yticks([])
     ax_contig.set_xlabel("token slots reserved per request")
-    ax_contig.set_title(f"Contiguous: {rows} reservations of {max_len} slots, {fit_contig} requests fit\n"
-                        f"{contig_waste} slots reserved but never used (dotted)", fontsize=10)
+    ax_contig.set_title(
+        f"Contiguous: {rows} reservations of {max_len} slots, {fit_contig} requests fit\n"
+        f"{contig_waste} slots reserved but never used (dotted)",
+        fontsize=10,
+    )
     fig.tight_layout()
 
     def money(slots):
         return f" = {format_bytes(slots * bytes_per_token)}{bytes_label}" if bytes_per_token else ""
 
-    summary = (f"pool: {pool_tokens} token slots; block size {block_size} → {num_blocks} blocks\n"
-               f"paged:      {fit_paged:>3} of {len(lengths)} requests fit, {paged_waste} slots wasted{money(paged_waste)}\n"
-               f"contiguous: {fit_contig:>3} of {len(lengths)} requests fit, {contig_waste} slots wasted{money(contig_waste)}")
+    summary = (
+        f"pool: {pool_tokens} token slots; block size {block_size} → {num_blocks} blocks\n"
+        f"paged:      {fit_paged:>3} of {len(lengths)} requests fit, {paged_waste} slots wasted{money(paged_waste)}\n"
+        f"contiguous: {fit_contig:>3} of {len(lengths)} requests fit, {contig_waste} slots wasted{money(contig_waste)}"
+    )
     return fig, summary
 
 
@@ -241,8 +310,14 @@ def figure_png(fig, dpi: int = 80) -> bytes:
     return buffer.getvalue()
 
 
-def paging_widget(lengths: list[int], max_len: int, bytes_per_token: int | None = None, bytes_label: str = "",
-                  block_sizes=(1, 2, 4, 8, 16, 32, 64, 128), pool_tokens=(512, 8192, 256, 2048)):
+def paging_widget(
+    lengths: list[int],
+    max_len: int,
+    bytes_per_token: int | None = None,
+    bytes_label: str = "",
+    block_sizes=(1, 2, 4, 8, 16, 32, 64, 128),
+    pool_tokens=(512, 8192, 256, 2048),
+):
     """Block-size and pool-size sliders that redraw ``paging_panel`` (needs ipywidgets).
 
     The figure travels as PNG bytes in an ``Image`` widget, replaced whole on every change.

@@ -39,8 +39,14 @@ def split_figure(ranks: int = 3):
     left.text(5.05, 2.5, "=", fontsize=16, ha="center", va="center")
     for r in range(ranks):
         _block(left, 5.4 + r * w, 1, w, 3, RANK_COLORS[r], f"q/k/v\nrank {r}", fontsize=8)
-    left.text(4.0, 0.45, "column split (q/k/v, gate/up): each rank computes its own heads;\nno communication",
-              ha="center", va="center", fontsize=9)
+    left.text(
+        4.0,
+        0.45,
+        "column split (q/k/v, gate/up): each rank computes its own heads;\nno communication",
+        ha="center",
+        va="center",
+        fontsize=9,
+    )
     left.set_title("column-parallel", fontsize=11)
     # row-parallel: X's column slices (what each rank's heads produced) times W's row slices = partial sums
     for r in range(ranks):
@@ -55,24 +61,40 @@ def split_figure(ranks: int = 3):
     right.annotate("", xy=(7.4, 2.5), xytext=(6.15, 2.5), arrowprops=dict(arrowstyle="->", lw=2))
     right.text(6.8, 2.75, "all-reduce\n(sum)", ha="center", fontsize=9)
     _block(right, 7.5, 1, 1.2, 3, "#333333", "Y\n[tokens,\nhidden]\n(every\nrank)")
-    right.text(4.3, 0.45, "row split (o_proj, down_proj): each rank's product is a partial sum of all of Y;\n"
-               "one all-reduce of tokens × hidden adds them up", ha="center", va="center", fontsize=9)
+    right.text(
+        4.3,
+        0.45,
+        "row split (o_proj, down_proj): each rank's product is a partial sum of all of Y;\n"
+        "one all-reduce of tokens × hidden adds them up",
+        ha="center",
+        va="center",
+        fontsize=9,
+    )
     right.set_title("row-parallel", fontsize=11)
     for ax in (left, right):
         ax.set_xlim(-0.2, 8.9)
         ax.set_ylim(0, 4.4)
         ax.set_aspect("equal")
         ax.axis("off")
-    fig.suptitle(f"one attention block over {ranks} ranks: column split, then row split, then one all-reduce",
-                 fontsize=12)
+    fig.suptitle(
+        f"one attention block over {ranks} ranks: column split, then row split, then one all-reduce", fontsize=12
+    )
     fig.tight_layout()
     return fig
 
 
 def _timeline(ax, slots: list[StageSlot], num_stages: int, title: str) -> None:
     for s in slots:
-        _block(ax, s.start, num_stages - 1 - s.stage, s.end - s.start, 0.9, RANK_COLORS[s.group % len(RANK_COLORS)],
-               f"r{s.group} s{s.step}", fontsize=7)
+        _block(
+            ax,
+            s.start,
+            num_stages - 1 - s.stage,
+            s.end - s.start,
+            0.9,
+            RANK_COLORS[s.group % len(RANK_COLORS)],
+            f"r{s.group} s{s.step}",
+            fontsize=7,
+        )
     end = max(s.end for s in slots)
     ax.set_xlim(0, end)
     ax.set_ylim(-0.1, num_stages)
@@ -118,7 +140,10 @@ def measured_figure(runs, predicted: dict[str, float], checked=None):
     left.legend(fontsize=8, frameon=False, loc="upper left")
     shown = [r for r in (runs if checked is None else checked) if r.label in predicted]
     for i, r in enumerate(shown):
-        pair = ((i - 0.18, r.collective_seconds_per_step() * 1e3, "#dd8452"), (i + 0.18, predicted[r.label] * 1e3, "#8c8c8c"))
+        pair = (
+            (i - 0.18, r.collective_seconds_per_step() * 1e3, "#dd8452"),
+            (i + 0.18, predicted[r.label] * 1e3, "#8c8c8c"),
+        )
         for x, value, color in pair:
             right.bar(x, value, 0.34, color=color)
             right.text(x, value, f"{value:.1f}", ha="center", va="bottom", fontsize=9)
@@ -137,7 +162,6 @@ def links_figure(curves: dict[str, tuple[list[int], list[float]]], floor_s: dict
     """Seconds of communication per step against batch tokens, one curve per layout; the decode
     floors (weights over HBM bandwidth) as dashed lines to compare with."""
     import matplotlib.pyplot as plt
-
     from matplotlib.ticker import FuncFormatter
 
     fig, ax = plt.subplots(figsize=(9, 5.4))

@@ -18,8 +18,15 @@ from functools import lru_cache
 
 from ..serving.metrics import summarize
 
-COLORS = {"prefill": "tab:orange", "prefill chunk": "#f7b267", "recompute": "tab:red", "decode": "tab:blue",
-          "waiting": "#d9d9d9", "preempted": "#d9d9d9", "idle seat": "white"}
+COLORS = {
+    "prefill": "tab:orange",
+    "prefill chunk": "#f7b267",
+    "recompute": "tab:red",
+    "decode": "tab:blue",
+    "waiting": "#d9d9d9",
+    "preempted": "#d9d9d9",
+    "idle seat": "white",
+}
 
 
 @dataclass
@@ -27,15 +34,18 @@ class RequestSpans:
     request_id: str
     arrival: float
     finish: float | None
-    spans: list[tuple[float, float, str]] = field(default_factory=list)   # (start, end, kind), merged
+    spans: list[tuple[float, float, str]] = field(default_factory=list)  # (start, end, kind), merged
 
 
-def build_spans(steps, arrivals: dict[str, float], finishes: dict[str, float], static: bool = False,
-                t0: float | None = None) -> list[RequestSpans]:
+def build_spans(
+    steps, arrivals: dict[str, float], finishes: dict[str, float], static: bool = False, t0: float | None = None
+) -> list[RequestSpans]:
     """Per request, its coloured spans from the step records; times shifted so ``t0`` is 0."""
     t0 = min(arrivals.values()) if t0 is None else t0
-    rows = {rid: RequestSpans(rid, a - t0, (finishes.get(rid) - t0) if finishes.get(rid) is not None else None)
-            for rid, a in arrivals.items()}
+    rows = {
+        rid: RequestSpans(rid, a - t0, (finishes.get(rid) - t0) if finishes.get(rid) is not None else None)
+        for rid, a in arrivals.items()
+    }
     runs: dict[str, list] = {rid: [] for rid in rows}
     preempted_at: dict[str, list[float]] = {rid: [] for rid in rows}
     batches: list[list[str]] = []
@@ -111,16 +121,23 @@ def in_steps(engine, outputs):
         m = o.metrics
         timings[o.request_id] = RequestTiming(
             arrival_time=arrival_step(m.arrival_time),
-            first_scheduled_time=arrival_step(m.first_scheduled_time + 1e-12) - 1 if m.first_scheduled_time is not None else None,
-            first_token_time=end_step.get(m.first_token_time), finished_time=end_step.get(m.finished_time),
-            token_times=[end_step[t] for t in m.token_times], num_prompt_tokens=m.num_prompt_tokens)
+            first_scheduled_time=arrival_step(m.first_scheduled_time + 1e-12) - 1
+            if m.first_scheduled_time is not None
+            else None,
+            first_token_time=end_step.get(m.first_token_time),
+            finished_time=end_step.get(m.finished_time),
+            token_times=[end_step[t] for t in m.token_times],
+            num_prompt_tokens=m.num_prompt_tokens,
+        )
     return records, timings
 
 
 def spans_from_sim(result, static: bool | None = None) -> list[RequestSpans]:
     arrivals = {f"r{i}": t.arrival_time for i, t in enumerate(result.timings)}
     finishes = {f"r{i}": t.finished_time for i, t in enumerate(result.timings)}
-    return build_spans(result.steps, arrivals, finishes, result.policy == "static" if static is None else static, t0=0.0)
+    return build_spans(
+        result.steps, arrivals, finishes, result.policy == "static" if static is None else static, t0=0.0
+    )
 
 
 # ----------------------------------------------------------------------------- drawing
@@ -137,8 +154,14 @@ def plot_gantt(rows: list[RequestSpans], ax=None, title: str = "", max_rows: int
     for y, row in enumerate(shown):
         for start, end, kind in row.spans:
             hatch = "///" if kind in ("idle seat", "preempted") else None
-            ax.broken_barh([(start, max(end - start, 1e-9))], (y - 0.4, 0.8), facecolors=COLORS[kind],
-                           edgecolor="grey" if hatch else "none", hatch=hatch, linewidth=0.3)
+            ax.broken_barh(
+                [(start, max(end - start, 1e-9))],
+                (y - 0.4, 0.8),
+                facecolors=COLORS[kind],
+                edgecolor="grey" if hatch else "none",
+                hatch=hatch,
+                linewidth=0.3,
+            )
         ax.plot([row.arrival], [y], marker="|", color="black", markersize=7)
     ax.set_yticks(range(len(shown)))
     ax.set_yticklabels([r.request_id for r in shown], fontsize=7)
@@ -149,8 +172,17 @@ def plot_gantt(rows: list[RequestSpans], ax=None, title: str = "", max_rows: int
     ax.grid(True, axis="x", alpha=0.3)
     if legend:
         kinds = sorted({k for r in shown for _, _, k in r.spans}, key=list(COLORS).index)
-        ax.legend([Patch(facecolor=COLORS[k], edgecolor="grey", hatch="///" if k in ("idle seat", "preempted") else None)
-                   for k in kinds], kinds, fontsize=7, loc="upper left", bbox_to_anchor=(1.005, 1.0), framealpha=0.9)
+        ax.legend(
+            [
+                Patch(facecolor=COLORS[k], edgecolor="grey", hatch="///" if k in ("idle seat", "preempted") else None)
+                for k in kinds
+            ],
+            kinds,
+            fontsize=7,
+            loc="upper left",
+            bbox_to_anchor=(1.005, 1.0),
+            framealpha=0.9,
+        )
     return ax
 
 
@@ -158,21 +190,34 @@ def summary_line(timings, unit: str = "s") -> str:
     """Throughput and TTFT in one line; ``unit`` is ``"s"`` or ``"steps"`` (timings re-timed by ``in_steps``)."""
     s = summarize(timings)
     if unit == "steps":
-        return (f"{s['output_throughput']:.2f} output tokens/step, TTFT p50 {s['ttft_s']['p50']:.1f} steps, "
-                f"p99 {s['ttft_s']['p99']:.1f} steps, finished after {s['duration_s']:.0f} steps")
-    return (f"{s['output_throughput']:.1f} output tok/s, TTFT p50 {s['ttft_s']['p50']:.2f} s, "
-            f"p99 {s['ttft_s']['p99']:.2f} s, finished after {s['duration_s']:.2f} s")
+        return (
+            f"{s['output_throughput']:.2f} output tokens/step, TTFT p50 {s['ttft_s']['p50']:.1f} steps, "
+            f"p99 {s['ttft_s']['p99']:.1f} steps, finished after {s['duration_s']:.0f} steps"
+        )
+    return (
+        f"{s['output_throughput']:.1f} output tok/s, TTFT p50 {s['ttft_s']['p50']:.2f} s, "
+        f"p99 {s['ttft_s']['p99']:.2f} s, finished after {s['duration_s']:.2f} s"
+    )
 
 
-def plot_static_vs_continuous(static_rows, continuous_rows, static_timings, continuous_timings, max_rows: int = 40,
-                              suptitle: str = "Static against continuous batching, same requests", unit: str = "s"):
+def plot_static_vs_continuous(
+    static_rows,
+    continuous_rows,
+    static_timings,
+    continuous_timings,
+    max_rows: int = 40,
+    suptitle: str = "Static against continuous batching, same requests",
+    unit: str = "s",
+):
     """Two Gantt charts on one time axis, each titled with its throughput and TTFT."""
     import matplotlib.pyplot as plt
 
     n = min(max(len(static_rows), 1), max_rows)
     fig, axes = plt.subplots(2, 1, figsize=(10, 0.5 * n + 3), sharex=True)
     plot_gantt(static_rows, axes[0], "static: " + summary_line(static_timings, unit), max_rows)
-    plot_gantt(continuous_rows, axes[1], "continuous: " + summary_line(continuous_timings, unit), max_rows, legend=False)
+    plot_gantt(
+        continuous_rows, axes[1], "continuous: " + summary_line(continuous_timings, unit), max_rows, legend=False
+    )
     for ax in axes:
         ax.title.set_fontsize(9)
         ax.set_xlabel("time (steps)" if unit == "steps" else "time (s)")
@@ -194,10 +239,17 @@ class SchedulePanel:
 
     DEFAULTS = dict(max_num_seqs=16, num_blocks=256, budget=512)
 
-    def __init__(self, machine=None, num_requests: int = 120, prompt_lens=(16, 128), output_lens=(8, 64),
-                 seed: int = 0, max_rows: int = 30):
-        from ..serving.arrivals import closed_loop
+    def __init__(
+        self,
+        machine=None,
+        num_requests: int = 120,
+        prompt_lens=(16, 128),
+        output_lens=(8, 64),
+        seed: int = 0,
+        max_rows: int = 30,
+    ):
         from ..lessons.simulator import Simulator, random_workload
+        from ..serving.arrivals import closed_loop
 
         self.machine = machine
         self.workload = random_workload(num_requests, prompt_lens, output_lens, seed)
@@ -205,25 +257,33 @@ class SchedulePanel:
         self.max_rows = max_rows
         self._run = lru_cache(maxsize=64)(self._simulate)
         d = self.DEFAULTS
-        loop = Simulator(machine=machine, num_blocks=d["num_blocks"], max_num_seqs=d["max_num_seqs"],
-                         max_num_batched_tokens=d["budget"]).run(self.workload, closed_loop(num_requests, d["max_num_seqs"]))
+        loop = Simulator(
+            machine=machine,
+            num_blocks=d["num_blocks"],
+            max_num_seqs=d["max_num_seqs"],
+            max_num_batched_tokens=d["budget"],
+        ).run(self.workload, closed_loop(num_requests, d["max_num_seqs"]))
         self.capacity = loop.summary["request_throughput"]
         self.max_rate = float(f"{2 * self.capacity:.2g}")
         self.default_rate = float(f"{0.6 * self.capacity:.2g}")
 
     def _simulate(self, max_num_seqs: int, rate: float, num_blocks: int, budget: int):
-        from ..serving.arrivals import poisson
         from ..lessons.simulator import Simulator
+        from ..serving.arrivals import poisson
 
-        sim = Simulator(machine=self.machine, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=budget)
+        sim = Simulator(
+            machine=self.machine, num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget
+        )
         return sim.run(self.workload, poisson(len(self.workload), rate, self.seed), seed=self.seed)
 
     def _args(self, max_num_seqs, rate, num_blocks, budget):
         d = self.DEFAULTS
-        return (int(d["max_num_seqs"] if max_num_seqs is None else max_num_seqs),
-                float(self.default_rate if rate is None else rate),
-                int(d["num_blocks"] if num_blocks is None else num_blocks), int(d["budget"] if budget is None else budget))
+        return (
+            int(d["max_num_seqs"] if max_num_seqs is None else max_num_seqs),
+            float(self.default_rate if rate is None else rate),
+            int(d["num_blocks"] if num_blocks is None else num_blocks),
+            int(d["budget"] if budget is None else budget),
+        )
 
     def simulate(self, max_num_seqs=None, rate=None, num_blocks=None, budget=None):
         return self._run(*self._args(max_num_seqs, rate, num_blocks, budget))
@@ -232,9 +292,11 @@ class SchedulePanel:
         seqs, rate, blocks, budget = self._args(max_num_seqs, rate, num_blocks, budget)
         r = self._run(seqs, rate, blocks, budget)
         s = r.summary
-        return (f"max_num_seqs={seqs}, {rate:g} req/s, {blocks} blocks, budget {budget}: "
-                f"throughput {s['output_throughput']:.1f} tok/s, TTFT p50 {s['ttft_s']['p50']:.2f} s, "
-                f"p99 {s['ttft_s']['p99']:.2f} s, {r.num_preemptions} preemptions, {s['failed']} rejected")
+        return (
+            f"max_num_seqs={seqs}, {rate:g} req/s, {blocks} blocks, budget {budget}: "
+            f"throughput {s['output_throughput']:.1f} tok/s, TTFT p50 {s['ttft_s']['p50']:.2f} s, "
+            f"p99 {s['ttft_s']['p99']:.2f} s, {r.num_preemptions} preemptions, {s['failed']} rejected"
+        )
 
     def figure(self, max_num_seqs=None, rate=None, num_blocks=None, budget=None):
         import matplotlib.pyplot as plt
@@ -242,7 +304,9 @@ class SchedulePanel:
         seqs, rate, blocks, budget = self._args(max_num_seqs, rate, num_blocks, budget)
         r = self._run(seqs, rate, blocks, budget)
         rows = spans_from_sim(r)
-        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 0.22 * self.max_rows + 2.2), gridspec_kw={"width_ratios": [3, 1]})
+        fig, (ax, ax2) = plt.subplots(
+            1, 2, figsize=(12, 0.22 * self.max_rows + 2.2), gridspec_kw={"width_ratios": [3, 1]}
+        )
         plot_gantt(rows, ax, f"simulated schedule, max_num_seqs={seqs}, {rate:g} req/s", self.max_rows)
         ax.title.set_fontsize(9)
         running = [(rec.start_time, len(rec.scheduled)) for rec in r.steps]
@@ -272,10 +336,21 @@ class SchedulePanel:
         d = self.DEFAULTS
         sliders = dict(
             max_num_seqs=w.IntSlider(d["max_num_seqs"], min=1, max=64, description="max seqs", continuous_update=False),
-            rate=w.FloatSlider(self.default_rate, min=self.max_rate / 20, max=self.max_rate, step=self.max_rate / 40,
-                               readout_format=".3g", description="req/s", continuous_update=False),
-            num_blocks=w.IntSlider(d["num_blocks"], min=16, max=1024, step=16, description="KV blocks", continuous_update=False),
-            budget=w.IntSlider(d["budget"], min=32, max=2048, step=32, description="token budget", continuous_update=False),
+            rate=w.FloatSlider(
+                self.default_rate,
+                min=self.max_rate / 20,
+                max=self.max_rate,
+                step=self.max_rate / 40,
+                readout_format=".3g",
+                description="req/s",
+                continuous_update=False,
+            ),
+            num_blocks=w.IntSlider(
+                d["num_blocks"], min=16, max=1024, step=16, description="KV blocks", continuous_update=False
+            ),
+            budget=w.IntSlider(
+                d["budget"], min=32, max=2048, step=32, description="token budget", continuous_update=False
+            ),
         )
         out = w.interactive_output(self.update, sliders)
         return w.VBox([w.HBox(list(sliders.values())[:2]), w.HBox(list(sliders.values())[2:]), out])

@@ -22,7 +22,7 @@ def verify_cells(step) -> list[tuple[int, str]]:
     """``(token_id, state)`` for one verify step: its drafts (kept / rejected), then the model's own token."""
     drafts, n = list(step.draft_token_ids), step.num_accepted
     kept = [(t, "kept") for t in drafts[:n]]
-    own = [(step.token_ids[n], "own")] if len(step.token_ids) > n else []    # none when a stop ended the run
+    own = [(step.token_ids[n], "own")] if len(step.token_ids) > n else []  # none when a stop ended the run
     return kept + own + [(t, "rejected") for t in drafts[n:]]
 
 
@@ -49,17 +49,32 @@ def verify_figure(steps, token_text, title: str = "", max_steps: int = 12):
     for row, step in enumerate(steps):
         for col, (token, state) in enumerate(verify_cells(step)):
             ax.add_patch(plt.Rectangle((col, row), 0.94, 0.86, color=colors[state], alpha=0.85))
-            ax.text(col + 0.47, row + 0.43, visible_token(token_text(token)), ha="center", va="center",
-                    fontsize=8, color="white")
+            ax.text(
+                col + 0.47,
+                row + 0.43,
+                visible_token(token_text(token)),
+                ha="center",
+                va="center",
+                fontsize=8,
+                color="white",
+            )
         ax.text(-0.15, row + 0.43, f"pos {step.position}", ha="right", va="center", fontsize=8)
     ax.set_xlim(-1.6, width)
     ax.set_ylim(len(steps), -0.2)
     ax.axis("off")
     ax.set_title(title or "verify steps: what was drafted, kept and rolled back", fontsize=10)
-    ax.legend(handles=[Patch(color=KEPT, label="draft kept (KV row stays)"),
-                       Patch(color=REJECTED, label="draft rejected (KV row rolled back)"),
-                       Patch(color=OWN, label="the model's own next token")],
-              loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, fontsize=8, frameon=False)
+    ax.legend(
+        handles=[
+            Patch(color=KEPT, label="draft kept (KV row stays)"),
+            Patch(color=REJECTED, label="draft rejected (KV row rolled back)"),
+            Patch(color=OWN, label="the model's own next token"),
+        ],
+        loc="upper center",
+        bbox_to_anchor=(0.5, 0.0),
+        ncol=3,
+        fontsize=8,
+        frameon=False,
+    )
     fig.tight_layout()
     return fig
 
@@ -90,15 +105,36 @@ def yield_figure(max_k: int = 8, alphas=ALPHAS, runs: list[SpeculationRun] = (),
         ax.plot(ks, [expected_tokens_per_step(alpha, k) for k in ks], marker=".", label=f"α = {alpha:g}")
     # One marker shape per run, small enough that two runs at one k a fifth of a token apart stay apart.
     for run, lift, shape in zip(runs, label_lifts(runs), itertools.cycle(RUN_MARKERS)):
-        ax.plot([run.k], [run.tokens_per_step], marker=shape, markersize=7, color="black",
-                markeredgecolor="white", markeredgewidth=0.8, linestyle="none")
-        ax.annotate(f"{run.label}\n(α ≈ {run.alpha:.2f})", (run.k, run.tokens_per_step), textcoords="offset points",
-                    xytext=(8, -4 + lift), fontsize=8,
-                    arrowprops=dict(arrowstyle="-", color="grey", lw=0.6) if lift else None)
+        ax.plot(
+            [run.k],
+            [run.tokens_per_step],
+            marker=shape,
+            markersize=7,
+            color="black",
+            markeredgecolor="white",
+            markeredgewidth=0.8,
+            linestyle="none",
+        )
+        ax.annotate(
+            f"{run.label}\n(α ≈ {run.alpha:.2f})",
+            (run.k, run.tokens_per_step),
+            textcoords="offset points",
+            xytext=(8, -4 + lift),
+            fontsize=8,
+            arrowprops=dict(arrowstyle="-", color="grey", lw=0.6) if lift else None,
+        )
     if highlight is not None:
         k, alpha = highlight
-        ax.plot([k], [expected_tokens_per_step(alpha, k)], marker="o", markersize=11, markerfacecolor="none",
-                markeredgecolor="red", linestyle="none", label=f"k = {k}, α = {alpha:.2f}")
+        ax.plot(
+            [k],
+            [expected_tokens_per_step(alpha, k)],
+            marker="o",
+            markersize=11,
+            markerfacecolor="none",
+            markeredgecolor="red",
+            linestyle="none",
+            label=f"k = {k}, α = {alpha:.2f}",
+        )
     ax.set_xlabel("draft tokens per step, k")
     ax.set_ylabel("tokens per verify step")
     ax.set_title("What one verify step yields: (1 − α^(k+1)) / (1 − α)")
@@ -113,8 +149,10 @@ def update_speculation(k: int, alpha: float, runs: list[SpeculationRun] = ()):
     fig = yield_figure(max(8, k), runs=runs, highlight=(k, alpha))
     lines = [f"predicted at k = {k}, α = {alpha:.2f}: {expected_tokens_per_step(alpha, k):.2f} tokens per verify step"]
     for run in runs:
-        lines.append(f"{run.label}: measured {run.tokens_per_step:.2f} at k = {run.k} (α ≈ {run.alpha:.2f}; "
-                     f"the formula gives {expected_tokens_per_step(run.alpha, run.k):.2f})")
+        lines.append(
+            f"{run.label}: measured {run.tokens_per_step:.2f} at k = {run.k} (α ≈ {run.alpha:.2f}; "
+            f"the formula gives {expected_tokens_per_step(run.alpha, run.k):.2f})"
+        )
     return fig, "\n".join(lines)
 
 

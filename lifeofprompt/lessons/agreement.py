@@ -51,7 +51,7 @@ def teacher_forced_logits(model, prompt_ids: list[int], new_ids: list[int]) -> t
     ids = torch.tensor([list(prompt_ids) + list(new_ids)[:-1]], device=device)
     out = model(ids)
     logits = getattr(out, "logits", out)
-    return logits[0, len(prompt_ids) - 1:].float().cpu()
+    return logits[0, len(prompt_ids) - 1 :].float().cpu()
 
 
 def assert_argmax_agrees(candidate, reference: torch.Tensor, tolerance, min_decided: int) -> int:
@@ -69,19 +69,24 @@ def assert_argmax_agrees(candidate, reference: torch.Tensor, tolerance, min_deci
     else:
         chosen = torch.as_tensor(candidate, dtype=torch.long).cpu().flatten()
     assert reference.dim() == 2 and chosen.shape == reference.shape[:1], (
-        f"{tuple(chosen.shape)} choices against reference logits of shape {tuple(reference.shape)}")
+        f"{tuple(chosen.shape)} choices against reference logits of shape {tuple(reference.shape)}"
+    )
     margins = top2_margins(reference)
     decided = margins > torch.as_tensor(tolerance, dtype=torch.float32)
     best = reference.argmax(-1)
     wrong = (decided & (chosen != best)).nonzero().flatten().tolist()
     if wrong:
         i = wrong[0]
-        raise AssertionError(f"{len(wrong)} decided row(s) disagree; row {i}: chose {int(chosen[i])}, the reference "
-                             f"{int(best[i])} by a margin of {margins[i].item():.3g} (> tolerance {tolerance})")
+        raise AssertionError(
+            f"{len(wrong)} decided row(s) disagree; row {i}: chose {int(chosen[i])}, the reference "
+            f"{int(best[i])} by a margin of {margins[i].item():.3g} (> tolerance {tolerance})"
+        )
     count = int(decided.sum())
     if count < min_decided:
-        raise AssertionError(f"only {count} of {len(margins)} rows decided (top-2 margin > {tolerance}); "
-                             f"at least {min_decided} needed, so the comparison would say too little")
+        raise AssertionError(
+            f"only {count} of {len(margins)} rows decided (top-2 margin > {tolerance}); "
+            f"at least {min_decided} needed, so the comparison would say too little"
+        )
     return count
 
 
@@ -103,10 +108,14 @@ def assert_greedy_agrees(sequences, references, margins, tolerance: float, min_s
         n = min(len(got), len(want))
         first = next((i for i in range(n) if got[i] != want[i]), n)
         if first < n and margin[first] > tolerance:
-            raise AssertionError(f"sequence {k} parts from the reference at step {first}: {got[first]} instead of "
-                                 f"{want[first]}, which led by {margin[first]:.3g} (> tolerance {tolerance})")
+            raise AssertionError(
+                f"sequence {k} parts from the reference at step {first}: {got[first]} instead of "
+                f"{want[first]}, which led by {margin[first]:.3g} (> tolerance {tolerance})"
+            )
         compared.append(first)
     if sum(compared) < min_steps:
-        raise AssertionError(f"only {sum(compared)} steps compared before the sequences parted at near ties "
-                             f"(per sequence: {compared}); at least {min_steps} needed")
+        raise AssertionError(
+            f"only {sum(compared)} steps compared before the sequences parted at near ties "
+            f"(per sequence: {compared}); at least {min_steps} needed"
+        )
     return compared

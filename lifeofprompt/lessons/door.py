@@ -24,8 +24,14 @@ class Answer:
         return self.body.get("error", {}) if isinstance(self.body, dict) else {}
 
 
-def post(url: str, path: str, body: dict | None = None, api_key: str | None = None, content: bytes | None = None,
-         timeout: float = 120.0) -> Answer:
+def post(
+    url: str,
+    path: str,
+    body: dict | None = None,
+    api_key: str | None = None,
+    content: bytes | None = None,
+    timeout: float = 120.0,
+) -> Answer:
     """POST ``body`` as JSON (or raw ``content``) to ``url + path``, with the key as a Bearer token when given."""
     import httpx
 

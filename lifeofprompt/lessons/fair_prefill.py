@@ -43,14 +43,14 @@ class StepSpan:
 class ShortBesideLong:
     """What the short request waited, and the steps around it."""
 
-    threshold: int | None              # the engine's long_prefill_token_threshold (None: off)
+    threshold: int | None  # the engine's long_prefill_token_threshold (None: off)
     long_len: int
     short_len: int
-    short_arrival_s: float             # since the long prompt arrived
-    ttft_s: float                      # the short request's arrival to its first token
-    steps_to_first_token: int          # steps from its arrival to its first token (the step that gave it included)
+    short_arrival_s: float  # since the long prompt arrived
+    ttft_s: float  # the short request's arrival to its first token
+    steps_to_first_token: int  # steps from its arrival to its first token (the step that gave it included)
     spans: list[StepSpan] = field(default_factory=list)
-    long_first_token_s: float | None = None   # when the long prompt's prefill ended (None: aborted first)
+    long_first_token_s: float | None = None  # when the long prompt's prefill ended (None: aborted first)
 
     @property
     def first_token_s(self) -> float:
@@ -78,8 +78,13 @@ class ShortBesideLong:
     def as_dict(self) -> dict:
         """The benchmark's JSON fields: TTFT, steps to it, and the steps after the short request arrived."""
         step_s = [s.duration_s for s in self.after_arrival]
-        return {"ttft_s": self.ttft_s, "steps_to_first_token": self.steps_to_first_token, "step_s": step_s,
-                "max_step_s": max(step_s), "first_token_step_s": self.first_token_step_s}
+        return {
+            "ttft_s": self.ttft_s,
+            "steps_to_first_token": self.steps_to_first_token,
+            "step_s": step_s,
+            "max_step_s": max(step_s),
+            "first_token_step_s": self.first_token_step_s,
+        }
 
 
 def synthetic_ids(vocab_size: int, length: int, stride: int = 7919) -> list[int]:
@@ -87,8 +92,9 @@ def synthetic_ids(vocab_size: int, length: int, stride: int = 7919) -> list[int]
     return [100 + (i * stride) % (vocab_size - 200) for i in range(length)]
 
 
-def short_beside_long(engine, long_ids, short_ids, arrive_after: int = 1, short_max_tokens: int = 4,
-                      finish: bool = True) -> ShortBesideLong:
+def short_beside_long(
+    engine, long_ids, short_ids, arrive_after: int = 1, short_max_tokens: int = 4, finish: bool = True
+) -> ShortBesideLong:
     """The long prompt prefills alone for ``arrive_after`` steps, then the short request arrives.
 
     ``finish=False`` aborts the long prompt once the short request is done (a notebook need not
@@ -100,8 +106,9 @@ def short_beside_long(engine, long_ids, short_ids, arrive_after: int = 1, short_
     origin = long_metrics.arrival_time
     for _ in range(arrive_after):
         engine.step()
-    engine.add_request("short", list(short_ids), SamplingParams(temperature=0, max_tokens=short_max_tokens,
-                                                               ignore_eos=True))
+    engine.add_request(
+        "short", list(short_ids), SamplingParams(temperature=0, max_tokens=short_max_tokens, ignore_eos=True)
+    )
     short_metrics = engine.requests["short"].metrics
     arrival_step = len(engine.step_records)
     while engine.has_unfinished_requests():
@@ -110,22 +117,37 @@ def short_beside_long(engine, long_ids, short_ids, arrive_after: int = 1, short_
             engine.abort("long")
     spans = _spans(list(engine.step_records)[first_step:], origin, "long", "short")
     steps_to_first = _steps_to_first_token(list(engine.step_records)[arrival_step:], "short", len(short_ids))
-    return ShortBesideLong(engine.scheduler.long_prefill_token_threshold, len(long_ids), len(short_ids),
-                           short_metrics.arrival_time - origin,
-                           short_metrics.first_token_time - short_metrics.arrival_time, steps_to_first, spans,
-                           None if long_metrics.first_token_time is None else long_metrics.first_token_time - origin)
+    return ShortBesideLong(
+        engine.scheduler.long_prefill_token_threshold,
+        len(long_ids),
+        len(short_ids),
+        short_metrics.arrival_time - origin,
+        short_metrics.first_token_time - short_metrics.arrival_time,
+        steps_to_first,
+        spans,
+        None if long_metrics.first_token_time is None else long_metrics.first_token_time - origin,
+    )
 
 
 def _spans(records, origin: float, long_id: str, short_id: str) -> list[StepSpan]:
-    return [StepSpan(r.start_time - origin, r.end_time - origin,
-                     sum(s.num_tokens for s in r.scheduled if s.request_id == long_id),
-                     sum(s.num_tokens for s in r.scheduled if s.request_id == short_id)) for r in records]
+    return [
+        StepSpan(
+            r.start_time - origin,
+            r.end_time - origin,
+            sum(s.num_tokens for s in r.scheduled if s.request_id == long_id),
+            sum(s.num_tokens for s in r.scheduled if s.request_id == short_id),
+        )
+        for r in records
+    ]
 
 
 def _steps_to_first_token(records_after_arrival, short_id: str, short_len: int) -> int:
     """Steps from the short request's arrival to the one that finished its prompt (and sampled its first token)."""
-    return next(i + 1 for i, r in enumerate(records_after_arrival) if any(
-        s.request_id == short_id and s.end >= short_len for s in r.scheduled))
+    return next(
+        i + 1
+        for i, r in enumerate(records_after_arrival)
+        if any(s.request_id == short_id and s.end >= short_len for s in r.scheduled)
+    )
 
 
 def simulated_short_beside_long(sim, long_len: int, short_len: int, short_max_tokens: int = 4) -> ShortBesideLong:
@@ -143,9 +165,16 @@ def simulated_short_beside_long(sim, long_len: int, short_len: int, short_max_to
     long_timing, short_timing = result.timings
     arrival = short_timing.arrival_time
     after = [r for r in result.steps if r.start_time >= arrival]
-    return ShortBesideLong(sim.scheduler.long_prefill_token_threshold, long_len, short_len, arrival,
-                           short_timing.first_token_time - arrival, _steps_to_first_token(after, "r1", short_len),
-                           _spans(result.steps, 0.0, "r0", "r1"), long_timing.first_token_time)
+    return ShortBesideLong(
+        sim.scheduler.long_prefill_token_threshold,
+        long_len,
+        short_len,
+        arrival,
+        short_timing.first_token_time - arrival,
+        _steps_to_first_token(after, "r1", short_len),
+        _spans(result.steps, 0.0, "r0", "r1"),
+        long_timing.first_token_time,
+    )
 
 
 def format_runs(runs: dict[str, ShortBesideLong], seconds: bool = True) -> str:
@@ -158,14 +187,18 @@ def format_runs(runs: dict[str, ShortBesideLong], seconds: bool = True) -> str:
         return f"{text}, {s:.2f} s" if seconds and s is not None else text
 
     cols = 22 if seconds else 18
-    lines = [f"{'':{width}}{'threshold':>10}  {'short: first token':<{cols}}  {'long: prefill done':<{cols}}  "
-             "long prompt's tokens per step, to the short one's first token"]
+    lines = [
+        f"{'':{width}}{'threshold':>10}  {'short: first token':<{cols}}  {'long: prefill done':<{cols}}  "
+        "long prompt's tokens per step, to the short one's first token"
+    ]
     for name, run in runs.items():
         shown = len(run.spans) - len(run.after_arrival) + run.steps_to_first_token
         chunks = " ".join(str(s.long_tokens) for s in run.spans[:shown])
         threshold = "off" if run.threshold is None else str(run.threshold)
-        lines.append(f"{name:{width}}{threshold:>10}  {when(run.steps_to_first_token, run.ttft_s):<{cols}}  "
-                     f"{when(run.long_prefill_steps, run.long_first_token_s):<{cols}}  {chunks}")
+        lines.append(
+            f"{name:{width}}{threshold:>10}  {when(run.steps_to_first_token, run.ttft_s):<{cols}}  "
+            f"{when(run.long_prefill_steps, run.long_first_token_s):<{cols}}  {chunks}"
+        )
     return "\n".join(lines)
 
 

@@ -25,7 +25,7 @@ def int_specialization(value: int) -> str:
     try:
         from triton.backends.compiler import BaseBackend
         from triton.runtime.jit import native_specialize_impl
-    except ImportError:      # the documented rule (triton/runtime/jit.py, specialize_impl)
+    except ImportError:  # the documented rule (triton/runtime/jit.py, specialize_impl)
         return "1" if value == 1 else "D" if value % 16 == 0 else ""
     kind, key = native_specialize_impl(BaseBackend, value, False, True, True)
     return "1" if kind == "constexpr" else key

@@ -61,8 +61,9 @@ def attention_pairs(num_tokens: int, context_tokens: int = 0, num_seqs: int = 1)
     return int(round(pairs))
 
 
-def forward_flops(config: ModelConfig, num_tokens: int, context_tokens: int = 0, num_seqs: int = 1,
-                  logits_rows: int | None = None) -> ForwardFlops:
+def forward_flops(
+    config: ModelConfig, num_tokens: int, context_tokens: int = 0, num_seqs: int = 1, logits_rows: int | None = None
+) -> ForwardFlops:
     """Operations of one forward over ``num_tokens`` new rows that also read ``context_tokens`` cached ones.
 
     ``logits_rows`` defaults to one row per sequence, as every generator here asks for.

@@ -11,19 +11,25 @@ import time
 
 import torch
 
-from ..model.attention import ContiguousCacheMetadata, ContiguousKVCache, NoCacheMetadata
 from ..errors import InvalidRequestError
+from ..model.attention import ContiguousCacheMetadata, ContiguousKVCache, NoCacheMetadata
 
 
 def _check(token_ids, max_new_tokens: int, vocab_size: int) -> list[int]:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise InvalidRequestError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}", param="max_new_tokens")
+        raise InvalidRequestError(
+            f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}", param="max_new_tokens"
+        )
     ids = [int(t) for t in (token_ids.tolist() if torch.is_tensor(token_ids) else token_ids)]
     if not ids:
-        raise InvalidRequestError("token_ids is empty: give at least one token id (tokenize a non-empty prompt)", param="token_ids")
+        raise InvalidRequestError(
+            "token_ids is empty: give at least one token id (tokenize a non-empty prompt)", param="token_ids"
+        )
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})", param="token_ids")
+        raise InvalidRequestError(
+            f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})", param="token_ids"
+        )
     return ids
 
 
@@ -40,7 +46,7 @@ def generate_naive(model, token_ids, max_new_tokens: int, step_times: list | Non
         seq = torch.tensor(ids + new, device=model.device)
         meta = NoCacheMetadata.for_lengths([len(seq)], device=model.device, last_rows_only=True)
         logits = model(seq, torch.arange(len(seq), device=model.device), meta)
-        new.append(int(logits[-1].argmax()))    # int() waits for the device, so the time is complete
+        new.append(int(logits[-1].argmax()))  # int() waits for the device, so the time is complete
         if step_times is not None:
             step_times.append(time.perf_counter() - start)
     return new
@@ -63,8 +69,9 @@ def generate_cached_batch(model, prompts: list, max_new_tokens: int, step_times:
     prompts = [_check(p, max_new_tokens, model.config.vocab_size) for p in prompts]
     device = model.device
     lengths = [len(p) for p in prompts]
-    cache = ContiguousKVCache.for_model(model.config, len(prompts), max(lengths) + max_new_tokens,
-                                        dtype=model.dtype, device=device)
+    cache = ContiguousKVCache.for_model(
+        model.config, len(prompts), max(lengths) + max_new_tokens, dtype=model.dtype, device=device
+    )
     rows = torch.arange(len(prompts), device=device)
     outputs: list[list[int]] = [[] for _ in prompts]
     step_ids = [t for p in prompts for t in p]
@@ -74,8 +81,12 @@ def generate_cached_batch(model, prompts: list, max_new_tokens: int, step_times:
         start = time.perf_counter()
         seq_lens = [n + len(out) for n, out in zip(lengths, outputs)]
         pos = torch.tensor(positions, device=device)
-        meta = ContiguousCacheMetadata(**ContiguousCacheMetadata.describe_batch(query_lens, seq_lens, device),
-                                       cache=cache, cache_rows=rows, positions=pos)
+        meta = ContiguousCacheMetadata(
+            **ContiguousCacheMetadata.describe_batch(query_lens, seq_lens, device),
+            cache=cache,
+            cache_rows=rows,
+            positions=pos,
+        )
         logits = model(torch.tensor(step_ids, device=device), pos, meta)
         next_ids = logits.argmax(dim=-1).tolist()
         for out, t in zip(outputs, next_ids):
@@ -101,8 +112,12 @@ class RecordingMetadata(NoCacheMetadata):
         context = super().attend(layer_idx, q, k, v)
         if not hasattr(self, "records"):
             self.records = {}
-        self.records[layer_idx] = {"q": q.detach().clone(), "k": k.detach().clone(),
-                                   "v": v.detach().clone(), "context": context.detach().clone()}
+        self.records[layer_idx] = {
+            "q": q.detach().clone(),
+            "k": k.detach().clone(),
+            "v": v.detach().clone(),
+            "context": context.detach().clone(),
+        }
         return context
 
 
@@ -130,5 +145,9 @@ def compare_old_rows(earlier: dict, later: dict, name: str) -> dict:
         diffs.append((old.float() - new.float()).abs().max().item())
         scale.append(old.float().abs().max().item())
     rows = next(iter(earlier.values()))[name].shape[0]
-    return {"rows": rows, "bit_equal": bool(equal), "max_abs_diff": max(diffs),
-            "max_rel_diff": max(diffs) / max(max(scale), 1e-30)}
+    return {
+        "rows": rows,
+        "bit_equal": bool(equal),
+        "max_abs_diff": max(diffs),
+        "max_rel_diff": max(diffs) / max(max(scale), 1e-30),
+    }

@@ -5,9 +5,10 @@ memory, how fast it multiplies matrices, and how long the real engine's decode s
 each measured them itself, at its own moment and under its own load, they would disagree with
 each other. So ``machine_profile()`` measures them once, on first call, and caches the result
 under ``$LIFEOFPROMPT_CACHE/machine/``, keyed by the CPU (or GPU), the thread count, torch's
-version and a digest of the engine's code (the decode step it times). Every notebook reads the same file and still runs on its own: the first one to ask
-measures. ``refresh=True`` measures again (do it on a quiet machine; the profile records the load
-average it was taken under, and ``footer`` prints it under each figure).
+version and a digest of the engine's code (the decode step it times). Every notebook reads the
+same file and still runs on its own: the first one to ask measures. ``refresh=True`` measures again
+(do it on a quiet machine; the profile records the load average it was taken under, and ``footer``
+prints it under each figure).
 """
 
 from __future__ import annotations
@@ -25,21 +26,21 @@ from ..env import cache_dir, cpu_label, cpu_model
 from . import roofline
 
 VERSION = 1
-PROFILE_CONTEXT = 128           # tokens of context of the timed decode steps
-PROFILE_DECODE_STEPS = 8        # decode steps timed; the fastest is the profile's step
+PROFILE_CONTEXT = 128  # tokens of context of the timed decode steps
+PROFILE_DECODE_STEPS = 8  # decode steps timed; the fastest is the profile's step
 
 
 @dataclass(frozen=True)
 class MachineProfile:
     """The machine's numbers, measured together."""
 
-    name: str                     # e.g. "AMD EPYC (AVX-512), 1 thread"
-    read_bandwidth: float         # bytes/s a sum() reads (2 MiB pages on the CPU)
-    copy_bandwidth: float         # bytes/s read + written by a copy
-    matmul_flops: float           # operations/s of a square fp32 (CPU) or bf16 (GPU) product
-    decode_step_s: float          # the engine's batch-1 decode step, SmolLM2-135M fp32, 128 tokens of context
+    name: str  # e.g. "AMD EPYC (AVX-512), 1 thread"
+    read_bandwidth: float  # bytes/s a sum() reads (2 MiB pages on the CPU)
+    copy_bandwidth: float  # bytes/s read + written by a copy
+    matmul_flops: float  # operations/s of a square fp32 (CPU) or bf16 (GPU) product
+    decode_step_s: float  # the engine's batch-1 decode step, SmolLM2-135M fp32, 128 tokens of context
     measured_at: str
-    load_average: float           # 1-minute load average when measured
+    load_average: float  # 1-minute load average when measured
 
     @property
     def machine(self) -> roofline.Machine:
@@ -54,8 +55,10 @@ class MachineProfile:
 
     def footer(self) -> str:
         """One line for under a figure: which machine, when, and how busy it was."""
-        return (f"{self.name}; measured {self.measured_at}, load average {self.load_average:.2f}; "
-                f"read {self.read_bandwidth / 1e9:.1f} GB/s, batch-1 step {self.decode_step_s * 1e3:.1f} ms")
+        return (
+            f"{self.name}; measured {self.measured_at}, load average {self.load_average:.2f}; "
+            f"read {self.read_bandwidth / 1e9:.1f} GB/s, batch-1 step {self.decode_step_s * 1e3:.1f} ms"
+        )
 
 
 def load_now() -> float:
@@ -78,8 +81,9 @@ def engine_digest() -> str:
     step, so a profile taken on other code is measured again rather than quoted for this one."""
     root = Path(__file__).resolve().parent.parent
     digest = hashlib.sha256()
-    for path in sorted([*root.glob("model/*.py"), *root.glob("model/*.c"), *root.glob("model/*.h"),
-                        *root.glob("engine/*.py")]):
+    for path in sorted(
+        [*root.glob("model/*.py"), *root.glob("model/*.c"), *root.glob("model/*.h"), *root.glob("engine/*.py")]
+    ):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:16]
 
@@ -90,8 +94,14 @@ def profile_key(device: str = "cpu") -> dict:
         what = torch.cuda.get_device_name()
     else:
         what = cpu_model()
-    return dict(version=VERSION, device=device, what=what, threads=torch.get_num_threads(), torch=torch.__version__,
-                engine=engine_digest())
+    return dict(
+        version=VERSION,
+        device=device,
+        what=what,
+        threads=torch.get_num_threads(),
+        torch=torch.__version__,
+        engine=engine_digest(),
+    )
 
 
 def profile_path(key: dict):
@@ -108,9 +118,10 @@ def measure_decode_step(context: int = PROFILE_CONTEXT) -> float:
     from ..engine.llm_engine import LLMEngine
     from .serving_study import time_decode_steps
 
-    engine = LLMEngine("smollm2-135m", dtype=torch.float32, device="cpu", num_kv_blocks=64, max_num_seqs=1,
-                       log_stats=False)
-    time_decode_steps(engine, 1, prompt_len=16, decode_steps=2)                 # warm-up
+    engine = LLMEngine(
+        "smollm2-135m", dtype=torch.float32, device="cpu", num_kv_blocks=64, max_num_seqs=1, log_stats=False
+    )
+    time_decode_steps(engine, 1, prompt_len=16, decode_steps=2)  # warm-up
     return time_decode_steps(engine, 1, prompt_len=context, decode_steps=PROFILE_DECODE_STEPS).step_s
 
 
@@ -129,10 +140,15 @@ def machine_profile(device: str = "cpu", refresh: bool = False) -> MachineProfil
     name = f"{cpu_label()}, {threads} thread{'s' if threads != 1 else ''}" if device == "cpu" else key["what"]
     load = load_now()
     machine = roofline.measure_machine(device)
-    profile = MachineProfile(name=name, read_bandwidth=roofline.measure_read_bandwidth(device),
-                             copy_bandwidth=machine.bandwidth, matmul_flops=machine.flops,
-                             decode_step_s=measure_decode_step() if device == "cpu" else float("nan"),
-                             measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), load_average=load)
+    profile = MachineProfile(
+        name=name,
+        read_bandwidth=roofline.measure_read_bandwidth(device),
+        copy_bandwidth=machine.bandwidth,
+        matmul_flops=machine.flops,
+        decode_step_s=measure_decode_step() if device == "cpu" else float("nan"),
+        measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        load_average=load,
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_suffix(".part")
     staging.write_text(json.dumps(dict(key=key, profile=asdict(profile)), indent=1))

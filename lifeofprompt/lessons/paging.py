@@ -17,9 +17,9 @@ import math
 from dataclasses import dataclass, field
 
 from ..engine.block_manager import BlockManager
-from ..errors import OutOfMemoryError
 from ..engine.sampling_params import SamplingParams
 from ..engine.sequence import Sequence
+from ..errors import OutOfMemoryError
 
 
 @dataclass
@@ -28,11 +28,11 @@ class PoolSnapshot:
 
     step: int
     events: list[str]
-    block_tables: dict[str, list[int]]      # live sequences' tables, by name
-    num_tokens: dict[str, int]              # tokens each live sequence has in the cache
-    owners: list[list[str]]                 # per physical block: names of the sequences holding it
-    filled: list[int]                       # per block: slots holding a computed token
-    cached: list[bool]                      # per block: registered in the prefix cache (findable)
+    block_tables: dict[str, list[int]]  # live sequences' tables, by name
+    num_tokens: dict[str, int]  # tokens each live sequence has in the cache
+    owners: list[list[str]]  # per physical block: names of the sequences holding it
+    filled: list[int]  # per block: slots holding a computed token
+    cached: list[bool]  # per block: registered in the prefix cache (findable)
     num_free_blocks: int
     block_size: int
 
@@ -44,8 +44,10 @@ class PoolSnapshot:
         """One line per live sequence: its name, tokens cached and block table; names padded to ``width``
         (default: the longest here; pass the longest of several snapshots to align them all)."""
         width = width or max((len(n) for n in self.block_tables), default=0)
-        return [f"{name:<{width}}  {self.num_tokens[name]:>3} tokens  blocks {table}"
-                for name, table in self.block_tables.items()]
+        return [
+            f"{name:<{width}}  {self.num_tokens[name]:>3} tokens  blocks {table}"
+            for name, table in self.block_tables.items()
+        ]
 
 
 def snapshot(bm: BlockManager, seqs: dict[str, Sequence], step: int, events: list[str]) -> PoolSnapshot:
@@ -58,27 +60,44 @@ def snapshot(bm: BlockManager, seqs: dict[str, Sequence], step: int, events: lis
             in_block = min(bm.block_size, max(0, seq.num_computed_tokens - i * bm.block_size))
             filled[block_id] = max(filled[block_id], in_block)
     cached = [b.hash is not None for b in bm.blocks]
-    for block in bm.blocks:                     # a free cached block still holds its tokens
+    for block in bm.blocks:  # a free cached block still holds its tokens
         if block.hash is not None and block.ref_count == 0:
             filled[block.block_id] = bm.block_size
-    return PoolSnapshot(step, list(events), {n: list(s.block_table) for n, s in seqs.items()},
-                        {n: s.num_computed_tokens for n, s in seqs.items()}, owners, filled, cached,
-                        bm.num_free_blocks, bm.block_size)
+    return PoolSnapshot(
+        step,
+        list(events),
+        {n: list(s.block_table) for n, s in seqs.items()},
+        {n: s.num_computed_tokens for n, s in seqs.items()},
+        owners,
+        filled,
+        cached,
+        bm.num_free_blocks,
+        bm.block_size,
+    )
 
 
 @dataclass
 class PagedTrace:
-    outputs: dict[str, list[int]]           # new token ids per request (greedy, EOS ignored)
+    outputs: dict[str, list[int]]  # new token ids per request (greedy, EOS ignored)
     snapshots: list[PoolSnapshot]
-    stats: dict                             # the block manager's counters at the end
-    computed_tokens: dict[str, int] = field(default_factory=dict)   # tokens each request ran through the model
+    stats: dict  # the block manager's counters at the end
+    computed_tokens: dict[str, int] = field(default_factory=dict)  # tokens each request ran through the model
     prompt_tokens: dict[str, int] = field(default_factory=dict)
 
 
-def trace_paged_generation(model, prompts: dict[str, list[int]], max_tokens: int | dict[str, int], *,
-                           num_blocks: int = 24, block_size: int = 16, arrivals: dict[str, int] | None = None,
-                           chunk_size: int | None = None, enable_prefix_caching: bool = True,
-                           block_manager: BlockManager | None = None, runner=None) -> PagedTrace:
+def trace_paged_generation(
+    model,
+    prompts: dict[str, list[int]],
+    max_tokens: int | dict[str, int],
+    *,
+    num_blocks: int = 24,
+    block_size: int = 16,
+    arrivals: dict[str, int] | None = None,
+    chunk_size: int | None = None,
+    enable_prefix_caching: bool = True,
+    block_manager: BlockManager | None = None,
+    runner=None,
+) -> PagedTrace:
     """Greedy generation of ``prompts`` over a paged pool, with a snapshot of the pool after every step.
 
     ``prompts`` maps a display name to token ids; ``max_tokens`` (one number or per name) is how
@@ -96,8 +115,13 @@ def trace_paged_generation(model, prompts: dict[str, list[int]], max_tokens: int
     greedy = SamplingParams(temperature=0, ignore_eos=True, max_tokens=max(limits.values()))
     waiting = {name: Sequence(name, ids, greedy) for name, ids in prompts.items()}
     live: dict[str, Sequence] = {}
-    trace = PagedTrace({name: [] for name in prompts}, [snapshot(bm, live, 0, ["empty pool"])], {},
-                       {name: 0 for name in prompts}, {name: len(ids) for name, ids in prompts.items()})
+    trace = PagedTrace(
+        {name: [] for name in prompts},
+        [snapshot(bm, live, 0, ["empty pool"])],
+        {},
+        {name: 0 for name in prompts},
+        {name: len(ids) for name, ids in prompts.items()},
+    )
     step = 0
     while waiting or live:
         events = []
@@ -114,8 +138,11 @@ def trace_paged_generation(model, prompts: dict[str, list[int]], max_tokens: int
             if not bm.allocate_slots(seq, n):
                 raise OutOfMemoryError(f"the pool of {bm.num_blocks} blocks ran out at step {step} ({name} needs more)")
             if len(seq.block_table) > before:
-                events.append(f"{name} takes block{'s' if len(seq.block_table) - before > 1 else ''} "
-                              f"{seq.block_table[before:]} for {'its prompt' if seq.num_computed_tokens < seq.num_prompt_tokens else 'token ' + str(len(seq))}")
+                events.append(
+                    f"{name} takes block{'s' if len(seq.block_table) - before > 1 else ''} "
+                    f"{seq.block_table[before:]} for "
+                    f"{'its prompt' if seq.num_computed_tokens < seq.num_prompt_tokens else 'token ' + str(len(seq))}"
+                )
             batch.append(seq)
             counts.append(n)
         if batch:
@@ -169,8 +196,13 @@ def requests_that_fit(lengths: list[int], pool_tokens: int, block_size: int | No
     return count
 
 
-def fragmentation_table(lengths: list[int], max_len: int, pool_tokens: int,
-                        block_sizes=(1, 4, 8, 16, 32, 64, 128, 256), bytes_per_token: int | None = None) -> list[dict]:
+def fragmentation_table(
+    lengths: list[int],
+    max_len: int,
+    pool_tokens: int,
+    block_sizes=(1, 4, 8, 16, 32, 64, 128, 256),
+    bytes_per_token: int | None = None,
+) -> list[dict]:
     """Contiguous reservation against paging at several block sizes, for the requests ``lengths``.
 
     Each row: the layout, slots reserved and wasted for *all* requests (more than the pool
@@ -184,14 +216,23 @@ def fragmentation_table(lengths: list[int], max_len: int, pool_tokens: int,
     rows = []
     layouts = [("contiguous", None)] + [(f"paged, block {b}", b) for b in block_sizes]
     for name, block_size in layouts:
-        wasted = (slots_wasted_contiguous(lengths, max_len) if block_size is None
-                  else slots_wasted_paged(lengths, block_size))
+        wasted = (
+            slots_wasted_contiguous(lengths, max_len) if block_size is None else slots_wasted_paged(lengths, block_size)
+        )
         fit = requests_that_fit(lengths, pool_tokens, block_size, max_len)
         held = lengths[:fit]
-        pool_wasted = (slots_wasted_contiguous(held, max_len) if block_size is None
-                       else slots_wasted_paged(held, block_size))
-        row = dict(layout=name, block_size=block_size, reserved=used + wasted, wasted=wasted,
-                   wasted_share=wasted / (used + wasted), fit=fit, pool_wasted=pool_wasted)
+        pool_wasted = (
+            slots_wasted_contiguous(held, max_len) if block_size is None else slots_wasted_paged(held, block_size)
+        )
+        row = dict(
+            layout=name,
+            block_size=block_size,
+            reserved=used + wasted,
+            wasted=wasted,
+            wasted_share=wasted / (used + wasted),
+            fit=fit,
+            pool_wasted=pool_wasted,
+        )
         if bytes_per_token is not None:
             row["wasted_bytes"] = wasted * bytes_per_token
             row["pool_wasted_bytes"] = pool_wasted * bytes_per_token
@@ -206,7 +247,8 @@ def format_fragmentation_table(rows: list[dict]) -> str:
     pool holding the requests that fit.
     """
     money = bool(rows) and "wasted_bytes" in rows[0]
-    group = f"{'':<20}{'all requests, as if held at once':^{44 if money else 36}}{'held in the pool':^{22 if money else 14}}"
+    at_once, held = "all requests, as if held at once", "held in the pool"
+    group = f"{'':<20}{at_once:^{44 if money else 36}}{held:^{22 if money else 14}}"
     head = f"{'layout':<20}{'reserved':>10}{'wasted':>9}{'waste %':>9}"
     head += f"{'MiB':>8}" if money else ""
     head += f"{'fit':>6}{'wasted':>8}" + (f"{'MiB':>8}" if money else "")

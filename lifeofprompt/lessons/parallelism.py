@@ -27,10 +27,21 @@ from ..errors import ConfigError, OutOfMemoryError
 from ..model.config import ModelConfig
 
 # meta-llama/Llama-3.1-70B: shapes from its config.json (no weights needed for the arithmetic).
-LLAMA_3_1_70B = ModelConfig(name="meta-llama/Llama-3.1-70B", vocab_size=128256, hidden_size=8192,
-                            intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
-                            rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=False,
-                            bos_token_id=128000, eos_token_ids=(128001,))
+LLAMA_3_1_70B = ModelConfig(
+    name="meta-llama/Llama-3.1-70B",
+    vocab_size=128256,
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_layers=80,
+    num_heads=64,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=500000.0,
+    max_position_embeddings=131072,
+    tie_word_embeddings=False,
+    bos_token_id=128000,
+    eos_token_ids=(128001,),
+)
 
 
 @dataclass(frozen=True)
@@ -71,16 +82,17 @@ class DeviceCount:
 
     model: str
     card: str
-    tokens: int                   # cached tokens asked for, all requests together
-    tensor_parallel_size: int     # 0: no valid split fits
+    tokens: int  # cached tokens asked for, all requests together
+    tensor_parallel_size: int  # 0: no valid split fits
     weights_per_rank: int
     kv_bytes_per_token_per_rank: int
-    kv_tokens: int                # tokens the split's pool holds (each rank the same tokens, its own heads)
-    tried: tuple[tuple[int, str], ...]   # (T, why it does not fit) for the smaller sizes
+    kv_tokens: int  # tokens the split's pool holds (each rank the same tokens, its own heads)
+    tried: tuple[tuple[int, str], ...]  # (T, why it does not fit) for the smaller sizes
 
 
-def devices_needed(config: ModelConfig, dtype, card: Card, tokens: int, gpu_memory_utilization: float = 0.9,
-                   block_size: int = 16) -> DeviceCount:
+def devices_needed(
+    config: ModelConfig, dtype, card: Card, tokens: int, gpu_memory_utilization: float = 0.9, block_size: int = 16
+) -> DeviceCount:
     """Try each valid ``T`` in turn: each rank runs notebook 05's ``plan_memory`` on its own shard.
 
     The activation workspace is ``estimate_activation_bytes`` of the shard (2,048 rows); the KV
@@ -92,14 +104,22 @@ def devices_needed(config: ModelConfig, dtype, card: Card, tokens: int, gpu_memo
     for size in valid_tensor_parallel_sizes(config):
         shard = shard_config(config, size)
         try:
-            plan = plan_memory(shard, dtype, int(card.memory), gpu_memory_utilization, block_size,
-                               activations=estimate_activation_bytes(shard, dtype), cpu_swap_bytes=0)
+            plan = plan_memory(
+                shard,
+                dtype,
+                int(card.memory),
+                gpu_memory_utilization,
+                block_size,
+                activations=estimate_activation_bytes(shard, dtype),
+                cpu_swap_bytes=0,
+            )
         except OutOfMemoryError as exc:
             tried.append((size, str(exc).split(":")[0]))
             continue
         if plan.kv_tokens >= tokens:
-            return DeviceCount(config.name, card.name, tokens, size, plan.weights, plan.bytes_per_token,
-                               plan.kv_tokens, tuple(tried))
+            return DeviceCount(
+                config.name, card.name, tokens, size, plan.weights, plan.bytes_per_token, plan.kv_tokens, tuple(tried)
+            )
         tried.append((size, f"its pool holds {plan.kv_tokens:,} tokens, not {tokens:,}"))
     return DeviceCount(config.name, card.name, tokens, 0, 0, 0, 0, tuple(tried))
 
@@ -129,8 +149,8 @@ def ring_traffic_per_rank(nbytes: int, ranks: int) -> float:
 class CostModel:
     """``seconds(n) = alpha + n / beta``: a fixed latency per message, then bytes at a bandwidth."""
 
-    alpha: float      # seconds per message
-    beta: float       # bytes per second
+    alpha: float  # seconds per message
+    beta: float  # bytes per second
 
     def seconds(self, nbytes) -> float:
         return self.alpha + nbytes / self.beta
@@ -161,8 +181,9 @@ def fit_cost_model(sizes, seconds) -> CostModel:
     slope = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, sizes, seconds)) / sxx
     alpha = my - slope * mx
     if slope <= 0 or alpha <= 0:
-        raise ConfigError(f"the times do not fit α + n/β with positive α and β (α = {alpha:.3g} s, "
-                          f"1/β = {slope:.3g} s/byte)")
+        raise ConfigError(
+            f"the times do not fit α + n/β with positive α and β (α = {alpha:.3g} s, 1/β = {slope:.3g} s/byte)"
+        )
     return CostModel(alpha, 1 / slope)
 
 
@@ -225,8 +246,15 @@ def predict_calls(op: str, calls, mean_model: CostModel, median_model: CostModel
     """``calls`` (``[(bytes, seconds), ...]``, one kind's, from ``distributed.collectives.samples``) beside
     what each model predicts for the same calls."""
     nbytes = sum(n for n, _ in calls)
-    return CollectivePrediction(op, len(calls), nbytes, sum(t for _, t in calls), mean_model.total(len(calls), nbytes),
-                                typical_seconds(calls), median_model.total(len(calls), nbytes))
+    return CollectivePrediction(
+        op,
+        len(calls),
+        nbytes,
+        sum(t for _, t in calls),
+        mean_model.total(len(calls), nbytes),
+        typical_seconds(calls),
+        median_model.total(len(calls), nbytes),
+    )
 
 
 def last_arrival_calls(rank_calls: list[list[tuple[int, float]]]) -> list[tuple[int, float]]:
@@ -238,7 +266,7 @@ def last_arrival_calls(rank_calls: list[list[tuple[int, float]]]) -> list[tuple[
     before rank 0's count began, so each is aligned on its last ``len(rank_calls[0])``.
     """
     count = len(rank_calls[0])
-    aligned = [calls[len(calls) - count:] for calls in rank_calls]
+    aligned = [calls[len(calls) - count :] for calls in rank_calls]
     if any(len(calls) != count or [n for n, _ in calls] != [n for n, _ in aligned[0]] for calls in aligned):
         raise ConfigError("the ranks' calls differ: last_arrival_calls needs the same collective on every rank")
     return [(nbytes, min(calls[i][1] for calls in aligned)) for i, (nbytes, _) in enumerate(aligned[0])]
@@ -299,16 +327,25 @@ class LayoutStep:
 
     tp: int
     pp: int
-    read_s: float     # every stage's weight read, one after the other (one step in flight)
-    comm_s: float     # every stage's all-reduces plus the sends between stages
+    read_s: float  # every stage's weight read, one after the other (one step in flight)
+    comm_s: float  # every stage's all-reduces plus the sends between stages
 
     @property
     def total_s(self) -> float:
         return self.read_s + self.comm_s
 
 
-def layout_step_s(config: ModelConfig, dtype, card: Card, tokens: int, tp: int, pp: int = 1,
-                  intra: Link = NVLINK4, inter: Link = INFINIBAND_NDR, gpus_per_node: int = 8) -> LayoutStep:
+def layout_step_s(
+    config: ModelConfig,
+    dtype,
+    card: Card,
+    tokens: int,
+    tp: int,
+    pp: int = 1,
+    intra: Link = NVLINK4,
+    inter: Link = INFINIBAND_NDR,
+    gpus_per_node: int = 8,
+) -> LayoutStep:
     """The cost model of one step on GPUs: no overlap of reading and talking (an upper bound).
 
     A tensor-parallel group larger than a node rings over ``inter`` (a ring's step waits for its
@@ -317,8 +354,8 @@ def layout_step_s(config: ModelConfig, dtype, card: Card, tokens: int, tp: int, 
     """
     tp_link = intra if tp <= gpus_per_node else inter
     pp_link = intra if tp * pp <= gpus_per_node else inter
-    read = weight_bytes_per_rank(config, dtype, tp) / card.bandwidth      # pp stages of 1/pp each, in turn
-    allreduce = tensor_parallel_step_s(config, dtype, tokens, tp, tp_link)     # all stages' layers together
+    read = weight_bytes_per_rank(config, dtype, tp) / card.bandwidth  # pp stages of 1/pp each, in turn
+    allreduce = tensor_parallel_step_s(config, dtype, tokens, tp, tp_link)  # all stages' layers together
     sends = (pp - 1) * pp_link.cost.seconds(tokens * all_reduce_bytes_per_token(config, dtype))
     return LayoutStep(tp, pp, read, allreduce + sends)
 
@@ -346,8 +383,8 @@ def pipeline_schedule(num_stages: int, num_groups: int, steps: int = 1, stage_ti
     """
     if min(num_stages, num_groups, steps) < 1:
         raise ConfigError("pipeline_schedule needs at least one stage, one group and one step")
-    free = [0.0] * num_stages           # when each stage is next free
-    ready = [0.0] * num_groups          # when each group's previous step left the last stage
+    free = [0.0] * num_stages  # when each stage is next free
+    ready = [0.0] * num_groups  # when each group's previous step left the last stage
     slots = []
     for step in range(steps):
         for group in range(num_groups):

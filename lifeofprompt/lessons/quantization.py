@@ -41,6 +41,7 @@ def gguf_bytes(path: Path | str | None = None) -> StoredWeights:
 
     if path is None:
         from ..model.loader import smollm2_gguf_path
+
         path = smollm2_gguf_path()
     reader = gguf.GGUFReader(str(path))
     nbytes, elements = Counter(), Counter()

@@ -28,14 +28,14 @@ LINEAR_SUM_REPEATS = 5
 class StepTiming:
     """One measurement of the batch-1 decode step, with the read rate measured in the same run."""
 
-    source: str                  # where the number is stored
+    source: str  # where the number is stored
     step_s: float
-    how: str                     # what was timed, and which statistic of the timed steps
+    how: str  # what was timed, and which statistic of the timed steps
     when: str
-    load_average: float | None   # None: the run did not record it
+    load_average: float | None  # None: the run did not record it
     threads: int | None
-    read_bandwidth: float        # bytes/s a sum() read in the same run
-    weight_bytes: int            # what a batch-1 step reads (the embedding table but one row excluded)
+    read_bandwidth: float  # bytes/s a sum() read in the same run
+    weight_bytes: int  # what a batch-1 step reads (the embedding table but one row excluded)
 
     @property
     def floor_s(self) -> float:
@@ -58,7 +58,7 @@ class StepComparison:
 
     profile: StepTiming
     benchmark: StepTiming
-    benchmark_fastest_s: float | None   # the fastest of the benchmark's timed steps (it reports the median)
+    benchmark_fastest_s: float | None  # the fastest of the benchmark's timed steps (it reports the median)
 
     @property
     def step_ratio(self) -> float:
@@ -84,11 +84,18 @@ def _load(value) -> str:
 def profile_step(profile: MachineProfile, weight_bytes: int) -> StepTiming:
     """The shared profile's step: a fresh engine, one request, the fastest of its timed steps."""
     return StepTiming(
-        source="machine profile (lifeofprompt.lessons.machine_profile)", step_s=profile.decode_step_s,
-        how=(f"the fastest of {PROFILE_DECODE_STEPS} decode steps of a fresh engine serving one request "
-             f"after a {PROFILE_CONTEXT}-token prompt, timed by the engine's step records"),
-        when=profile.measured_at, load_average=profile.load_average, threads=profile.threads,
-        read_bandwidth=profile.read_bandwidth, weight_bytes=weight_bytes)
+        source="machine profile (lifeofprompt.lessons.machine_profile)",
+        step_s=profile.decode_step_s,
+        how=(
+            f"the fastest of {PROFILE_DECODE_STEPS} decode steps of a fresh engine serving one request "
+            f"after a {PROFILE_CONTEXT}-token prompt, timed by the engine's step records"
+        ),
+        when=profile.measured_at,
+        load_average=profile.load_average,
+        threads=profile.threads,
+        read_bandwidth=profile.read_bandwidth,
+        weight_bytes=weight_bytes,
+    )
 
 
 def benchmark_step(cpu: dict, source: str, weight_bytes: int) -> StepTiming:
@@ -97,11 +104,18 @@ def benchmark_step(cpu: dict, source: str, weight_bytes: int) -> StepTiming:
     steps = f"{row['timed_steps']} " if "timed_steps" in row else "its timed "
     b1 = cpu["batch1_step"]
     return StepTiming(
-        source=source, step_s=row["step_s"],
-        how=(f"the median of {steps}decode steps, each a `model_runner.step` call on the benchmark's engine "
-             f"after its whole workload, {row['context']} tokens of context"),
-        when=f"the run that began {cpu['env']['date']}", load_average=b1.get("load_average"),
-        threads=cpu.get("threads"), read_bandwidth=b1["read_bandwidth"], weight_bytes=weight_bytes)
+        source=source,
+        step_s=row["step_s"],
+        how=(
+            f"the median of {steps}decode steps, each a `model_runner.step` call on the benchmark's engine "
+            f"after its whole workload, {row['context']} tokens of context"
+        ),
+        when=f"the run that began {cpu['env']['date']}",
+        load_average=b1.get("load_average"),
+        threads=cpu.get("threads"),
+        read_bandwidth=b1["read_bandwidth"],
+        weight_bytes=weight_bytes,
+    )
 
 
 def batch1_weight_bytes(dtype=torch.float32) -> int:
@@ -135,36 +149,76 @@ class Rate:
 def read_rates(comparison: StepComparison, cpu: dict, linear: dict, linear_source: str) -> list[Rate]:
     """Every memory rate notebook 08 shows, bare reads first, then weights read inside products and steps."""
     profile, bench = comparison.profile, comparison.benchmark
-    read_how = (f"`sum()` over {roofline.CPU_READ_BYTES >> 20} MiB in 2 MiB pages, "
-                f"fastest of {roofline.BANDWIDTH_REPEATS} (`roofline.measure_read_bandwidth`)")
+    read_how = (
+        f"`sum()` over {roofline.CPU_READ_BYTES >> 20} MiB in 2 MiB pages, "
+        f"fastest of {roofline.BANDWIDTH_REPEATS} (`roofline.measure_read_bandwidth`)"
+    )
     one_row = next(r for r in linear["rows"] if r["rows"] == 1)
     fastest = max((k for k in one_row if k != "rows"), key=lambda k: one_row[k]["weight_GB_per_s"])
     linear_run = f"{linear_source}, {linear['env']['date']}, load {_load(linear.get('load_average'))}"
     bench_run = f"{bench.source}, {bench.when}, load {_load(bench.load_average)}"
     return [
-        Rate("profile's read", profile.read_bandwidth, read_how,
-             f"machine profile, {profile.when}, load {_load(profile.load_average)}", profile.threads,
-             f"the profile's floor, {profile.floor_s * 1e3:.1f} ms (its step {profile.over_floor:.2f}× it); "
-             "the floor notebooks 03, 04, 05 and 09 use"),
-        Rate("benchmark's read", bench.read_bandwidth, read_how + ", at the end of the run", bench_run, bench.threads,
-             f"the benchmark's batch-1 floor, {bench.floor_s * 1e3:.1f} ms (its step {bench.over_floor:.2f}× it)"),
-        Rate("benchmark's copy", cpu["machine"]["bandwidth"],
-             f"a copy of {roofline.CPU_COPY_BYTES >> 20} MiB, read and write both counted, fastest of "
-             f"{roofline.BANDWIDTH_REPEATS} (`roofline.measure_copy_bandwidth`)", bench_run, bench.threads,
-             f"the roofline of the CPU batching curve: its dotted floor, {cpu['decode_floor_s'] * 1e3:.1f} ms"),
-        Rate("product table's read", linear["sum_read_GB_per_s"] * 1e9,
-             f"`sum()` over {LINEAR_SUM_BYTES >> 20} MiB of `torch.randn` (ordinary pages), the mean of "
-             f"{LINEAR_SUM_REPEATS} (`benchmarks/cpu_linear.py`)", linear_run, linear.get("threads"),
-             "scale only: the dotted line of the product-path figure"),
-        Rate("weights through one product row", one_row[fastest]["weight_GB_per_s"] * 1e9,
-             f"SmolLM2's layer matrices ({linear['weight_bytes'] / 1e6:.0f} MB) times one row by the fastest path "
-             f"({fastest}), weight bytes ÷ time", linear_run, linear.get("threads"), "the product-path table"),
-        Rate("weights through the benchmark's step", bench.weights_read_rate,
-             f"the step's weight bytes ({bench.weight_bytes / 1e6:.0f} MB) ÷ the whole step "
-             f"({bench.step_s * 1e3:.1f} ms)", bench_run, bench.threads, "nothing: derived, for comparison"),
-        Rate("weights through the profile's step", profile.weights_read_rate,
-             f"the same bytes ÷ the profile's step ({profile.step_s * 1e3:.1f} ms)",
-             f"machine profile, {profile.when}", profile.threads, "nothing: derived, for comparison"),
+        Rate(
+            "profile's read",
+            profile.read_bandwidth,
+            read_how,
+            f"machine profile, {profile.when}, load {_load(profile.load_average)}",
+            profile.threads,
+            f"the profile's floor, {profile.floor_s * 1e3:.1f} ms (its step {profile.over_floor:.2f}× it); "
+            "the floor notebooks 03, 04, 05 and 09 use",
+        ),
+        Rate(
+            "benchmark's read",
+            bench.read_bandwidth,
+            read_how + ", at the end of the run",
+            bench_run,
+            bench.threads,
+            f"the benchmark's batch-1 floor, {bench.floor_s * 1e3:.1f} ms (its step {bench.over_floor:.2f}× it)",
+        ),
+        Rate(
+            "benchmark's copy",
+            cpu["machine"]["bandwidth"],
+            f"a copy of {roofline.CPU_COPY_BYTES >> 20} MiB, read and write both counted, fastest of "
+            f"{roofline.BANDWIDTH_REPEATS} (`roofline.measure_copy_bandwidth`)",
+            bench_run,
+            bench.threads,
+            f"the roofline of the CPU batching curve: its dotted floor, {cpu['decode_floor_s'] * 1e3:.1f} ms",
+        ),
+        Rate(
+            "product table's read",
+            linear["sum_read_GB_per_s"] * 1e9,
+            f"`sum()` over {LINEAR_SUM_BYTES >> 20} MiB of `torch.randn` (ordinary pages), the mean of "
+            f"{LINEAR_SUM_REPEATS} (`benchmarks/cpu_linear.py`)",
+            linear_run,
+            linear.get("threads"),
+            "scale only: the dotted line of the product-path figure",
+        ),
+        Rate(
+            "weights through one product row",
+            one_row[fastest]["weight_GB_per_s"] * 1e9,
+            f"SmolLM2's layer matrices ({linear['weight_bytes'] / 1e6:.0f} MB) times one row by the fastest path "
+            f"({fastest}), weight bytes ÷ time",
+            linear_run,
+            linear.get("threads"),
+            "the product-path table",
+        ),
+        Rate(
+            "weights through the benchmark's step",
+            bench.weights_read_rate,
+            f"the step's weight bytes ({bench.weight_bytes / 1e6:.0f} MB) ÷ the whole step "
+            f"({bench.step_s * 1e3:.1f} ms)",
+            bench_run,
+            bench.threads,
+            "nothing: derived, for comparison",
+        ),
+        Rate(
+            "weights through the profile's step",
+            profile.weights_read_rate,
+            f"the same bytes ÷ the profile's step ({profile.step_s * 1e3:.1f} ms)",
+            f"machine profile, {profile.when}",
+            profile.threads,
+            "nothing: derived, for comparison",
+        ),
     ]
 
 

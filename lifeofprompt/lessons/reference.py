@@ -11,7 +11,7 @@ from ..model.loader import default_device, smollm2_hf_dir, tinyllama_dir
 
 
 def load_reference(name: str = "smollm2-135m", dtype=None, device=None):
-    """transformers' ``LlamaForCausalLM`` for a model name or a local folder (fp32 on a CPU, bf16 on a GPU, unless asked)."""
+    """transformers' ``LlamaForCausalLM`` for a model name or local folder (fp32 on CPU, bf16 on GPU, unless asked)."""
     from pathlib import Path
 
     from transformers import AutoModelForCausalLM
@@ -35,7 +35,7 @@ def hf_greedy(ref_model, token_ids: list[int], max_new_tokens: int) -> list[int]
 
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=[], pad_token_id=0)
     ids = torch.tensor([list(token_ids)], device=ref_model.device)
-    return ref_model.generate(ids, generation_config=config)[0, ids.shape[1]:].tolist()
+    return ref_model.generate(ids, generation_config=config)[0, ids.shape[1] :].tolist()
 
 
 @torch.no_grad()
@@ -53,18 +53,28 @@ def hf_from_ours(model):
         ref = HFLlama(hf_config)
     ref = ref.to_empty(device=model.device).to(model.dtype)
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    tensors = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight,
-               "lm_head.weight": model.lm_head.weight}
+    tensors = {
+        "model.embed_tokens.weight": model.embed_tokens.weight,
+        "model.norm.weight": model.norm.weight,
+        "lm_head.weight": model.lm_head.weight,
+    }
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         wq, wk, wv = layer.self_attn.qkv_proj.weight.split([q, kv, kv])
         gate, up = layer.mlp.gate_up_proj.weight.split(config.intermediate_size)
-        tensors.update({p + "self_attn.q_proj.weight": wq, p + "self_attn.k_proj.weight": wk,
-                        p + "self_attn.v_proj.weight": wv, p + "self_attn.o_proj.weight": layer.self_attn.o_proj.weight,
-                        p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-                        p + "mlp.down_proj.weight": layer.mlp.down_proj.weight,
-                        p + "input_layernorm.weight": layer.input_layernorm.weight,
-                        p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight})
+        tensors.update(
+            {
+                p + "self_attn.q_proj.weight": wq,
+                p + "self_attn.k_proj.weight": wk,
+                p + "self_attn.v_proj.weight": wv,
+                p + "self_attn.o_proj.weight": layer.self_attn.o_proj.weight,
+                p + "mlp.gate_proj.weight": gate,
+                p + "mlp.up_proj.weight": up,
+                p + "mlp.down_proj.weight": layer.mlp.down_proj.weight,
+                p + "input_layernorm.weight": layer.input_layernorm.weight,
+                p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
+            }
+        )
     own = dict(ref.named_parameters())
     for name, tensor in tensors.items():
         own[name].copy_(tensor)

@@ -23,10 +23,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..engine.memory import dtype_bytes, kv_bytes_per_token, weight_bytes
 from ..model.config import ModelConfig
 from ..model.huge_pages import huge_page_buffer
 from .flops import forward_flops
-from ..engine.memory import dtype_bytes, kv_bytes_per_token, weight_bytes
 
 
 @dataclass(frozen=True)
@@ -34,8 +34,8 @@ class Machine:
     """What bounds a step: bytes/s it reads, operations/s it computes, seconds a step costs regardless."""
 
     name: str
-    bandwidth: float      # bytes per second
-    flops: float          # operations per second
+    bandwidth: float  # bytes per second
+    flops: float  # operations per second
     overhead_s: float = 0.0
 
     @property
@@ -44,14 +44,16 @@ class Machine:
         return self.flops / self.bandwidth
 
     def describe(self) -> str:
-        return (f"{self.name}: {self.bandwidth / 1e9:.1f} GB/s, {self.flops / 1e12:.3f} TFLOP/s, "
-                f"break-even {self.break_even:.0f} FLOP/byte, overhead {self.overhead_s * 1e3:.2f} ms")
+        return (
+            f"{self.name}: {self.bandwidth / 1e9:.1f} GB/s, {self.flops / 1e12:.3f} TFLOP/s, "
+            f"break-even {self.break_even:.0f} FLOP/byte, overhead {self.overhead_s * 1e3:.2f} ms"
+        )
 
 
 # What the CPU bandwidth measurements move (notebook 08 prints these beside the rates they give).
-CPU_COPY_BYTES = 64 * 2**20     # a copy: past the caches, quick
-CPU_READ_BYTES = 512 * 2**20    # a read: far past any cache, in the 2 MiB pages the engine's weights live in
-BANDWIDTH_REPEATS = 5           # best of
+CPU_COPY_BYTES = 64 * 2**20  # a copy: past the caches, quick
+CPU_READ_BYTES = 512 * 2**20  # a read: far past any cache, in the 2 MiB pages the engine's weights live in
+BANDWIDTH_REPEATS = 5  # best of
 
 
 def _sync(device: torch.device) -> None:
@@ -60,7 +62,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _best_time(fn, device, repeats: int) -> float:
-    fn()                                   # warm up (allocation, kernel selection)
+    fn()  # warm up (allocation, kernel selection)
     _sync(device)
     best = float("inf")
     for _ in range(repeats):
@@ -92,7 +94,7 @@ def measure_read_bandwidth(device="cpu", nbytes: int | None = None, repeats: int
     """
     device = torch.device(device)
     nbytes = nbytes or (2**30 if device.type == "cuda" else CPU_READ_BYTES)
-    if device.type == "cpu":            # the pages the engine keeps its weights in (model/huge_pages.py)
+    if device.type == "cpu":  # the pages the engine keeps its weights in (model/huge_pages.py)
         data = huge_page_buffer(nbytes // 4 * 4).view(torch.float32).fill_(1.0)
     else:
         data = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
@@ -118,6 +120,7 @@ def measure_machine(device="cpu", dtype=None, name: str | None = None) -> Machin
             name = torch.cuda.get_device_name(device)
         else:
             from ..env import cpu_label
+
             threads = torch.get_num_threads()
             name = f"{cpu_label()}, {threads} thread{'s' if threads != 1 else ''}"
     return Machine(name=name, bandwidth=measure_copy_bandwidth(device), flops=measure_matmul_rate(device, dtype))
@@ -135,8 +138,9 @@ def decode_weight_bytes(config: ModelConfig, dtype) -> int:
     return weight_bytes(config, dtype) - table
 
 
-def step_bytes_and_flops(config: ModelConfig, dtype, num_tokens: int, context_tokens: int,
-                         num_seqs: int = 1) -> tuple[int, int]:
+def step_bytes_and_flops(
+    config: ModelConfig, dtype, num_tokens: int, context_tokens: int, num_seqs: int = 1
+) -> tuple[int, int]:
     """Bytes read/written and operations of one step over ``num_tokens`` new rows.
 
     ``context_tokens``: tokens already in the cache before the step, summed over ``num_seqs``
@@ -144,21 +148,26 @@ def step_bytes_and_flops(config: ModelConfig, dtype, num_tokens: int, context_to
     the new keys/values written. Activations are left out (they stay small next to the weights).
     """
     per_token = kv_bytes_per_token(config, dtype)
-    nbytes = (decode_weight_bytes(config, dtype)
-              + num_tokens * config.hidden_size * dtype_bytes(dtype)
-              + context_tokens * per_token + num_tokens * per_token)
+    nbytes = (
+        decode_weight_bytes(config, dtype)
+        + num_tokens * config.hidden_size * dtype_bytes(dtype)
+        + context_tokens * per_token
+        + num_tokens * per_token
+    )
     return nbytes, forward_flops(config, num_tokens, context_tokens, num_seqs).total
 
 
-def arithmetic_intensity(config: ModelConfig, dtype, num_tokens: int, context_tokens: int = 0,
-                         num_seqs: int = 1) -> float:
+def arithmetic_intensity(
+    config: ModelConfig, dtype, num_tokens: int, context_tokens: int = 0, num_seqs: int = 1
+) -> float:
     """Operations per byte of one step."""
     nbytes, flops = step_bytes_and_flops(config, dtype, num_tokens, context_tokens, num_seqs)
     return flops / nbytes
 
 
-def predict_step_time(machine: Machine, config: ModelConfig, dtype, num_tokens: int, context_tokens: int,
-                      num_seqs: int = 1) -> float:
+def predict_step_time(
+    machine: Machine, config: ModelConfig, dtype, num_tokens: int, context_tokens: int, num_seqs: int = 1
+) -> float:
     """Seconds of one step: ``max(bytes / bandwidth, operations / flops) + overhead``."""
     nbytes, flops = step_bytes_and_flops(config, dtype, num_tokens, context_tokens, num_seqs)
     return max(nbytes / machine.bandwidth, flops / machine.flops) + machine.overhead_s
@@ -174,8 +183,15 @@ def break_even(machine: Machine) -> float:
     return machine.break_even
 
 
-def fit_overhead(machine: Machine, config: ModelConfig, dtype, measured_step_s: float, num_tokens: int = 1,
-                 context_tokens: int = 0, num_seqs: int = 1) -> Machine:
+def fit_overhead(
+    machine: Machine,
+    config: ModelConfig,
+    dtype,
+    measured_step_s: float,
+    num_tokens: int = 1,
+    context_tokens: int = 0,
+    num_seqs: int = 1,
+) -> Machine:
     """The machine with ``overhead_s`` set so the prediction matches one measured step (never below 0)."""
     bare = replace(machine, overhead_s=0.0)
     predicted = predict_step_time(bare, config, dtype, num_tokens, context_tokens, num_seqs)
@@ -185,8 +201,12 @@ def fit_overhead(machine: Machine, config: ModelConfig, dtype, measured_step_s: 
 # ----------------------------------------------------------------------------- the picture
 
 
-def plot_roofline(machine: Machine, points: dict[str, float] | None = None, ax=None,
-                  measured: dict[str, tuple[float, float]] | None = None):
+def plot_roofline(
+    machine: Machine,
+    points: dict[str, float] | None = None,
+    ax=None,
+    measured: dict[str, tuple[float, float]] | None = None,
+):
     """Attainable operations/s against arithmetic intensity, with named steps marked on the roof.
 
     ``points`` maps a label to an intensity (FLOP/byte), e.g. from ``arithmetic_intensity``;
@@ -201,14 +221,24 @@ def plot_roofline(machine: Machine, points: dict[str, float] | None = None, ax=N
     low = min([0.1, *points.values()]) / 2
     high = max([machine.break_even * 20, *points.values()]) * 2
     x = np.logspace(np.log10(low), np.log10(high), 200)
-    ax.loglog(x, np.minimum(x * machine.bandwidth, machine.flops), color="black", label="roof: min(I × bandwidth, peak)")
+    ax.loglog(
+        x, np.minimum(x * machine.bandwidth, machine.flops), color="black", label="roof: min(I × bandwidth, peak)"
+    )
     ax.axvline(machine.break_even, color="grey", linestyle=":", label=f"break-even {machine.break_even:.0f} FLOP/byte")
     for (label, intensity), color in zip(points.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"]):
         rate = min(intensity * machine.bandwidth, machine.flops)
         ax.plot([intensity], [rate], "o", color=color, markersize=8, label=f"{label}: {intensity:.1f} FLOP/byte")
-    for (label, (intensity, rate)), marker in zip((measured or {}).items(), "xP*Ds"):     # one marker each
-        ax.plot([intensity], [rate], marker, color="black", markersize=9, mew=2 if marker == "x" else 1,
-                fillstyle="none" if marker != "x" else "full", label=f"{label}: {rate / 1e9:.2g} GFLOP/s")
+    for (label, (intensity, rate)), marker in zip((measured or {}).items(), "xP*Ds"):  # one marker each
+        ax.plot(
+            [intensity],
+            [rate],
+            marker,
+            color="black",
+            markersize=9,
+            mew=2 if marker == "x" else 1,
+            fillstyle="none" if marker != "x" else "full",
+            label=f"{label}: {rate / 1e9:.2g} GFLOP/s",
+        )
     ax.set_xlabel("arithmetic intensity (operations per byte read)")
     ax.set_ylabel("attainable operations per second")
     ax.set_title(f"Roofline of {machine.name}")

@@ -15,26 +15,26 @@ from dataclasses import dataclass
 import numpy as np
 
 # The seed's measured inputs, as it states them.
-WEIGHT_BYTES = 5.38e9            # bytes one decode step reads (4-bit weights, embedding table left out)
-READ_BANDWIDTH = 273e9           # bytes/s from a read benchmark on the same chip
-DECODE_STEP_S = 23.5e-3          # llama.cpp's timed decode step, one sequence
-PREFILL_TOK_S = 1143.0           # prefill of a 1,024-token prompt
+WEIGHT_BYTES = 5.38e9  # bytes one decode step reads (4-bit weights, embedding table left out)
+READ_BANDWIDTH = 273e9  # bytes/s from a read benchmark on the same chip
+DECODE_STEP_S = 23.5e-3  # llama.cpp's timed decode step, one sequence
+PREFILL_TOK_S = 1143.0  # prefill of a 1,024-token prompt
 DECODE_TOK_S = 42.6
-PREFILL_OPS_S = 18e12            # "about 18 trillion operations a second" during that prefill
+PREFILL_OPS_S = 18e12  # "about 18 trillion operations a second" during that prefill
 BATCH = 32
-BATCH_STEP_S = 195e-3            # the measured step at 32 sequences
-PROMISED_TOK_S = 864.0           # what the arithmetic promised at 32 sequences
+BATCH_STEP_S = 195e-3  # the measured step at 32 sequences
+PROMISED_TOK_S = 864.0  # what the arithmetic promised at 32 sequences
 DELIVERED_TOK_S = 164.0
 CLOSED_LOOP_TOK_S = 87.2
 CLOSED_LOOP_REQ_S = 0.68
 TPOT_CLOSED_S, TPOT_LOADED_S = 76e-3, 89e-3
 HYBRID_LAYERS, HYBRID_KV_LAYERS = 32, 8
-KV_BYTES_PER_TOKEN = 32 * 1024   # the hybrid's whole cache per token (its 8 attention layers)
-STATE_BYTES = 48 * 2**20         # the f32 recurrent state's main part, per sequence
+KV_BYTES_PER_TOKEN = 32 * 1024  # the hybrid's whole cache per token (its 8 attention layers)
+STATE_BYTES = 48 * 2**20  # the f32 recurrent state's main part, per sequence
 P99_SAMPLES = 60
 # Its GPU examples: Llama-3.1-8B in bf16 on an H100 SXM.
-LLAMA8B_WEIGHT_BYTES, H100_BANDWIDTH = 15e9, 3.35e12   # bytes a decode step reads (no embedding table)
-LLAMA8B_ALL_WEIGHTS = 16e9                                # all of its weights, as held in memory
+LLAMA8B_WEIGHT_BYTES, H100_BANDWIDTH = 15e9, 3.35e12  # bytes a decode step reads (no embedding table)
+LLAMA8B_ALL_WEIGHTS = 16e9  # all of its weights, as held in memory
 LLAMA8B_KV = dict(layers=32, kv_heads=8, head_dim=128, dtype_bytes=2)
 H100_REPORTED_BYTES, GPU_MEMORY_UTILIZATION, CONTEXT = 85.5e9, 0.92, 4096
 
@@ -47,7 +47,7 @@ class Check:
     derivation: str
     derived: float
     seed: float
-    tolerance: float             # relative: the seed rounds its figures
+    tolerance: float  # relative: the seed rounds its figures
 
     @property
     def agrees(self) -> bool:
@@ -90,7 +90,8 @@ def h100_requests() -> int:
 
 
 def p99_position(samples: int = P99_SAMPLES) -> tuple[int, int, float]:
-    """Where numpy's default (linear) p99 of ``samples`` values falls: between the sorted values ``(i, i + 1)``, a fraction of the way.
+    """Where numpy's default (linear) p99 of ``samples`` values falls: between the sorted
+    values ``(i, i + 1)``, a fraction of the way.
 
     ``np.percentile`` interpolates at index ``0.99 × (n − 1)`` of the sorted values (0-based).
     """
@@ -106,28 +107,70 @@ def checks() -> list[Check]:
     low, high, frac = p99_position()
     return [
         Check("decode floor (ms)", "5.38 GB / 273 GB/s", floor * 1e3, 19.7, 0.005),
-        Check("share of the measured step spent reading weights", "19.7 ms / 23.5 ms", floor / DECODE_STEP_S, 0.84, 0.01),
+        Check(
+            "share of the measured step spent reading weights", "19.7 ms / 23.5 ms", floor / DECODE_STEP_S, 0.84, 0.01
+        ),
         Check("prefill over decode, per token", "1,143 / 42.6 tok/s", PREFILL_TOK_S / DECODE_TOK_S, 27, 0.02),
-        Check("operations per byte, one decode sequence", "(18e12 / 1,143) ops / 5.38 GB", ops_per_byte_decode, 3, 0.05),
-        Check("break-even intensity (ops per byte)", "18e12 ops/s / 273 GB/s", PREFILL_OPS_S / READ_BANDWIDTH, 66, 0.01),
+        Check(
+            "operations per byte, one decode sequence", "(18e12 / 1,143) ops / 5.38 GB", ops_per_byte_decode, 3, 0.05
+        ),
+        Check(
+            "break-even intensity (ops per byte)", "18e12 ops/s / 273 GB/s", PREFILL_OPS_S / READ_BANDWIDTH, 66, 0.01
+        ),
         Check("one sequence's step (ms), as llama-server timed it", "1 / 42.6 tok/s", 1e3 / DECODE_TOK_S, 24, 0.03),
         Check("promised step at 32 sequences (ms)", "32 / 864 tok/s", BATCH / PROMISED_TOK_S * 1e3, 37, 0.01),
         Check("delivered step at 32 sequences (ms)", "32 / 164 tok/s", BATCH / DELIVERED_TOK_S * 1e3, 195, 0.01),
         Check("delivered over promised", "164 / 864", DELIVERED_TOK_S / PROMISED_TOK_S, 0.19, 0.02),
-        Check("ms per extra sequence", "(195 − 23.5) ms / 31", (BATCH_STEP_S - DECODE_STEP_S) / (BATCH - 1) * 1e3, 5.5, 0.02),
-        Check("output tokens per request, closed loop", "87.2 tok/s / 0.68 req/s", CLOSED_LOOP_TOK_S / CLOSED_LOOP_REQ_S, 128, 0.01),
+        Check(
+            "ms per extra sequence",
+            "(195 − 23.5) ms / 31",
+            (BATCH_STEP_S - DECODE_STEP_S) / (BATCH - 1) * 1e3,
+            5.5,
+            0.02,
+        ),
+        Check(
+            "output tokens per request, closed loop",
+            "87.2 tok/s / 0.68 req/s",
+            CLOSED_LOOP_TOK_S / CLOSED_LOOP_REQ_S,
+            128,
+            0.01,
+        ),
         Check("TPOT rise under random arrivals (ms)", "89 − 76", (TPOT_LOADED_S - TPOT_CLOSED_S) * 1e3, 13, 0.001),
-        Check("KV bytes per token per attention layer (KiB)", "32 KiB / 8 layers", KV_BYTES_PER_TOKEN / HYBRID_KV_LAYERS / 1024, 4, 0.001),
-        Check("tokens of cache the recurrent state equals", "48 MiB / 32 KiB", STATE_BYTES / KV_BYTES_PER_TOKEN, 1536, 0.001),
-        Check("Llama-3.1-8B bf16 decode floor on an H100 (ms)", "15 GB / 3.35 TB/s", LLAMA8B_WEIGHT_BYTES / H100_BANDWIDTH * 1e3, 4.5, 0.01),
-        Check("Llama-3.1-8B KV bytes per token (KiB)", "2 × 32 × 8 × 128 × 2", llama8b_kv_per_token() / 1024, 128, 0.001),
+        Check(
+            "KV bytes per token per attention layer (KiB)",
+            "32 KiB / 8 layers",
+            KV_BYTES_PER_TOKEN / HYBRID_KV_LAYERS / 1024,
+            4,
+            0.001,
+        ),
+        Check(
+            "tokens of cache the recurrent state equals",
+            "48 MiB / 32 KiB",
+            STATE_BYTES / KV_BYTES_PER_TOKEN,
+            1536,
+            0.001,
+        ),
+        Check(
+            "Llama-3.1-8B bf16 decode floor on an H100 (ms)",
+            "15 GB / 3.35 TB/s",
+            LLAMA8B_WEIGHT_BYTES / H100_BANDWIDTH * 1e3,
+            4.5,
+            0.01,
+        ),
+        Check(
+            "Llama-3.1-8B KV bytes per token (KiB)", "2 × 32 × 8 × 128 × 2", llama8b_kv_per_token() / 1024, 128, 0.001
+        ),
         Check("GB left for cache on an H100", "85.5 GB × 0.92 − 16 GB", cache_left_bytes() / 1e9, 62, 0.02),
-        Check("requests of 4,096 tokens in an H100's cache", "62.7 GB / (128 KiB × 4,096)",
-              h100_requests(), 116, 0.01),
+        Check("requests of 4,096 tokens in an H100's cache", "62.7 GB / (128 KiB × 4,096)", h100_requests(), 116, 0.01),
         # The seed says the p99 of 60 samples is "the second slowest" (sorted index 58); numpy's default
         # interpolation puts it between that one and the slowest, which this check shows.
-        Check("p99 of 60 samples: sorted index (0-based; the seed's figure: the second slowest)",
-              f"0.99 × 59, between {low} and {high}", low + frac, 58, 0.001),
+        Check(
+            "p99 of 60 samples: sorted index (0-based; the seed's figure: the second slowest)",
+            f"0.99 × 59, between {low} and {high}",
+            low + frac,
+            58,
+            0.001,
+        ),
     ]
 
 

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import roofline
+from ..engine.sampling_params import SamplingParams
 from ..serving import arrivals
 from ..serving.loadtest import LoadTestConfig, LoadTestResult, run_loadtest
 from ..serving.metrics import achieved_arrival_rate
-from ..engine.sampling_params import SamplingParams
+from . import roofline
 
 _ids = itertools.count()
 
@@ -34,8 +34,8 @@ class BatchPoint:
     """One point of the batching curve: ``batch_size`` sequences decoding together."""
 
     batch_size: int
-    step_s: float                  # fastest decode step, seconds (the one least disturbed by other programs)
-    context_tokens: int            # tokens in the cache over all sequences, at the middle step
+    step_s: float  # fastest decode step, seconds (the one least disturbed by other programs)
+    context_tokens: int  # tokens in the cache over all sequences, at the middle step
     median_s: float | None = None  # median decode step, seconds
 
     @property
@@ -49,7 +49,9 @@ def random_prompts(num_prompts: int, prompt_len: int, vocab_size: int, seed: int
     return [[int(t) for t in rng.integers(100, vocab_size, prompt_len)] for _ in range(num_prompts)]
 
 
-def time_decode_steps(engine, batch_size: int, prompt_len: int = 16, decode_steps: int = 8, seed: int = 0) -> BatchPoint:
+def time_decode_steps(
+    engine, batch_size: int, prompt_len: int = 16, decode_steps: int = 8, seed: int = 0
+) -> BatchPoint:
     """Run ``batch_size`` requests together and time the steps where all of them decode.
 
     Each request asks for ``decode_steps + 1`` tokens with ``ignore_eos``: one from the prefill
@@ -73,7 +75,9 @@ def time_decode_steps(engine, batch_size: int, prompt_len: int = 16, decode_step
     return BatchPoint(batch_size, min(durations), batch_size * middle, statistics.median(durations))
 
 
-def batching_curve(engine, batch_sizes=(1, 2, 4, 8, 16, 32), prompt_len: int = 16, decode_steps: int = 8) -> list[BatchPoint]:
+def batching_curve(
+    engine, batch_sizes=(1, 2, 4, 8, 16, 32), prompt_len: int = 16, decode_steps: int = 8
+) -> list[BatchPoint]:
     """Decode step time for each batch size (a warm-up run first, not reported)."""
     time_decode_steps(engine, 1, prompt_len, 2)
     return [time_decode_steps(engine, b, prompt_len, decode_steps, seed=b) for b in batch_sizes]
@@ -81,8 +85,9 @@ def batching_curve(engine, batch_sizes=(1, 2, 4, 8, 16, 32), prompt_len: int = 1
 
 def predicted_curve(machine: roofline.Machine, config, dtype, points: list[BatchPoint]) -> list[float]:
     """The roofline's step time for each measured point (same tokens, same context)."""
-    return [roofline.predict_step_time(machine, config, dtype, p.batch_size, p.context_tokens, p.batch_size)
-            for p in points]
+    return [
+        roofline.predict_step_time(machine, config, dtype, p.batch_size, p.context_tokens, p.batch_size) for p in points
+    ]
 
 
 def bend_batch_size(machine: roofline.Machine, config, dtype, context_per_seq: int, limit: int = 4096) -> int | None:
@@ -115,14 +120,18 @@ def rate_offering(target: float, num_requests: int, seed: int) -> float:
 
 def poisson_sweep(url: str, rates, seed: int = 0, **workload) -> list[LoadTestResult]:
     """One Poisson load test per rate (requests per second), same workload and seed."""
-    return [run_loadtest(LoadTestConfig(url=url, arrival="poisson", rate=float(rate), seed=seed, **workload))
-            for rate in rates]
+    return [
+        run_loadtest(LoadTestConfig(url=url, arrival="poisson", rate=float(rate), seed=seed, **workload))
+        for rate in rates
+    ]
 
 
 def repeat_runs(url: str, rate: float, seeds, **workload) -> list[LoadTestResult]:
     """The same Poisson load test with different seeds: how far p99 moves from run to run."""
-    return [run_loadtest(LoadTestConfig(url=url, arrival="poisson", rate=float(rate), seed=seed, **workload))
-            for seed in seeds]
+    return [
+        run_loadtest(LoadTestConfig(url=url, arrival="poisson", rate=float(rate), seed=seed, **workload))
+        for seed in seeds
+    ]
 
 
 def sweep_table(results: list[LoadTestResult]) -> str:
@@ -132,12 +141,16 @@ def sweep_table(results: list[LoadTestResult]) -> str:
     offers more or less than the rate it was set to; "done req/s" counts the completed requests
     over the run, from the first send to the last answer.
     """
-    lines = [f"{'set req/s':>10}{'got req/s':>10}{'done req/s':>11}{'seed':>6}{'n':>4}{'TTFT p50':>10}{'TTFT p99':>10}"
-             f"{'TPOT p50':>10}{'out tok/s':>10}"]
+    lines = [
+        f"{'set req/s':>10}{'got req/s':>10}{'done req/s':>11}{'seed':>6}{'n':>4}{'TTFT p50':>10}{'TTFT p99':>10}"
+        f"{'TPOT p50':>10}{'out tok/s':>10}"
+    ]
     for r in results:
         s = r.summary
-        lines.append(f"{r.config.rate:>10.2f}{s['achieved_arrival_rate']:>10.2f}{s['request_throughput']:>11.2f}"
-                     f"{r.config.seed:>6d}{s['completed']:>4d}"
-                     f"{s['ttft_s']['p50']:>9.2f}s{s['ttft_s']['p99']:>9.2f}s{s['tpot_s']['p50'] * 1e3:>8.0f}ms"
-                     f"{s['output_throughput']:>10.1f}")
+        lines.append(
+            f"{r.config.rate:>10.2f}{s['achieved_arrival_rate']:>10.2f}{s['request_throughput']:>11.2f}"
+            f"{r.config.seed:>6d}{s['completed']:>4d}"
+            f"{s['ttft_s']['p50']:>9.2f}s{s['ttft_s']['p99']:>9.2f}s{s['tpot_s']['p50'] * 1e3:>8.0f}ms"
+            f"{s['output_throughput']:>10.1f}"
+        )
     return "\n".join(lines)

@@ -24,16 +24,15 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from ..serving.arrivals import ArrivalPattern, Dispatcher, all_at_once, sample_lengths
 from ..engine.block_manager import BlockManager
-from ..engine.scheduler import fair_prefill_threshold
-from ..model.config import SMOLLM2_135M, ModelConfig
+from ..engine.sampling_params import SamplingParams
+from ..engine.scheduler import Scheduler, StepRecord, fair_prefill_threshold
+from ..engine.sequence import Sequence
 from ..errors import RequestTooLargeError
+from ..model.config import SMOLLM2_135M, ModelConfig
+from ..serving.arrivals import ArrivalPattern, Dispatcher, all_at_once, sample_lengths
 from ..serving.metrics import RequestTiming, summarize
 from .roofline import Machine, predict_step_time
-from ..engine.sampling_params import SamplingParams
-from ..engine.scheduler import Scheduler, StepRecord
-from ..engine.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -60,7 +59,7 @@ def step_shape(record: StepRecord) -> tuple[int, int, int]:
 
 @dataclass
 class SimResult:
-    timings: list[RequestTiming]          # per request, in request order (error set when rejected)
+    timings: list[RequestTiming]  # per request, in request order (error set when rejected)
     steps: list[StepRecord]
     num_preemptions: int
     policy: str
@@ -72,11 +71,20 @@ class SimResult:
 
 
 class Simulator:
-    def __init__(self, config: ModelConfig = SMOLLM2_135M, dtype=torch.float32, machine: Machine | None = None,
-                 num_blocks: int = 1024, block_size: int = 16, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
-                 static_batch_size: int | None = None, keep_steps: bool = True,
-                 long_prefill_token_threshold: int | None = None):
+    def __init__(
+        self,
+        config: ModelConfig = SMOLLM2_135M,
+        dtype=torch.float32,
+        machine: Machine | None = None,
+        num_blocks: int = 1024,
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        static_batch_size: int | None = None,
+        keep_steps: bool = True,
+        long_prefill_token_threshold: int | None = None,
+    ):
         """``long_prefill_token_threshold`` as ``LLMEngine``'s: None takes the engine's default (a quarter
         of the budget), 0 turns fair prefill off. Static batching never chunks, so it has none."""
         self.config, self.dtype = config, dtype
@@ -85,10 +93,16 @@ class Simulator:
         max_model_len = config.max_position_embeddings
         if static_batch_size is not None:
             from .static_batching import StaticScheduler
+
             self.scheduler = StaticScheduler(self.block_manager, static_batch_size, max_model_len)
         else:
-            self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, max_model_len,
-                                       fair_prefill_threshold(long_prefill_token_threshold, max_num_batched_tokens))
+            self.scheduler = Scheduler(
+                self.block_manager,
+                max_num_seqs,
+                max_num_batched_tokens,
+                max_model_len,
+                fair_prefill_threshold(long_prefill_token_threshold, max_num_batched_tokens),
+            )
         self.keep_steps = keep_steps
         self._step_time_cache: dict[tuple[int, int, int], float] = {}
 
@@ -103,8 +117,13 @@ class Simulator:
             t = self._step_time_cache[shape] = predict_step_time(self.machine, self.config, self.dtype, *shape)
         return t
 
-    def run(self, requests: list[SimRequest], arrivals: ArrivalPattern | None = None, seed: int = 0,
-            max_steps: int = 1_000_000) -> SimResult:
+    def run(
+        self,
+        requests: list[SimRequest],
+        arrivals: ArrivalPattern | None = None,
+        seed: int = 0,
+        max_steps: int = 1_000_000,
+    ) -> SimResult:
         """Serve ``requests`` arriving as ``arrivals`` says (default: all at once); times in seconds from 0."""
         arrivals = arrivals or all_at_once(len(requests))
         if arrivals.num_requests != len(requests):
@@ -120,8 +139,12 @@ class Simulator:
             for i in dispatcher.due(t):
                 req = requests[i]
                 timings[i] = RequestTiming(arrival_time=t, num_prompt_tokens=req.prompt_len)
-                seq = Sequence(f"r{i}", rng.integers(100, self.config.vocab_size, req.prompt_len).tolist(),
-                               SamplingParams(temperature=0, max_tokens=req.output_len, ignore_eos=True), arrival_time=t)
+                seq = Sequence(
+                    f"r{i}",
+                    rng.integers(100, self.config.vocab_size, req.prompt_len).tolist(),
+                    SamplingParams(temperature=0, max_tokens=req.output_len, ignore_eos=True),
+                    arrival_time=t,
+                )
                 index_of[seq.request_id] = i
                 try:
                     sched.add(seq)
@@ -134,7 +157,7 @@ class Simulator:
             if record.is_empty:
                 next_time = dispatcher.next_time()
                 if next_time is None:
-                    break                                   # nothing can ever run again
+                    break  # nothing can ever run again
                 t = max(t, next_time)
                 continue
             record.start_time = t
@@ -144,8 +167,10 @@ class Simulator:
                     timing.first_scheduled_time = t
             t += self.step_time(record)
             record.end_time = t
-            sampled = [0 if s.num_computed_tokens + n == len(s) else None
-                       for s, n in zip(record.seqs, record.num_scheduled_tokens)]
+            sampled = [
+                0 if s.num_computed_tokens + n == len(s) else None
+                for s, n in zip(record.seqs, record.num_scheduled_tokens)
+            ]
             for seq in sched.update(record, sampled):
                 timing = timings[index_of[seq.request_id]]
                 timing.token_times.append(t)
@@ -157,7 +182,7 @@ class Simulator:
                     record.finished.append(seq.request_id)
                     dispatcher.finished()
             if self.keep_steps:
-                record.seqs = []                            # keep the trace, not the sequences
+                record.seqs = []  # keep the trace, not the sequences
                 steps.append(record)
         result = SimResult(timings, steps, sched.num_preemptions, self.policy)
         result.summary = summarize(timings)
@@ -170,8 +195,11 @@ class Simulator:
 def calibrate(machine: Machine, config: ModelConfig, dtype, records: list[StepRecord]) -> Machine:
     """The machine with ``overhead_s`` = the median of (measured − roofline) over real engine steps."""
     bare = replace(machine, overhead_s=0.0)
-    residuals = [(r.end_time - r.start_time) - predict_step_time(bare, config, dtype, *step_shape(r))
-                 for r in records if r.start_time is not None and r.end_time is not None]
+    residuals = [
+        (r.end_time - r.start_time) - predict_step_time(bare, config, dtype, *step_shape(r))
+        for r in records
+        if r.start_time is not None and r.end_time is not None
+    ]
     if not residuals:
         raise ValueError("no timed steps to calibrate on")
     return replace(machine, overhead_s=max(0.0, statistics.median(residuals)))
@@ -184,9 +212,12 @@ def compare_steps(machine: Machine, config: ModelConfig, dtype, records: list[St
     predicted = np.array([predict_step_time(machine, config, dtype, *s) for s in shapes])
     ratio = predicted / measured
     return {
-        "num_tokens": [s[0] for s in shapes], "num_seqs": [s[2] for s in shapes],
-        "measured_s": measured.tolist(), "predicted_s": predicted.tolist(),
-        "total_measured_s": float(measured.sum()), "total_predicted_s": float(predicted.sum()),
+        "num_tokens": [s[0] for s in shapes],
+        "num_seqs": [s[2] for s in shapes],
+        "measured_s": measured.tolist(),
+        "predicted_s": predicted.tolist(),
+        "total_measured_s": float(measured.sum()),
+        "total_predicted_s": float(predicted.sum()),
         "median_ratio": float(np.median(ratio)),
         "mean_abs_error": float(np.mean(np.abs(predicted - measured) / measured)),
     }

@@ -112,7 +112,8 @@ class SpeculationRun:
 # repeats most of it. And open-ended text, where it rarely does. benchmarks/bench_spec.py and
 # notebook 10 measure these same conversations.
 SNIPPETS = (
-    "def total_price(items, tax):\n    total = 0\n    for item in items:\n        total = total + item.price * item.count\n"
+    "def total_price(items, tax):\n    total = 0\n    for item in items:\n"
+    "        total = total + item.price * item.count\n"
     "    return total * (1 + tax)\n",
     "def find_user(users, name):\n    for user in users:\n        if user.name == name:\n            return user\n"
     "    return None\n",
@@ -142,8 +143,11 @@ OPEN_QUESTIONS = (
 
 def workloads() -> dict[str, list[list[dict]]]:
     """Chat conversations: ``code``, 8 edits (4 snippets × 2 edits), and ``open``, 8 open-ended requests."""
-    code = [[{"role": "user", "content": f"{EDITS[(i + j) % len(EDITS)]}\n\n```python\n{s}```"}]
-            for i, s in enumerate(SNIPPETS) for j in range(2)]
+    code = [
+        [{"role": "user", "content": f"{EDITS[(i + j) % len(EDITS)]}\n\n```python\n{s}```"}]
+        for i, s in enumerate(SNIPPETS)
+        for j in range(2)
+    ]
     return {"code": code, "open": [[{"role": "user", "content": q}] for q in OPEN_QUESTIONS]}
 
 
@@ -193,14 +197,21 @@ def run_requests(llm, prompts, max_tokens: int, batch: int, label: str, k: int =
     seconds, tokens = 0.0, 0
     for i in range(0, len(prompts), batch):
         start = time.perf_counter()
-        outs = llm.generate(prompts[i:i + batch], params, use_tqdm=False)
+        outs = llm.generate(prompts[i : i + batch], params, use_tqdm=False)
         seconds += time.perf_counter() - start
         tokens += sum(len(o.outputs[0].token_ids) for o in outs)
     if stats is None:
         return SpeculationRun(label, 0, tokens, seconds, 0, [], [])
     after = counts()
-    return SpeculationRun(label, k or stats.num_speculative_tokens, tokens, seconds, after[0] - before[0],
-                          [a - b for a, b in zip(after[1], before[1])], [a - b for a, b in zip(after[2], before[2])])
+    return SpeculationRun(
+        label,
+        k or stats.num_speculative_tokens,
+        tokens,
+        seconds,
+        after[0] - before[0],
+        [a - b for a, b in zip(after[1], before[1])],
+        [a - b for a, b in zip(after[2], before[2])],
+    )
 
 
 def benchmark_rows(result: dict) -> list[str]:
@@ -209,7 +220,8 @@ def benchmark_rows(result: dict) -> list[str]:
     lines = [f"{'workload':8s} {'batch':>5s} {'plain tok/s':>12s} {'lookup tok/s':>13s} {'speedup':>8s}"]
     for name, row in result["runs"].items():
         workload = name.split("_batch")[0]
-        lines.append(f"{workload:8s} {row['batch']:5d} {row['none']['tokens_per_s']:12.1f} "
-                     f"{row['ngram']['tokens_per_s']:13.1f} {row['ngram_speedup']:7.2f}x")
+        lines.append(
+            f"{workload:8s} {row['batch']:5d} {row['none']['tokens_per_s']:12.1f} "
+            f"{row['ngram']['tokens_per_s']:13.1f} {row['ngram_speedup']:7.2f}x"
+        )
     return lines
-

@@ -20,8 +20,9 @@ class StaticScheduler(Scheduler):
     """Admit a new batch only when the previous one has completely finished; never chunk a prompt."""
 
     def __init__(self, block_manager, batch_size: int = 8, max_model_len: int | None = None):
-        super().__init__(block_manager, max_num_seqs=batch_size, max_num_batched_tokens=1 << 30,
-                         max_model_len=max_model_len)
+        super().__init__(
+            block_manager, max_num_seqs=batch_size, max_num_batched_tokens=1 << 30, max_model_len=max_model_len
+        )
 
     def admission_open(self) -> bool:
         return not self.running

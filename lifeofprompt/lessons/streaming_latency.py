@@ -32,12 +32,12 @@ class StreamGaps:
 
     label: str
     long_len: int
-    prefill_chunks: list[int]                 # the long prompt's tokens in each step of its prefill
-    before_gaps_s: list[float]                # a stream's inter-token gaps before the long prompt arrived
-    during_gaps_s: list[float]                # its gaps from the long prompt's arrival to the long's first token
-    long_ttft_s: float                        # the long prompt's arrival to its first token
-    token_times: dict[str, list[float]] = field(default_factory=dict)   # every stream's token times (s, from arrival)
-    arrival_s: float = 0.0                    # when the long prompt arrived, on the same clock
+    prefill_chunks: list[int]  # the long prompt's tokens in each step of its prefill
+    before_gaps_s: list[float]  # a stream's inter-token gaps before the long prompt arrived
+    during_gaps_s: list[float]  # its gaps from the long prompt's arrival to the long's first token
+    long_ttft_s: float  # the long prompt's arrival to its first token
+    token_times: dict[str, list[float]] = field(default_factory=dict)  # every stream's token times (s, from arrival)
+    arrival_s: float = 0.0  # when the long prompt arrived, on the same clock
 
     @property
     def steady_gap_s(self) -> float:
@@ -64,8 +64,16 @@ def chunked_budget(chunk: int) -> dict:
     return dict(max_num_batched_tokens=4 * chunk, long_prefill_token_threshold=chunk)
 
 
-def decode_gaps_beside_prefill(engine, long_len: int, num_streams: int = 4, stream_prompt_len: int = 16,
-                               steady_tokens: int = 4, after_tokens: int = 2, label: str = "", seed: int = 0) -> StreamGaps:
+def decode_gaps_beside_prefill(
+    engine,
+    long_len: int,
+    num_streams: int = 4,
+    stream_prompt_len: int = 16,
+    steady_tokens: int = 4,
+    after_tokens: int = 2,
+    label: str = "",
+    seed: int = 0,
+) -> StreamGaps:
     """``num_streams`` requests decode; after ``steady_tokens`` of theirs a ``long_len``-token prompt
     arrives; the streams go on until ``after_tokens`` steps past the long prompt's first token.
 
@@ -76,7 +84,9 @@ def decode_gaps_beside_prefill(engine, long_len: int, num_streams: int = 4, stre
     streams = [f"stream-{next(_ids)}" for _ in range(num_streams)]
     long_id = f"long-{next(_ids)}"
     # enough tokens to outlast a prefill in chunks of 16 or more (the streams are aborted at the end)
-    endless = SamplingParams(temperature=0, max_tokens=steady_tokens + after_tokens + long_len // 16 + 8, ignore_eos=True)
+    endless = SamplingParams(
+        temperature=0, max_tokens=steady_tokens + after_tokens + long_len // 16 + 8, ignore_eos=True
+    )
     for rid, prompt in zip(streams, random_prompts(num_streams, stream_prompt_len, vocab, seed)):
         engine.add_request(rid, prompt, endless)
     latest = {}
@@ -88,7 +98,9 @@ def decode_gaps_beside_prefill(engine, long_len: int, num_streams: int = 4, stre
     while min(len(latest[r].outputs[0].token_ids) if r in latest else 0 for r in streams) < steady_tokens:
         step()
     long_prompt = random_prompts(1, long_len, vocab, seed + 1)[0]
-    engine.add_request(long_id, long_prompt, SamplingParams(temperature=0, max_tokens=after_tokens + 1, ignore_eos=True))
+    engine.add_request(
+        long_id, long_prompt, SamplingParams(temperature=0, max_tokens=after_tokens + 1, ignore_eos=True)
+    )
     first_step = len(engine.step_records)
     while long_id not in latest or not latest[long_id].outputs[0].token_ids:
         step()
@@ -107,17 +119,28 @@ def decode_gaps_beside_prefill(engine, long_len: int, num_streams: int = 4, stre
     before = [b - a for a, b in zip(times, times[1:]) if b <= arrival]
     during = [b - a for a, b in zip(times, times[1:]) if b > arrival and b <= long_metrics.first_token_time]
     chunks = [s.num_tokens for r in prefill_records for s in r.scheduled if s.request_id == long_id]
-    return StreamGaps(label=label, long_len=long_len, prefill_chunks=chunks, before_gaps_s=before,
-                      during_gaps_s=during, long_ttft_s=long_metrics.first_token_time - arrival,
-                      token_times={r: [t - t0 for t in latest[r].metrics.token_times] for r in streams},
-                      arrival_s=arrival - t0)
+    return StreamGaps(
+        label=label,
+        long_len=long_len,
+        prefill_chunks=chunks,
+        before_gaps_s=before,
+        during_gaps_s=during,
+        long_ttft_s=long_metrics.first_token_time - arrival,
+        token_times={r: [t - t0 for t in latest[r].metrics.token_times] for r in streams},
+        arrival_s=arrival - t0,
+    )
 
 
 def gaps_table(results: list[StreamGaps]) -> str:
-    """One line per run: prefill steps, a stream's tokens and median and worst gap while the prompt prefilled, its steady gap, the long TTFT."""
-    lines = [f"{'':14}{'prefill steps':>14}{'tokens meanwhile':>17}{'steady gap':>12}{'median gap':>12}{'worst gap':>11}"
-             f"{'long TTFT':>11}"]
+    """One line per run: prefill steps, a stream's tokens and median and worst gap while the prompt prefilled, its
+    steady gap, the long prompt's TTFT."""
+    lines = [
+        f"{'':14}{'prefill steps':>14}{'tokens meanwhile':>17}{'steady gap':>12}{'median gap':>12}{'worst gap':>11}"
+        f"{'long TTFT':>11}"
+    ]
     for r in results:
-        lines.append(f"{r.label:14}{len(r.prefill_chunks):>14}{len(r.during_gaps_s):>17}{r.steady_gap_s * 1e3:>10.0f}ms"
-                     f"{r.median_gap_s * 1e3:>10.0f}ms{r.worst_gap_s * 1e3:>9.0f}ms{r.long_ttft_s:>10.2f}s")
+        lines.append(
+            f"{r.label:14}{len(r.prefill_chunks):>14}{len(r.during_gaps_s):>17}{r.steady_gap_s * 1e3:>10.0f}ms"
+            f"{r.median_gap_s * 1e3:>10.0f}ms{r.worst_gap_s * 1e3:>9.0f}ms{r.long_ttft_s:>10.2f}s"
+        )
     return "\n".join(lines)

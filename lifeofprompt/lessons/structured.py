@@ -18,12 +18,12 @@ import torch
 class MaskStep:
     """One step of a constrained answer."""
 
-    index: int                                  # which output token
-    num_allowed: int                            # tokens of the vocabulary the grammar allowed here
-    chosen: int                                 # the token the engine produced
-    wanted: list[tuple[int, float, bool]]       # the model's top tokens without the mask: (id, probability, allowed?)
-    allowed_mass: float                         # the probability the unconstrained model gave the allowed set
-    best_allowed: list[tuple[int, float]]       # the allowed tokens the model liked best: (id, probability)
+    index: int  # which output token
+    num_allowed: int  # tokens of the vocabulary the grammar allowed here
+    chosen: int  # the token the engine produced
+    wanted: list[tuple[int, float, bool]]  # the model's top tokens without the mask: (id, probability, allowed?)
+    allowed_mass: float  # the probability the unconstrained model gave the allowed set
+    best_allowed: list[tuple[int, float]]  # the allowed tokens the model liked best: (id, probability)
 
     @property
     def overridden(self) -> bool:
@@ -44,7 +44,7 @@ def replay_mask(engine, prompt_ids, output_ids, structured_outputs, top_k: int =
     state = backend.matcher(structured_outputs)
     prompt_ids, output_ids = list(prompt_ids), list(output_ids)
     ids = torch.tensor([prompt_ids + output_ids], device=engine.model.device)
-    logits = engine.model(ids)[0, len(prompt_ids) - 1:].float().cpu()     # row i scores output token i
+    logits = engine.model(ids)[0, len(prompt_ids) - 1 :].float().cpu()  # row i scores output token i
     probs = torch.softmax(logits, dim=-1)
     steps = []
     for i, token in enumerate(output_ids):

@@ -15,15 +15,35 @@ from ..model.config import ModelConfig
 from ..model.llama import LlamaForCausalLM
 from ..model.loader import ByteTokenizer
 
-TINY_SMOLLM2_LAYOUT = ModelConfig(name="tiny-random-smollm2-layout", vocab_size=320, hidden_size=144,
-                                  intermediate_size=96, num_layers=2, num_heads=9, num_kv_heads=3, head_dim=16,
-                                  rope_theta=100000.0, max_position_embeddings=512, tie_word_embeddings=True)
+TINY_SMOLLM2_LAYOUT = ModelConfig(
+    name="tiny-random-smollm2-layout",
+    vocab_size=320,
+    hidden_size=144,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=16,
+    rope_theta=100000.0,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+)
 
 # The same size with even head counts (8 query / 4 KV heads, intermediate 128): it splits T ∈ {1, 2, 4, 8}
 # (at 8, each KV head on two ranks), so notebook 11 can set its cost model against T other than 3.
-TINY_EVEN_LAYOUT = ModelConfig(name="tiny-random-even-layout", vocab_size=320, hidden_size=128,
-                               intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=16,
-                               rope_theta=100000.0, max_position_embeddings=512, tie_word_embeddings=True)
+TINY_EVEN_LAYOUT = ModelConfig(
+    name="tiny-random-even-layout",
+    vocab_size=320,
+    hidden_size=128,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=16,
+    rope_theta=100000.0,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+)
 
 
 def tiny_model(seed: int = 0, config: ModelConfig = TINY_SMOLLM2_LAYOUT) -> tuple[LlamaForCausalLM, ByteTokenizer]:

@@ -34,20 +34,20 @@ class ToyAttention:
 
     tokens: tuple[str, ...]
     vocab: tuple[str, ...]
-    X: torch.Tensor          # [3, 4] token vectors
-    W_Q: torch.Tensor        # [4, 4]
+    X: torch.Tensor  # [3, 4] token vectors
+    W_Q: torch.Tensor  # [4, 4]
     W_K: torch.Tensor
     W_V: torch.Tensor
-    Q: torch.Tensor          # [3, 4]
+    Q: torch.Tensor  # [3, 4]
     K: torch.Tensor
     V: torch.Tensor
-    scores: torch.Tensor     # [3, 3] Q Kᵀ / sqrt(d)
-    mask: torch.Tensor       # [3, 3] bool, True where a token may look (itself and earlier)
-    masked: torch.Tensor     # scores with -inf above the diagonal
-    weights: torch.Tensor    # [3, 3] softmax of each row
-    context: torch.Tensor    # [3, 4] weights @ V
-    W_LM: torch.Tensor       # [4, vocab] the LM head
-    logits: torch.Tensor     # [vocab] last context row @ W_LM
+    scores: torch.Tensor  # [3, 3] Q Kᵀ / sqrt(d)
+    mask: torch.Tensor  # [3, 3] bool, True where a token may look (itself and earlier)
+    masked: torch.Tensor  # scores with -inf above the diagonal
+    weights: torch.Tensor  # [3, 3] softmax of each row
+    context: torch.Tensor  # [3, 4] weights @ V
+    W_LM: torch.Tensor  # [4, vocab] the LM head
+    logits: torch.Tensor  # [vocab] last context row @ W_LM
 
     @property
     def next_token(self) -> str:
@@ -59,25 +59,35 @@ def toy_attention(seed: int = TOY_SEED, tokens=TOY_TOKENS, vocab=TOY_VOCAB, dim:
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape):
-        return (torch.randn(*shape, generator=g) * 0.8).round(decimals=1) + 0.0   # + 0.0 turns -0.0 into 0.0
+        return (torch.randn(*shape, generator=g) * 0.8).round(decimals=1) + 0.0  # + 0.0 turns -0.0 into 0.0
 
     embedding = rand(len(vocab), dim)
     X = embedding[[vocab.index(t) for t in tokens]]
     W_Q, W_K, W_V, W_LM = rand(dim, dim), rand(dim, dim), rand(dim, dim), rand(dim, len(vocab))
     Q, K, V = X @ W_Q, X @ W_K, X @ W_V
-    scores = Q @ K.T / dim ** 0.5
+    scores = Q @ K.T / dim**0.5
     n = len(tokens)
     mask = torch.ones(n, n, dtype=torch.bool).tril()
     masked = scores.masked_fill(~mask, float("-inf"))
     weights = masked.softmax(dim=-1)
     context = weights @ V
     logits = context[-1] @ W_LM
-    return ToyAttention(tuple(tokens), tuple(vocab), X, W_Q, W_K, W_V, Q, K, V, scores, mask, masked,
-                        weights, context, W_LM, logits)
+    return ToyAttention(
+        tuple(tokens), tuple(vocab), X, W_Q, W_K, W_V, Q, K, V, scores, mask, masked, weights, context, W_LM, logits
+    )
 
 
-def plot_matrix(ax, matrix: torch.Tensor, title: str, row_labels=None, col_labels=None,
-                highlight_rows=(), outline_all: bool = False, cmap: str = "RdBu_r", fmt: str = "{:.2f}"):
+def plot_matrix(
+    ax,
+    matrix: torch.Tensor,
+    title: str,
+    row_labels=None,
+    col_labels=None,
+    highlight_rows=(),
+    outline_all: bool = False,
+    cmap: str = "RdBu_r",
+    fmt: str = "{:.2f}",
+):
     """A heatmap with its values written in, its shape in the title, chosen rows boxed in red.
 
     ``-inf`` entries (the causal mask) are drawn grey and labelled ``-inf``. ``outline_all``
@@ -90,24 +100,32 @@ def plot_matrix(ax, matrix: torch.Tensor, title: str, row_labels=None, col_label
     finite = m[torch.isfinite(m)]
     limit = float(finite.abs().max()) if finite.numel() else 1.0
     shown = torch.where(torch.isfinite(m), m, torch.tensor(float("nan")))
-    low = -limit if cmap == "RdBu_r" else 0.0      # diverging map centred on 0; weights start at 0
-    colormap = matplotlib.colormaps[cmap].with_extremes(bad="#d9d9d9")      # masked (-inf) cells in grey
+    low = -limit if cmap == "RdBu_r" else 0.0  # diverging map centred on 0; weights start at 0
+    colormap = matplotlib.colormaps[cmap].with_extremes(bad="#d9d9d9")  # masked (-inf) cells in grey
     image = ax.imshow(shown.numpy(), cmap=colormap, vmin=low, vmax=limit or 1)
     rows, cols = m.shape
     for i in range(rows):
         for j in range(cols):
             v = float(m[i, j])
             text = "-inf" if v == float("-inf") else fmt.format(v)
-            ax.text(j, i, text, ha="center", va="center", fontsize=8,
-                    color="white" if abs(v) > 0.6 * limit and v != float("-inf") else "black")
+            ax.text(
+                j,
+                i,
+                text,
+                ha="center",
+                va="center",
+                fontsize=8,
+                color="white" if abs(v) > 0.6 * limit and v != float("-inf") else "black",
+            )
     ax.set_xticks(range(cols), col_labels if col_labels is not None else range(cols), fontsize=8)
     ax.set_yticks(range(rows), row_labels if row_labels is not None else range(rows), fontsize=8)
     ax.set_title(f"{title}  [{rows}×{cols}]", fontsize=9)
     for r in highlight_rows:
         ax.add_patch(patches.Rectangle((-0.5, r - 0.5), cols, 1, fill=False, edgecolor="red", linewidth=2.5))
     if outline_all:
-        ax.add_patch(patches.Rectangle((-0.5, -0.5), cols, rows, fill=False, edgecolor="green", linewidth=2.5,
-                                       linestyle="--"))
+        ax.add_patch(
+            patches.Rectangle((-0.5, -0.5), cols, rows, fill=False, edgecolor="green", linewidth=2.5, linestyle="--")
+        )
     return image
 
 
@@ -125,10 +143,15 @@ def plot_projections(toy: ToyAttention):
     plot_matrix(axes[1, 1], toy.K, "K = X·W_K", toy.tokens, dims, outline_all=True)
     plot_matrix(axes[1, 2], toy.V, "V = X·W_V", toy.tokens, dims, outline_all=True)
     axes[1, 3].axis("off")
-    axes[1, 3].text(0, 0.5, "red box: the last token's row,\nthe only query the next token needs\n\n"
-                            "green frame: every row of K and V,\nall needed by that query",
-                    fontsize=10, va="center")
-    fig.suptitle(f"\"{' '.join(toy.tokens)}\": one attention head, projections (random toy weights)", fontsize=11)
+    axes[1, 3].text(
+        0,
+        0.5,
+        "red box: the last token's row,\nthe only query the next token needs\n\n"
+        "green frame: every row of K and V,\nall needed by that query",
+        fontsize=10,
+        va="center",
+    )
+    fig.suptitle(f'"{" ".join(toy.tokens)}": one attention head, projections (random toy weights)', fontsize=11)
     fig.tight_layout()
     return fig
 
@@ -145,8 +168,9 @@ def plot_attention(toy: ToyAttention):
     axes = [fig.add_subplot(grid[0, i]) for i in range(4)]
     plot_matrix(axes[0], toy.scores, f"scores = Q·Kᵀ/√{d}", toy.tokens, toy.tokens, highlight_rows=[last])
     plot_matrix(axes[1], toy.masked, "causal mask applied", toy.tokens, toy.tokens, highlight_rows=[last])
-    plot_matrix(axes[2], toy.weights, "weights = softmax(rows)", toy.tokens, toy.tokens, highlight_rows=[last],
-                cmap="Blues")
+    plot_matrix(
+        axes[2], toy.weights, "weights = softmax(rows)", toy.tokens, toy.tokens, highlight_rows=[last], cmap="Blues"
+    )
     plot_matrix(axes[3], toy.context, "context = weights·V", toy.tokens, dims, highlight_rows=[last])
     for ax in axes[:3]:
         ax.set_xlabel("key (looked at)", fontsize=8)
@@ -161,8 +185,11 @@ def plot_attention(toy: ToyAttention):
     ax.set_xticks(range(len(logits)), toy.vocab)
     ax.axhline(0, color="black", linewidth=0.6)
     ax.set_ylabel("logit")
-    ax.set_title(f"last context row [1×{d}] · W_LM [{d}×{len(toy.vocab)}] → {len(toy.vocab)} logits; "
-                 f"argmax = {toy.next_token!r}", fontsize=10)
+    ax.set_title(
+        f"last context row [1×{d}] · W_LM [{d}×{len(toy.vocab)}] → {len(toy.vocab)} logits; "
+        f"argmax = {toy.next_token!r}",
+        fontsize=10,
+    )
     fig.suptitle("Attention of the last token decides the next one (causal: no token sees the future)", fontsize=11)
     fig.tight_layout()
     return fig
@@ -199,11 +226,11 @@ def layer_walkthrough(model, token_ids: list[int], layer_idx: int = 0) -> dict[s
     out["q_rope"] = model.rotary(positions, out["q"])
     out["k_rope"] = model.rotary(positions, out["k"])
     group = config.num_heads // config.num_kv_heads
-    k_shared = out["k_rope"].repeat_interleave(group, dim=1)      # query head h reads KV head h // group
+    k_shared = out["k_rope"].repeat_interleave(group, dim=1)  # query head h reads KV head h // group
     v_shared = out["v"].repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", out["q_rope"], k_shared) / attn.head_dim ** 0.5
+    scores = torch.einsum("qhd,khd->hqk", out["q_rope"], k_shared) / attn.head_dim**0.5
     causal = torch.ones(len(ids), len(ids), dtype=torch.bool, device=model.device).tril()
-    out["attn_weights"] = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)   # [heads, T, T]
+    out["attn_weights"] = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)  # [heads, T, T]
     out["context"] = torch.einsum("hqk,khd->qhd", out["attn_weights"], v_shared)
     out["attn_output"] = attn.o_proj(out["context"].reshape(len(ids), -1))
     out["after_attention"] = hidden + out["attn_output"]
@@ -240,8 +267,10 @@ def plot_rope(rotary, head_dim: int, num_positions: int = 24, seed: int = 0):
     fig.colorbar(image, ax=ax, label="q·k after rotation")
     ax.set_xlabel("key position n")
     ax.set_ylabel("query position m")
-    ax.set_title("RoPE: the same q and k at every pair of positions;\nconstant along diagonals (depends on m − n only)",
-                 fontsize=9)
+    ax.set_title(
+        "RoPE: the same q and k at every pair of positions;\nconstant along diagonals (depends on m − n only)",
+        fontsize=9,
+    )
     fig.tight_layout()
     return fig
 
@@ -267,7 +296,10 @@ def plot_gqa(num_heads: int, num_kv_heads: int):
     ax.set_xlim(-1, num_heads)
     ax.set_ylim(-0.6, 1.3)
     ax.axis("off")
-    ax.set_title(f"grouped-query attention: {num_heads} query heads share {num_kv_heads} key/value heads "
-                 f"({group} each), so the KV cache is {group}× smaller", fontsize=9)
+    ax.set_title(
+        f"grouped-query attention: {num_heads} query heads share {num_kv_heads} key/value heads "
+        f"({group} each), so the KV cache is {group}× smaller",
+        fontsize=9,
+    )
     fig.tight_layout()
     return fig

@@ -24,9 +24,9 @@ import ctypes
 import os
 import sys
 
-M_TRIM_THRESHOLD = -1           # glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
 M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD = 32 << 20       # glibc refuses more than HEAP_MAX_SIZE / 2 = 32 MiB on 64-bit
+MMAP_THRESHOLD = 32 << 20  # glibc refuses more than HEAP_MAX_SIZE / 2 = 32 MiB on 64-bit
 TRIM_THRESHOLD = 1 << 30
 
 _done: str | None = None
@@ -47,7 +47,9 @@ def keep_freed_memory() -> str:
         return _done
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     if mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1:
-        _done = (f"freed step memory is kept for the next step (glibc: allocations up to "
-                 f"{MMAP_THRESHOLD >> 20} MiB from the heap, {TRIM_THRESHOLD >> 30} GiB kept; "
-                 "LIFEOFPROMPT_KEEP_FREED_MEMORY=0 turns it off)")
+        _done = (
+            f"freed step memory is kept for the next step (glibc: allocations up to "
+            f"{MMAP_THRESHOLD >> 20} MiB from the heap, {TRIM_THRESHOLD >> 30} GiB kept; "
+            "LIFEOFPROMPT_KEEP_FREED_MEMORY=0 turns it off)"
+        )
     return _done

@@ -23,18 +23,25 @@ from functools import cached_property
 
 import torch
 
-from .paged_attention import (AttentionPlan, attend_groups, paged_attention, row_coordinates, store_kv,
-                              valid_writes, write_rows)
+from .paged_attention import (
+    AttentionPlan,
+    attend_groups,
+    paged_attention,
+    row_coordinates,
+    store_kv,
+    valid_writes,
+    write_rows,
+)
 
 
 @dataclass
 class AttentionMetadata:
-    query_start_loc: torch.Tensor      # [B + 1] int32: first row of each sequence, then T
-    seq_lens: torch.Tensor             # [B] int32: tokens of each sequence once this step is done
+    query_start_loc: torch.Tensor  # [B + 1] int32: first row of each sequence, then T
+    seq_lens: torch.Tensor  # [B] int32: tokens of each sequence once this step is done
     max_query_len: int
     max_seq_len: int
     logits_indices: torch.Tensor | None = None  # rows whose logits are wanted; None means all
-    scale: float | None = None         # softmax scale; the model fills in 1/sqrt(head_dim)
+    scale: float | None = None  # softmax scale; the model fills in 1/sqrt(head_dim)
 
     @property
     def num_seqs(self) -> int:
@@ -77,15 +84,21 @@ class NoCacheMetadata(AttentionMetadata):
     """Every sequence is complete in this call: attention among its own rows, causal."""
 
     @classmethod
-    def for_lengths(cls, lengths: list[int], device="cpu", last_rows_only: bool = False) -> "NoCacheMetadata":
+    def for_lengths(cls, lengths: list[int], device="cpu", last_rows_only: bool = False) -> NoCacheMetadata:
         return cls(**cls.describe_batch(lengths, lengths, device, last_rows_only))
 
     def attend(self, layer_idx, q, k, v):
         # Every sequence is all query rows here: its keys are exactly its own rows.
         plan = self.torch_plan()
-        return attend_groups(q, plan, lambda g: (k[g.rows].view(len(g.seq_ids), g.length, *k.shape[1:]),
-                                                 v[g.rows].view(len(g.seq_ids), g.length, *v.shape[1:])),
-                             _scale(self, q))
+        return attend_groups(
+            q,
+            plan,
+            lambda g: (
+                k[g.rows].view(len(g.seq_ids), g.length, *k.shape[1:]),
+                v[g.rows].view(len(g.seq_ids), g.length, *v.shape[1:]),
+            ),
+            _scale(self, q),
+        )
 
 
 class ContiguousKVCache:
@@ -96,8 +109,16 @@ class ContiguousKVCache:
     conversation it might ever hold (notebook 06 measures how much that wastes).
     """
 
-    def __init__(self, num_layers: int, max_seqs: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype=torch.float32, device="cpu"):
+    def __init__(
+        self,
+        num_layers: int,
+        max_seqs: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype=torch.float32,
+        device="cpu",
+    ):
         shape = (num_layers, max_seqs, max_len, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -117,8 +138,8 @@ class ContiguousCacheMetadata(AttentionMetadata):
     """Sequence ``b`` keeps its keys/values in row ``cache_rows[b]`` of a ``ContiguousKVCache``."""
 
     cache: ContiguousKVCache | None = None
-    cache_rows: torch.Tensor | None = None   # [B] long
-    positions: torch.Tensor | None = None    # [T] long: where each new row is written
+    cache_rows: torch.Tensor | None = None  # [B] long
+    positions: torch.Tensor | None = None  # [T] long: where each new row is written
 
     @cached_property
     def write_rows(self) -> torch.Tensor:
@@ -131,9 +152,10 @@ class ContiguousCacheMetadata(AttentionMetadata):
         k_cache[self.write_rows, self.positions] = k.to(k_cache.dtype)
         v_cache[self.write_rows, self.positions] = v.to(v_cache.dtype)
 
-        def fetch(group):                                   # each sequence's own row, up to its length
+        def fetch(group):  # each sequence's own row, up to its length
             own = self.cache_rows[group.seq_index]
             return k_cache[own, : group.length], v_cache[own, : group.length]
+
         return attend_groups(q, self.torch_plan(), fetch, _scale(self, q))
 
 
@@ -144,10 +166,17 @@ class PagedKVCache:
     its size is exactly ``num_blocks`` × the bytes of one block (notebook 05's arithmetic).
     """
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype=torch.float32, device="cpu"):
-        self.kv = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
-                              dtype=dtype, device=device)
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype=torch.float32,
+        device="cpu",
+    ):
+        self.kv = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size
 
@@ -171,10 +200,16 @@ def attention_backend(name: str):
     if name == "torch":
         return store_kv, paged_attention
     if name == "triton":
-        from ..kernels import paged_attention as triton_attention, store_kv as triton_store
+        from ..kernels import paged_attention as triton_attention
+        from ..kernels import store_kv as triton_store
+
         return triton_store, triton_attention
     from ..errors import ConfigError
-    raise ConfigError(f"unknown attention backend {name!r}: use 'torch' (any device) or 'triton' (GPU, or CPU under TRITON_INTERPRET=1)")
+
+    raise ConfigError(
+        f"unknown attention backend {name!r}: use 'torch' (any device) or 'triton' (GPU, or CPU under "
+        "TRITON_INTERPRET=1)"
+    )
 
 
 @dataclass
@@ -185,7 +220,7 @@ class PagedCacheMetadata(AttentionMetadata):
     block_tables: torch.Tensor | None = None  # [B, max_blocks_per_seq] int32, unused entries -1
     slot_mapping: torch.Tensor | None = None  # [T] int64, negative = padding row (not stored)
     backend: str = "torch"
-    decode_in_c: bool = False                 # torch backend: decode rows by cpu_decode.decode_attention
+    decode_in_c: bool = False  # torch backend: decode rows by cpu_decode.decode_attention
 
     @cached_property
     def writes(self) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -196,13 +231,24 @@ class PagedCacheMetadata(AttentionMetadata):
         store, attention = attention_backend(self.backend)
         k_pool, v_pool = self.cache.k(layer_idx), self.cache.v(layer_idx)
         extra = {}
-        if self.backend == "torch":        # what every layer shares is worked out once per step
+        if self.backend == "torch":  # what every layer shares is worked out once per step
             write_rows(k, v, k_pool, v_pool, *self.writes)
             extra["plan"] = self.torch_plan(block_tables=self.block_tables, block_size=self.cache.block_size)
             if self.decode_in_c:
                 from .cpu_decode import decode_attention
+
                 extra["decode_kernel"] = decode_attention
         else:
             store(k, v, k_pool, v_pool, self.slot_mapping)
-        return attention(q, k_pool, v_pool, self.block_tables, self.seq_lens, self.query_start_loc,
-                         self.max_query_len, self.max_seq_len, _scale(self, q), **extra)
+        return attention(
+            q,
+            k_pool,
+            v_pool,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            self.max_query_len,
+            self.max_seq_len,
+            _scale(self, q),
+            **extra,
+        )

@@ -44,7 +44,7 @@ class ModelConfig:
         return self.num_layers * per_layer + embed + lm_head + h
 
     @classmethod
-    def from_hf(cls, hf_config, name: str | None = None) -> "ModelConfig":
+    def from_hf(cls, hf_config, name: str | None = None) -> ModelConfig:
         """Read a transformers ``LlamaConfig`` (or anything with the same attribute names)."""
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads

@@ -33,21 +33,33 @@ SOURCE = Path(__file__).with_name("cpu_decode.c")
 class Dims(ctypes.Structure):
     """The ``Dims`` struct of ``cpu_decode.c``: the model's shape and the step's pool."""
 
-    _fields_ = [(name, ctypes.c_long) for name in
-                ("hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "num_layers",
-                 "num_blocks", "block_size", "max_blocks")] + [
-               ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("packed", ctypes.c_long)]
+    _fields_ = [
+        (name, ctypes.c_long)
+        for name in (
+            "hidden",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate",
+            "num_layers",
+            "num_blocks",
+            "block_size",
+            "max_blocks",
+        )
+    ] + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("packed", ctypes.c_long)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def step_kernel():
     """The compiled ``decode_step`` function, or None where it cannot be built here."""
-    return c_function(SOURCE, "decode_step", [ctypes.POINTER(Dims)] + [ctypes.c_void_p] * 3 + [ctypes.c_long]
-                      + [ctypes.c_void_p] * 11 + [ctypes.c_int])
+    return c_function(
+        SOURCE,
+        "decode_step",
+        [ctypes.POINTER(Dims)] + [ctypes.c_void_p] * 3 + [ctypes.c_long] + [ctypes.c_void_p] * 11 + [ctypes.c_int],
+    )
 
 
-
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def packed_layout() -> tuple[int, int] | None:
     """``(weight rows per panel, floats per vector)`` of the packed weights this build reads (``cpu_rows.h``)."""
     rows, lanes = (c_function(SOURCE, name, [], ctypes.c_long) for name in ("packed_rows", "packed_lanes"))
@@ -74,8 +86,12 @@ def packable(model) -> dict[str, bool]:
     panel_rows, _ = packed_layout()
     config = model.config
     hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
-    return {"qkv": head_dim % panel_rows == 0, "o": hidden % panel_rows == 0,
-            "gate_up": inter % panel_rows == 0, "down": hidden % panel_rows == 0}
+    return {
+        "qkv": head_dim % panel_rows == 0,
+        "o": hidden % panel_rows == 0,
+        "gate_up": inter % panel_rows == 0,
+        "down": hidden % panel_rows == 0,
+    }
 
 
 def packed_mask(model) -> int:
@@ -97,7 +113,7 @@ def rowwise_close_enough(plan, timings: dict | None, rows: int) -> bool:
     measured = {int(r): t for r, t in (timings or {}).items() if int(r) <= rows}
     if not measured:
         return False
-    times = measured[max(measured)]              # the row count the plan took its choice from
+    times = measured[max(measured)]  # the row count the plan took its choice from
     return "rowwise" in times and times["rowwise"] <= (1 + ROWWISE_SLACK) * min(times.values())
 
 
@@ -112,8 +128,9 @@ def usable_rows(plans: dict | None, shapes, timings: dict | None = None) -> int:
         return 0
     timings = timings or {}
     rows = 0
-    while rows < 16 and all(rowwise_close_enough(plans[s], timings.get(f"{s[0]}x{s[1]}"), rows + 1)
-                            for s in shapes if s in plans):
+    while rows < 16 and all(
+        rowwise_close_enough(plans[s], timings.get(f"{s[0]}x{s[1]}"), rows + 1) for s in shapes if s in plans
+    ):
         rows += 1
     return rows
 
@@ -145,12 +162,17 @@ SHORT_STEP_S = 0.03
 # The C step's two ways of reading the layer matrices: its packed copies (panels, ``cpu_rows.h``),
 # or the row-major weights. Which is faster depends on the row count and the machine, so the
 # runner times both (``measured_rows``).
-C_STEP = "cpu"                     # packed copies where the layout holds them
+C_STEP = "cpu"  # packed copies where the layout holds them
 C_STEP_ROW_MAJOR = "cpu-rowmajor"  # row-major weights only
 
 
-def measured_rows(measure, row_counts=STEP_ROW_COUNTS, rounds: int = 3, budget_s: float = STEP_BUDGET_S,
-                  c_paths=(C_STEP, C_STEP_ROW_MAJOR)) -> tuple[dict, str]:
+def measured_rows(
+    measure,
+    row_counts=STEP_ROW_COUNTS,
+    rounds: int = 3,
+    budget_s: float = STEP_BUDGET_S,
+    c_paths=(C_STEP, C_STEP_ROW_MAJOR),
+) -> tuple[dict, str]:
     """Up to how many rows the C step is faster than the torch forward, timing whole steps, and which
     of its layouts (``c_paths``) is faster at each count.
 
@@ -199,8 +221,9 @@ def measured_rows(measure, row_counts=STEP_ROW_COUNTS, rounds: int = 3, budget_s
     def c_wins(count: int) -> bool | None:
         one_round = step_forecast(count)
         per_step = one_round / (len(layouts_left) + 1)
-        count_rounds = (rounds + 2 if per_step < SHORT_STEP_S else
-                        rounds - 1 if rounds > 1 and per_step > LONG_STEP_S else rounds)
+        count_rounds = (
+            rounds + 2 if per_step < SHORT_STEP_S else rounds - 1 if rounds > 1 and per_step > LONG_STEP_S else rounds
+        )
         if time.perf_counter() + count_rounds * one_round > deadline:
             notes.append(f"stopped before {count} rows: the {budget_s:.0f} s budget would be spent")
             stopped.append(count)
@@ -208,7 +231,7 @@ def measured_rows(measure, row_counts=STEP_ROW_COUNTS, rounds: int = 3, budget_s
         paths = (*layouts_left, False)
         best = {path: float("inf") for path in paths}
         if not results:
-            for path in paths:                            # warm-up: first-call set-up of each path
+            for path in paths:  # warm-up: first-call set-up of each path
                 measure(count, path)
         for _ in range(count_rounds):
             for path in paths:
@@ -227,7 +250,7 @@ def measured_rows(measure, row_counts=STEP_ROW_COUNTS, rounds: int = 3, budget_s
             lost = count
             break
         rows = count
-    while lost is not None and lost - rows > 1:          # the crossover lies between rows and lost
+    while lost is not None and lost - rows > 1:  # the crossover lies between rows and lost
         middle = (rows + lost) // 2
         won = c_wins(middle)
         if won is None:
@@ -236,17 +259,21 @@ def measured_rows(measure, row_counts=STEP_ROW_COUNTS, rounds: int = 3, budget_s
     layouts = {n: min((p for p in t if p is not False), key=t.get) for n, t in sorted(results.items())}
     seconds = {n: results[n][layout] for n, layout in layouts.items()}
     notes[:0] = [describe_count(n, t) for n, t in sorted(results.items())]
-    return ({"rows": rows, "layouts": layouts, "seconds": seconds, "stopped_before": stopped[0] if stopped else None},
-            "; ".join(notes))
+    return (
+        {"rows": rows, "layouts": layouts, "seconds": seconds, "stopped_before": stopped[0] if stopped else None},
+        "; ".join(notes),
+    )
 
 
 def describe_count(rows: int, times: dict) -> str:
     """One count's timings for the start-up log, e.g. ``4 rows: C 35.0 ms (row-major 37.5), torch 81.0 ms``."""
     c = times[C_STEP] if C_STEP in times else min(t for p, t in times.items() if p is not False)
     other = times.get(C_STEP_ROW_MAJOR)
-    return (f"{rows} row{'s' if rows > 1 else ''}: C {c * 1e3:.1f} ms"
-            + (f" (row-major {other * 1e3:.1f})" if other is not None else "")
-            + f", torch {times[False] * 1e3:.1f} ms")
+    return (
+        f"{rows} row{'s' if rows > 1 else ''}: C {c * 1e3:.1f} ms"
+        + (f" (row-major {other * 1e3:.1f})" if other is not None else "")
+        + f", torch {times[False] * 1e3:.1f} ms"
+    )
 
 
 def layout_for(rows: int, layouts: dict | None) -> str:
@@ -263,23 +290,35 @@ def measured_step_key(model, plans: dict, block_size: int, decode_attention_in_c
     from .native_build import source_digest
 
     config = model.config
-    return dict(machine_key(), version=7, what="whole decode steps: the C step (panels and row-major) against the torch forward",
-                dtype=str(model.dtype), layers=config.num_layers, vocab=config.vocab_size,
-                heads=[config.num_heads, config.num_kv_heads, config.head_dim], block_size=block_size,
-                plans={f"{o}x{i}": p.describe() for (o, i), p in sorted(plans.items())},
-                decode_attention_in_c=decode_attention_in_c, source=source_digest(SOURCE))
+    return dict(
+        machine_key(),
+        version=7,
+        what="whole decode steps: the C step (panels and row-major) against the torch forward",
+        dtype=str(model.dtype),
+        layers=config.num_layers,
+        vocab=config.vocab_size,
+        heads=[config.num_heads, config.num_kv_heads, config.head_dim],
+        block_size=block_size,
+        plans={f"{o}x{i}": p.describe() for (o, i), p in sorted(plans.items())},
+        decode_attention_in_c=decode_attention_in_c,
+        source=source_digest(SOURCE),
+    )
 
 
 def takes_step(num_rows: int, max_rows: int, kv: torch.Tensor) -> bool:
-    """Whether a step of ``num_rows`` rows over the pool ``kv`` runs as one C call (``max_rows``: the runner's limit)."""
+    """Whether a step of ``num_rows`` rows over the pool ``kv`` runs as one C call (``max_rows``: the limit)."""
     return 0 < num_rows <= max_rows and kv.dtype == torch.float32
 
 
 def layer_shapes(model) -> set[tuple[int, int]]:
     """The weight shapes the fused step multiplies (every layer's four matrices)."""
     layer = model.layers[0]
-    return {tuple(layer.self_attn.qkv_proj.weight.shape), tuple(layer.self_attn.o_proj.weight.shape),
-            tuple(layer.mlp.gate_up_proj.weight.shape), tuple(layer.mlp.down_proj.weight.shape)}
+    return {
+        tuple(layer.self_attn.qkv_proj.weight.shape),
+        tuple(layer.self_attn.o_proj.weight.shape),
+        tuple(layer.mlp.gate_up_proj.weight.shape),
+        tuple(layer.mlp.down_proj.weight.shape),
+    }
 
 
 def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -302,11 +341,20 @@ def layer_tensors(model) -> list[tuple[torch.Tensor, nn.Module | None]]:
     tensors = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        tensors += [(layer.input_layernorm.weight, None), (attn.qkv_proj.weight, None), (attn.o_proj.weight, None),
-                    (layer.post_attention_layernorm.weight, None), (mlp.gate_up_proj.weight, None),
-                    (mlp.down_proj.weight, None)]
-        for name, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
-                             ("down", mlp.down_proj)):
+        tensors += [
+            (layer.input_layernorm.weight, None),
+            (attn.qkv_proj.weight, None),
+            (attn.o_proj.weight, None),
+            (layer.post_attention_layernorm.weight, None),
+            (mlp.gate_up_proj.weight, None),
+            (mlp.down_proj.weight, None),
+        ]
+        for name, module in (
+            ("qkv", attn.qkv_proj),
+            ("o", attn.o_proj),
+            ("gate_up", mlp.gate_up_proj),
+            ("down", mlp.down_proj),
+        ):
             tensors.append((module.weight, module if ok[name] else None))
     return tensors
 
@@ -340,7 +388,7 @@ def pack_all(model) -> int:
     modules = list({id(m): m for _, m in layer_tensors(model) if m is not None}.values())
     stamps = [weight_stamp(m.weight) for m in modules]
     if stamps and model.__dict__.get("_c_step_packed_all") == stamps:
-        return sum(m.weight.numel() * m.weight.element_size() for m in modules)      # made here already, still current
+        return sum(m.weight.numel() * m.weight.element_size() for m in modules)  # made here already, still current
     model._c_step_packed_all = stamps
     if not modules or not huge_pages_available():
         return sum(packed_weight(m).numel() * 4 for m in modules)
@@ -349,10 +397,10 @@ def pack_all(model) -> int:
     offset = 0
     with torch.no_grad():
         for module, size in zip(modules, sizes):
-            view = buffer[offset:offset + size].view(torch.float32)
+            view = buffer[offset : offset + size].view(torch.float32)
             module._c_step_packed = (weight_stamp(module.weight), pack(module.weight, out=view))
             offset += -(-size // ALIGN) * ALIGN
-    model.__dict__.get("_c_step_pointers", {}).pop(True, None)      # pointers to older copies
+    model.__dict__.get("_c_step_pointers", {}).pop(True, None)  # pointers to older copies
     return sum(sizes)
 
 
@@ -400,62 +448,121 @@ def rows_of_step(meta, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     query_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).long()
     seq_of_row = torch.repeat_interleave(torch.arange(query_lens.numel()), query_lens)
     block_tables = meta.block_tables.to(torch.int32)[seq_of_row].contiguous()
-    context_lens = torch.where(meta.slot_mapping >= 0, positions + 1, 0)     # a padding row sees nothing
+    context_lens = torch.where(meta.slot_mapping >= 0, positions + 1, 0)  # a padding row sees nothing
     return block_tables, context_lens.to(torch.int32).contiguous()
 
 
-def decode_hidden_states(model, input_ids: torch.Tensor, positions: torch.Tensor, meta, packed: bool = True) -> torch.Tensor:
+def decode_hidden_states(
+    model, input_ids: torch.Tensor, positions: torch.Tensor, meta, packed: bool = True
+) -> torch.Tensor:
     """Final normalised hidden states ``[m, hidden]`` of a small step (``meta``: ``PagedCacheMetadata``; any rows);
     ``packed``: read the packed copies where the layout holds them (else the row-major weights only)."""
     config, attn = model.config, model.layers[0].self_attn
     m = input_ids.shape[0]
     kv = meta.cache.kv
     block_tables, seq_lens = rows_of_step(meta, positions)
-    dims = Dims(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
-                config.intermediate_size, config.num_layers, meta.cache.num_blocks, meta.cache.block_size,
-                block_tables.shape[1], model.norm.eps,
-                meta.scale if meta.scale is not None else config.head_dim ** -0.5, packed_mask(model) if packed else 0)
+    dims = Dims(
+        config.hidden_size,
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+        config.intermediate_size,
+        config.num_layers,
+        meta.cache.num_blocks,
+        meta.cache.block_size,
+        block_tables.shape[1],
+        model.norm.eps,
+        meta.scale if meta.scale is not None else config.head_dim**-0.5,
+        packed_mask(model) if packed else 0,
+    )
     hidden = model.embed_tokens(input_ids).contiguous()
     positions = positions.to(torch.int64).contiguous()
     slots = meta.slot_mapping.to(torch.int64).contiguous()
     empty = functools.partial(torch.empty, dtype=torch.float32)
     threads = torch.get_num_threads()
-    scratch = [empty(threads, m, config.hidden_size), empty(m, attn.q_size + 2 * attn.kv_size), empty(m, attn.q_size),
-               empty(m, config.intermediate_size)]
-    step_kernel()(ctypes.byref(dims), ctypes.addressof(weight_pointers(model, packed)), model.norm.weight.data_ptr(),
-                  hidden.data_ptr(), m, positions.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
-                  seq_lens.data_ptr(), kv.data_ptr(), model.rotary.cos.data_ptr(), model.rotary.sin.data_ptr(),
-                  *(t.data_ptr() for t in scratch), threads)
+    scratch = [
+        empty(threads, m, config.hidden_size),
+        empty(m, attn.q_size + 2 * attn.kv_size),
+        empty(m, attn.q_size),
+        empty(m, config.intermediate_size),
+    ]
+    step_kernel()(
+        ctypes.byref(dims),
+        ctypes.addressof(weight_pointers(model, packed)),
+        model.norm.weight.data_ptr(),
+        hidden.data_ptr(),
+        m,
+        positions.data_ptr(),
+        slots.data_ptr(),
+        block_tables.data_ptr(),
+        seq_lens.data_ptr(),
+        kv.data_ptr(),
+        model.rotary.cos.data_ptr(),
+        model.rotary.sin.data_ptr(),
+        *(t.data_ptr() for t in scratch),
+        threads,
+    )
     return hidden
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def attention_kernel():
     """The compiled ``decode_attention`` function, or None where it cannot be built here."""
-    return c_function(SOURCE, "decode_attention",
-                      [ctypes.POINTER(Dims)] + [ctypes.c_void_p] * 6 + [ctypes.c_long, ctypes.c_int])
+    return c_function(
+        SOURCE, "decode_attention", [ctypes.POINTER(Dims)] + [ctypes.c_void_p] * 6 + [ctypes.c_long, ctypes.c_int]
+    )
 
 
 def attention_supports(query: torch.Tensor, k_pool: torch.Tensor) -> bool:
     """Whether ``decode_attention`` can serve these tensors: fp32 on the CPU, a contiguous pool, the kernel built."""
-    return (query.device.type == "cpu" and query.dtype == torch.float32 and k_pool.dtype == torch.float32
-            and k_pool.is_contiguous() and attention_kernel() is not None)
+    return (
+        query.device.type == "cpu"
+        and query.dtype == torch.float32
+        and k_pool.dtype == torch.float32
+        and k_pool.is_contiguous()
+        and attention_kernel() is not None
+    )
 
 
-def decode_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def decode_attention(
+    query: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Attention of one query row per sequence ``[m, heads, D]`` over its keys in the paged pool, by block table."""
     m, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = k_pool.shape
     block_tables = block_tables.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()
-    dims = Dims(num_heads * head_dim, num_heads, num_kv_heads, head_dim, 0, 0, num_blocks, block_size,
-                block_tables.shape[1], 0.0, scale)
+    dims = Dims(
+        num_heads * head_dim,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        0,
+        0,
+        num_blocks,
+        block_size,
+        block_tables.shape[1],
+        0.0,
+        scale,
+    )
     query = query.contiguous()
     out = torch.empty_like(query)
-    attention_kernel()(ctypes.byref(dims), query.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
-                       block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), m,
-                       torch.get_num_threads())
+    attention_kernel()(
+        ctypes.byref(dims),
+        query.data_ptr(),
+        k_pool.data_ptr(),
+        v_pool.data_ptr(),
+        block_tables.data_ptr(),
+        seq_lens.data_ptr(),
+        out.data_ptr(),
+        m,
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -468,15 +575,22 @@ def decode_attention_faster(num_heads: int, num_kv_heads: int, head_dim: int, bl
     from .linear_calibration import cached_verdict, machine_key
     from .paged_attention import AttentionPlan, paged_attention
 
-    key = dict(machine_key(), version=1, what="decode attention: C against gather + SDPA",
-               heads=[num_heads, num_kv_heads, head_dim], block_size=block_size)
+    key = dict(
+        machine_key(),
+        version=1,
+        what="decode attention: C against gather + SDPA",
+        heads=[num_heads, num_kv_heads, head_dim],
+        block_size=block_size,
+    )
 
     def measure():
         seqs, context = 16, 256
         width = -(-context // block_size)
         generator = torch.Generator().manual_seed(0)
-        k_pool, v_pool = torch.randn(2, seqs * width * 2, block_size, num_kv_heads, head_dim, generator=generator).unbind(0)
-        block_tables = torch.randperm(seqs * width * 2, generator=generator)[:seqs * width].view(seqs, width).int()
+        k_pool, v_pool = torch.randn(
+            2, seqs * width * 2, block_size, num_kv_heads, head_dim, generator=generator
+        ).unbind(0)
+        block_tables = torch.randperm(seqs * width * 2, generator=generator)[: seqs * width].view(seqs, width).int()
         seq_lens = torch.full((seqs,), context, dtype=torch.int32)
         starts = torch.arange(seqs + 1, dtype=torch.int32)
         query = torch.randn(seqs, num_heads, head_dim, generator=generator)
@@ -485,8 +599,19 @@ def decode_attention_faster(num_heads: int, num_kv_heads: int, head_dim: int, bl
         for _ in range(5):
             for in_c in (True, False):
                 start = time.perf_counter()
-                paged_attention(query, k_pool, v_pool, block_tables, seq_lens, starts, 1, context, head_dim ** -0.5,
-                                plan=plan, decode_kernel=decode_attention if in_c else None)
+                paged_attention(
+                    query,
+                    k_pool,
+                    v_pool,
+                    block_tables,
+                    seq_lens,
+                    starts,
+                    1,
+                    context,
+                    head_dim**-0.5,
+                    plan=plan,
+                    decode_kernel=decode_attention if in_c else None,
+                )
                 best[in_c] = min(best[in_c], time.perf_counter() - start)
         why = f"C {best[True] * 1e3:.2f} ms, torch {best[False] * 1e3:.2f} ms for 16 x 256 cached tokens"
         return best[True] < best[False], why, {}

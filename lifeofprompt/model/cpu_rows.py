@@ -23,11 +23,10 @@ from .native_build import c_function
 SOURCE = Path(__file__).with_name("cpu_rows.c")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def rows_kernel():
     """The compiled ``rows_times_weight`` function, or None where it cannot be built here."""
     return c_function(SOURCE, "rows_times_weight", [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int])
-
 
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -37,6 +36,13 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("the rows kernel is not available on this machine (no C compiler, or its build failed)")
     x = x.contiguous()
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
-    kernel(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], weight.shape[0],
-           torch.get_num_threads())
+    kernel(
+        x.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        weight.shape[0],
+        torch.get_num_threads(),
+    )
     return out

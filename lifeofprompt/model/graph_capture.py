@@ -31,10 +31,16 @@ class GraphCapture:
     def static_decode_metadata(self, size: int) -> PagedCacheMetadata:
         """Metadata over the first ``size`` rows of the static buffers (what a graph of that size reads)."""
         return PagedCacheMetadata(
-            query_start_loc=self.static_query_start_loc[:size + 1], seq_lens=self.static_seq_lens[:size],
-            max_query_len=1, max_seq_len=self.max_model_len, logits_indices=None, cache=self.kv_cache,
-            block_tables=self.static_block_tables[:size], slot_mapping=self.static_slot_mapping[:size],
-            backend=self.backend)
+            query_start_loc=self.static_query_start_loc[: size + 1],
+            seq_lens=self.static_seq_lens[:size],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            logits_indices=None,
+            cache=self.kv_cache,
+            block_tables=self.static_block_tables[:size],
+            slot_mapping=self.static_slot_mapping[:size],
+            backend=self.backend,
+        )
 
     @torch.no_grad()
     def capture_graphs(self) -> None:
@@ -45,7 +51,7 @@ class GraphCapture:
         for size in reversed(self.graph_sizes):
             meta = self.static_decode_metadata(size)
             ids, positions = self.static_input_ids[:size], self.static_positions[:size]
-            self.run_model(ids, positions, meta)                   # warm-up: autotune, allocate
+            self.run_model(ids, positions, meta)  # warm-up: autotune, allocate
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 HUGE_PAGE = 2 << 20
-ALIGN = 64                     # each tensor starts on a cache line
+ALIGN = 64  # each tensor starts on a cache line
 SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -50,13 +50,13 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     The tensor holds the mapping alive (``torch.frombuffer`` keeps a reference to it); the
     memory is returned to the system when the last tensor viewing it is gone.
     """
-    size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE      # room to start on a page boundary
+    size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE  # room to start on a page boundary
     mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if huge_pages_available():
         mapping.madvise(mmap.MADV_HUGEPAGE)
     whole = torch.frombuffer(mapping, dtype=torch.uint8)
     start = -whole.data_ptr() % HUGE_PAGE
-    return whole[start:start + nbytes]
+    return whole[start : start + nbytes]
 
 
 def move_weights_to_huge_pages(model: nn.Module) -> int:
@@ -67,7 +67,11 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
     they were moved already (several runners over one model).
     """
     params = [p for p in model.parameters() if p.device.type == "cpu"]
-    if not params or not huge_pages_available() or all(_inside(p, getattr(model, "_huge_page_buffer", None)) for p in params):
+    if (
+        not params
+        or not huge_pages_available()
+        or all(_inside(p, getattr(model, "_huge_page_buffer", None)) for p in params)
+    ):
         return 0
     offsets, total = [], 0
     for p in params:
@@ -76,10 +80,10 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
     buffer = huge_page_buffer(total)
     with torch.no_grad():
         for p, offset in zip(params, offsets):
-            view = buffer[offset:offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+            view = buffer[offset : offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
             view.copy_(p.data)
             p.data = view
-    model._huge_page_buffer = buffer        # a second runner over the same model finds it moved already
+    model._huge_page_buffer = buffer  # a second runner over the same model finds it moved already
     return total
 
 

@@ -34,7 +34,7 @@ class SequenceTiles:
 class LaunchTiles:
     """What one launch does: its tile shapes, its KV splits and every sequence it covers."""
 
-    config: object               # lifeofprompt.kernels.tiles.TileConfig
+    config: object  # lifeofprompt.kernels.tiles.TileConfig
     num_kv_splits: int
     block_size: int
     sequences: list[SequenceTiles]
@@ -44,20 +44,32 @@ class LaunchTiles:
         from ..kernels.tiles import kernel_tiles
 
         seq = self.sequences[index]
-        return kernel_tiles(seq.block_table, self.block_size, seq.seq_len, seq.query_len, self.config,
-                            self.num_kv_splits)
+        return kernel_tiles(
+            seq.block_table, self.block_size, seq.seq_len, seq.query_len, self.config, self.num_kv_splits
+        )
 
 
-def launch_tiles(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
-                 scale: float | None = None, num_kv_splits: int | None = None, tile_n: int | None = None,
-                 block_m: int | None = None) -> LaunchTiles:
+def launch_tiles(
+    query: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float | None = None,
+    num_kv_splits: int | None = None,
+    tile_n: int | None = None,
+    block_m: int | None = None,
+) -> LaunchTiles:
     """The plan ``paged_attention`` follows for these arguments (``v_pool`` and ``scale`` do not change it)."""
     from ..kernels.paged_attention import launch_plan
 
     num_seqs = seq_lens.shape[0]
-    config, _, splits = launch_plan(query, k_pool.shape[2], num_seqs, max_query_len, max_seq_len, num_kv_splits,
-                                    tile_n, block_m)
+    config, _, splits = launch_plan(
+        query, k_pool.shape[2], num_seqs, max_query_len, max_seq_len, num_kv_splits, tile_n, block_m
+    )
     starts = query_start_loc.tolist()
     sequences = []
     for b, (table, seq_len) in enumerate(zip(block_tables.tolist(), seq_lens.tolist())):
@@ -70,5 +82,6 @@ def plot_sequence_tiles(ax, plan: LaunchTiles, index: int, title: str | None = N
     from ..kernels.tiles import plot_kernel_tiles
 
     seq = plan.sequences[index]
-    return plot_kernel_tiles(ax, seq.block_table, plan.block_size, seq.seq_len, seq.query_len, plan.config,
-                             plan.num_kv_splits, title)
+    return plot_kernel_tiles(
+        ax, seq.block_table, plan.block_size, seq.seq_len, seq.query_len, plan.config, plan.num_kv_splits, title
+    )

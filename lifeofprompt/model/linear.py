@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-MAX_PLANNED_ROWS = 16       # row counts timed one by one; larger products share one choice
+MAX_PLANNED_ROWS = 16  # row counts timed one by one; larger products share one choice
 PATHS = ("linear", "transposed", "transposed_doubled", "onednn", "rowwise")
 
 
@@ -38,8 +38,12 @@ def onednn_available() -> bool:
     """Whether this torch build can prepack linear weights (x86 and ARM CPU builds can)."""
     ops = getattr(torch.ops, "mkldnn", None)
     try:
-        return (torch.backends.mkldnn.is_available() and ops is not None
-                and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise"))
+        return (
+            torch.backends.mkldnn.is_available()
+            and ops is not None
+            and hasattr(ops, "_reorder_linear_weight")
+            and hasattr(ops, "_linear_pointwise")
+        )
     except (AttributeError, RuntimeError):
         return False
 
@@ -72,7 +76,7 @@ def transposed_linear(x: torch.Tensor, weight: torch.Tensor, double_single_row: 
     return (weight @ x.t())[:, :rows].t().contiguous()
 
 
-def run_path(path: str, x: torch.Tensor, module: "Linear") -> torch.Tensor:
+def run_path(path: str, x: torch.Tensor, module: Linear) -> torch.Tensor:
     """``module``'s product of ``x [M, in]`` by one named path."""
     if path == "linear":
         return nn.functional.linear(x, module.weight)
@@ -86,6 +90,7 @@ def run_path(path: str, x: torch.Tensor, module: "Linear") -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, module.packed, None, "none", [], "")
     if path == "rowwise":
         from .cpu_rows import rows_linear
+
         return rows_linear(x, module.weight)
     raise ValueError(f"unknown matrix-product path {path!r}: use one of {', '.join(PATHS)}")
 
@@ -98,7 +103,7 @@ class RowPlan:
     large: str
 
     @classmethod
-    def single(cls, path: str) -> "RowPlan":
+    def single(cls, path: str) -> RowPlan:
         """One path for every row count (what a pinned ``cpu_linear`` gives)."""
         return cls((path,) * MAX_PLANNED_ROWS, path)
 
@@ -135,8 +140,12 @@ class Linear(nn.Linear):
         Only fp32 is packed: that is what is timed, and oneDNN's bf16 kernels need CPU
         instructions (AVX-512 BF16, AMX) that not every machine has.
         """
-        if (self.bias is not None or not self.weight.is_cpu or self.weight.dtype != torch.float32
-                or not onednn_available()):
+        if (
+            self.bias is not None
+            or not self.weight.is_cpu
+            or self.weight.dtype != torch.float32
+            or not onednn_available()
+        ):
             self.packed = None
             return 0
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
@@ -150,8 +159,13 @@ class Linear(nn.Linear):
 
 def plannable(module: nn.Module) -> bool:
     """A ``Linear`` whose product the CPU paths can take over: fp32, CPU, contiguous, no bias."""
-    return (isinstance(module, Linear) and module.bias is None and module.weight.is_cpu
-            and module.weight.dtype == torch.float32 and module.weight.is_contiguous())
+    return (
+        isinstance(module, Linear)
+        and module.bias is None
+        and module.weight.is_cpu
+        and module.weight.dtype == torch.float32
+        and module.weight.is_contiguous()
+    )
 
 
 def apply_plans(model: nn.Module, plans: dict[tuple[int, int], RowPlan] | None) -> int:

@@ -36,10 +36,10 @@ from ..errors import ConfigError
 from .huge_pages import huge_pages_setting, move_weights_to_huge_pages
 from .linear import MAX_PLANNED_ROWS, PATHS, Linear, RowPlan, available_paths, plannable, run_path
 
-CALIBRATION_VERSION = 3      # 2: weights timed where the engine keeps them (2 MiB pages, huge_pages.py); 3: tiled rowwise
-LARGE_ROWS = 64             # the row count that stands for "more than MAX_PLANNED_ROWS"
-BUDGET_SECONDS = 2.5        # past this, row counts not yet timed take the choice below them (~3 s in all)
-DROP_FACTOR = 2.0           # a row-by-row path this many times slower than the best is not timed for more rows
+CALIBRATION_VERSION = 3  # 2: weights timed where the engine keeps them (2 MiB pages, huge_pages.py); 3: tiled rowwise
+LARGE_ROWS = 64  # the row count that stands for "more than MAX_PLANNED_ROWS"
+BUDGET_SECONDS = 2.5  # past this, row counts not yet timed take the choice below them (~3 s in all)
+DROP_FACTOR = 2.0  # a row-by-row path this many times slower than the best is not timed for more rows
 ROW_BY_ROW = ("transposed", "transposed_doubled", "rowwise")
 ENV_VARIABLE = "LIFEOFPROMPT_CPU_LINEAR"
 
@@ -49,8 +49,8 @@ class LinearChoice:
     """The plans a runner applied and where they came from (for the start-up log and results)."""
 
     plans: dict[tuple[int, int], RowPlan]
-    source: str                                   # "pinned: linear", "calibrated in 2.1 s", "cached (file)"
-    timings: dict = field(default_factory=dict)   # "960x576" -> {rows: {path: seconds}}
+    source: str  # "pinned: linear", "calibrated in 2.1 s", "cached (file)"
+    timings: dict = field(default_factory=dict)  # "960x576" -> {rows: {path: seconds}}
 
     @property
     def pinned(self) -> str | None:
@@ -105,7 +105,7 @@ def sample_modules(modules: list[Linear], min_bytes: int) -> list[Linear]:
 def time_path(path: str, modules: list[Linear], rows: int, repeats: int = 1) -> float:
     """Seconds for ``rows`` rows through every module of ``modules`` by ``path`` (fastest of ``repeats`` passes)."""
     x = torch.randn(rows, modules[0].in_features, dtype=modules[0].weight.dtype)
-    run_path(path, x, modules[0])                        # warm-up: first-call set-up, kernel selection
+    run_path(path, x, modules[0])  # warm-up: first-call set-up, kernel selection
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -127,7 +127,7 @@ class _ShapeSearch:
     modules: list[Linear]
     paths: tuple[str, ...]
     choice: dict[int, str] = field(default_factory=dict)
-    dropped: dict[str, int] = field(default_factory=dict)     # row-by-row path -> rows where it fell far behind
+    dropped: dict[str, int] = field(default_factory=dict)  # row-by-row path -> rows where it fell far behind
     timings: dict = field(default_factory=dict)
 
     def measure_rows(self, rows: int, measure) -> None:
@@ -139,7 +139,7 @@ class _ShapeSearch:
         here = [p for p in dict.fromkeys(named) if self.dropped.get(p, MAX_PLANNED_ROWS + 1) >= rows]
         times = self.timings[rows] = {p: measure(p, self.modules, rows) for p in here}
         best = self.choice[rows] = min(times, key=times.get)
-        for p in here:              # one row is a kernel of its own (a matrix-vector product): judge from two
+        for p in here:  # one row is a kernel of its own (a matrix-vector product): judge from two
             if rows > 1 and p in ROW_BY_ROW and times[p] >= DROP_FACTOR * times[best]:
                 self.dropped[p] = min(self.dropped.get(p, rows), rows)
 
@@ -150,7 +150,7 @@ class _ShapeSearch:
 
     def large_rows_path(self, measure) -> str:
         """oneDNN above MAX_PLANNED_ROWS where it measured no slower than ``x @ W.T`` (compute-bound: one matrix)."""
-        if "onednn" not in self.paths:                        # not available here
+        if "onednn" not in self.paths:  # not available here
             return "linear"
         times = self.timings[LARGE_ROWS] = {p: measure(p, self.modules[:1], LARGE_ROWS) for p in ("linear", "onednn")}
         return "onednn" if times["onednn"] <= times["linear"] else "linear"
@@ -176,8 +176,10 @@ def calibrate(model: nn.Module, paths: tuple[str, ...], measure=None, budget_s: 
     if measure is None:
         measure = lambda path, modules, rows: time_path(path, modules, rows, repeats=2 if rows <= 2 else 1)  # noqa: E731
     min_bytes = 2 * last_level_cache_bytes()
-    searches = {shape: _ShapeSearch(sample_modules(modules, min_bytes), tuple(paths))
-                for shape, modules in weights_by_shape(model).items()}
+    searches = {
+        shape: _ShapeSearch(sample_modules(modules, min_bytes), tuple(paths))
+        for shape, modules in weights_by_shape(model).items()
+    }
     if "onednn" in paths:
         for search in searches.values():
             for module in search.modules:
@@ -209,18 +211,28 @@ def machine_key() -> dict:
     not this CPU. Each cache key adds what it timed."""
     from .native_build import MARCH_VARIABLE
 
-    key = dict(cpu=cpu_model(), flags=" ".join(sorted(cpu_flags())), torch=torch.__version__,
-               threads=torch.get_num_threads(), huge_pages=huge_pages_setting())
-    if os.environ.get(MARCH_VARIABLE):             # the C kernels built for another target
+    key = dict(
+        cpu=cpu_model(),
+        flags=" ".join(sorted(cpu_flags())),
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+        huge_pages=huge_pages_setting(),
+    )
+    if os.environ.get(MARCH_VARIABLE):  # the C kernels built for another target
         key["native_march"] = os.environ[MARCH_VARIABLE]
     return key
 
 
 def cache_key(model: nn.Module, paths: tuple[str, ...]) -> dict:
     """Everything the fastest path depends on; a change in any of it means timing again."""
-    return dict(machine_key(), version=CALIBRATION_VERSION, dtype=str(model.dtype),
-                shapes=sorted(f"{o}x{i}" for o, i in weights_by_shape(model)), paths=list(paths),
-                rowwise_source=rowwise_source_digest())
+    return dict(
+        machine_key(),
+        version=CALIBRATION_VERSION,
+        dtype=str(model.dtype),
+        shapes=sorted(f"{o}x{i}" for o, i in weights_by_shape(model)),
+        paths=list(paths),
+        rowwise_source=rowwise_source_digest(),
+    )
 
 
 def rowwise_source_digest() -> str:
@@ -241,8 +253,10 @@ def read_cached(path: Path) -> tuple[dict, dict] | None:
         stored = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    plans = {tuple(int(n) for n in shape.split("x")): RowPlan(tuple(p["by_rows"]), p["large"])
-             for shape, p in stored["plans"].items()}
+    plans = {
+        tuple(int(n) for n in shape.split("x")): RowPlan(tuple(p["by_rows"]), p["large"])
+        for shape, p in stored["plans"].items()
+    }
     return plans, stored.get("timings", {})
 
 
@@ -268,7 +282,7 @@ def cached_answer(key: dict, measure):
         stored = None
     answer, why, extra = measure()
     if extra is not None:
-        if stored is not None:                       # the second measurement of a provisional answer: final
+        if stored is not None:  # the second measurement of a provisional answer: final
             extra = {k: v for k, v in extra.items() if k != "provisional"}
         write_json(path, dict(key=key, answer=answer, why=why, **extra))
     return answer, why
@@ -281,8 +295,15 @@ def cached_verdict(key: dict, measure) -> tuple[bool, str]:
 
 
 def write_cached(path: Path, key: dict, plans: dict, timings: dict, seconds: float) -> None:
-    write_json(path, dict(key=key, seconds=round(seconds, 3), timings=timings,
-                          plans={f"{o}x{i}": dict(by_rows=list(p.by_rows), large=p.large) for (o, i), p in plans.items()}))
+    write_json(
+        path,
+        dict(
+            key=key,
+            seconds=round(seconds, 3),
+            timings=timings,
+            plans={f"{o}x{i}": dict(by_rows=list(p.by_rows), large=p.large) for (o, i), p in plans.items()},
+        ),
+    )
 
 
 def choose_cpu_linear(model: nn.Module, cpu_linear: str | None = None, prepack: bool = True) -> LinearChoice:
@@ -296,8 +317,10 @@ def choose_cpu_linear(model: nn.Module, cpu_linear: str | None = None, prepack: 
         if cpu_linear not in PATHS:
             raise ConfigError(f"cpu_linear={cpu_linear!r}: use 'auto' or one of {', '.join(PATHS)}")
         if cpu_linear not in available_paths(prepack=prepack):
-            raise ConfigError(f"cpu_linear={cpu_linear!r} is not available on this machine "
-                              f"(available: {', '.join(available_paths(prepack=prepack))})")
+            raise ConfigError(
+                f"cpu_linear={cpu_linear!r} is not available on this machine "
+                f"(available: {', '.join(available_paths(prepack=prepack))})"
+            )
         return LinearChoice({shape: RowPlan.single(cpu_linear) for shape in shapes}, f"pinned: {cpu_linear}")
     paths = available_paths(prepack=prepack)
     key = cache_key(model, paths)
@@ -316,10 +339,10 @@ def choose_cpu_linear(model: nn.Module, cpu_linear: str | None = None, prepack: 
 
 
 def time_dtype(dtype: torch.dtype, rows: int, path: str = "linear", shape=(3072, 576)) -> float:
-    """Seconds for ``rows`` rows by ``path`` through enough ``shape`` matrices of ``dtype`` to exceed twice the cache."""
+    """Seconds for ``rows`` rows by ``path`` through enough ``shape`` matrices of ``dtype`` to pass twice the cache."""
     count = max(2, -(-2 * last_level_cache_bytes() // (shape[0] * shape[1] * dtype.itemsize)))
     modules = [Linear(shape[1], shape[0], bias=False, dtype=dtype) for _ in range(count)]
-    for module in modules:                      # where the engine keeps its weights (huge_pages.py)
+    for module in modules:  # where the engine keeps its weights (huge_pages.py)
         move_weights_to_huge_pages(module)
     if path == "onednn":
         for module in modules:
@@ -339,9 +362,11 @@ def bf16_decode_faster() -> tuple[bool, str]:
     key = dict(machine_key(), version=CALIBRATION_VERSION, what="bf16 vs the fastest fp32 path")
 
     def measure():
-        fp32_paths = [p for p in available_paths() if p != "transposed"]      # doubled covers it for one row
-        ratios = [time_dtype(torch.bfloat16, rows) / min(time_dtype(torch.float32, rows, p) for p in fp32_paths)
-                  for rows in (1, 8)]
+        fp32_paths = [p for p in available_paths() if p != "transposed"]  # doubled covers it for one row
+        ratios = [
+            time_dtype(torch.bfloat16, rows) / min(time_dtype(torch.float32, rows, p) for p in fp32_paths)
+            for rows in (1, 8)
+        ]
         why = f"a bf16 product took {ratios[0]:.2f}x / {ratios[1]:.2f}x the fastest fp32 path's time for 1 / 8 rows"
         return max(ratios) <= 1.0, why, dict(ratios=ratios)
 

@@ -51,7 +51,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        self.register_buffer("cos", angles.cos(), persistent=False)   # [max_positions, head_dim / 2]
+        self.register_buffer("cos", angles.cos(), persistent=False)  # [max_positions, head_dim / 2]
         self.register_buffer("sin", angles.sin(), persistent=False)
 
     def _apply(self, fn, recurse=True):
@@ -97,8 +97,8 @@ class LlamaAttention(nn.Module):
         # Queries and keys sit side by side in the fused output: rotate them in one go.
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         q, k = RotaryEmbedding.rotate(qk, cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
-        context = meta.attend(self.layer_idx, q, k, v)          # [T, heads, head_dim]
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
+        context = meta.attend(self.layer_idx, q, k, v)  # [T, heads, head_dim]
         return self.o_proj(context.reshape(-1, self.q_size))
 
 
@@ -148,9 +148,9 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
-        self.source = "unloaded"          # where the weights came from, for every printed figure
-        self.is_random = False            # True for seeded random weights (speed and memory work only)
-        self.dtype_reason = ""            # how load_model chose the dtype (for the start-up log)
+        self.source = "unloaded"  # where the weights came from, for every printed figure
+        self.is_random = False  # True for seeded random weights (speed and memory work only)
+        self.dtype_reason = ""  # how load_model chose the dtype (for the start-up log)
 
     @property
     def device(self) -> torch.device:
@@ -160,8 +160,13 @@ class LlamaForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                      fused_kernels: bool | str = False) -> torch.Tensor:
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        fused_kernels: bool | str = False,
+    ) -> torch.Tensor:
         """Final normalised hidden state of every row ``[T, hidden]``.
 
         ``fused_kernels``: True runs ``fused_hidden_states`` below (Triton); ``"cpu"`` runs a
@@ -169,8 +174,10 @@ class LlamaForCausalLM(nn.Module):
         ``"cpu-rowmajor"`` the same without its packed copies of the weights).
         """
         from .cpu_decode import C_STEP, C_STEP_ROW_MAJOR
+
         if fused_kernels in (C_STEP, C_STEP_ROW_MAJOR):
             from .cpu_decode import decode_hidden_states
+
             return decode_hidden_states(self, input_ids, positions, meta, packed=fused_kernels == C_STEP)
         if fused_kernels:
             return self.fused_hidden_states(input_ids, positions, meta)
@@ -180,7 +187,9 @@ class LlamaForCausalLM(nn.Module):
             hidden = layer(hidden, cos_sin, meta)
         return self.norm(hidden)
 
-    def fused_hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def fused_hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """``hidden_states`` with the element-wise steps as fused Triton kernels (``kernels/fused.py``).
 
         The same modules, weights and order of operations; only the small steps between the
@@ -188,7 +197,8 @@ class LlamaForCausalLM(nn.Module):
         matrix products (``benchmarks/NOTES.md``), most of them tiny element-wise ones; here a
         layer's element-wise work is four launches: residual add + RMSNorm twice, the rotary of q
         and k in place inside the qkv output, and SiLU × up. The residual stream lives in one
-        tensor updated in place, and each layer's last residual add is done by the next layer's input norm (the last one by the final norm).
+        tensor updated in place, and each layer's last residual add is done by the next layer's input norm (the
+        last one by the final norm).
         """
         from ..kernels import fused
 
@@ -204,15 +214,20 @@ class LlamaForCausalLM(nn.Module):
             qkv = attn.qkv_proj(normed)
             qk = qkv[:, : attn.q_size + attn.kv_size].view(-1, attn.num_heads + attn.num_kv_heads, attn.head_dim)
             q, k = fused.rotary_qk(qk, *cos_sin).split([attn.num_heads, attn.num_kv_heads], dim=1)
-            v = qkv[:, attn.q_size + attn.kv_size:].view(-1, attn.num_kv_heads, attn.head_dim)
+            v = qkv[:, attn.q_size + attn.kv_size :].view(-1, attn.num_kv_heads, attn.head_dim)
             sublayer_out = attn.o_proj(meta.attend(attn.layer_idx, q, k, v).reshape(-1, attn.q_size))
             post = layer.post_attention_layernorm
             normed, residual = fused.add_rms_norm(sublayer_out, residual, post.weight, post.eps)
             sublayer_out = mlp.down_proj(fused.silu_mul(mlp.gate_up_proj(normed)))
         return fused.add_rms_norm(sublayer_out, residual, self.norm.weight, self.norm.eps)[0]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                meta: AttentionMetadata | None = None, fused_kernels: bool | str = False) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        meta: AttentionMetadata | None = None,
+        fused_kernels: bool | str = False,
+    ) -> torch.Tensor:
         """Flat form: logits ``[len(meta.logits_indices), vocab]`` (all rows when it is None).
         ``fused_kernels`` runs ``fused_hidden_states`` (Triton; the GPU engine's choice).
 
@@ -238,7 +253,9 @@ class LlamaForCausalLM(nn.Module):
             prefix = f"model.layers.{i}."
             attn, mlp = prefix + "self_attn.", prefix + "mlp."
             layer.self_attn.qkv_proj.weight.copy_(torch.cat([tensors.pop(attn + f"{n}_proj.weight") for n in "qkv"]))
-            layer.mlp.gate_up_proj.weight.copy_(torch.cat([tensors.pop(mlp + f"{n}_proj.weight") for n in ("gate", "up")]))
+            layer.mlp.gate_up_proj.weight.copy_(
+                torch.cat([tensors.pop(mlp + f"{n}_proj.weight") for n in ("gate", "up")])
+            )
         renames = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "norm.weight"}
         for name, tensor in tensors.items():
             if name.endswith("rotary_emb.inv_freq"):

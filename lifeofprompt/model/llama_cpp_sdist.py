@@ -74,8 +74,22 @@ def sdist_path() -> Path:
         if path.exists() and sha256_of(path) == SDIST_SHA256:
             return path
         path.unlink(missing_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-binary", ":all:", "--no-deps",
-                        f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(downloads)], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-binary",
+                ":all:",
+                "--no-deps",
+                f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}",
+                "-d",
+                str(downloads),
+            ],
+            check=True,
+        )
         got = sha256_of(path)
         if got != SDIST_SHA256:
             path.unlink()
@@ -144,8 +158,11 @@ def llama_spm_vocab(fetch: bool = True) -> Path | None:
             staging.unlink()
             raise RuntimeError(f"{SPM_VOCAB} in {SDIST_NAME}: sha256 {got}, expected {SPM_VOCAB_SHA256}")
         os.replace(staging, target)
-        (folder / "PROVENANCE.txt").write_text(PROVENANCE.format(
-            name=SPM_VOCAB, member=SPM_VOCAB_MEMBER, sdist=SDIST_NAME, sdist_sha=SDIST_SHA256, file_sha=got))
+        (folder / "PROVENANCE.txt").write_text(
+            PROVENANCE.format(
+                name=SPM_VOCAB, member=SPM_VOCAB_MEMBER, sdist=SDIST_NAME, sdist_sha=SDIST_SHA256, file_sha=got
+            )
+        )
     if not had_archive:
         with file_lock(archive.parent / ".lock"):
             archive.unlink(missing_ok=True)

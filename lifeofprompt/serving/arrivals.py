@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Awaitable, Callable
 
 import numpy as np
 
@@ -33,27 +33,32 @@ KINDS = ("all_at_once", "closed_loop", "poisson", "at_times")
 
 @dataclass(frozen=True)
 class ArrivalPattern:
-    kind: str                       # "all_at_once" | "closed_loop" | "poisson"
+    kind: str  # "all_at_once" | "closed_loop" | "poisson"
     num_requests: int
-    rate: float | None = None       # requests per second (poisson)
+    rate: float | None = None  # requests per second (poisson)
     num_clients: int | None = None  # clients in the closed loop
-    seed: int | None = 0            # poisson gaps are drawn from this seed
-    times: tuple[float, ...] | None = None   # at_times: each request's send time, in seconds from the start
+    seed: int | None = 0  # poisson gaps are drawn from this seed
+    times: tuple[float, ...] | None = None  # at_times: each request's send time, in seconds from the start
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise InvalidRequestError(f"arrival kind must be one of {KINDS}, got {self.kind!r}", param="kind")
         if not isinstance(self.num_requests, int) or self.num_requests < 1:
-            raise InvalidRequestError(f"num_requests must be an integer >= 1, got {self.num_requests!r}", param="num_requests")
+            raise InvalidRequestError(
+                f"num_requests must be an integer >= 1, got {self.num_requests!r}", param="num_requests"
+            )
         if self.kind == "poisson" and not (isinstance(self.rate, (int, float)) and self.rate > 0):
             raise InvalidRequestError(f"a Poisson load needs a rate > 0 requests/s, got {self.rate!r}", param="rate")
         if self.kind == "closed_loop" and not (isinstance(self.num_clients, int) and self.num_clients >= 1):
-            raise InvalidRequestError(f"a closed loop needs num_clients >= 1, got {self.num_clients!r}", param="num_clients")
+            raise InvalidRequestError(
+                f"a closed loop needs num_clients >= 1, got {self.num_clients!r}", param="num_clients"
+            )
         if self.kind == "at_times":
             times = list(self.times or ())
             if len(times) != self.num_requests or any(t < 0 for t in times) or times != sorted(times):
-                raise InvalidRequestError(f"at_times needs {self.num_requests} non-decreasing times >= 0, got "
-                                          f"{self.times!r}", param="times")
+                raise InvalidRequestError(
+                    f"at_times needs {self.num_requests} non-decreasing times >= 0, got {self.times!r}", param="times"
+                )
 
     @property
     def is_closed_loop(self) -> bool:
@@ -144,8 +149,12 @@ class Dispatcher:
 # ----------------------------------------------------------------------------- asyncio release
 
 
-async def drive(pattern: ArrivalPattern, send: Callable[[int], Awaitable[None]],
-                max_duration: float | None = None, clock: Callable[[], float] = time.monotonic) -> int:
+async def drive(
+    pattern: ArrivalPattern,
+    send: Callable[[int], Awaitable[None]],
+    max_duration: float | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> int:
     """Call ``await send(i)`` for each request as the pattern says; return how many were sent.
 
     Open loops start each send as its own task at its time; a closed loop runs

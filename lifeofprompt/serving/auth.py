@@ -42,8 +42,10 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
     """The start-up warning for a server reachable beyond this machine without a key (else None)."""
     if api_key is not None or is_loopback(host):
         return None
-    return (f"binding {host!r} without an API key: anyone who can reach this port can use the model; "
-            f"pass --api-key (or set {API_KEY_ENV}), or bind 127.0.0.1")
+    return (
+        f"binding {host!r} without an API key: anyone who can reach this port can use the model; "
+        f"pass --api-key (or set {API_KEY_ENV}), or bind 127.0.0.1"
+    )
 
 
 class ApiKeyMiddleware:
@@ -54,10 +56,15 @@ class ApiKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope.get("method") != "OPTIONS" and scope["path"].startswith(PROTECTED_PREFIXES):
+        if (
+            scope["type"] == "http"
+            and scope.get("method") != "OPTIONS"
+            and scope["path"].startswith(PROTECTED_PREFIXES)
+        ):
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
-                response = error_json(401, "a valid API key is required: send it as 'Authorization: Bearer <key>'",
-                                      code="invalid_api_key")
+                response = error_json(
+                    401, "a valid API key is required: send it as 'Authorization: Bearer <key>'", code="invalid_api_key"
+                )
                 return await response(scope, receive, send)
         return await self.app(scope, receive, send)

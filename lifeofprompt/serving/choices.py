@@ -18,13 +18,21 @@ from .tools import tool_calls_from
 
 
 class Choices:
-    def __init__(self, prompt_tokenizer, *, chat: bool, n: int = 1, num_logprobs: int | None = None,
-                 tool_mode: str | None = None, return_token_ids: bool = False):
+    def __init__(
+        self,
+        prompt_tokenizer,
+        *,
+        chat: bool,
+        n: int = 1,
+        num_logprobs: int | None = None,
+        tool_mode: str | None = None,
+        return_token_ids: bool = False,
+    ):
         self.prompt_tokenizer, self.chat, self.n = prompt_tokenizer, chat, n
         self.num_logprobs, self.return_token_ids = num_logprobs, return_token_ids
         self.tool_mode = tool_mode if tool_mode not in (None, "auto") else None
-        self.text_offset: dict[int, int] = {}                  # completions' logprobs: characters so far
-        self.held: dict[int, tuple[str, list, list]] = {}      # a streamed tool call: text, ids, entries
+        self.text_offset: dict[int, int] = {}  # completions' logprobs: characters so far
+        self.held: dict[int, tuple[str, list, list]] = {}  # a streamed tool call: text, ids, entries
 
     async def logprobs(self, index: int, token_ids: list[int], entries: list | None):
         if self.num_logprobs is None or entries is None:
@@ -65,8 +73,10 @@ class Choices:
     # ------------------------------------------------------------------ stream deltas
     def openings(self, num_prompts: int = 1) -> list[dict]:
         """Chat: a first chunk per choice with the role, before any text."""
-        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                for i in range(num_prompts * self.n)]
+        return [
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            for i in range(num_prompts * self.n)
+        ]
 
     async def delta(self, index: int, text: str, new_ids: list[int], entries, finish_reason) -> dict | None:
         """One stream choice for what an answer added; None while a tool call is still being held."""

@@ -19,8 +19,8 @@ import threading
 import time
 import traceback
 
-from ..errors import RequestNotFoundError, ShuttingDownError
 from ..engine.sampling_params import SamplingParams
+from ..errors import RequestNotFoundError, ShuttingDownError
 from .server_metrics import ServerStats
 
 logger = logging.getLogger("lifeofprompt.server")
@@ -35,21 +35,21 @@ class EngineLoop:
     on the floor.
     """
 
-    def __init__(self, engine, stats: "ServerStats | None" = None, idle_wait: float = 0.05):
+    def __init__(self, engine, stats: ServerStats | None = None, idle_wait: float = 0.05):
         self.engine = engine
         self.stats = stats or ServerStats()
         self.idle_wait = idle_wait
         self.routes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.lock = threading.Lock()
-        self.wake = threading.Event()        # set when work arrives, so an idle loop starts at once
+        self.wake = threading.Event()  # set when work arrives, so an idle loop starts at once
         self.stopping = threading.Event()
-        self.resumed = threading.Event()     # cleared by pause(): tests hold the engine still
+        self.resumed = threading.Event()  # cleared by pause(): tests hold the engine still
         self.resumed.set()
-        self.held = threading.Event()        # set while the thread sits paused
+        self.held = threading.Event()  # set while the thread sits paused
         self.thread: threading.Thread | None = None
         self.num_steps = 0
         self.last_error: str | None = None
-        self.draining = False                # set by begin_shutdown: no new requests
+        self.draining = False  # set by begin_shutdown: no new requests
         self.drain_deadline: float | None = None
 
     # -- lifecycle
@@ -97,8 +97,15 @@ class EngineLoop:
             return not self.routes
 
     # -- called from the event loop
-    def add(self, request_id: str, prompt, params: SamplingParams, queue: asyncio.Queue,
-            loop: asyncio.AbstractEventLoop, arrival_time: float | None = None) -> None:
+    def add(
+        self,
+        request_id: str,
+        prompt,
+        params: SamplingParams,
+        queue: asyncio.Queue,
+        loop: asyncio.AbstractEventLoop,
+        arrival_time: float | None = None,
+    ) -> None:
         """Register the route, then hand the request to the engine (its typed errors propagate)."""
         if self.draining:
             raise ShuttingDownError("the server is shutting down: send this request to another replica")
@@ -140,7 +147,7 @@ class EngineLoop:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception as exc:   # a bug in a step must not kill the server: fail the requests in flight
+            except Exception as exc:  # a bug in a step must not kill the server: fail the requests in flight
                 self.last_error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
                 logger.error("engine step failed:\n%s", traceback.format_exc())
                 self._fail_all(exc)
@@ -173,9 +180,9 @@ class EngineLoop:
         if route is None:
             return
         loop, queue = route
-        try:    # a request that failed alone gets its typed error; everyone else's outputs go on
+        try:  # a request that failed alone gets its typed error; everyone else's outputs go on
             loop.call_soon_threadsafe(queue.put_nowait, output if output.error is None else output.error)
-        except RuntimeError:           # the event loop is closed: the server is going down
+        except RuntimeError:  # the event loop is closed: the server is going down
             pass
 
     def _fail_all(self, exc: Exception) -> None:

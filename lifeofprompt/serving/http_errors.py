@@ -29,23 +29,26 @@ def error_body(message: str, error_type: str, param: str | None = None, code: in
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-def error_json(status: int, message: str, error_type: str | None = None, param: str | None = None,
-               code: int | str | None = None) -> JSONResponse:
+def error_json(
+    status: int, message: str, error_type: str | None = None, param: str | None = None, code: int | str | None = None
+) -> JSONResponse:
     error_type = error_type or _TYPES.get(status) or ("internal_error" if status >= 500 else "invalid_request_error")
     headers = {}
     if status == 503:
         headers["Retry-After"] = str(RETRY_AFTER_S)
     if status == 401:
         headers["WWW-Authenticate"] = "Bearer"
-    return JSONResponse(error_body(message, error_type, param, status if code is None else code),
-                        status_code=status, headers=headers)
+    return JSONResponse(
+        error_body(message, error_type, param, status if code is None else code), status_code=status, headers=headers
+    )
 
 
 def error_response(exc: BaseException) -> JSONResponse:
     """A typed error → its HTTP status and OpenAI's error shape (anything else is a 500)."""
     if isinstance(exc, LifeOfPromptError):
-        return error_json(exc.http_status, str(exc), exc.error_type, getattr(exc, "param", None),
-                          getattr(exc, "code", None))
+        return error_json(
+            exc.http_status, str(exc), exc.error_type, getattr(exc, "param", None), getattr(exc, "code", None)
+        )
     return error_json(500, f"{type(exc).__name__}: {exc}", "internal_error")
 
 
@@ -102,7 +105,7 @@ def install_error_handlers(app) -> None:
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(LifeOfPromptError, lambda request, exc: error_response(exc))
-    app.add_exception_handler(Exception, lambda request, exc: error_response(exc))   # a bug: 500, in OpenAI's shape
+    app.add_exception_handler(Exception, lambda request, exc: error_response(exc))  # a bug: 500, in OpenAI's shape
 
 
 def error_responses(*statuses: int) -> dict:
@@ -112,6 +115,7 @@ def error_responses(*statuses: int) -> dict:
 
 def document_errors(app) -> None:
     """``app.openapi()`` with 400 (OpenAI's error schema) where FastAPI documents its 422."""
+
     def openapi():
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
@@ -119,8 +123,15 @@ def document_errors(app) -> None:
                 for operation in operations.values():
                     responses = operation.get("responses", {})
                     if responses.pop("422", None) is not None:
-                        responses.setdefault("400", {"description": "Bad Request", "content": {"application/json": {
-                            "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}})
+                        responses.setdefault(
+                            "400",
+                            {
+                                "description": "Bad Request",
+                                "content": {
+                                    "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}
+                                },
+                            },
+                        )
             components = schema.get("components", {}).get("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
                 components.pop(name, None)

@@ -28,13 +28,13 @@ from starlette.exceptions import HTTPException
 
 from ..errors import RequestTooLargeError
 
-DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024   # 4 MiB: a 128k-token prompt as text or as ids fits
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # 4 MiB: a 128k-token prompt as text or as ids fits
 MAX_N = 16
 MAX_PROMPTS_PER_REQUEST = 64
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS_ENTRIES = 300
-MAX_STOP_STRINGS = 16                          # OpenAI takes 4; every one is searched for after every token
-WAITING_PER_SEQ = 4                            # the default max_waiting: four full batches of work queued
+MAX_STOP_STRINGS = 16  # OpenAI takes 4; every one is searched for after every token
+WAITING_PER_SEQ = 4  # the default max_waiting: four full batches of work queued
 
 
 @dataclass
@@ -50,9 +50,16 @@ def default_max_waiting(max_num_seqs: int) -> int:
 
 
 def _too_large_body(limit: int) -> bytes:
-    return json.dumps({"error": {"message": f"the request body is larger than the server's limit of {limit} bytes "
-                                            "(--max-request-bytes)", "type": "request_too_large",
-                                 "param": None, "code": 413}}).encode()
+    return json.dumps(
+        {
+            "error": {
+                "message": f"the request body is larger than the server's limit of {limit} bytes (--max-request-bytes)",
+                "type": "request_too_large",
+                "param": None,
+                "code": 413,
+            }
+        }
+    ).encode()
 
 
 class BodySizeLimit:
@@ -74,7 +81,7 @@ class BodySizeLimit:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.limit:       # FastAPI re-raises an HTTPException met while reading the body
+                if received > self.limit:  # FastAPI re-raises an HTTPException met while reading the body
                     raise HTTPException(413, json.loads(_too_large_body(self.limit))["error"]["message"])
             return message
 
@@ -82,9 +89,17 @@ class BodySizeLimit:
 
     async def _refuse(self, send):
         body = _too_large_body(self.limit)
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -101,9 +116,12 @@ def check_prompt_chars(num_chars: int, max_model_len: int, chars_per_token: int,
     """413 for text that cannot fit ``max_model_len`` tokens whatever its tokenization."""
     limit = max_model_len * chars_per_token
     if num_chars > limit:
-        raise RequestTooLargeError(f"the {param} has {num_chars} characters: more than {max_model_len} tokens "
-                                   f"(the engine's limit) whatever its tokenization (at most {chars_per_token} "
-                                   "characters a token)", param=param)
+        raise RequestTooLargeError(
+            f"the {param} has {num_chars} characters: more than {max_model_len} tokens "
+            f"(the engine's limit) whatever its tokenization (at most {chars_per_token} "
+            "characters a token)",
+            param=param,
+        )
 
 
 class PromptTokenizer:

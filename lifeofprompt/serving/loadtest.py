@@ -29,52 +29,58 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from . import arrivals
-from . import metrics
 from ..errors import InvalidRequestError
+from . import arrivals, metrics
 
 SCHEMA = "lifeofprompt.loadtest/1"
-WORDS = ("the a of and to in is was for on with as by at from it that this be are have one time day "
-         "summer prompt token cache block model queue server request answer story light river city "
-         "morning music garden window road paper house water friend table green quiet long small").split()
+WORDS = (
+    "the a of and to in is was for on with as by at from it that this be are have one time day "
+    "summer prompt token cache block model queue server request answer story light river city "
+    "morning music garden window road paper house water friend table green quiet long small"
+).split()
 
 
 @dataclass
 class LoadTestConfig:
     """Everything that defines one load test (it is stored, whole, beside the results)."""
 
-    url: str = "http://127.0.0.1:8000/v1"        # the OpenAI base URL, ending in /v1
-    model: str | None = None                     # None: the first model that /v1/models lists
-    endpoint: str = "completions"                # "completions" or "chat"
-    arrival: str = "poisson"                     # "poisson", "closed_loop" or "all_at_once"
+    url: str = "http://127.0.0.1:8000/v1"  # the OpenAI base URL, ending in /v1
+    model: str | None = None  # None: the first model that /v1/models lists
+    endpoint: str = "completions"  # "completions" or "chat"
+    arrival: str = "poisson"  # "poisson", "closed_loop" or "all_at_once"
     num_requests: int = 50
-    rate: float | None = None                    # requests per second (poisson)
-    num_clients: int | None = None               # closed loop
-    prompt_len: int | tuple[int, int] = 32       # tokens (ids) or words (text); (low, high) samples uniformly
-    output_len: int | tuple[int, int] = 16       # max_tokens per request
-    prompt_kind: str = "ids"                     # "ids" (exact lengths) or "text" (random words)
+    rate: float | None = None  # requests per second (poisson)
+    num_clients: int | None = None  # closed loop
+    prompt_len: int | tuple[int, int] = 32  # tokens (ids) or words (text); (low, high) samples uniformly
+    output_len: int | tuple[int, int] = 16  # max_tokens per request
+    prompt_kind: str = "ids"  # "ids" (exact lengths) or "text" (random words)
     token_id_range: tuple[int, int] = (1000, 30000)  # random ids are drawn from [low, high)
     temperature: float = 0.0
-    ignore_eos: bool = True                      # vLLM's extension: every request runs to max_tokens
+    ignore_eos: bool = True  # vLLM's extension: every request runs to max_tokens
     seed: int = 0
-    max_duration: float = 120.0                  # seconds; nothing runs past it
-    request_timeout: float = 120.0               # seconds per request
+    max_duration: float = 120.0  # seconds; nothing runs past it
+    request_timeout: float = 120.0  # seconds per request
     api_key: str | None = None
 
     def __post_init__(self):
         if self.endpoint not in ("completions", "chat"):
-            raise InvalidRequestError(f"endpoint must be 'completions' or 'chat', got {self.endpoint!r}", param="endpoint")
+            raise InvalidRequestError(
+                f"endpoint must be 'completions' or 'chat', got {self.endpoint!r}", param="endpoint"
+            )
         if self.prompt_kind not in ("ids", "text"):
-            raise InvalidRequestError(f"prompt_kind must be 'ids' or 'text', got {self.prompt_kind!r}", param="prompt_kind")
+            raise InvalidRequestError(
+                f"prompt_kind must be 'ids' or 'text', got {self.prompt_kind!r}", param="prompt_kind"
+            )
         if self.endpoint == "chat" and self.prompt_kind == "ids":
             raise InvalidRequestError("the chat endpoint takes text: use prompt_kind='text'", param="prompt_kind")
         if not self.max_duration > 0 or not self.request_timeout > 0:
             raise InvalidRequestError("max_duration and request_timeout must be > 0 seconds", param="max_duration")
-        self.pattern()        # validates the arrival fields
+        self.pattern()  # validates the arrival fields
 
     def pattern(self) -> arrivals.ArrivalPattern:
-        return arrivals.ArrivalPattern(self.arrival, self.num_requests, rate=self.rate,
-                                       num_clients=self.num_clients, seed=self.seed)
+        return arrivals.ArrivalPattern(
+            self.arrival, self.num_requests, rate=self.rate, num_clients=self.num_clients, seed=self.seed
+        )
 
 
 @dataclass
@@ -82,16 +88,16 @@ class RequestRecord(metrics.RequestTiming):
     """One request as the client saw it (times on the client's monotonic clock, seconds)."""
 
     index: int = 0
-    status: int | None = None          # HTTP status
+    status: int | None = None  # HTTP status
 
 
 @dataclass
 class LoadTestResult:
     config: LoadTestConfig
     records: list[RequestRecord]
-    start_time: float                  # monotonic time the run began
-    duration: float                    # seconds from the start to the last request's end
-    num_not_sent: int                  # requests the time limit kept from being sent
+    start_time: float  # monotonic time the run began
+    duration: float  # seconds from the start to the last request's end
+    num_not_sent: int  # requests the time limit kept from being sent
     summary: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -99,19 +105,40 @@ class LoadTestResult:
         from ..env import env_info
 
         t0 = self.start_time
-        rel = (lambda t: None if t is None else t - t0)
-        requests = [{
-            "index": r.index, "status": r.status, "error": r.error,
-            "arrival_time": rel(r.arrival_time), "first_token_time": rel(r.first_token_time),
-            "finished_time": rel(r.finished_time), "token_times": [t - t0 for t in r.token_times],
-            "num_prompt_tokens": r.num_prompt_tokens, "num_output_tokens": metrics.num_output_tokens(r),
-            "ttft_s": metrics.ttft(r), "tpot_s": metrics.tpot(r), "e2e_s": metrics.e2e_latency(r),
-        } for r in self.records]
+
+        def rel(t):
+            return None if t is None else t - t0
+
+        requests = [
+            {
+                "index": r.index,
+                "status": r.status,
+                "error": r.error,
+                "arrival_time": rel(r.arrival_time),
+                "first_token_time": rel(r.first_token_time),
+                "finished_time": rel(r.finished_time),
+                "token_times": [t - t0 for t in r.token_times],
+                "num_prompt_tokens": r.num_prompt_tokens,
+                "num_output_tokens": metrics.num_output_tokens(r),
+                "ttft_s": metrics.ttft(r),
+                "tpot_s": metrics.tpot(r),
+                "e2e_s": metrics.e2e_latency(r),
+            }
+            for r in self.records
+        ]
         config = asdict(self.config)
         config.pop("api_key", None)
-        return _finite({"schema": SCHEMA, "config": config, "client": env_info(),
-                        "pattern": self.config.pattern().describe(), "num_not_sent": self.num_not_sent,
-                        "summary": self.summary, "requests": requests})
+        return _finite(
+            {
+                "schema": SCHEMA,
+                "config": config,
+                "client": env_info(),
+                "pattern": self.config.pattern().describe(),
+                "num_not_sent": self.num_not_sent,
+                "summary": self.summary,
+                "requests": requests,
+            }
+        )
 
     def to_json(self, indent: int | None = 1) -> str:
         return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
@@ -123,7 +150,7 @@ class LoadTestResult:
         errors = sorted({r.error for r in self.records if r.error})
         tail = "".join(f"\n  error: {e}" for e in errors[:5])
         table = metrics.format_summary(self.summary).splitlines()
-        if math.isnan(self.summary["queue_s"]["p50"]):     # a client cannot see the server's queue time
+        if math.isnan(self.summary["queue_s"]["p50"]):  # a client cannot see the server's queue time
             table = [line for line in table if not line.startswith("queue")]
         return head + "\n" + "\n".join(table) + tail
 
@@ -157,8 +184,13 @@ def make_prompts(config: LoadTestConfig) -> tuple[list, list[int]]:
 
 
 def request_body(config: LoadTestConfig, model: str, prompt, max_tokens: int) -> dict:
-    body = {"model": model, "max_tokens": max_tokens, "temperature": config.temperature, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": config.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if config.ignore_eos:
         body["ignore_eos"] = True
     if config.endpoint == "chat":
@@ -237,16 +269,21 @@ async def run_async(config: LoadTestConfig) -> LoadTestResult:
         deadline = start + config.max_duration
 
         async def send(i: int) -> None:
-            record = RequestRecord(arrival_time=time.monotonic(), index=i,
-                                   num_prompt_tokens=len(prompts[i]) if config.prompt_kind == "ids" else 0)
+            record = RequestRecord(
+                arrival_time=time.monotonic(),
+                index=i,
+                num_prompt_tokens=len(prompts[i]) if config.prompt_kind == "ids" else 0,
+            )
             records.append(record)
             body = request_body(config, model, prompts[i], output_lens[i])
             try:
-                await asyncio.wait_for(stream_one(client, url, body, record),
-                                       timeout=max(0.0, min(config.request_timeout, deadline - time.monotonic())))
+                await asyncio.wait_for(
+                    stream_one(client, url, body, record),
+                    timeout=max(0.0, min(config.request_timeout, deadline - time.monotonic())),
+                )
             except asyncio.TimeoutError:
                 record.error = "cancelled: the time limit came first"
-            except Exception as exc:          # a refused connection, a broken stream: that request failed
+            except Exception as exc:  # a refused connection, a broken stream: that request failed
                 record.error = f"{type(exc).__name__}: {exc}"
             if record.error:
                 record.finished_time = None
@@ -271,7 +308,7 @@ def run_loadtest(config: LoadTestConfig | None = None, **kwargs) -> LoadTestResu
     def target():
         try:
             result["value"] = asyncio.run(run_async(config))
-        except BaseException as exc:     # re-raised in the caller's thread
+        except BaseException as exc:  # re-raised in the caller's thread
             result["error"] = exc
 
     thread = threading.Thread(target=target, name="lifeofprompt-loadtest")
@@ -300,7 +337,9 @@ def waiting_over_time(result: LoadTestResult, step: float = 0.05) -> tuple[np.nd
     grows for as long as arrivals keep coming.
     """
     t0 = result.start_time
-    spans = [(r.arrival_time - t0, (r.first_token_time or r.arrival_time) - t0) for r in result.records if r.first_token_time]
+    spans = [
+        (r.arrival_time - t0, (r.first_token_time or r.arrival_time) - t0) for r in result.records if r.first_token_time
+    ]
     end = max((b for _, b in spans), default=0.0)
     times = np.arange(0.0, end + step, step)
     counts = np.array([sum(a <= t < b for a, b in spans) for t in times])

@@ -20,8 +20,9 @@ second slowest, which is why it moves so much from run to run.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -42,8 +43,8 @@ class RequestTiming:
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     num_prompt_tokens: int = 0
-    num_output_tokens: int | None = None   # None: len(token_times)
-    error: str | None = None               # set when the request failed (it counts as failed, not as latency)
+    num_output_tokens: int | None = None  # None: len(token_times)
+    error: str | None = None  # set when the request failed (it counts as failed, not as latency)
 
 
 def _get(record: Any, name: str, default=None):
@@ -150,8 +151,7 @@ def summarize(records, duration: float | None = None, ps: Iterable[float] = PERC
 def format_summary(summary: dict) -> str:
     """A small fixed-width table of a ``summarize`` result, latencies in milliseconds."""
     lines = [
-        f"requests      {summary['completed']} completed, {summary['failed']} failed, "
-        f"in {summary['duration_s']:.2f} s",
+        f"requests      {summary['completed']} completed, {summary['failed']} failed, in {summary['duration_s']:.2f} s",
         f"throughput    {summary['request_throughput']:.2f} req/s, {summary['output_throughput']:.1f} output tok/s, "
         f"{summary['total_token_throughput']:.1f} total tok/s",
         f"arrival rate  {summary['achieved_arrival_rate']:.2f} req/s achieved",
@@ -159,5 +159,7 @@ def format_summary(summary: dict) -> str:
     ]
     for name, key in (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("ITL", "itl_s"), ("E2E", "e2e_s"), ("queue", "queue_s")):
         row = summary[key]
-        lines.append(f"{name:14}" + "".join(f"{row.get(k, float('nan')) * 1e3:>10.1f}" for k in ("mean", "p50", "p90", "p99")))
+        lines.append(
+            f"{name:14}" + "".join(f"{row.get(k, float('nan')) * 1e3:>10.1f}" for k in ("mean", "p50", "p90", "p99"))
+        )
     return "\n".join(lines)

@@ -70,6 +70,7 @@ def completion_logprobs(tokenizer, token_ids: list[int], entries: list[dict], te
 
 def chat_logprobs(tokenizer, token_ids: list[int], entries: list[dict], num_top: int) -> dict:
     """The chat shape: each token with its logprob and exactly ``num_top`` alternatives (most likely first)."""
+
     def item(tid, lp):
         text = _text(tokenizer, tid)
         return {"token": text, "logprob": _finite(lp), "bytes": list(text.encode("utf-8"))}
@@ -77,5 +78,7 @@ def chat_logprobs(tokenizer, token_ids: list[int], entries: list[dict], num_top:
     content = []
     for token, entry in zip(token_ids, entries):
         ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:num_top]
-        content.append({**item(token, entry.get(token, LOGPROB_FLOOR)), "top_logprobs": [item(t, lp) for t, lp in ranked]})
+        content.append(
+            {**item(token, entry.get(token, LOGPROB_FLOOR)), "top_logprobs": [item(t, lp) for t, lp in ranked]}
+        )
     return {"content": content}

@@ -23,9 +23,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import InvalidRequestError
 from ..engine.sampling_params import SamplingParams
 from ..engine.structured_output import StructuredOutputsParams
+from ..errors import InvalidRequestError
 from .limits import MAX_LOGIT_BIAS_ENTRIES, MAX_N, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 from .openai_logprobs import ChatLogprobs, CompletionLogprobs
 from .tools import ToolCall
@@ -38,31 +38,31 @@ class _Body(BaseModel):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None                 # vLLM's extension
-    min_p: float | None = None               # vLLM's extension
+    top_k: int | None = None  # vLLM's extension
+    min_p: float | None = None  # vLLM's extension
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict | None = None
     n: int = 1
-    ignore_eos: bool = False                 # vLLM's extension, for benchmarks
-    return_token_ids: bool = False           # vLLM's extension: choices carry the generated token ids
+    ignore_eos: bool = False  # vLLM's extension, for benchmarks
+    return_token_ids: bool = False  # vLLM's extension: choices carry the generated token ids
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's
-    logit_bias: dict[str, float] | None = None   # token id (as a string, JSON's keys) -> bias in [-100, 100]
-    min_tokens: int | None = None            # vLLM's
-    logprobs: Any = None                     # completions: an int (top N); chat: a bool, with top_logprobs
+    logit_bias: dict[str, float] | None = None  # token id (as a string, JSON's keys) -> bias in [-100, 100]
+    min_tokens: int | None = None  # vLLM's
+    logprobs: Any = None  # completions: an int (top N); chat: a bool, with top_logprobs
     top_logprobs: int | None = None
     # declared so that they are refused by name (UNSUPPORTED), never ignored
     response_format: Any = None
-    guided_json: Any = None                  # vLLM's structured output
+    guided_json: Any = None  # vLLM's structured output
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
-    use_beam_search: bool | None = None      # vLLM's
+    use_beam_search: bool | None = None  # vLLM's
 
 
 class CompletionRequest(_Body):
@@ -124,12 +124,12 @@ def check_supported(body: _Body) -> None:
         raise InvalidRequestError(f"stop may hold at most {MAX_STOP_STRINGS} strings", param="stop")
     for name, asks_nothing in UNSUPPORTED.items():
         if name in type(body).model_fields and not asks_nothing(getattr(body, name)):
-            raise InvalidRequestError(f"{name}={getattr(body, name)!r} is not supported by this server yet",
-                                      param=name)
+            raise InvalidRequestError(f"{name}={getattr(body, name)!r} is not supported by this server yet", param=name)
     options = body.stream_options or {}
     if set(options) - {"include_usage"}:
-        raise InvalidRequestError(f"stream_options supports only include_usage, got {sorted(options)}",
-                                  param="stream_options")
+        raise InvalidRequestError(
+            f"stream_options supports only include_usage, got {sorted(options)}", param="stream_options"
+        )
 
 
 def check_text(value, param: str) -> None:
@@ -138,8 +138,9 @@ def check_text(value, param: str) -> None:
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as exc:
-            raise InvalidRequestError(f"{param} is not valid Unicode: a lone surrogate at character {exc.start}",
-                                      param=param) from None
+            raise InvalidRequestError(
+                f"{param} is not valid Unicode: a lone surrogate at character {exc.start}", param=param
+            ) from None
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
             check_text(item, f"{param}.{i}")
@@ -153,8 +154,9 @@ def num_logprobs(body: _Body) -> int | None:
     """How many alternatives per token the request asks for (None: no logprobs), as each endpoint spells it."""
     if isinstance(body, ChatCompletionRequest):
         if body.logprobs not in (None, True, False):
-            raise InvalidRequestError("logprobs must be true or false (top_logprobs gives how many alternatives)",
-                                      param="logprobs")
+            raise InvalidRequestError(
+                "logprobs must be true or false (top_logprobs gives how many alternatives)", param="logprobs"
+            )
         if body.top_logprobs and not body.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
         return (body.top_logprobs or 0) if body.logprobs else None
@@ -168,8 +170,9 @@ def num_logprobs(body: _Body) -> int | None:
     return value
 
 
-def sampling_params_from(body: _Body, default_max_tokens: int | None,
-                         tool_structure: StructuredOutputsParams | None = None) -> SamplingParams:
+def sampling_params_from(
+    body: _Body, default_max_tokens: int | None, tool_structure: StructuredOutputsParams | None = None
+) -> SamplingParams:
     """OpenAI's fields → ``SamplingParams`` (its validation raises typed errors naming the field).
 
     ``tool_structure``: the grammar of the request's tool call (``tools.tool_structure``), if any."""
@@ -177,10 +180,24 @@ def sampling_params_from(body: _Body, default_max_tokens: int | None,
     max_tokens = body.max_tokens
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         max_tokens = body.max_completion_tokens
-    kwargs = dict(max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
-                  stop=body.stop, seed=body.seed, ignore_eos=body.ignore_eos, n=body.n, logprobs=num_logprobs(body))
-    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "min_tokens"):
+    kwargs = dict(
+        max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+        stop=body.stop,
+        seed=body.seed,
+        ignore_eos=body.ignore_eos,
+        n=body.n,
+        logprobs=num_logprobs(body),
+    )
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_tokens",
+    ):
         if getattr(body, name) is not None:
             kwargs[name] = getattr(body, name)
     if body.logit_bias:
@@ -188,8 +205,10 @@ def sampling_params_from(body: _Body, default_max_tokens: int | None,
     structured = structured_outputs_from(body)
     if tool_structure is not None:
         if structured is not None:
-            raise InvalidRequestError("a tool call is already structured output: ask for tools or a response format, "
-                                      "not both", param="tool_choice")
+            raise InvalidRequestError(
+                "a tool call is already structured output: ask for tools or a response format, not both",
+                param="tool_choice",
+            )
         structured = tool_structure
     if structured is not None:
         kwargs["structured_outputs"] = structured
@@ -208,17 +227,24 @@ def structured_outputs_from(body: _Body) -> StructuredOutputsParams | None:
         kind = fmt.get("type") if isinstance(fmt, dict) else None
         if kind == "json_object":
             asked.append(("response_format", dict(json_object=True)))
-        elif kind == "json_schema" and isinstance(fmt.get("json_schema"), dict) \
-                and isinstance(fmt["json_schema"].get("schema"), dict):
+        elif (
+            kind == "json_schema"
+            and isinstance(fmt.get("json_schema"), dict)
+            and isinstance(fmt["json_schema"].get("schema"), dict)
+        ):
             asked.append(("response_format", dict(json=fmt["json_schema"]["schema"])))
         else:
-            raise InvalidRequestError("response_format must be {'type': 'text'}, {'type': 'json_object'} or "
-                                      "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}",
-                                      param="response_format")
+            raise InvalidRequestError(
+                "response_format must be {'type': 'text'}, {'type': 'json_object'} or "
+                "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}",
+                param="response_format",
+            )
     if body.structured_outputs is not None:
         if not isinstance(body.structured_outputs, dict):
-            raise InvalidRequestError("structured_outputs must be an object such as {'json': {...}} or {'regex': '...'}",
-                                      param="structured_outputs")
+            raise InvalidRequestError(
+                "structured_outputs must be an object such as {'json': {...}} or {'regex': '...'}",
+                param="structured_outputs",
+            )
         asked.append(("structured_outputs", dict(body.structured_outputs)))
     for name, kind in GUIDED.items():
         if getattr(body, name) is not None:
@@ -226,7 +252,9 @@ def structured_outputs_from(body: _Body) -> StructuredOutputsParams | None:
     if not asked:
         return None
     if len(asked) > 1:
-        raise InvalidRequestError(f"ask for one structure only, got {', '.join(n for n, _ in asked)}", param=asked[1][0])
+        raise InvalidRequestError(
+            f"ask for one structure only, got {', '.join(n for n, _ in asked)}", param=asked[1][0]
+        )
     name, fields = asked[0]
     try:
         return StructuredOutputsParams(**fields)
@@ -262,7 +290,7 @@ def plain_messages(messages: list[ChatMessage]) -> list[dict]:
     plain = []
     for i, message in enumerate(messages):
         content = message.content
-        if isinstance(content, list):       # [{"type": "text", "text": ...}, ...]
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             if any(part.get("type") != "text" or not isinstance(part.get("text", ""), str) for part in content):
                 raise InvalidRequestError("only text content parts are supported", param=f"messages.{i}.content")
             content = "".join(part.get("text", "") for part in content)
@@ -296,7 +324,7 @@ class Usage(BaseModel):
 
 
 class CompletionChoice(BaseModel):
-    model_config = ConfigDict(extra="allow")      # token_ids with return_token_ids
+    model_config = ConfigDict(extra="allow")  # token_ids with return_token_ids
 
     index: int
     text: str
@@ -355,8 +383,11 @@ class Health(BaseModel):
 
 
 def usage_field(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def openai_finish_reason(completion) -> str | None:

@@ -38,22 +38,41 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from ..errors import InvalidRequestError, ModelNotFoundError
 from ..engine.llm import render_chat
 from ..engine.logs import log_to_stderr
+from ..errors import InvalidRequestError, ModelNotFoundError
 from .auth import ApiKeyMiddleware, exposure_warning
+from .choices import Choices
 from .engine_loop import EngineLoop
 from .http_errors import document_errors, error_body, error_responses, install_error_handlers
-from .limits import (MAX_N, BodySizeLimit, PromptTokenizer, ServerLimits, check_prompt_chars, default_max_waiting,
-                     longest_token_chars)
-from .choices import Choices
-from .openai_protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-                              Health, ModelList, check_text, completion_prompts, num_logprobs, plain_messages,
-                              sampling_params_from, sse_event, usage_field)
-from .tokenizer_routes import add_tokenizer_routes
-from .tools import check_auto, parse_tools, tool_mode, tool_structure
+from .limits import (
+    MAX_N,
+    BodySizeLimit,
+    PromptTokenizer,
+    ServerLimits,
+    check_prompt_chars,
+    default_max_waiting,
+    longest_token_chars,
+)
+from .openai_protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    Health,
+    ModelList,
+    check_text,
+    completion_prompts,
+    num_logprobs,
+    plain_messages,
+    sampling_params_from,
+    sse_event,
+    usage_field,
+)
 from .server_metrics import render_metrics
 from .submission import EventStream, Submission, stream_deltas, wait_or_disconnect
+from .tokenizer_routes import add_tokenizer_routes
+from .tools import check_auto, parse_tools, tool_mode, tool_structure
 
 __all__ = ["EngineLoop", "ServerConfig", "ServerThread", "build_app", "door_settings", "serve"]
 
@@ -71,11 +90,12 @@ class ServerConfig:
     allowed_origins: list[str] | None = None
     limits: ServerLimits | None = None
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
-    bound_max_waiting: bool = True        # an unbounded engine queue gets default_max_waiting()
+    bound_max_waiting: bool = True  # an unbounded engine queue gets default_max_waiting()
 
 
-def build_app(engine, model_name: str | None = None, engine_loop: EngineLoop | None = None,
-              config: ServerConfig | None = None):
+def build_app(
+    engine, model_name: str | None = None, engine_loop: EngineLoop | None = None, config: ServerConfig | None = None
+):
     """The FastAPI app over an ``LLMEngine``; the engine thread starts and stops with the app."""
     config = config or ServerConfig()
     limits = config.limits or ServerLimits()
@@ -97,10 +117,21 @@ def build_app(engine, model_name: str | None = None, engine_loop: EngineLoop | N
             prompt_tokenizer.close()
 
     docs = config.enable_docs
-    app = FastAPI(title="lifeofprompt", description="An OpenAI-compatible server over a vLLM-style engine built "
-                  "from scratch.", version="1", lifespan=lifespan, docs_url="/docs" if docs else None,
-                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
-    app.state.engine, app.state.engine_loop, app.state.model_name, app.state.config = engine, engine_loop, model_name, config
+    app = FastAPI(
+        title="lifeofprompt",
+        description="An OpenAI-compatible server over a vLLM-style engine built from scratch.",
+        version="1",
+        lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
+    app.state.engine, app.state.engine_loop, app.state.model_name, app.state.config = (
+        engine,
+        engine_loop,
+        model_name,
+        config,
+    )
     app.state.prompt_tokenizer = prompt_tokenizer
     install_error_handlers(app)
     document_errors(app)
@@ -108,8 +139,9 @@ def build_app(engine, model_name: str | None = None, engine_loop: EngineLoop | N
     if config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     if config.allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
-                           allow_headers=["*"])
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"], allow_headers=["*"]
+        )
 
     def check_model(requested: str | None) -> None:
         if requested is not None and requested != model_name:
@@ -118,21 +150,27 @@ def build_app(engine, model_name: str | None = None, engine_loop: EngineLoop | N
     async def completion_inputs(prompts: list) -> list:
         """Text prompts measured, then tokenized off the event loop; token-id prompts as they are."""
         if len(prompts) > limits.max_prompts_per_request:
-            raise InvalidRequestError(f"at most {limits.max_prompts_per_request} prompts per request, got {len(prompts)}",
-                                      param="prompt")
+            raise InvalidRequestError(
+                f"at most {limits.max_prompts_per_request} prompts per request, got {len(prompts)}", param="prompt"
+            )
         texts = [p for p in prompts if isinstance(p, str)]
         for text in texts:
             check_prompt_chars(len(text), engine.max_model_len, chars_per_token)
         if not texts:
             return prompts
-        encoded = iter(await prompt_tokenizer.run(
-            lambda tok, items: [list(tok.encode(t, add_special_tokens=False)) for t in items], texts))
+        encoded = iter(
+            await prompt_tokenizer.run(
+                lambda tok, items: [list(tok.encode(t, add_special_tokens=False)) for t in items], texts
+            )
+        )
         return [{"prompt": p, "prompt_token_ids": next(encoded)} if isinstance(p, str) else p for p in prompts]
 
     async def chat_input(messages, tools: list[dict] | None = None) -> list[int]:
         plain = plain_messages(messages)
         check_prompt_chars(sum(len(m["content"]) for m in plain), engine.max_model_len, chars_per_token, "messages")
-        return await prompt_tokenizer.run(lambda tok, conversation: render_chat(tok, conversation, tools=tools)[1], plain)
+        return await prompt_tokenizer.run(
+            lambda tok, conversation: render_chat(tok, conversation, tools=tools)[1], plain
+        )
 
     def client_gone():
         return JSONResponse(error_body("client disconnected", "aborted", None, 499), status_code=499)
@@ -146,14 +184,24 @@ def build_app(engine, model_name: str | None = None, engine_loop: EngineLoop | N
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus():
-        return PlainTextResponse(render_metrics(engine, engine_loop.stats, model_name),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(
+            render_metrics(engine, engine_loop.stats, model_name), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
 
     @app.get("/v1/models", response_model=ModelList, responses=error_responses(401))
     async def models():
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": created, "owned_by": "lifeofprompt",
-            "max_model_len": getattr(engine, "max_model_len", None)}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "lifeofprompt",
+                    "max_model_len": getattr(engine, "max_model_len", None),
+                }
+            ],
+        }
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=POST_ERRORS)
     async def completions(body: CompletionRequest, request: Request):
@@ -163,8 +211,13 @@ def build_app(engine, model_name: str | None = None, engine_loop: EngineLoop | N
         check_text(body.stop, "stop")
         submission = Submission(engine_loop, "cmpl")
         submission.add(await completion_inputs(completion_prompts(body.prompt)), params)
-        choices = Choices(prompt_tokenizer, chat=False, n=body.n, num_logprobs=num_logprobs(body),
-                          return_token_ids=body.return_token_ids)
+        choices = Choices(
+            prompt_tokenizer,
+            chat=False,
+            n=body.n,
+            num_logprobs=num_logprobs(body),
+            return_token_ids=body.return_token_ids,
+        )
         if body.stream:
             return EventStream(stream_choices(submission, body, "text_completion", choices), submission)
         return await whole_response(request, submission, "text_completion", choices)
@@ -174,10 +227,18 @@ def build_app(engine, model_name: str | None = None, engine_loop: EngineLoop | N
         finals = await wait_or_disconnect(request, submission)
         if finals is None:
             return client_gone()
-        usage = usage_field(sum(len(o.prompt_token_ids) for o in finals.values()),
-                            sum(len(c.token_ids) for o in finals.values() for c in o.outputs))
-        return {"id": submission.id, "object": object_name, "created": int(time.time()), "model": model_name,
-                "choices": await choices.whole(finals), "usage": usage}
+        usage = usage_field(
+            sum(len(o.prompt_token_ids) for o in finals.values()),
+            sum(len(c.token_ids) for o in finals.values() for c in o.outputs),
+        )
+        return {
+            "id": submission.id,
+            "object": object_name,
+            "created": int(time.time()),
+            "model": model_name,
+            "choices": await choices.whole(finals),
+            "usage": usage,
+        }
 
     async def stream_choices(submission: Submission, body, object_name: str, choices: Choices):
         """Server-sent events for one streamed request: OpenAI's chunk envelope around each delta
@@ -185,8 +246,13 @@ def build_app(engine, model_name: str | None = None, engine_loop: EngineLoop | N
         include_usage = bool((body.stream_options or {}).get("include_usage"))
 
         def chunk(items, usage=None):
-            payload = {"id": submission.id, "object": object_name, "created": int(time.time()),
-                       "model": model_name, "choices": items}
+            payload = {
+                "id": submission.id,
+                "object": object_name,
+                "created": int(time.time()),
+                "model": model_name,
+                "choices": items,
+            }
             if include_usage:
                 payload["usage"] = usage
             return sse_event(payload)
@@ -213,15 +279,22 @@ def build_app(engine, model_name: str | None = None, engine_loop: EngineLoop | N
         if mode == "auto":
             check_auto(engine.tokenizer, model_name)
         forced = mode is not None and mode != "auto"
-        params = sampling_params_from(body, default_max_tokens=None,
-                                      tool_structure=tool_structure(tools, mode) if forced else None)
+        params = sampling_params_from(
+            body, default_max_tokens=None, tool_structure=tool_structure(tools, mode) if forced else None
+        )
         check_text([m.model_dump() for m in body.messages], "messages")
         check_text(body.stop, "stop")
         submission = Submission(engine_loop, "chatcmpl")
         shown = [t.model_dump(exclude_none=True) for t in tools] if mode is not None else None
         submission.add([await chat_input(body.messages, shown)], params)
-        choices = Choices(prompt_tokenizer, chat=True, n=body.n, num_logprobs=num_logprobs(body), tool_mode=mode,
-                          return_token_ids=body.return_token_ids)
+        choices = Choices(
+            prompt_tokenizer,
+            chat=True,
+            n=body.n,
+            num_logprobs=num_logprobs(body),
+            tool_mode=mode,
+            return_token_ids=body.return_token_ids,
+        )
         if body.stream:
             return EventStream(stream_choices(submission, body, "chat.completion.chunk", choices), submission)
         return await whole_response(request, submission, "chat.completion", choices)
@@ -249,8 +322,9 @@ def _uvicorn_server(app, host: str, port: int, log_level: str, shutdown_timeout:
             super().handle_exit(sig, frame)
 
     # uvicorn waits for open connections a little longer than the drain, so aborted requests still get their answer
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=shutdown_timeout + 5)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, lifespan="on", timeout_graceful_shutdown=shutdown_timeout + 5
+    )
     return Server(config)
 
 
@@ -260,8 +334,15 @@ class ServerThread:
     Binds 127.0.0.1 on a free port by default; leaving the block stops uvicorn and the engine thread.
     """
 
-    def __init__(self, engine, host: str = "127.0.0.1", port: int | None = None, model_name: str | None = None,
-                 log_level: str = "warning", config: ServerConfig | None = None):
+    def __init__(
+        self,
+        engine,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        model_name: str | None = None,
+        log_level: str = "warning",
+        config: ServerConfig | None = None,
+    ):
         self.engine = engine
         self.host, self.port = host, port or free_port(host)
         self.config = config or ServerConfig(shutdown_timeout=5)
@@ -277,7 +358,7 @@ class ServerThread:
     def engine_loop(self) -> EngineLoop:
         return self.app.state.engine_loop
 
-    def start(self, timeout: float = 30.0) -> "ServerThread":
+    def start(self, timeout: float = 30.0) -> ServerThread:
         self.thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:
@@ -291,7 +372,7 @@ class ServerThread:
         self.thread.join(timeout)
         self.engine_loop.stop()
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -307,22 +388,35 @@ def door_settings(engine, config: ServerConfig) -> str:
     wait, and how much of a step one long prompt may take (every one a ``serve`` flag)."""
     limits = config.limits or ServerLimits()
     sched = engine.scheduler
-    key = ("API key on (/v1/*, /tokenize, /detokenize; /health and /metrics open)" if config.api_key is not None
-           else "API key off")
+    key = (
+        "API key on (/v1/*, /tokenize, /detokenize; /health and /metrics open)"
+        if config.api_key is not None
+        else "API key off"
+    )
     cors = f"CORS for {', '.join(config.allowed_origins)}" if config.allowed_origins else "CORS off"
     waiting = "unbounded waiting" if engine.max_waiting is None else f"{engine.max_waiting} waiting"
     threshold = sched.long_prefill_token_threshold
-    fair = (f"a prompt's chunk at most {threshold} of {sched.max_num_batched_tokens} tokens a step while others "
-            "wait or run" if threshold else f"off (a prompt's chunk may take all {sched.max_num_batched_tokens} "
-            "tokens of a step)")
-    return (f"door: {key}; docs {'on' if config.enable_docs else 'off'}; {cors}; requests: bodies up to "
-            f"{_bytes(limits.max_request_bytes)}, up to {limits.max_prompts_per_request} prompts and n <= {MAX_N}; "
-            f"queue: {sched.max_num_seqs} running + {waiting}, then 503 with Retry-After; fair prefill: {fair}; "
-            f"shutdown: running requests get {config.shutdown_timeout:g} s")
+    fair = (
+        f"a prompt's chunk at most {threshold} of {sched.max_num_batched_tokens} tokens a step while others wait or run"
+        if threshold
+        else f"off (a prompt's chunk may take all {sched.max_num_batched_tokens} tokens of a step)"
+    )
+    return (
+        f"door: {key}; docs {'on' if config.enable_docs else 'off'}; {cors}; requests: bodies up to "
+        f"{_bytes(limits.max_request_bytes)}, up to {limits.max_prompts_per_request} prompts and n <= {MAX_N}; "
+        f"queue: {sched.max_num_seqs} running + {waiting}, then 503 with Retry-After; fair prefill: {fair}; "
+        f"shutdown: running requests get {config.shutdown_timeout:g} s"
+    )
 
 
-def serve(engine, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
-          config: ServerConfig | None = None, log_level: str = "info") -> None:
+def serve(
+    engine,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    model_name: str | None = None,
+    config: ServerConfig | None = None,
+    log_level: str = "info",
+) -> None:
     """Run the server in the foreground until Ctrl-C or SIGTERM (then it drains: ``engine_loop.py``).
 
     The server's log lines (the exposure warning, the door's settings, the shutdown) go to stderr

@@ -23,7 +23,7 @@ class Histogram:
 
     def __init__(self, name: str, help: str, buckets):
         self.name, self.help, self.buckets = name, help, tuple(buckets)
-        self.counts = [0] * (len(self.buckets) + 1)     # the last one is +Inf
+        self.counts = [0] * (len(self.buckets) + 1)  # the last one is +Inf
         self.sum = 0.0
         self.count = 0
 
@@ -52,12 +52,19 @@ class ServerStats:
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.ttft = Histogram("lifeofprompt_time_to_first_token_seconds",
-                              "Time from arrival to the first output token (queueing + prefill).", TTFT_BUCKETS)
-        self.tpot = Histogram("lifeofprompt_time_per_output_token_seconds",
-                              "Mean time per output token after the first, per request.", TPOT_BUCKETS)
-        self.e2e = Histogram("lifeofprompt_e2e_request_latency_seconds",
-                             "Time from arrival to the last output token.", E2E_BUCKETS)
+        self.ttft = Histogram(
+            "lifeofprompt_time_to_first_token_seconds",
+            "Time from arrival to the first output token (queueing + prefill).",
+            TTFT_BUCKETS,
+        )
+        self.tpot = Histogram(
+            "lifeofprompt_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            TPOT_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "lifeofprompt_e2e_request_latency_seconds", "Time from arrival to the last output token.", E2E_BUCKETS
+        )
         self.finished: dict[str, int] = {}
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -73,10 +80,16 @@ class ServerStats:
             if times is None or reason == "abort":
                 return
             record = request_metrics.RequestTiming(
-                arrival_time=times.arrival_time, first_token_time=times.first_token_time,
-                finished_time=times.finished_time, num_output_tokens=len(completion.token_ids))
-            for histogram, value in ((self.ttft, request_metrics.ttft(record)), (self.tpot, request_metrics.tpot(record)),
-                                     (self.e2e, request_metrics.e2e_latency(record))):
+                arrival_time=times.arrival_time,
+                first_token_time=times.first_token_time,
+                finished_time=times.finished_time,
+                num_output_tokens=len(completion.token_ids),
+            )
+            for histogram, value in (
+                (self.ttft, request_metrics.ttft(record)),
+                (self.tpot, request_metrics.tpot(record)),
+                (self.e2e, request_metrics.e2e_latency(record)),
+            ):
                 if value is not None:
                     histogram.observe(value)
 
@@ -93,7 +106,7 @@ def engine_state(engine) -> dict:
         "waiting": len(engine.scheduler.waiting),
         "kv_blocks_total": blocks.num_blocks,
         "kv_blocks_used": blocks.num_used_blocks,
-        "prefix_cache_queries": blocks.hits + blocks.misses,   # full prompt blocks looked up at admission
+        "prefix_cache_queries": blocks.hits + blocks.misses,  # full prompt blocks looked up at admission
         "prefix_cache_hits": blocks.hits,
         "preemptions": engine.scheduler.num_preemptions,
     }
@@ -104,20 +117,39 @@ def spec_decode_lines(engine) -> list[str]:
     spec = getattr(engine, "spec_stats", None)
     if spec is None:
         return []
-    lines = _gauge("lifeofprompt_spec_decode_num_drafts_total", "Verify steps that checked at least one draft token.",
-                   spec.num_drafts, "counter")
-    lines += _gauge("lifeofprompt_spec_decode_num_draft_tokens_total", "Draft tokens proposed and verified.",
-                    spec.num_draft_tokens, "counter")
-    lines += _gauge("lifeofprompt_spec_decode_num_accepted_tokens_total", "Draft tokens the model accepted.",
-                    spec.num_accepted_tokens, "counter")
+    lines = _gauge(
+        "lifeofprompt_spec_decode_num_drafts_total",
+        "Verify steps that checked at least one draft token.",
+        spec.num_drafts,
+        "counter",
+    )
+    lines += _gauge(
+        "lifeofprompt_spec_decode_num_draft_tokens_total",
+        "Draft tokens proposed and verified.",
+        spec.num_draft_tokens,
+        "counter",
+    )
+    lines += _gauge(
+        "lifeofprompt_spec_decode_num_accepted_tokens_total",
+        "Draft tokens the model accepted.",
+        spec.num_accepted_tokens,
+        "counter",
+    )
     name = "lifeofprompt_spec_decode_num_accepted_tokens_per_pos_total"
-    lines += [f"# HELP {name} Accepted draft tokens by their position in the draft (0 = first).",
-              f"# TYPE {name} counter"]
+    lines += [
+        f"# HELP {name} Accepted draft tokens by their position in the draft (0 = first).",
+        f"# TYPE {name} counter",
+    ]
     lines += [f'{name}{{position="{i}"}} {n}' for i, n in enumerate(spec.num_accepted_tokens_per_pos)]
-    lines += _gauge("lifeofprompt_spec_decode_draft_seconds_total", "Time spent proposing draft tokens.",
-                    spec.draft_time, "counter")
-    lines += _gauge("lifeofprompt_spec_decode_verify_seconds_total", "Time of the engine steps that held a verify.",
-                    spec.verify_time, "counter")
+    lines += _gauge(
+        "lifeofprompt_spec_decode_draft_seconds_total", "Time spent proposing draft tokens.", spec.draft_time, "counter"
+    )
+    lines += _gauge(
+        "lifeofprompt_spec_decode_verify_seconds_total",
+        "Time of the engine steps that held a verify.",
+        spec.verify_time,
+        "counter",
+    )
     return lines
 
 
@@ -131,26 +163,58 @@ def render_metrics(engine, stats: ServerStats, model_name: str) -> str:
         f'lifeofprompt_model_info{{model_name="{model_name}"}} 1',
     ]
     lines += _gauge("lifeofprompt_num_requests_running", "Requests in the running batch.", state["running"])
-    lines += _gauge("lifeofprompt_num_requests_waiting", "Requests in the waiting queue (arrived, not yet running, or preempted).", state["waiting"])
+    lines += _gauge(
+        "lifeofprompt_num_requests_waiting",
+        "Requests in the waiting queue (arrived, not yet running, or preempted).",
+        state["waiting"],
+    )
     lines += _gauge("lifeofprompt_kv_cache_blocks_total", "KV cache blocks in the pool.", state["kv_blocks_total"])
     lines += _gauge("lifeofprompt_kv_cache_blocks_used", "KV cache blocks held by requests.", state["kv_blocks_used"])
-    lines += _gauge("lifeofprompt_kv_cache_usage_ratio", "Fraction of the KV pool in use (0 to 1).",
-                    state["kv_blocks_used"] / state["kv_blocks_total"] if state["kv_blocks_total"] else 0.0)
-    lines += _gauge("lifeofprompt_prefix_cache_queries_total", "Full prompt blocks looked up in the prefix cache.",
-                    state["prefix_cache_queries"], "counter")
-    lines += _gauge("lifeofprompt_prefix_cache_hits_total", "Full prompt blocks found in the prefix cache.",
-                    state["prefix_cache_hits"], "counter")
-    lines += _gauge("lifeofprompt_prefix_cache_hit_rate", "Prefix-cache hits over queries, since start (0 to 1).", hit_rate)
-    lines += _gauge("lifeofprompt_num_preemptions_total", "Running requests evicted to free blocks (recomputed later).",
-                    state["preemptions"], "counter")
+    lines += _gauge(
+        "lifeofprompt_kv_cache_usage_ratio",
+        "Fraction of the KV pool in use (0 to 1).",
+        state["kv_blocks_used"] / state["kv_blocks_total"] if state["kv_blocks_total"] else 0.0,
+    )
+    lines += _gauge(
+        "lifeofprompt_prefix_cache_queries_total",
+        "Full prompt blocks looked up in the prefix cache.",
+        state["prefix_cache_queries"],
+        "counter",
+    )
+    lines += _gauge(
+        "lifeofprompt_prefix_cache_hits_total",
+        "Full prompt blocks found in the prefix cache.",
+        state["prefix_cache_hits"],
+        "counter",
+    )
+    lines += _gauge(
+        "lifeofprompt_prefix_cache_hit_rate", "Prefix-cache hits over queries, since start (0 to 1).", hit_rate
+    )
+    lines += _gauge(
+        "lifeofprompt_num_preemptions_total",
+        "Running requests evicted to free blocks (recomputed later).",
+        state["preemptions"],
+        "counter",
+    )
     lines += spec_decode_lines(engine)
     with stats.lock:
-        lines += _gauge("lifeofprompt_prompt_tokens_total", "Prompt tokens of finished requests.", stats.prompt_tokens, "counter")
-        lines += _gauge("lifeofprompt_generation_tokens_total", "Tokens generated by finished requests.", stats.generation_tokens, "counter")
-        lines += ["# HELP lifeofprompt_request_success_total Finished requests, by finish reason.",
-                  "# TYPE lifeofprompt_request_success_total counter"]
-        lines += [f'lifeofprompt_request_success_total{{finished_reason="{reason}"}} {n}'
-                  for reason, n in sorted(stats.finished.items())]
+        lines += _gauge(
+            "lifeofprompt_prompt_tokens_total", "Prompt tokens of finished requests.", stats.prompt_tokens, "counter"
+        )
+        lines += _gauge(
+            "lifeofprompt_generation_tokens_total",
+            "Tokens generated by finished requests.",
+            stats.generation_tokens,
+            "counter",
+        )
+        lines += [
+            "# HELP lifeofprompt_request_success_total Finished requests, by finish reason.",
+            "# TYPE lifeofprompt_request_success_total counter",
+        ]
+        lines += [
+            f'lifeofprompt_request_success_total{{finished_reason="{reason}"}} {n}'
+            for reason, n in sorted(stats.finished.items())
+        ]
         for histogram in (stats.ttft, stats.tpot, stats.e2e):
             lines += histogram.render()
     return "\n".join(lines) + "\n"

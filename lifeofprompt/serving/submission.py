@@ -22,7 +22,7 @@ from .engine_loop import EngineLoop
 from .http_errors import stream_error_body
 from .openai_protocol import openai_finish_reason, usage_field
 
-CLIENT_GONE = object()       # put in a request's queue when its client disconnects
+CLIENT_GONE = object()  # put in a request's queue when its client disconnects
 DISCONNECT_POLL_S = 0.5
 
 
@@ -33,7 +33,7 @@ class EventStream(StreamingResponse):
     leaves before the first chunk, when the generator has not started and has no ``finally`` to run.
     """
 
-    def __init__(self, content, submission: "Submission"):
+    def __init__(self, content, submission: Submission):
         super().__init__(content, media_type="text/event-stream")
         self.submission = submission
 
@@ -92,6 +92,7 @@ async def wait_or_disconnect(request: Request, submission: Submission) -> dict[i
     A watcher polls the connection twice a second while the outputs arrive, so a client that
     gives up on a long completion frees its blocks within half a second, not at the end.
     """
+
     async def watch():
         while not await request.is_disconnected():
             await asyncio.sleep(DISCONNECT_POLL_S)
@@ -111,7 +112,7 @@ async def wait_or_disconnect(request: Request, submission: Submission) -> dict[i
     return finals if len(submission.finished) == len(submission.request_ids) else None
 
 
-async def stream_deltas(submission: "Submission", n: int = 1):
+async def stream_deltas(submission: Submission, n: int = 1):
     """``("text", choice, new text, new token ids, their logprob entries, finish_reason)`` per answer
     that adds text or finishes, then ``("usage", totals)``; or ``("error", body)`` if the engine
     failed the request mid-stream. ``choice`` is ``prompt index × n + answer index``, OpenAI's order.
@@ -131,11 +132,15 @@ async def stream_deltas(submission: "Submission", n: int = 1):
                     choice = index * n + completion.index
                     if choice in done:
                         continue
-                    delta = completion.text[sent.get(choice, 0):]
+                    delta = completion.text[sent.get(choice, 0) :]
                     sent[choice] = len(completion.text)
                     start = sent_ids.get(choice, 0)
                     new_ids = list(completion.token_ids[start:])
-                    entries = list(completion.logprobs[start:len(completion.token_ids)]) if completion.logprobs is not None else None
+                    entries = (
+                        list(completion.logprobs[start : len(completion.token_ids)])
+                        if completion.logprobs is not None
+                        else None
+                    )
                     finish_reason = openai_finish_reason(completion)
                     if finish_reason is not None:
                         done.add(choice)
@@ -144,7 +149,7 @@ async def stream_deltas(submission: "Submission", n: int = 1):
                         sent_ids[choice] = len(completion.token_ids)
                         yield "text", choice, delta, new_ids, entries, finish_reason
                     # else: text held back (a partial character): the ids wait for it
-        except Exception as exc:    # the engine failed this request mid-stream: say so in the stream, then [DONE]
+        except Exception as exc:  # the engine failed this request mid-stream: say so in the stream, then [DONE]
             yield "error", stream_error_body(exc)
             return
         yield "usage", usage_field(prompt_tokens, completion_tokens)

@@ -28,7 +28,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None       # None: true for a prompt, false for messages (vLLM's defaults)
+    add_special_tokens: bool | None = None  # None: true for a prompt, false for messages (vLLM's defaults)
     add_generation_prompt: bool = True
 
 

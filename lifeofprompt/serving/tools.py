@@ -88,14 +88,20 @@ def tool_mode(tools: list[ToolDefinition], tool_choice) -> str | None:
         raise InvalidRequestError(f"tool_choice={tool_choice!r} needs tools", param="tool_choice")
     if tool_choice in ("auto", "required"):
         return tool_choice
-    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" \
-            and isinstance(tool_choice.get("function"), dict) and isinstance(tool_choice["function"].get("name"), str):
+    if (
+        isinstance(tool_choice, dict)
+        and tool_choice.get("type") == "function"
+        and isinstance(tool_choice.get("function"), dict)
+        and isinstance(tool_choice["function"].get("name"), str)
+    ):
         name = tool_choice["function"]["name"]
         if name not in {t.function.name for t in tools}:
             raise InvalidRequestError(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
         return name
-    raise InvalidRequestError("tool_choice must be 'none', 'auto', 'required' or "
-                              "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
+    raise InvalidRequestError(
+        "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+        param="tool_choice",
+    )
 
 
 def template_supports_tools(tokenizer) -> bool:
@@ -108,8 +114,11 @@ def check_auto(tokenizer, model_name: str) -> None:
     if not template_supports_tools(tokenizer):
         raise InvalidRequestError(
             f"tool_choice 'auto' (the default when tools are given) needs a chat template that supports tools, and "
-            f"{model_name}'s does not: pass tool_choice 'required' or {{'type': 'function', 'function': {{'name': ...}}}} "
-            "(the output is then constrained to the tools' schemas), or 'none'", param="tool_choice")
+            f"{model_name}'s does not: pass tool_choice 'required' or "
+            "{'type': 'function', 'function': {'name': ...}} "
+            "(the output is then constrained to the tools' schemas), or 'none'",
+            param="tool_choice",
+        )
 
 
 def tool_structure(tools: list[ToolDefinition], mode: str) -> StructuredOutputsParams:
@@ -117,8 +126,15 @@ def tool_structure(tools: list[ToolDefinition], mode: str) -> StructuredOutputsP
     schemas = {t.function.name: t.function.parameters or ANY_OBJECT for t in tools}
     if mode != "required":
         return StructuredOutputsParams(json=schemas[mode])
-    branches = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                 "properties": {"name": {"const": name}, "arguments": schema}} for name, schema in schemas.items()]
+    branches = [
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["name", "arguments"],
+            "properties": {"name": {"const": name}, "arguments": schema},
+        }
+        for name, schema in schemas.items()
+    ]
     return StructuredOutputsParams(json=branches[0] if len(branches) == 1 else {"anyOf": branches})
 
 
@@ -134,5 +150,10 @@ def tool_calls_from(text: str, mode: str) -> list[dict] | None:
         name, arguments = value["name"], value["arguments"]
     else:
         name, arguments = mode, value
-    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}]
+    return [
+        {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
+        }
+    ]

@@ -35,8 +35,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "tests" / "artifacts"
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--no-first-run", "--disable-dev-shm-usage"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+    "--disable-dev-shm-usage",
+]
 SERVER_START_TIMEOUT_S = 120
 
 # JupyterLab settings for a quiet, deterministic page (written into a private settings folder).
@@ -46,8 +52,8 @@ LAB_SETTINGS = {
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false", "checkForUpdates": False},
 }
 DISABLED_PLUGINS = [
-    "@jupyterlab/apputils-extension:announcements",   # "would you like to receive Jupyter news?"
-    "@jupyterlab/extensionmanager-extension",         # the extension manager and its warning
+    "@jupyterlab/apputils-extension:announcements",  # "would you like to receive Jupyter news?"
+    "@jupyterlab/extensionmanager-extension",  # the extension manager and its warning
 ]
 
 # True once every code cell has finished: nothing queued or running, kernel idle.
@@ -106,7 +112,8 @@ def _write_private_config(root: Path) -> dict:
     config_dir, settings_dir, workspaces_dir = root / "config", root / "settings", root / "workspaces"
     (config_dir / "labconfig").mkdir(parents=True)
     (config_dir / "labconfig" / "page_config.json").write_text(
-        json.dumps({"disabledExtensions": {name: True for name in DISABLED_PLUGINS}}))
+        json.dumps({"disabledExtensions": {name: True for name in DISABLED_PLUGINS}})
+    )
     for relpath, values in LAB_SETTINGS.items():
         path = settings_dir / relpath
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -145,17 +152,22 @@ class Lab:
         if not (REPO / notebook_relpath).exists():
             raise FileNotFoundError(REPO / notebook_relpath)
         page = self.new_page()
-        page.goto(f"{self.base_url}/lab/tree/{notebook_relpath}?token={self.token}&reset",
-                  wait_until="domcontentloaded", timeout=timeout_s * 1000)
+        page.goto(
+            f"{self.base_url}/lab/tree/{notebook_relpath}?token={self.token}&reset",
+            wait_until="domcontentloaded",
+            timeout=timeout_s * 1000,
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self.dismiss_dialogs(page)
             if page.evaluate(JS_NOTEBOOK_READY):
-                page.evaluate("() => window.jupyterapp.shell.collapseLeft()")   # more room for screenshots
+                page.evaluate("() => window.jupyterapp.shell.collapseLeft()")  # more room for screenshots
                 return page
             page.wait_for_timeout(500)
-        raise TimeoutError(f"{notebook_relpath}: notebook or kernel not ready after {timeout_s} s; "
-                           f"server log ends:\n{self.server_log_tail()}")
+        raise TimeoutError(
+            f"{notebook_relpath}: notebook or kernel not ready after {timeout_s} s; "
+            f"server log ends:\n{self.server_log_tail()}"
+        )
 
     def open_and_run(self, notebook_relpath: str, timeout_s: float = 900, allow_errors: bool = False):
         """Open a notebook, run all cells, wait until the kernel is idle; fail on any error output."""
@@ -184,14 +196,18 @@ class Lab:
 
     def wait_idle(self, page, timeout_s: float = 120) -> None:
         """Wait until the kernel is idle and no cell shows ``[*]`` (after moving a widget, say)."""
-        page.wait_for_timeout(300)   # let a just-sent message reach the kernel
-        page.wait_for_function("""() => {
+        page.wait_for_timeout(300)  # let a just-sent message reach the kernel
+        page.wait_for_function(
+            """() => {
             const panel = window.jupyterapp.shell.currentWidget;
             const kernel = panel.sessionContext.session && panel.sessionContext.session.kernel;
             const busy = Array.from(document.querySelectorAll('.jp-InputArea-prompt'))
                               .some(p => p.textContent.includes('[*]'));
             return kernel && kernel.status === 'idle' && !busy;
-        }""", timeout=timeout_s * 1000, polling=300)
+        }""",
+            timeout=timeout_s * 1000,
+            polling=300,
+        )
 
     @staticmethod
     def dismiss_dialogs(page) -> None:
@@ -210,8 +226,9 @@ class Lab:
     @staticmethod
     def run_command(page, command: str, args: dict | None = None):
         """Execute a JupyterLab command by id (e.g. ``notebook:restart-kernel``) and wait for it."""
-        return page.evaluate("([c, a]) => window.jupyterapp.commands.execute(c, a).then(() => null)",
-                             [command, args or {}])
+        return page.evaluate(
+            "([c, a]) => window.jupyterapp.commands.execute(c, a).then(() => null)", [command, args or {}]
+        )
 
     def screenshot(self, page, name: str, locator=None) -> Path:
         """Save a PNG to ``tests/artifacts/<name>.png``; scroll ``locator`` into view first when given."""
@@ -304,15 +321,29 @@ def lab():
     env = dict(os.environ, **_write_private_config(root), PYTHONHASHSEED="0", TOKENIZERS_PARALLELISM="false")
     port, token = _free_port(), secrets.token_hex(16)
     log_path = root / "jupyterlab.log"
-    command = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-               "--port-retries=0", f"--ServerApp.root_dir={REPO}", f"--IdentityProvider.token={token}",
-               "--ServerApp.disable_check_xsrf=True", "--LabApp.news_url=None",
-               "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-               "--LabApp.expose_app_in_browser=True", "--LabApp.extension_manager=readonly",
-               "--ServerApp.terminals_enabled=False", "--ServerApp.allow_root=True"]
+    command = [
+        sys.executable,
+        "-m",
+        "jupyter",
+        "lab",
+        "--no-browser",
+        "--ip=127.0.0.1",
+        f"--port={port}",
+        "--port-retries=0",
+        f"--ServerApp.root_dir={REPO}",
+        f"--IdentityProvider.token={token}",
+        "--ServerApp.disable_check_xsrf=True",
+        "--LabApp.news_url=None",
+        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        "--LabApp.expose_app_in_browser=True",
+        "--LabApp.extension_manager=readonly",
+        "--ServerApp.terminals_enabled=False",
+        "--ServerApp.allow_root=True",
+    ]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
     playwright = browser = lab_ = None
     try:
         base_url = f"http://127.0.0.1:{port}"

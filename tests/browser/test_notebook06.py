@@ -29,13 +29,17 @@ def test_block_size_slider_redraws_the_pool(lab):
     # on a loaded machine): the slider's own readout must move first, then the kernel redraws.
     handle = widget.locator(".widget-slider .noUi-handle").first
     handle.focus()
-    handle.press("ArrowRight")                             # 16 → 32 tokens per block
+    handle.press("ArrowRight")  # 16 → 32 tokens per block
     page.wait_for_function("(el) => el.innerText.trim() === '32'", arg=readout.element_handle(), timeout=10_000)
     lab.wait_idle(page)
-    page.wait_for_function("(el) => el.innerText.includes('block size 32')", arg=summary.element_handle(),
-                           timeout=120_000)
+    page.wait_for_function(
+        "(el) => el.innerText.includes('block size 32')", arg=summary.element_handle(), timeout=120_000
+    )
     assert "block size 32 → 64 blocks" in summary.inner_text() and "paged:" in summary.inner_text()
-    page.wait_for_function("([img, old]) => img.src !== old && img.complete && img.naturalWidth > 0",
-                           arg=[image.element_handle(), before_image], timeout=30_000)
+    page.wait_for_function(
+        "([img, old]) => img.src !== old && img.complete && img.naturalWidth > 0",
+        arg=[image.element_handle(), before_image],
+        timeout=30_000,
+    )
     path = lab.screenshot(page, "notebook06_panel_block32", locator=widget)
     assert path.stat().st_size > 10_000

@@ -20,20 +20,23 @@ def test_k_slider_changes_the_predicted_yield(lab):
     k, before = _prediction(panel_output.inner_text())
     assert k == 4
     assert panel_output.locator("img").count() == 1
-    assert "measured" in panel_output.inner_text()                 # the notebook's runs are listed
+    assert "measured" in panel_output.inner_text()  # the notebook's runs are listed
     lab.screenshot(page, "notebook10_panel_before", locator=panel_output)
 
     slider = page.locator(".widget-hslider", has_text="k")
     handle = slider.first.locator(".noUi-handle")
     handle.focus()
-    for _ in range(3):                                             # k 4 -> 7
+    for _ in range(3):  # k 4 -> 7
         handle.press("ArrowRight")
-    page.wait_for_function("""() => {
+    page.wait_for_function(
+        """() => {
         const outs = document.querySelectorAll('.widget-output');
         const text = outs.length ? outs[outs.length - 1].innerText : '';
         return text.includes('predicted at k = 7');
-    }""", timeout=60_000)
+    }""",
+        timeout=60_000,
+    )
     lab.wait_idle(page)
     k, after = _prediction(panel_output.inner_text())
-    assert k == 7 and after > before                               # more drafts, more expected tokens at α = 0.7
+    assert k == 7 and after > before  # more drafts, more expected tokens at α = 0.7
     lab.screenshot(page, "notebook10_panel_after", locator=panel_output)

@@ -23,34 +23,40 @@ sys.path.insert(0, str(HERE.parent))
 
 
 def main() -> None:
+    from test_engine_parity import NEW_TOKENS, PROMPTS
     from transformers import GenerationConfig
 
     from lifeofprompt import load_model
     from lifeofprompt.lessons.agreement import top2_margins
     from lifeofprompt.lessons.reference import load_reference
-    from test_engine_parity import NEW_TOKENS, PROMPTS
 
     torch.set_num_threads(1)
     _, tokenizer = load_model("smollm2-135m", dtype=torch.float32, device="cpu")
     reference = load_reference("smollm2-135m", dtype=torch.float32, device="cpu")
-    config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[], pad_token_id=0,
-                              output_logits=True, return_dict_in_generate=True)
+    config = GenerationConfig(
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        eos_token_id=[],
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     tokens, margins = {}, {}
     with torch.no_grad():
         for prompt in PROMPTS:
             ids = torch.tensor([tokenizer.encode(prompt)])
             out = reference.generate(ids, generation_config=config)
-            tokens[prompt] = out.sequences[0, ids.shape[1]:].tolist()
+            tokens[prompt] = out.sequences[0, ids.shape[1] :].tolist()
             margins[prompt] = [round(m, 5) for m in top2_margins(torch.cat(out.logits)).tolist()]
     data = {
         "model": "smollm2-135m fp32 (embedded GGUF, dequantized)",
         "source": "transformers generate, greedy, EOS ignored (lifeofprompt.lessons.reference.hf_greedy); "
-                  "equal to LLM.generate in one batch",
+        "equal to LLM.generate in one batch",
         "made_by": "python tests/data/make_engine_parity.py",
         "new_tokens": NEW_TOKENS,
         "tokens": tokens,
         "margins_note": "per step, transformers' best logit minus its second best "
-                        "(lifeofprompt.lessons.agreement.top2_margins)",
+        "(lifeofprompt.lessons.agreement.top2_margins)",
         "margins": margins,
     }
     (HERE / "engine_parity_smollm2.json").write_text(json.dumps(data, indent=1) + "\n")

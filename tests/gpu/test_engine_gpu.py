@@ -36,7 +36,7 @@ def make_seqs(lengths, vocab, seed=0):
     for i, n in enumerate(lengths):
         seq = Sequence(f"t{i}", torch.randint(3, vocab, (n,), generator=g).tolist(), SamplingParams(temperature=0))
         blocks = (n + 64 + 15) // 16
-        seq.block_table = list(range(next_block, next_block + blocks))[::-1]     # non-contiguous, reversed
+        seq.block_table = list(range(next_block, next_block + blocks))[::-1]  # non-contiguous, reversed
         next_block += blocks
         seqs.append(seq)
     return seqs
@@ -88,13 +88,17 @@ def test_triton_matches_torch_teacher_forced(tinyllama):
     decisive = margin > threshold
     agree_decisive = (a.argmax(-1) == b.argmax(-1))[decisive].float().mean().item()
     report = dict(
-        max_err_triton=err_fast.max().item(), max_err_torch=err_ref.max().item(),
-        mean_err_triton=err_fast.mean().item(), mean_err_torch=err_ref.mean().item(),
+        max_err_triton=err_fast.max().item(),
+        max_err_torch=err_ref.max().item(),
+        mean_err_triton=err_fast.mean().item(),
+        mean_err_torch=err_ref.mean().item(),
         argmax_vs_fp32_triton=(a.argmax(-1) == exact.argmax(-1)).float().mean().item(),
         argmax_vs_fp32_torch=(b.argmax(-1) == exact.argmax(-1)).float().mean().item(),
         argmax_triton_vs_torch_all=(a.argmax(-1) == b.argmax(-1)).float().mean().item(),
-        decisive_rows=decisive.float().mean().item(), threshold=threshold.item(),
-        argmax_triton_vs_torch_decisive=agree_decisive)
+        decisive_rows=decisive.float().mean().item(),
+        threshold=threshold.item(),
+        argmax_triton_vs_torch_decisive=agree_decisive,
+    )
     print({k: round(v, 4) for k, v in report.items()})
     assert report["max_err_triton"] <= 2 * report["max_err_torch"] + 0.02
     assert report["mean_err_triton"] <= 1.5 * report["mean_err_torch"] + 1e-3
@@ -120,7 +124,7 @@ def test_cuda_graph_decode_matches_eager(tinyllama):
     del graphs
     padded = ModelRunner(tinyllama, 256, 16, "triton", max_num_seqs=8, max_model_len=512, enforce_eager=True)
     padded.pad_decode_eagerly = True
-    assert with_graphs == greedy_tokens(padded, prompts, 24)         # the same computation, replayed
+    assert with_graphs == greedy_tokens(padded, prompts, 24)  # the same computation, replayed
     plain = ModelRunner(tinyllama, 256, 16, "triton", max_num_seqs=8, max_model_len=512, enforce_eager=True)
     unpadded = greedy_tokens(plain, prompts, 24)
     same = sum(a == b for x, y in zip(with_graphs, unpadded) for a, b in zip(x, y)) / sum(map(len, unpadded))
@@ -131,7 +135,9 @@ def test_cuda_graph_decode_matches_eager(tinyllama):
 def test_profiled_pool_fits(tinyllama):
     from lifeofprompt.engine.model_runner import ModelRunner
 
-    runner = ModelRunner(tinyllama, None, 16, "triton", max_num_seqs=16, max_num_batched_tokens=2048, enforce_eager=True)
+    runner = ModelRunner(
+        tinyllama, None, 16, "triton", max_num_seqs=16, max_num_batched_tokens=2048, enforce_eager=True
+    )
     free, total = torch.cuda.mem_get_info()
     plan = runner.memory_plan
     print({k: v for k, v in runner.memory_report.items() if isinstance(v, (int, float))})

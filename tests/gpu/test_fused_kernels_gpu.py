@@ -23,21 +23,29 @@ import torch
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; the CPU interpreter runs "
-                                                              "the same checks in tests/test_fused_kernels.py"),
-    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
-                       reason="TRITON_INTERPRET is set: these tests compile the kernels for the GPU"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="needs a CUDA GPU; the CPU interpreter runs the same checks in tests/test_fused_kernels.py",
+    ),
+    pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+        reason="TRITON_INTERPRET is set: these tests compile the kernels for the GPU",
+    ),
 ]
 
-TOLERANCE = {torch.bfloat16: dict(atol=1e-5, rtol=1.6e-2), torch.float16: dict(atol=1e-5, rtol=2e-3),
-             torch.float32: dict(atol=1e-5, rtol=1e-5)}
+TOLERANCE = {
+    torch.bfloat16: dict(atol=1e-5, rtol=1.6e-2),
+    torch.float16: dict(atol=1e-5, rtol=2e-3),
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+}
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 CUDA = "cuda"
 
 
 def _fused():
-    from lifeofprompt import kernels
     from lifeofprompt.kernels import fused
+
+    from lifeofprompt import kernels
 
     assert not kernels.INTERPRETED
     return fused
@@ -69,13 +77,20 @@ def _weight(hidden, dtype, gen):
 # Randomized (seeded) shapes: the CPU file's sizes plus prefill-sized token counts and Llama-8B's hidden/heads.
 _rng = random.Random(9)
 TOKENS = [1, 3, 17, _rng.randint(20, 300), 4096]
-NORM_CASES = [dict(tokens=t, hidden=h, extra=e, scale=s) for t, h, e, s in
-              zip(TOKENS, [576, 2048, _rng.randrange(33, 3000, 2), 4096, 2048], [0, 64, 0, 7, 0],
-                  [1.0, 30.0, 0.02, 1.0, 3.0])]
-ROTARY_CASES = [dict(tokens=t, heads_q=hq, heads_kv=hkv, head_dim=d) for t, (hq, hkv, d) in
-                zip(TOKENS, [(9, 3, 64), (32, 4, 64), (5, 1, 48), (32, 8, 128), (32, 4, 64)])]
-SILU_CASES = [dict(tokens=t, intermediate=i, extra=e) for t, i, e in
-              zip(TOKENS, [1536, 5632, _rng.randrange(100, 3000) | 1, 14336, 5632], [0, 16, 0, 0, 0])]
+NORM_CASES = [
+    dict(tokens=t, hidden=h, extra=e, scale=s)
+    for t, h, e, s in zip(
+        TOKENS, [576, 2048, _rng.randrange(33, 3000, 2), 4096, 2048], [0, 64, 0, 7, 0], [1.0, 30.0, 0.02, 1.0, 3.0]
+    )
+]
+ROTARY_CASES = [
+    dict(tokens=t, heads_q=hq, heads_kv=hkv, head_dim=d)
+    for t, (hq, hkv, d) in zip(TOKENS, [(9, 3, 64), (32, 4, 64), (5, 1, 48), (32, 8, 128), (32, 4, 64)])
+]
+SILU_CASES = [
+    dict(tokens=t, intermediate=i, extra=e)
+    for t, i, e in zip(TOKENS, [1536, 5632, _rng.randrange(100, 3000) | 1, 14336, 5632], [0, 16, 0, 0, 0])
+]
 
 
 def _id(case):
@@ -113,11 +128,11 @@ def test_rotary_qk_in_place(case, dtype):
     qk = qkv[:, : (hq + hkv) * head_dim].view(tokens, hq + hkv, head_dim)
     positions = torch.randint(0, 32768, (tokens,), generator=gen).to(CUDA)
     cos, sin = RotaryEmbedding(head_dim, 32768, 10000.0).to(CUDA).at(positions)
-    v_before = qkv[:, (hq + hkv) * head_dim:].clone()
+    v_before = qkv[:, (hq + hkv) * head_dim :].clone()
     expected = refs.rotary_qk_reference(qk, cos, sin)
     assert fused.rotary_qk(qk, cos, sin) is qk
     assert_matches(qk, expected)
-    assert torch.equal(qkv[:, (hq + hkv) * head_dim:], v_before)
+    assert torch.equal(qkv[:, (hq + hkv) * head_dim :], v_before)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -141,18 +156,27 @@ def test_bf16_error_against_fp32_is_the_references():
     def rms(t):
         return float(t.float().pow(2).mean().sqrt())
 
-    x, residual = _randn(64, 2048, dtype=torch.bfloat16, gen=gen), _randn(64, 2048, dtype=torch.bfloat16, gen=gen)
+    x, _ = _randn(64, 2048, dtype=torch.bfloat16, gen=gen), _randn(64, 2048, dtype=torch.bfloat16, gen=gen)
     weight = _weight(2048, torch.bfloat16, gen)
     qk = _randn(64, 36, 64, dtype=torch.bfloat16, gen=gen)
     cos, sin = RotaryEmbedding(64, 2048, 10000.0).to(CUDA).at(torch.arange(1000, 1064, device=CUDA))
     gate_up = _randn(64, 2 * 5632, dtype=torch.bfloat16, gen=gen, scale=4.0)
     checks = {
-        "rms_norm": (fused.rms_norm(x, weight, 1e-5), refs.rms_norm_reference(x, weight, 1e-5),
-                     refs.rms_norm_reference(x.float(), weight.float(), 1e-5)),
-        "rotary": (fused.rotary_qk(qk.clone(), cos, sin), refs.rotary_qk_reference(qk, cos, sin),
-                   refs.rotary_qk_reference(qk.float(), cos, sin)),
-        "silu_mul": (fused.silu_mul(gate_up), refs.silu_mul_reference(gate_up),
-                     refs.silu_mul_reference(gate_up.float())),
+        "rms_norm": (
+            fused.rms_norm(x, weight, 1e-5),
+            refs.rms_norm_reference(x, weight, 1e-5),
+            refs.rms_norm_reference(x.float(), weight.float(), 1e-5),
+        ),
+        "rotary": (
+            fused.rotary_qk(qk.clone(), cos, sin),
+            refs.rotary_qk_reference(qk, cos, sin),
+            refs.rotary_qk_reference(qk.float(), cos, sin),
+        ),
+        "silu_mul": (
+            fused.silu_mul(gate_up),
+            refs.silu_mul_reference(gate_up),
+            refs.silu_mul_reference(gate_up.float()),
+        ),
     }
     for name, (out, reference, truth) in checks.items():
         kernel_error, reference_error = rms(out.float() - truth), rms(reference.float() - truth)
@@ -184,13 +208,13 @@ def test_decode_kernels_replay_in_a_cuda_graph():
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        step()                                            # compile and warm up outside the capture
+        step()  # compile and warm up outside the capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         first, normed, activated = step()
 
-    for replay in range(3):
+    for _ in range(3):
         for t in (x, residual, qkv, gate_up):
             t.copy_(torch.randn(t.shape, generator=gen).to(CUDA, dtype))
         positions.copy_(torch.randint(0, 2048, (tokens,), generator=gen).to(CUDA))

@@ -18,14 +18,21 @@ from lifeofprompt.model import paged_attention as reference
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; the CPU interpreter runs "
-                                                              "the same cases in tests/test_kernels.py"),
-    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
-                       reason="TRITON_INTERPRET is set: these tests compile the kernels for the GPU"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="needs a CUDA GPU; the CPU interpreter runs the same cases in tests/test_kernels.py",
+    ),
+    pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+        reason="TRITON_INTERPRET is set: these tests compile the kernels for the GPU",
+    ),
 ]
 
-TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=3e-3, rtol=3e-3),
-             torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+TOLERANCE = {
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.float16: dict(atol=3e-3, rtol=3e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
 TINYLLAMA_HEADS = dict(num_heads=32, num_kv_heads=4, head_dim=64)
 LLAMA_8B_HEADS = dict(num_heads=32, num_kv_heads=8, head_dim=128)
 
@@ -63,7 +70,7 @@ def test_random_cases(poison_allocations, params):
     num_kv_splits, tile_n, _ = params.pop("num_kv_splits"), params.pop("tile_n"), params.pop("id")
     out, _ = check_step(make_case(**params, device="cuda"), num_kv_splits, tile_n)
     if params["padding_seqs"]:
-        assert (out[-params["padding_seqs"]:] == 0).all()
+        assert (out[-params["padding_seqs"] :] == 0).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -82,7 +89,7 @@ def test_decode_one_sequence_of_32k(poison_allocations, num_kv_splits):
 
     case = make_case([1], [32767], 16, **LLAMA_8B_HEADS, dtype=torch.bfloat16, device="cuda")
     _, _, splits = launch_plan(case.query, 8, 1, 1, case.max_seq_len, num_kv_splits)
-    assert splits == num_kv_splits if num_kv_splits else splits > 1     # the heuristic splits one long sequence
+    assert splits == num_kv_splits if num_kv_splits else splits > 1  # the heuristic splits one long sequence
     check_step(case, num_kv_splits)
 
 
@@ -93,8 +100,9 @@ def test_mixed_long_prefill_chunks_and_decodes(poison_allocations, block_size):
 
     query_lens = [512, 1] * 2 + [1] * 20 + [300, 64]
     context_lens = [1500, 3000, 0, 2047] + [37 * i for i in range(20)] + [0, 4000]
-    case = make_case(query_lens, context_lens, block_size, **LLAMA_8B_HEADS, dtype=torch.bfloat16, device="cuda",
-                     padding_seqs=3)
+    case = make_case(
+        query_lens, context_lens, block_size, **LLAMA_8B_HEADS, dtype=torch.bfloat16, device="cuda", padding_seqs=3
+    )
     check_step(case)
 
 
@@ -111,19 +119,30 @@ def test_decode_step_replays_in_a_cuda_graph(num_kv_splits):
     from lifeofprompt.kernels.cases import make_case
 
     kernels = _kernels()
-    case = make_case([1] * 8, [100 * i + 50 for i in range(8)], 16, **TINYLLAMA_HEADS, dtype=torch.bfloat16,
-                     device="cuda")
+    case = make_case(
+        [1] * 8, [100 * i + 50 for i in range(8)], 16, **TINYLLAMA_HEADS, dtype=torch.bfloat16, device="cuda"
+    )
     k_pool, v_pool = case.k_pool.clone(), case.v_pool.clone()
 
     def step():
         kernels.store_kv(case.key, case.value, k_pool, v_pool, case.slot_mapping)
-        return kernels.paged_attention(case.query, k_pool, v_pool, case.block_tables, case.seq_lens,
-                                       case.query_start_loc, 1, case.max_seq_len, case.scale, num_kv_splits=num_kv_splits)
+        return kernels.paged_attention(
+            case.query,
+            k_pool,
+            v_pool,
+            case.block_tables,
+            case.seq_lens,
+            case.query_start_loc,
+            1,
+            case.max_seq_len,
+            case.scale,
+            num_kv_splits=num_kv_splits,
+        )
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        step()                                            # compile and warm up outside the capture
+        step()  # compile and warm up outside the capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -134,7 +153,10 @@ def test_decode_step_replays_in_a_cuda_graph(num_kv_splits):
     for shrink in (0, 13, 49):
         new_lens = (case.seq_lens - shrink).clamp(min=1)
         last = (new_lens - 1).long()
-        slots = case.block_tables.gather(1, (last // block_size)[:, None]).squeeze(1).long() * block_size + last % block_size
+        slots = (
+            case.block_tables.gather(1, (last // block_size)[:, None]).squeeze(1).long() * block_size
+            + last % block_size
+        )
         case.seq_lens.copy_(new_lens)
         case.slot_mapping.copy_(slots)
         for t in (case.query, case.key, case.value):
@@ -142,8 +164,17 @@ def test_decode_step_replays_in_a_cuda_graph(num_kv_splits):
         ref_k, ref_v = k_pool.clone(), v_pool.clone()
         graph.replay()
         reference.store_kv(case.key, case.value, ref_k, ref_v, case.slot_mapping)
-        expected = reference.paged_attention(case.query, ref_k, ref_v, case.block_tables, case.seq_lens,
-                                             case.query_start_loc, 1, case.max_seq_len, case.scale)
+        expected = reference.paged_attention(
+            case.query,
+            ref_k,
+            ref_v,
+            case.block_tables,
+            case.seq_lens,
+            case.query_start_loc,
+            1,
+            case.max_seq_len,
+            case.scale,
+        )
         torch.cuda.synchronize()
         assert torch.equal(k_pool, ref_k) and torch.equal(v_pool, ref_v)
         torch.testing.assert_close(out, expected, **TOLERANCE[torch.bfloat16])
@@ -156,8 +187,14 @@ def test_low_precision_kernel_is_as_precise_as_the_reference(dtype, num_kv_split
     (its bf16/fp16 output rounding): the Triton backend adds no error of its own to the engine."""
     from lifeofprompt.kernels.cases import errors_against_fp32, make_case
 
-    case = make_case([1] * 16 + [200, 57], [3000 - 150 * i for i in range(16)] + [0, 900], 16, **TINYLLAMA_HEADS,
-                     dtype=dtype, device="cuda")
+    case = make_case(
+        [1] * 16 + [200, 57],
+        [3000 - 150 * i for i in range(16)] + [0, 900],
+        16,
+        **TINYLLAMA_HEADS,
+        dtype=dtype,
+        device="cuda",
+    )
     _kernels()
     err = errors_against_fp32(case, num_kv_splits=num_kv_splits)
     print(err)

@@ -37,13 +37,17 @@ def runs():
 
     model = random_tinyllama("cuda", torch.bfloat16)
     out = {}
-    for name in ("uni", "mp", "mp-graphs"):       # "mp-graphs": the rank captures its own decode graphs
+    for name in ("uni", "mp", "mp-graphs"):  # "mp-graphs": the rank captures its own decode graphs
         settings = dict(ENGINE, enforce_eager=name != "mp-graphs")
-        llm = LLM(model, tokenizer=ByteTokenizer(model.config.vocab_size),
-                  distributed_executor_backend=name.split("-")[0], **settings)
+        llm = LLM(
+            model,
+            tokenizer=ByteTokenizer(model.config.vocab_size),
+            distributed_executor_backend=name.split("-")[0],
+            **settings,
+        )
         try:
             run = measure_llm(llm, PROMPTS, MAX_TOKENS)
-            out[name + " last launch"] = llm.engine.runner.last_launch.get("mode")      # the last step: a decode
+            out[name + " last launch"] = llm.engine.runner.last_launch.get("mode")  # the last step: a decode
             reference = out["uni"][0].tokens if out else run.tokens
             out[name] = run, [teacher_forced_logits(llm.engine.model, p, t) for p, t in zip(PROMPTS, reference)]
             graphs = getattr(llm.engine.model, "decode_graphs", None)
@@ -65,8 +69,10 @@ def test_one_rank_over_nccl_picks_the_single_engines_tokens(runs):
     margins = [top2_margins(r).tolist() for r in reference]
     steps = sum(len(t) for t in single.tokens)
     compared = assert_greedy_agrees(one_rank.tokens, single.tokens, margins, 2 * difference, min_steps=int(0.9 * steps))
-    print(f"\none rank over NCCL: logits differ by at most {difference:.3g}; {sum(compared)} of {steps} greedy steps "
-          f"compared, tokens {'identical' if one_rank.tokens == single.tokens else 'parted at a near tie'}")
+    print(
+        f"\none rank over NCCL: logits differ by at most {difference:.3g}; {sum(compared)} of {steps} greedy steps "
+        f"compared, tokens {'identical' if one_rank.tokens == single.tokens else 'parted at a near tie'}"
+    )
     assert difference < BF16_TOLERANCE
 
 
@@ -76,7 +82,7 @@ def test_report_the_per_step_collective_overhead(runs):
     overhead = one_rank_overhead(runs["uni"][0], runs["mp"][0])
     print(f"\n{overhead['group']}\n{format_overhead(overhead)}")
     assert overhead["calls_per_step"]["broadcast"] == 2
-    assert overhead["calls_per_step"]["all_reduce"] == 1 + 2 * 22              # TinyLlama's 22 layers
+    assert overhead["calls_per_step"]["all_reduce"] == 1 + 2 * 22  # TinyLlama's 22 layers
     assert overhead["decode_step_single_s"] > 0 and overhead["decode_step_one_rank_s"] > 0
 
 
@@ -95,6 +101,8 @@ def test_one_rank_replays_its_own_cuda_graphs(runs):
     margins = [top2_margins(r).tolist() for r in reference]
     compared = assert_greedy_agrees(graphs.tokens, single.tokens, margins, 2 * BF16_TOLERANCE, min_steps=0)
     eager = runs["mp"][0]
-    print(f"\none rank over NCCL with per-rank CUDA graphs: {sum(compared)} greedy steps compared; decode step "
-          f"{graphs.decode_step_s * 1e3:.2f} ms against {eager.decode_step_s * 1e3:.2f} ms eager "
-          f"(single process eager {single.decode_step_s * 1e3:.2f} ms)")
+    print(
+        f"\none rank over NCCL with per-rank CUDA graphs: {sum(compared)} greedy steps compared; decode step "
+        f"{graphs.decode_step_s * 1e3:.2f} ms against {eager.decode_step_s * 1e3:.2f} ms eager "
+        f"(single process eager {single.decode_step_s * 1e3:.2f} ms)"
+    )

@@ -16,7 +16,7 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-REPEAT = [5, 17, 99, 230, 7, 5, 17, 99, 230, 7, 5, 17]        # prompt lookup finds something here
+REPEAT = [5, 17, 99, 230, 7, 5, 17, 99, 230, 7, 5, 17]  # prompt lookup finds something here
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +31,16 @@ def engine(tinyllama, spec=None, **kwargs):
     from lifeofprompt.engine.llm_engine import LLMEngine
 
     model, tokenizer = tinyllama
-    return LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=256, max_num_seqs=8, log_stats=False,
-                     check_invariants=True, speculative_config=spec, **kwargs)
+    return LLMEngine(
+        model,
+        tokenizer=tokenizer,
+        num_kv_blocks=256,
+        max_num_seqs=8,
+        log_stats=False,
+        check_invariants=True,
+        speculative_config=spec,
+        **kwargs,
+    )
 
 
 def run(e, prompts, params):
@@ -65,8 +73,10 @@ def test_ngram_speculation_on_the_gpu_path(tinyllama):
     spec_engine.runner.forward = recording
     spec = run(spec_engine, prompts, params)
     agree = sum(agreeing_prefix(a, b) for a, b in zip(spec, plain))
-    print(f"\nn-gram on the GPU: {agree} of {sum(map(len, plain))} tokens agree before a bf16 near-tie; "
-          f"acceptance {spec_engine.spec_stats.acceptance_rate:.1%}; launches {sorted(set(modes))}")
+    print(
+        f"\nn-gram on the GPU: {agree} of {sum(map(len, plain))} tokens agree before a bf16 near-tie; "
+        f"acceptance {spec_engine.spec_stats.acceptance_rate:.1%}; launches {sorted(set(modes))}"
+    )
     assert agree >= 0.9 * sum(map(len, plain)) or all(agreeing_prefix(a, b) >= 8 for a, b in zip(spec, plain))
     assert spec_engine.spec_stats.num_drafts > 0 and "eager" in modes
 

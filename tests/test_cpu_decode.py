@@ -455,7 +455,7 @@ def story_greedy():
 def test_the_engine_gives_the_same_greedy_tokens_with_the_c_step(story_greedy, smollm2):
     prompts, want, _ = story_greedy[False]
     _, got, llm = story_greedy[True]
-    assert llm.engine.runner.last_launch["fused"] == "cpu"
+    assert llm.engine.step_records[-1].launch.path == "cpu"
     layers = llm.engine.model.layers
     matrices = [
         m.weight
@@ -500,7 +500,7 @@ def test_speculative_verifies_run_in_the_c_step_and_keep_the_greedy_tokens(story
     assert out.metrics.spec_decode.num_accepted_tokens > 5 and verifies, (
         "prompt lookup should have fired on the code prompt"
     )
-    assert spec.engine.runner.last_launch["fused"] == "cpu"
+    assert spec.engine.step_records[-1].launch.path == "cpu"
     first = LLM(
         "smollm2-135m",
         dtype="float32",

@@ -6,17 +6,18 @@ import matplotlib
 
 matplotlib.use("Agg")
 
+from lifeofprompt.engine.step_output import Launch  # noqa: E402
 from lifeofprompt.figures.engine import decode_breakdown, kernels_of_step, plot_cpu_linear  # noqa: E402
 
 MODEL = SimpleNamespace(config=SimpleNamespace(num_layers=22))
 
 
 def test_kernels_of_step_names_the_fused_kernels_only_when_used():
-    plain = kernels_of_step(MODEL, dict(mode="eager", backend="torch", fused=False))
-    fused = kernels_of_step(MODEL, dict(mode="CUDA graph replay", backend="triton", fused=True, rows=3, padded_to=4))
+    plain = kernels_of_step(MODEL, Launch("eager", 5, None, "torch", False))
+    fused = kernels_of_step(MODEL, Launch("CUDA graph replay", 3, 4, "triton", True))
     assert plain.startswith("22 × [RMSNorm, qkv GEMM, RoPE, torch store_kv") and "fused" not in plain
     assert "fused add+RMSNorm" in fused and "fused SiLU·up" in fused and fused.endswith("(batch 3 padded to 4)")
-    c_step = kernels_of_step(MODEL, dict(mode="eager", backend="torch", fused="cpu"))
+    c_step = kernels_of_step(MODEL, Launch("eager", 2, None, "torch", "cpu"))
     assert c_step.startswith("22 layers in one C call") and "fused add" not in c_step
 
 
@@ -79,11 +80,11 @@ def test_the_gap_above_the_roofline_per_batch_and_trace_lines_break_between_word
 
     gaps = gap_above_prediction([dict(batch=1, step_s=0.003, predicted_s=0.0005), dict(batch=128, step_s=0.005)])
     assert [(b, round(g, 6)) for b, _, _, g in gaps] == [(1, 2.5)]
-    line = wrap_line("    kernels: " + kernels_of_step(MODEL, dict(mode="eager", backend="torch")), width=60)
+    line = wrap_line("    kernels: " + kernels_of_step(MODEL, Launch("eager", 5, None, "torch")), width=60)
     assert all(len(piece) <= 60 for piece in line.splitlines()) and len(line.splitlines()) > 1
     assert (
         line.replace("\n" + " " * 13, " ").split()
-        == ("kernels: " + kernels_of_step(MODEL, dict(mode="eager", backend="torch"))).split()
+        == ("kernels: " + kernels_of_step(MODEL, Launch("eager", 5, None, "torch"))).split()
     )
 
 

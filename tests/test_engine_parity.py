@@ -68,7 +68,7 @@ def test_one_batch_for_all_prompts(engine_outputs):
     assert [len(o.outputs[0].token_ids) for o in outputs] == [NEW_TOKENS] * len(PROMPTS)
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
     # every prompt was prefilled in the first step and all decoded together afterwards
-    assert len(steps[0].seqs) == len(PROMPTS)
+    assert steps[0].num_seqs == len(PROMPTS)
     assert len(steps) == NEW_TOKENS
 
 

@@ -117,19 +117,19 @@ def test_mid_prompt_chunk_samples_nothing_and_logprobs_come_back(runner, story_i
     seq = Sequence("c", story_ids[1], params)
     seq.block_table = [5]
     first = step_and_return(runner, seq, 4)
-    assert first == [None] and runner.last_logprobs == [None]
+    assert first.tokens == [None] and first.logprobs == [None]
     second = step_and_return(runner, seq, len(seq) - 4)
-    assert second == [STORY_8[1][0]]
-    chosen, top = runner.last_logprobs[0]
+    assert second.tokens == [STORY_8[1][0]]
+    chosen, top = second.logprobs[0]
     assert list(top)[0] == STORY_8[1][0] and len(top) == 3 and chosen == max(top.values()) < 0
 
 
 def step_and_return(runner, seq, n):
-    sampled = runner.execute([seq], [n])
+    out = runner.execute([seq], [n])
     seq.num_computed_tokens += n
-    if sampled[0] is not None:
-        seq.output_token_ids.append(sampled[0])
-    return sampled
+    if out.tokens[0] is not None:
+        seq.output_token_ids.append(out.tokens[0])
+    return out
 
 
 def test_seeded_sampling_repeats_through_the_runner(runner, story_ids):

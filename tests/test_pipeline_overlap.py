@@ -142,7 +142,7 @@ def test_an_abort_while_its_step_is_in_the_pipe_frees_its_blocks_safely(single, 
     engine.add_request("drop", PROMPTS[2], greedy())
 
     def in_pipe(rid: str) -> bool:
-        return any(s.request_id == rid for f in engine.pipeline.in_flight for s in f.record.scheduled)
+        return any(s.request_id == rid for f in engine.pipeline.in_flight for s in f.started.record.scheduled)
 
     done = []
     for _ in range(20):

@@ -201,13 +201,15 @@ def test_the_startup_log_says_verifies_travel_with_the_overlap(overlapped):
 
 def test_drafts_changed_under_a_step_in_flight_are_caught():
     """``PipelineOverlap.check_drafts``: the guard behind the rule that only the collected group drafts."""
+    from lifeofprompt.engine.llm_engine import StartedStep
     from lifeofprompt.engine.pipeline_overlap import InFlight, PipelineOverlap
-    from lifeofprompt.engine.scheduler import StepRecord
+    from lifeofprompt.engine.scheduler import ScheduledBatch
     from lifeofprompt.engine.sequence import Sequence
 
     seq = Sequence("a", [1, 2, 3], SamplingParams(max_tokens=8))
     seq.set_spec([4, 5])
-    done = InFlight(StepRecord(step=7, seqs=[seq], num_scheduled_tokens=[3]), {seq.seq_id: [4, 5]}, pending=None)
+    batch = ScheduledBatch(step=7, seqs=[seq], num_scheduled_tokens=[3])
+    done = InFlight(StartedStep(batch, record=None, drafts={seq.seq_id: [4, 5]}), pending=None)
     PipelineOverlap.check_drafts(done)
     seq.set_spec([4, 6])
     with pytest.raises(AssertionError, match="step 7: drafts changed"):

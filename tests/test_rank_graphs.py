@@ -53,14 +53,18 @@ def runs(one_thread):
     try:
         runner, shard = llm.engine.runner, llm.engine.model
         runner.start_decode_graphs(capture=False)
-        replays, run = [], shard.replay_decode
+        sizes, run = [], shard.replay_decode
 
         def counted(size, payload):
-            replays.append((size, runner.last_launch["rows"], runner.last_launch["mode"]))
+            sizes.append(size)
             return run(size, payload)
 
         shard.replay_decode = counted
+        before = len(llm.engine.step_records)
         tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy())]
+        launches = [r.launch for r in list(llm.engine.step_records)[before:] if r.launch.padded_to is not None]
+        replays = [(launch.padded_to, launch.rows, launch.mode) for launch in launches]
+        assert [size for size, _, _ in replays] == sizes[: len(replays)]  # one replay per padded step
         again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:1], greedy())]
         reports = llm.engine.parallel.report(shard, runner.kv_cache)
         yield dict(reference=reference, tokens=tokens, again=again, replays=replays, shard=shard, reports=reports)

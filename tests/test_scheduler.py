@@ -14,6 +14,7 @@ from lifeofprompt.engine.block_manager import BlockManager
 from lifeofprompt.engine.sampling_params import SamplingParams
 from lifeofprompt.engine.scheduler import Scheduler
 from lifeofprompt.engine.sequence import Sequence, SequenceStatus
+from lifeofprompt.engine.step_trace import record_step
 from lifeofprompt.errors import RequestTooLargeError
 
 
@@ -24,13 +25,15 @@ def seq(name, prompt_len, max_tokens, first=0):
 
 
 def run_step(scheduler):
-    """Schedule, 'run' (next token = last + 1 for sequences that reached their end), update, finish."""
-    record = scheduler.schedule()
+    """Schedule, 'run' (next token = last + 1 for sequences that reached their end), update, finish;
+    returns the step's trace (``step_trace.StepRecord``)."""
+    batch = scheduler.schedule()
+    record = record_step(batch, scheduler)
     sampled = [
         (s.token_ids[-1] + 1) % 100 if s.num_computed_tokens + n == len(s) else None
-        for s, n in zip(record.seqs, record.num_scheduled_tokens)
+        for s, n in zip(batch.seqs, batch.num_scheduled_tokens)
     ]
-    for s in scheduler.update(record, sampled):
+    for s in scheduler.update(batch, sampled):
         if len(s.output_token_ids) >= s.sampling_params.max_tokens:
             scheduler.finish(s, "length")
             record.finished.append(s.request_id)
@@ -144,7 +147,7 @@ def test_every_workload_finishes_with_the_same_tokens(requests, num_blocks, budg
 
 
 def test_the_printed_schedule_folds_quiet_steps():
-    from lifeofprompt.engine.scheduler import format_steps
+    from lifeofprompt.engine.step_trace import format_steps
 
     sched = Scheduler(BlockManager(8, block_size=4), max_num_seqs=8, max_num_batched_tokens=100)
     sched.add(seq("a", 3, 4))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lifeofprompt.engine.scheduler import ScheduledRequest, StepRecord
+from lifeofprompt.engine.step_trace import ScheduledRequest, StepRecord
 from lifeofprompt.lessons.roofline import Machine, predict_step_time
 from lifeofprompt.lessons.simulator import SimRequest, Simulator, calibrate, compare_steps, random_workload
 from lifeofprompt.model.config import SMOLLM2_135M

@@ -141,9 +141,9 @@ def test_random_accept_reject_stops_aborts_and_preemption_keep_the_books(
     verified: list[list[int]] = []
     update = engine.scheduler.update
 
-    def recording_update(record, sampled):
-        grown = update(record, sampled)
-        verified.extend(list(s.token_ids) for s in record.seqs)
+    def recording_update(batch, sampled):
+        grown = update(batch, sampled)
+        verified.extend(list(s.token_ids) for s in batch.seqs)
         return grown
 
     engine.scheduler.update = recording_update

@@ -35,7 +35,6 @@ from ..errors import OutOfMemoryError, SpeculativeConfigError
 from ..model.attention import PagedCacheMetadata, PagedKVCache
 from . import rejection_sampler
 from .memory import kv_bytes_per_block
-from .sampler import make_generator
 from .sequence import Sequence
 from .speculative import SpeculativeConfig
 
@@ -232,7 +231,5 @@ class DraftModelProposer:
         params = seq.sampling_params
         if params.temperature == 0:
             return int(logits.argmax()), None
-        if params.seed is not None and getattr(seq, "generator", None) is None:
-            seq.generator = make_generator(params.seed, logits.device)
         q = rejection_sampler.filtered_probs(logits[None], params)[0]
-        return rejection_sampler.draw(q, getattr(seq, "generator", None)), q
+        return rejection_sampler.draw(q, seq.random_stream(logits.device)), q

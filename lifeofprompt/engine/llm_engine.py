@@ -34,7 +34,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -52,9 +52,11 @@ from .logs import log_to_stderr
 from .outputs import RequestMetrics, RequestOutput
 from .request_state import IncrementalDetokenizer, _Completion, _Request
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, StepRecord, fair_prefill_threshold, format_steps
+from .scheduler import ScheduledBatch, Scheduler, fair_prefill_threshold
 from .sequence import Sequence, SequenceStatus
 from .speculative import SpeculativeConfig
+from .step_output import StepOutput
+from .step_trace import StepRecord, format_steps, record_step
 
 logger = logging.getLogger("lifeofprompt.engine")
 log_to_stderr(logger, "engine", defer_to_root=False)  # like vLLM: the start-up lines show without any set-up
@@ -63,6 +65,15 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
 
 
 # ----------------------------------------------------------------------------- the engine
+
+
+@dataclass
+class StartedStep:
+    """A step on its way: what the scheduler gave it, its trace, and the drafts its verifies check (by seq_id)."""
+
+    batch: ScheduledBatch
+    record: StepRecord
+    drafts: dict
 
 
 class LLMEngine(CompletionUpdates):
@@ -431,19 +442,9 @@ class LLMEngine(CompletionUpdates):
                 self.scheduler.add(item.completions[0].seq)
                 continue
             request = self.requests.get(item)
-            if request is None or request.finished:
-                continue  # unknown or already done: nothing to stop
-            for c in request.completions:
-                if c.finished:
-                    continue
-                if any(c is p for p in request.pending):  # never handed to the scheduler: holds no block
-                    c.seq.status, c.seq.finish_reason = SequenceStatus.FINISHED, "abort"
-                else:
-                    self.scheduler.finish(c.seq, "abort")  # its blocks go back now
-            request.pending.clear()
-            request.metrics.finished_time = self.clock()
-            self._pending_outputs.append(self._make_output(request))
-            self._forget(request)
+            if request is not None and not request.finished:  # unknown or already done: nothing to stop
+                self._end_request(request, "abort", self.clock())
+                self._pending_outputs.append(self._output_of(request))
 
     def _forget(self, request: _Request) -> None:
         with self._lock:
@@ -461,77 +462,43 @@ class LLMEngine(CompletionUpdates):
             outputs, self._pending_outputs = self._pending_outputs, []
             if self.pipeline is not None:
                 done = self.pipeline.advance()
-                if done is not None:
-                    outputs += self._finish_step(*done)
+                return outputs + (self._finish_step(*done) if done is not None else [])
+            batch = self.scheduler.schedule()
+            if batch.is_empty:
                 return outputs
-            record = self.scheduler.schedule()
-            if record.is_empty:
-                return outputs
-            drafts = self._start_step(record)
-            sampled = self.runner.execute(record.seqs, record.num_scheduled_tokens)
-            return outputs + self._finish_step(record, drafts, sampled)
+            started = self._start_step(batch)
+            return outputs + self._finish_step(started, self.runner.execute(batch.seqs, batch.num_scheduled_tokens))
 
-    def _start_step(self, record: StepRecord) -> dict:
-        """Before a step runs: a draft model drafts, the clock starts, first-scheduled metrics; its drafts by seq_id."""
+    def _start_step(self, batch: ScheduledBatch) -> StartedStep:
+        """Before a step runs: a draft model drafts, its trace opens, first-scheduled metrics."""
         if self.spec is not None:
-            self.spec.fill(record.seqs, self.clock)  # a draft model drafts now, into the slots just given
+            self.spec.fill(batch.seqs, self.clock)  # a draft model drafts now, into the slots just given
+        record = record_step(batch, self.scheduler)
         record.start_time = self.clock()
-        for seq in record.seqs:
+        for seq in batch.seqs:
             request, _ = self._owner[seq.seq_id]
             metrics = request.metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = record.start_time
                 metrics.num_cached_tokens = seq.num_cached_tokens
             metrics.num_preemptions = sum(c.seq.num_preemptions for c in request.completions)
-        return {seq.seq_id: list(seq.spec_token_ids) for seq in record.seqs if seq.spec_token_ids}
+        drafts = {seq.seq_id: list(seq.spec_token_ids) for seq in batch.seqs if seq.spec_token_ids}
+        return StartedStep(batch, record, drafts)
 
-    def _finish_step(self, record: StepRecord, drafts: dict, sampled: list) -> list[RequestOutput]:
-        """After a step ran: tokens into text, stops, failures; the outputs of the requests it changed."""
-        outputs = []
-        logprob_rows = getattr(self.runner, "last_logprobs", None) or [None] * len(record.seqs)
-        failures = getattr(self.runner, "last_failures", None) or {}
-        sampled = [None if seq.seq_id in failures else token for seq, token in zip(record.seqs, sampled)]
+    def _finish_step(self, started: StartedStep, out: StepOutput) -> list[RequestOutput]:
+        """After a step ran: its tokens into their requests, its failures, its trace; then the next drafts."""
+        record = started.record
         now = record.end_time = self.clock()
-        if drafts:
+        record.launch = out.launch
+        if started.drafts:
             self.spec_stats.verify_time += now - record.start_time
-        entries = {seq.seq_id: lp for seq, lp in zip(record.seqs, logprob_rows)}
-        new_tokens = {
-            seq.seq_id: (t if isinstance(t, list) else [t]) for seq, t in zip(record.seqs, sampled) if t is not None
-        }
-        starts = {seq.seq_id: seq.num_computed_tokens for seq in record.seqs}
-        shares = {seq.seq_id: share for seq, share in zip(record.seqs, record.scheduled)}
-        changed: dict[str, _Request] = {}
-        for seq in self.scheduler.update(record, sampled):
-            request, completion = self._owner[seq.seq_id]
-            if request.error is not None:
-                continue
-            tokens = new_tokens[seq.seq_id]
-            if seq.seq_id in drafts:
-                kept = self.spec.observe(request.metrics, starts[seq.seq_id], drafts[seq.seq_id], tokens)
-                shares[seq.seq_id].num_accepted_tokens = kept
-            try:
-                self._on_tokens(request, completion, tokens, entries.get(seq.seq_id), now)
-            except Exception as exc:  # this request's detokenizer or stop check: it alone ends
-                self._fail(request, exc, "while turning its token into text", now)
-                changed[request.request_id] = request
-                continue
-            if completion.finished:
-                record.finished.append(seq.request_id)
-            if request.pending and completion.index == 0:
-                # n > 1: the prompt's full blocks are cached now, so the other answers share them
-                for sibling in reversed(request.pending):
-                    self.scheduler.add(sibling.seq, front=True)
-                request.pending.clear()
-            changed[request.request_id] = request
-        for seq_id, exc in failures.items():
+        changed = self._take_tokens(started, out, now)
+        for seq_id, exc in out.failures.items():
             if seq_id in self._owner:
-                request, _ = self._owner[seq_id]
-                self._fail(request, exc, "in the sampler", now)
+                request = self._owner[seq_id][0]
+                self._end_request(request, "error", now, exc, "in the sampler")
                 changed[request.request_id] = request
-        for request in changed.values():
-            outputs.append(self._make_output(request))
-            if request.finished:
-                self._forget(request)
+        outputs = [self._output_of(request) for request in changed.values()]
         self.step_records.append(record)
         if self.spec is not None:
             # with overlap only this step's group: another's step may be in the pipe with its drafts packed
@@ -540,22 +507,71 @@ class LLMEngine(CompletionUpdates):
             self.block_manager.check_invariants(self.scheduler.seqs)
         return outputs
 
-    def _fail(self, request: _Request, exc: BaseException, where: str, now: float) -> None:
-        """End one request with a typed error (its own input's fault: 4xx; else a 500); free its blocks."""
-        if request.error is None:
+    def _take_tokens(self, started: StartedStep, out: StepOutput, now: float) -> dict[str, _Request]:
+        """Each sequence's new tokens: the scheduler's update (a verify's rejected drafts rolled back, full
+        blocks cached), then text and stops in its request. Returns the requests that changed."""
+        batch, drafts = started.batch, started.drafts
+        starts = {seq.seq_id: seq.num_computed_tokens for seq in batch.seqs}
+        shares = {seq.seq_id: share for seq, share in zip(batch.seqs, started.record.scheduled)}
+        produced = {seq.seq_id: entry for seq, entry in zip(batch.seqs, zip(out.tokens, out.logprobs))}
+        sampled = [None if seq.seq_id in out.failures else token for seq, token in zip(batch.seqs, out.tokens)]
+        changed: dict[str, _Request] = {}
+        for seq in self.scheduler.update(batch, sampled):
+            request, completion = self._owner[seq.seq_id]
+            if request.error is not None:
+                continue
+            token, logprobs = produced[seq.seq_id]
+            tokens = token if isinstance(token, list) else [token]
+            if seq.seq_id in drafts:
+                kept = self.spec.observe(request.metrics, starts[seq.seq_id], drafts[seq.seq_id], tokens)
+                shares[seq.seq_id].num_accepted_tokens = kept
+            changed[request.request_id] = request
+            try:
+                self._on_tokens(request, completion, tokens, logprobs, now)
+            except Exception as exc:  # this request's detokenizer or stop check: it alone ends
+                self._end_request(request, "error", now, exc, "while turning its token into text")
+                continue
+            if completion.finished:
+                started.record.finished.append(seq.request_id)
+            self._release_siblings(request, completion)
+        return changed
+
+    def _release_siblings(self, request: _Request, completion: _Completion) -> None:
+        """n > 1: once the first answer has sampled, its prompt's full blocks are cached, so the other
+        answers start now, at the front of the queue, and share them."""
+        if request.pending and completion.index == 0:
+            for sibling in reversed(request.pending):
+                self.scheduler.add(sibling.seq, front=True)
+            request.pending.clear()
+
+    def _output_of(self, request: _Request) -> RequestOutput:
+        """The snapshot a caller sees; a finished request is forgotten."""
+        output = self._make_output(request)
+        if request.finished:
+            self._forget(request)
+        return output
+
+    def _end_request(
+        self, request: _Request, reason: str, now: float, error: BaseException | None = None, where: str = ""
+    ) -> None:
+        """End every unfinished answer of a request (``reason``: "abort" or "error") and free its blocks now.
+        An error is kept typed (its own input's fault: 4xx; anything else becomes a 500)."""
+        if error is not None and request.error is None:
             request.error = (
-                exc
-                if isinstance(exc, LifeOfPromptError)
-                else RequestFailedError(f"request {request.request_id!r} failed {where}: {type(exc).__name__}: {exc}")
+                error
+                if isinstance(error, LifeOfPromptError)
+                else RequestFailedError(
+                    f"request {request.request_id!r} failed {where}: {type(error).__name__}: {error}"
+                )
             )
-            logger.warning("request %s failed %s: %r", request.request_id, where, exc)
+            logger.warning("request %s failed %s: %r", request.request_id, where, error)
         for c in request.completions:
             if c.finished:
                 continue
-            if any(c is p for p in request.pending):
-                c.seq.status, c.seq.finish_reason = SequenceStatus.FINISHED, "error"
+            if any(c is p for p in request.pending):  # never handed to the scheduler: holds no block
+                c.seq.status, c.seq.finish_reason = SequenceStatus.FINISHED, reason
             else:
-                self.scheduler.finish(c.seq, "error")
+                self.scheduler.finish(c.seq, reason)  # its blocks go back now
         request.pending.clear()
         request.metrics.finished_time = now
 

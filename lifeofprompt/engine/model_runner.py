@@ -30,20 +30,19 @@ import math
 
 import torch
 
-from ..errors import ConfigError, InvalidRequestError, OutOfMemoryError, RequestFailedError
+from ..errors import ConfigError, OutOfMemoryError
 from ..model.allocator import keep_freed_memory
 from ..model.attention import PagedCacheMetadata, PagedKVCache
 from ..model.cpu_decode import takes_step as cpu_decode_takes_step
 from ..model.huge_pages import move_weights_to_huge_pages
 from ..model.linear import apply_plans
 from ..model.linear_calibration import choose_cpu_linear
-from . import rejection_sampler
 from .cpu_paths import CpuPathChoices
 from .cuda_graphs import DecodeGraphs
 from .memory import kv_bytes_per_block, plan_memory
-from .sampler import Sampler, SamplerOutput, make_generator
+from .sampler import Sampler
 from .sequence import Sequence
-from .structured_output import grammar_bitmask
+from .step_output import Launch, StepOutput, sample_step
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -148,10 +147,6 @@ class ModelRunner(CpuPathChoices, DecodeGraphs):
         self.cpu_decode_reason = ""  # how the C step's row limit was chosen (start-up log)
         self.cpu_decode_rows = self.choose_cpu_decode_rows(cpu_decode)  # after the attention: the torch step uses it
         self.cpu_step_packed_bytes = self.pack_for_cpu_step()
-        self.last_output: SamplerOutput | None = None
-        self.last_logprobs: list | None = None  # per seq: None or (logprob, {token_id: logprob, ...})
-        self.last_failures: dict[str, BaseException] = {}  # seq_id -> why its row could not be sampled
-        self.last_launch: dict = {}  # how the last step ran (eager / graph replay, padding), for traces
         # Static decode buffers: used by CUDA graphs, and by the CPU tests that check the padding.
         self._alloc_static_buffers()
         if enforce_eager is None:
@@ -212,8 +207,6 @@ class ModelRunner(CpuPathChoices, DecodeGraphs):
         fused = self.fused_kernels
         if cpu_decode_takes_step(input_ids.shape[0], self.cpu_decode_rows, meta.cache.kv):
             fused = self.cpu_step_layout(input_ids.shape[0])
-        if self.last_launch:
-            self.last_launch["fused"] = fused
         return self.model(input_ids, positions, meta, fused_kernels=fused)
 
     @torch.no_grad()
@@ -310,65 +303,54 @@ class ModelRunner(CpuPathChoices, DecodeGraphs):
         """Every sequence runs exactly its one newest token (the shape CUDA graphs serve)."""
         return all(n == 1 and s.num_computed_tokens + 1 == len(s) for s, n in zip(seqs, num_scheduled_tokens))
 
-    @torch.no_grad()
     def forward(self, seqs: list[Sequence], num_scheduled_tokens: list[int]) -> torch.Tensor:
-        """Logits ``[sequences that sample, vocab]`` of one step: graph replay for decode, else eager."""
+        """Logits ``[rows that sample, vocab]`` of one step (``forward_step`` without how it ran)."""
+        return self.forward_step(seqs, num_scheduled_tokens)[0]
+
+    @torch.no_grad()
+    def forward_step(self, seqs: list[Sequence], num_scheduled_tokens: list[int]) -> tuple[torch.Tensor, Launch]:
+        """Logits ``[rows that sample, vocab]`` of one step and how it ran: graph replay for decode, else eager."""
         if self.draft is None and self.is_decode(seqs, num_scheduled_tokens):  # a draft mirrors eager steps only
             padded = self.graphs or self.pad_decode_eagerly or self.rank_graphs
             size = padded_batch_size(len(seqs), self.graph_sizes) if padded else None
-            if size is not None and self.rank_graphs:
-                from ..distributed.rank_graphs import replay_payload
-
-                captured = bool(self.model.decode_graphs.graphs)
-                self.last_launch = dict(
-                    mode="CUDA graph replay on every rank" if captured else "padded eager decode on every rank",
-                    rows=len(seqs),
-                    padded_to=size,
-                    backend=self.backend,
-                    fused=self.fused_kernels,
-                )
-                self.fill_static_decode(seqs, size)
-                return self.model.replay_decode(size, replay_payload(self, size))[: len(seqs)]
-            if size is not None and not self.graphs:
-                self.last_launch = dict(
-                    mode="padded eager decode",
-                    rows=len(seqs),
-                    padded_to=size,
-                    backend=self.backend,
-                    fused=self.fused_kernels,
-                )
-                return self.run_static_decode(seqs, size)
             if size is not None:
-                self.last_launch = dict(
-                    mode="CUDA graph replay",
-                    rows=len(seqs),
-                    padded_to=size,
-                    backend=self.backend,
-                    fused=self.fused_kernels,
-                )
-                self.fill_static_decode(seqs, size)
-                graph, logits = self.graphs[size]
-                graph.replay()
-                return logits[: len(seqs)]
-        self.last_launch = dict(
-            mode="eager", rows=sum(num_scheduled_tokens), padded_to=None, backend=self.backend, fused=self.fused_kernels
-        )
+                return self.padded_decode(seqs, size)
         input_ids, positions, meta = self.prepare(seqs, num_scheduled_tokens)
         logits = self.run_model(input_ids, positions, meta)
         if self.draft is not None:
             self.draft.mirror(input_ids, positions, meta)
-        return logits
+        return logits, self.launch("eager", input_ids.shape[0])
+
+    def padded_decode(self, seqs: list[Sequence], size: int) -> tuple[torch.Tensor, Launch]:
+        """A decode step through the static buffers, padded to ``size`` rows: a graph's replay, or its
+        computation run eagerly; with tensor parallelism, on every rank at once."""
+        if self.rank_graphs:
+            from ..distributed.rank_graphs import replay_payload
+
+            captured = bool(self.model.decode_graphs.graphs)
+            self.fill_static_decode(seqs, size)
+            logits = self.model.replay_decode(size, replay_payload(self, size))[: len(seqs)]
+            mode = "CUDA graph replay on every rank" if captured else "padded eager decode on every rank"
+            return logits, self.launch(mode, len(seqs), size)
+        if not self.graphs:
+            return self.run_static_decode(seqs, size), self.launch("padded eager decode", len(seqs), size)
+        self.fill_static_decode(seqs, size)
+        graph, logits = self.graphs[size]
+        graph.replay()
+        return logits[: len(seqs)], self.launch("CUDA graph replay", len(seqs), size)
+
+    def launch(self, mode: str, rows: int, padded_to: int | None = None) -> Launch:
+        """How a step of ``rows`` rows ran, for its trace."""
+        path = (
+            self.cpu_step_layout(rows) if cpu_decode_takes_step(rows, self.cpu_decode_rows, self.kv_cache.kv) else None
+        )
+        return Launch(mode, rows, padded_to, self.backend, path or self.fused_kernels)
 
     @torch.no_grad()
-    def execute(self, seqs: list[Sequence], num_scheduled_tokens: list[int]) -> list[int | None]:
-        """Run one step; the sampled token for each sequence that reached its end, else None.
-
-        ``self.last_logprobs`` then holds, per sequence, None or ``(logprob of the sampled token,
-        {token_id: logprob} of the top N)`` for requests that asked for logprobs, and
-        ``self.last_failures`` maps the seq_id of each row that could not be sampled to why (its
-        token is meaningless: the engine ends that request alone).
-        """
-        return self.sample_step(seqs, num_scheduled_tokens, self.forward(seqs, num_scheduled_tokens))
+    def execute(self, seqs: list[Sequence], num_scheduled_tokens: list[int]) -> StepOutput:
+        """Run one step: its tokens, logprobs and failures, and how it ran (``step_output.py``)."""
+        logits, launch = self.forward_step(seqs, num_scheduled_tokens)
+        return self.sample_step(seqs, num_scheduled_tokens, logits, launch)
 
     @torch.no_grad()
     def submit(self, seqs: list[Sequence], num_scheduled_tokens: list[int]):
@@ -378,120 +360,22 @@ class ModelRunner(CpuPathChoices, DecodeGraphs):
         ``collect`` waits for the logits and samples. Always eager: a step in the pipe keeps no
         static buffer, so another step can be prepared while it runs.
         """
-        self.last_launch = dict(
-            mode="pipelined eager",
-            rows=sum(num_scheduled_tokens),
-            padded_to=None,
-            backend=self.backend,
-            fused=self.fused_kernels,
-        )
         input_ids, positions, meta = self.prepare(seqs, num_scheduled_tokens)
-        return self.model.submit(input_ids, positions, meta, fused_kernels=self.fused_kernels)
+        return self.model.submit(input_ids, positions, meta, fused_kernels=self.fused_kernels), self.launch(
+            "pipelined eager", input_ids.shape[0]
+        )
 
     @torch.no_grad()
-    def collect(self, pending, seqs: list[Sequence], num_scheduled_tokens: list[int]) -> list:
+    def collect(self, pending, seqs: list[Sequence], num_scheduled_tokens: list[int]) -> StepOutput:
         """The end of a ``submit``ted step: its logits, then exactly ``execute``'s sampling."""
-        return self.sample_step(seqs, num_scheduled_tokens, pending.wait())
+        logits_on_the_way, launch = pending
+        return self.sample_step(seqs, num_scheduled_tokens, logits_on_the_way.wait(), launch)
 
-    def sample_step(self, seqs: list[Sequence], num_scheduled_tokens: list[int], logits: torch.Tensor) -> list:
-        """``execute``'s second half: one step's samples (and ``last_logprobs``, ``last_failures``) from its logits."""
-        if any(s.spec_token_ids for s in seqs):
-            return self.execute_verify(seqs, num_scheduled_tokens, logits)
-        sampling = [s for s, n in zip(seqs, num_scheduled_tokens) if s.num_computed_tokens + n == len(s)]
-        out = self.sample(logits, sampling)
-        self.last_failures = {sampling[row].seq_id: exc for row, exc in out.failed.items()}
-        sampled = out.token_ids.tolist()  # the step's one host synchronisation
-        self.advance_grammars(sampling, sampled)
-        logprob_rows = self.read_logprobs(out, sampling)
-        tokens = iter(sampled)
-        logprobs = iter(logprob_rows)
-        result, self.last_logprobs = [], []
-        for s, n in zip(seqs, num_scheduled_tokens):
-            reached = s.num_computed_tokens + n == len(s)
-            result.append(next(tokens) if reached else None)
-            self.last_logprobs.append(next(logprobs) if reached else None)
-        return result
-
-    def execute_verify(self, seqs: list[Sequence], num_scheduled_tokens: list[int], logits: torch.Tensor) -> list:
-        """A step holding verifies: plain rows sample as usual, each verify keeps what
-        ``rejection_sampler.verify`` accepts. A verify's entry is the list of its kept tokens."""
-        plain_rows, plain, verifies, row = [], [], [], 0
-        for s, n in zip(seqs, num_scheduled_tokens):
-            if s.num_computed_tokens + n != len(s) + len(s.spec_token_ids):
-                continue  # a prompt chunk: no logits
-            if s.spec_token_ids:
-                verifies.append((s, row))
-                row += 1 + len(s.spec_token_ids)
-            else:
-                plain_rows.append(row)
-                plain.append(s)
-                row += 1
-        result, self.last_failures = dict(), {}
-        if plain:
-            out = self.sample(logits[plain_rows], plain)
-            self.last_failures = {plain[row].seq_id: exc for row, exc in out.failed.items()}
-            tokens = out.token_ids.tolist()
-            self.advance_grammars(plain, tokens)  # a plain row beside the verifies walks its grammar too
-            for s, token, lp in zip(plain, tokens, self.read_logprobs(out, plain)):
-                result[s.seq_id] = (token, lp)
-        argmax = logits.argmax(dim=-1).tolist()  # greedy verifies read theirs from here: one copy
-        for s, start in verifies:
-            end = start + len(s.spec_token_ids) + 1
-            try:
-                result[s.seq_id] = rejection_sampler.verify_sequence(s, logits[start:end], argmax[start:end])
-            except Exception as exc:  # this request alone fails (the engine ends it); the others go on
-                self.last_failures[s.seq_id] = exc
-        self.last_logprobs = [result.get(s.seq_id, (None, None))[1] for s in seqs]
-        return [result.get(s.seq_id, (None, None))[0] for s in seqs]
-
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """Sample one token per row on the device; each seeded request keeps its own generator on the sequence."""
-        generators, failed = [], {}
-        for row, seq in enumerate(seqs):
-            if seq.sampling_params.seed is not None and getattr(seq, "generator", None) is None:
-                try:
-                    seq.generator = make_generator(seq.sampling_params.seed, logits.device)
-                except Exception as exc:  # this request's seed alone: the others still sample
-                    failed[row] = InvalidRequestError(
-                        f"seed {seq.sampling_params.seed!r} cannot seed a generator: {exc}", param="seed"
-                    )
-            generators.append(getattr(seq, "generator", None))
-        history = None
-        if any(s.sampling_params.needs_history for s in seqs):  # penalties, min_tokens, logit_bias
-            history = ([s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs], self.eos_token_ids)
-        states = [getattr(s, "grammar", None) for s in seqs]
-        bitmask = grammar_bitmask(states)
-        grammar = None if bitmask is None else (next(g for g in states if g is not None).backend.apply, bitmask)
-        self.last_output = out = self.sampler(logits, [s.sampling_params for s in seqs], generators, history, grammar)
-        out.failed.update(failed)
+    def sample_step(self, seqs: list[Sequence], num_scheduled_tokens: list[int], logits, launch) -> StepOutput:
+        """``execute``'s second half: the step's tokens from its logits (``step_output.sample_step``)."""
+        out = sample_step(self.sampler, seqs, num_scheduled_tokens, logits, self.eos_token_ids)
+        out.launch = launch
         return out
-
-    def advance_grammars(self, seqs: list[Sequence], tokens: list[int]) -> None:
-        """Feed each sampled token to its sequence's grammar; one the grammar refuses fails that request alone."""
-        for seq, token in zip(seqs, tokens):
-            state = getattr(seq, "grammar", None)
-            if state is None or seq.seq_id in self.last_failures:
-                continue
-            if not state.accept(token):
-                self.last_failures[seq.seq_id] = RequestFailedError(
-                    f"request {seq.request_id!r}: token {token} breaks its structured_outputs grammar"
-                )
-
-    @staticmethod
-    def read_logprobs(out: SamplerOutput, seqs: list[Sequence]) -> list:
-        if out.logprobs is None:
-            return [None] * len(seqs)
-        chosen = out.logprobs.tolist()
-        top_ids = out.top_ids.tolist() if out.top_ids is not None else [[] for _ in seqs]
-        top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else [[] for _ in seqs]
-        rows = []
-        for i, seq in enumerate(seqs):
-            n = seq.sampling_params.logprobs
-            if n is None:
-                rows.append(None)
-            else:
-                rows.append((chosen[i], dict(zip(top_ids[i][:n], top_lp[i][:n]))))
-        return rows
 
 
 def run_greedy_loop(
@@ -537,7 +421,7 @@ def run_greedy_loop(
 
 def step(runner: ModelRunner, seqs: list[Sequence], num_tokens: list[int]) -> None:
     """One runner step, then the bookkeeping a scheduler would do: advance counters, append samples."""
-    sampled = runner.execute(seqs, num_tokens)
+    sampled = runner.execute(seqs, num_tokens).tokens
     for seq, n, token in zip(seqs, num_tokens, sampled):
         seq.num_computed_tokens += n
         if token is not None:

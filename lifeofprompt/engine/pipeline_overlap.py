@@ -52,30 +52,29 @@ from dataclasses import dataclass
 
 @dataclass
 class InFlight:
-    """A submitted step: what the scheduler gave it, its draft tokens, its logits on their way back."""
+    """A submitted step: the engine's started step (batch, trace, drafts), its logits on their way back."""
 
-    record: object  # scheduler.StepRecord
-    drafts: dict
-    pending: object  # distributed.pipeline.PendingLogits
+    started: object  # llm_engine.StartedStep
+    pending: object  # (distributed.pipeline.PendingLogits, its launch)
 
 
 class PipelineOverlap:
     def __init__(self, scheduler, runner, depth: int, start_step):
         self.scheduler, self.runner, self.depth = scheduler, runner, depth
-        self.start_step = start_step  # the engine's bookkeeping as a step starts; returns its drafts
+        self.start_step = start_step  # the engine's bookkeeping as a step starts (``LLMEngine._start_step``)
         self.in_flight: deque[InFlight] = deque()
         self.next_group = 0  # round robin: the group after the last one submitted
         self.max_in_flight = 0
 
     def advance(self):
-        """Submit what can go, then collect the oldest step: ``(record, drafts, sampled)``, or None when idle."""
+        """Submit what can go, then collect the oldest step: ``(started, StepOutput)``, or None when idle."""
         self.submit_ready()
         if not self.in_flight:
             return None
         done = self.in_flight.popleft()
         self.check_drafts(done)
-        sampled = self.runner.collect(done.pending, done.record.seqs, done.record.num_scheduled_tokens)
-        return done.record, done.drafts, sampled
+        batch = done.started.batch
+        return done.started, self.runner.collect(done.pending, batch.seqs, batch.num_scheduled_tokens)
 
     def submit_ready(self) -> None:
         """One step for each group with work and none in flight, in turn, up to ``depth`` in flight."""
@@ -83,25 +82,26 @@ class PipelineOverlap:
             if len(self.in_flight) >= self.depth:
                 return
             group, self.next_group = self.next_group, (self.next_group + 1) % self.depth
-            if any(f.record.group == group for f in self.in_flight) or not self.scheduler.has_work(group):
+            if any(f.started.batch.group == group for f in self.in_flight) or not self.scheduler.has_work(group):
                 continue
-            record = self.scheduler.schedule(group)
-            if record.is_empty:  # waiting, but no room for its first chunk yet
+            batch = self.scheduler.schedule(group)
+            if batch.is_empty:  # waiting, but no room for its first chunk yet
                 continue
-            busy = {seq.seq_id for f in self.in_flight for seq in f.record.seqs}
-            assert busy.isdisjoint(seq.seq_id for seq in record.seqs), "a sequence in two steps in flight"
-            drafts = self.start_step(record)
-            record.overlapped = [f.record.step for f in self.in_flight]
-            pending = self.runner.submit(record.seqs, record.num_scheduled_tokens)
-            self.in_flight.append(InFlight(record, drafts, pending))
+            busy = {seq.seq_id for f in self.in_flight for seq in f.started.batch.seqs}
+            assert busy.isdisjoint(seq.seq_id for seq in batch.seqs), "a sequence in two steps in flight"
+            started = self.start_step(batch)
+            started.record.overlapped = [f.started.batch.step for f in self.in_flight]
+            pending = self.runner.submit(batch.seqs, batch.num_scheduled_tokens)
+            self.in_flight.append(InFlight(started, pending))
             self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
 
     @staticmethod
     def check_drafts(done: InFlight) -> None:
         """A verify's rows were packed from its drafts when it was submitted: sampling and rollback read
         ``seq.spec_token_ids`` again now, so nobody may have drafted for its requests in between."""
-        now = {seq.seq_id: list(seq.spec_token_ids) for seq in done.record.seqs if seq.spec_token_ids}
-        if now != done.drafts:
+        batch = done.started.batch
+        now = {seq.seq_id: list(seq.spec_token_ids) for seq in batch.seqs if seq.spec_token_ids}
+        if now != done.started.drafts:
             raise AssertionError(
-                f"step {done.record.step}: drafts changed while it was in the pipe (sent {done.drafts}, now {now})"
+                f"step {batch.step}: drafts changed while it was in the pipe (sent {done.started.drafts}, now {now})"
             )

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import RequestFailedError
-from .sampler import apply_filters, make_generator
+from .sampler import apply_filters
 from .sampling_params import SamplingParams
 
 
@@ -121,15 +121,13 @@ def verify_sequence(seq, logits: torch.Tensor, target_ids: list[int]) -> tuple[l
     """One scheduled verify: the tokens ``seq`` keeps, and their logprobs if it asked for them.
 
     ``logits``: its k + 1 rows; ``target_ids``: their argmax. A seeded request draws from its own
-    generator (made here on first use, as the sampler does).
+    generator (``Sequence.random_stream``), as the sampler does.
     """
     params = seq.sampling_params
-    if params.seed is not None and getattr(seq, "generator", None) is None:
-        seq.generator = make_generator(params.seed, logits.device)
-    grammar = getattr(seq, "grammar", None)
-    if grammar is not None:
-        return verify_with_grammar(seq, grammar, logits)
-    kept = verify(logits, seq.spec_token_ids, params, getattr(seq, "generator", None), seq.spec_probs, target_ids)
+    generator = seq.random_stream(logits.device)
+    if seq.grammar is not None:
+        return verify_with_grammar(seq, seq.grammar, logits)
+    kept = verify(logits, seq.spec_token_ids, params, generator, seq.spec_probs, target_ids)
     return kept, kept_logprobs(logits[: len(kept)], kept, params.logprobs)
 
 
@@ -144,7 +142,7 @@ def verify_with_grammar(seq, grammar, logits: torch.Tensor) -> tuple[list[int], 
     rows = logits[: len(draft) + 1].float().clone()
     grammar.backend.apply(rows, grammar.verify_bitmask(draft))
     draft_probs = None if seq.spec_probs is None else seq.spec_probs[: len(draft)]
-    kept = verify(rows, draft, params, getattr(seq, "generator", None), draft_probs)
+    kept = verify(rows, draft, params, seq.generator, draft_probs)
     for token in kept:
         if not grammar.accept(token):
             raise RequestFailedError(f"request {seq.request_id!r}: token {token} breaks its structured_outputs grammar")

@@ -33,8 +33,8 @@ group draws blocks from the one block manager. ``schedule()`` with no group is t
 
 A request whose prompt plus ``max_tokens`` needs more blocks than the whole pool could never
 finish; ``add`` rejects it with ``RequestTooLargeError`` instead of letting it evict everyone
-forever. Every step leaves a ``StepRecord`` (who ran, how many tokens, which blocks) for the
-trace and the timelines.
+forever. ``schedule`` returns a ``ScheduledBatch``: what the runner executes. The engine keeps a
+trace of each (``step_trace.py``).
 """
 
 from __future__ import annotations
@@ -48,41 +48,17 @@ from .sequence import Sequence, SequenceStatus
 
 
 @dataclass
-class ScheduledRequest:
-    """One request's share of one step (a trace line)."""
-
-    request_id: str
-    kind: str  # "prefill", "prefill chunk", "recompute", "decode", "verify"
-    start: int  # num_computed_tokens before the step: first position computed
-    num_tokens: int  # tokens computed this step
-    num_cached_tokens: int  # tokens claimed from the prefix cache when admitted this step (else 0)
-    block_table: list[int]  # the block table after this step's allocation
-    num_draft_tokens: int = 0  # a verify: the drafts checked (num_tokens = 1 + num_draft_tokens)
-    num_accepted_tokens: int | None = None  # a verify, after the step: drafts kept (the rest rolled back)
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
-
-
-@dataclass
-class StepRecord:
-    """What one step did; ``seqs``/``num_scheduled_tokens`` are what the model runner executes."""
+class ScheduledBatch:
+    """One step as the scheduler decided it: what the model runner executes (``seqs``, each with its
+    ``num_scheduled_tokens``), and who was admitted or preempted (the trace, ``step_trace.py``)."""
 
     step: int
     seqs: list[Sequence] = field(default_factory=list, repr=False)
     num_scheduled_tokens: list[int] = field(default_factory=list)
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_cached_tokens: list[int] = field(default_factory=list)  # claimed from the prefix cache this step
     admitted: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
-    finished: list[str] = field(default_factory=list)  # filled in after the step ran
-    num_waiting: int = 0  # after scheduling
-    num_running: int = 0
-    num_free_blocks: int = 0
     group: int | None = None  # its micro-batch group (pipeline overlap), else None
-    overlapped: list[int] = field(default_factory=list)  # steps still in flight when this one was submitted
-    start_time: float | None = None  # filled in by whoever runs the step
-    end_time: float | None = None
 
     @property
     def num_batched_tokens(self) -> int:
@@ -91,60 +67,6 @@ class StepRecord:
     @property
     def is_empty(self) -> bool:
         return not self.seqs
-
-    def format(self) -> str:
-        """One line per scheduled request: kind, token positions, blocks."""
-        head = (
-            f"step {self.step:3d}: {self.num_batched_tokens:4d} tokens, {len(self.seqs)} running, "
-            f"{self.num_waiting} waiting, {self.num_free_blocks} blocks free"
-        )
-        if self.group is not None:
-            beside = f", beside step {', '.join(map(str, self.overlapped))}" if self.overlapped else ""
-            head += f"; group {self.group}{beside}"
-        lines = [head]
-        for r in self.scheduled:
-            cached = f", {r.num_cached_tokens} cached" if r.num_cached_tokens else ""
-            cached += f", {r.num_draft_tokens} drafts" if r.num_draft_tokens else ""
-            cached += f", {r.num_accepted_tokens} kept" if r.num_accepted_tokens is not None else ""
-            lines.append(
-                f"    {r.request_id:>10} {r.kind:13} tokens {r.start:3d}..{r.end - 1:<3d} "
-                f"({r.num_tokens}{cached})  blocks {r.block_table}"
-            )
-        for rid in self.preempted:
-            lines.append(f"    {rid:>10} PREEMPTED: blocks freed, back to the front of the queue")
-        for rid in self.finished:
-            lines.append(f"    {rid:>10} finished: its blocks go back to the pool after this step")
-        return "\n".join(lines)
-
-
-def format_steps(records, fold_quiet: bool = False) -> str:
-    """The schedule as text, step by step. ``fold_quiet`` folds runs of steps in which every
-    request only decoded one token into its existing blocks (nothing admitted, grown, freed)."""
-    lines, folded, previous = [], [], {}
-
-    def flush():
-        if folded:
-            span = f"step {folded[0]}" if len(folded) == 1 else f"steps {folded[0]}..{folded[-1]}"
-            lines.append(f"{span}: one decode token per running request, no new block")
-            folded.clear()
-
-    for record in records:
-        tables = {r.request_id: r.block_table for r in record.scheduled}
-        quiet = (
-            fold_quiet
-            and not record.admitted
-            and not record.finished
-            and not record.preempted
-            and all(r.kind == "decode" and previous.get(r.request_id) == r.block_table for r in record.scheduled)
-        )
-        previous = tables
-        if quiet:
-            folded.append(record.step)
-            continue
-        flush()
-        lines.append(record.format())
-    flush()
-    return "\n".join(lines)
 
 
 class Scheduler:
@@ -244,18 +166,22 @@ class Scheduler:
         return list(self.running) + list(self.waiting)
 
     # ---------------------------------------------------------------- one step
-    def schedule(self, group: int | None = None) -> StepRecord:
+    def schedule(self, group: int | None = None) -> ScheduledBatch:
         """One step: of every request, or (``group``) of one micro-batch group's requests only."""
-        record = StepRecord(step=self.num_steps, group=group)
+        batch = ScheduledBatch(step=self.num_steps, group=group)
         self.num_steps += 1
-        budget = self.max_num_batched_tokens
-        bm = self.block_manager
+        budget = self._schedule_running(batch, self.max_num_batched_tokens)
+        if not batch.preempted and self.admission_open():  # a step that had to preempt admits nobody
+            self._admit_waiting(batch, budget)
+        return batch
 
-        # 1. running requests: decodes and unfinished prompt chunks, oldest admission first
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        """1. Running requests, oldest admission first: decodes, verifies and unfinished prompt chunks,
+        preempting the newest when the pool is dry. Returns the budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if group is not None and seq.group != group:
+            if batch.group is not None and seq.group != batch.group:
                 i += 1
                 continue
             if seq.spec_token_ids:  # a verify: 1 + k rows, k cut to what the budget leaves
@@ -265,49 +191,53 @@ class Scheduler:
                 if seq.spec_token_ids
                 else self.fair_chunk(min(len(seq) - seq.num_computed_tokens, budget))
             )
-            while not bm.allocate_slots(seq, n):
-                if seq.spec_token_ids:  # drafts never cost anyone their blocks: decode plainly
-                    seq.set_spec([])
-                    n = 1
-                    continue
-                victim = next(s for s in reversed(self.running) if group is None or s.group == group)
-                self._preempt(victim)
-                record.preempted.append(victim.request_id)
-                if victim is seq:
-                    break
-            else:
-                self._add_to_step(record, seq, n, cached=0)
-                budget -= n
-                i += 1
-                continue
-            break  # seq preempted itself: it was the last one
+            n = self._make_room(batch, seq, n)
+            if not n:
+                break  # seq preempted itself: it was the last one
+            self._add_to_step(batch, seq, n, cached=0)
+            budget -= n
+            i += 1
+        return budget
 
-        # 2. waiting requests, in order, while there is room (not in a step that had to preempt)
-        admitting = self.admission_open()
-        while budget > 0 and len(self.running) < self.max_num_seqs and not record.preempted and admitting:
-            seq = next((s for s in self.waiting if group is None or s.group == group), None)
+    def _make_room(self, batch: ScheduledBatch, seq: Sequence, n: int) -> int:
+        """Slots for ``seq``'s next ``n`` tokens: its drafts are dropped first (they never cost anyone
+        their blocks), then the group's newest running request is preempted, until they fit. Returns
+        the tokens it got slots for (1 once its drafts are dropped), 0 when ``seq`` itself had to go."""
+        while not self.block_manager.allocate_slots(seq, n):
+            if seq.spec_token_ids:
+                seq.set_spec([])
+                n = 1
+                continue
+            victim = next(s for s in reversed(self.running) if batch.group is None or s.group == batch.group)
+            self._preempt(victim)
+            batch.preempted.append(victim.request_id)
+            if victim is seq:
+                return 0
+        return n
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        """2. Waiting requests, in order, while the budget, the seats and the pool last; each first claims
+        its longest cached prefix."""
+        bm = self.block_manager
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = next((s for s in self.waiting if batch.group is None or s.group == batch.group), None)
             if seq is None:
-                break
+                return
             cached = bm.claim_cached_prefix(seq)
             seq.num_computed_tokens = cached
             n = self.fair_chunk(min(len(seq) - cached, budget))
             if not bm.allocate_slots(seq, n):
                 bm.cancel_claim(seq)  # give the claimed prefix back; try again next step
                 seq.num_computed_tokens = 0
-                break
+                return
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             if seq.num_preemptions == 0 and not seq.output_token_ids:
                 seq.num_cached_tokens = cached
-            record.admitted.append(seq.request_id)
-            self._add_to_step(record, seq, n, cached=cached)
+            batch.admitted.append(seq.request_id)
+            self._add_to_step(batch, seq, n, cached=cached)
             budget -= n
-
-        record.num_waiting = len(self.waiting)
-        record.num_running = len(self.running)
-        record.num_free_blocks = bm.num_free_blocks
-        return record
 
     def fair_chunk(self, n: int) -> int:
         """Fair chunked prefill (vLLM's ``long_prefill_token_threshold``): while anyone else waits or
@@ -323,23 +253,10 @@ class Scheduler:
         """Whether this step may admit waiting requests (continuous batching: always)."""
         return True
 
-    def _add_to_step(self, record: StepRecord, seq: Sequence, n: int, cached: int) -> None:
-        start = seq.num_computed_tokens
-        if seq.spec_token_ids:
-            kind = "verify"
-        elif start + n < len(seq):
-            kind = "prefill chunk"
-        elif start + n == len(seq) and n == 1 and start >= seq.num_prompt_tokens:
-            kind = "decode"
-        elif seq.output_token_ids:
-            kind = "recompute"
-        else:
-            kind = "prefill"
-        record.seqs.append(seq)
-        record.num_scheduled_tokens.append(n)
-        record.scheduled.append(
-            ScheduledRequest(seq.request_id, kind, start, n, cached, list(seq.block_table), len(seq.spec_token_ids))
-        )
+    def _add_to_step(self, batch: ScheduledBatch, seq: Sequence, n: int, cached: int) -> None:
+        batch.seqs.append(seq)
+        batch.num_scheduled_tokens.append(n)
+        batch.num_cached_tokens.append(cached)
 
     def _preempt(self, seq: Sequence) -> None:
         """Evict by recompute: blocks freed, computed count to zero, front of the waiting line."""
@@ -358,7 +275,7 @@ class Scheduler:
         most one fewer than ``max_tokens`` (or the context) still allows."""
         return max(0, self.max_total_tokens(seq) - len(seq) - 1)
 
-    def update(self, record: StepRecord, sampled: list) -> list[Sequence]:
+    def update(self, batch: ScheduledBatch, sampled: list) -> list[Sequence]:
         """Advance each scheduled sequence past this step's tokens and append what it sampled.
 
         ``sampled`` holds, per sequence, None (a prompt chunk), one token, or a verify's kept
@@ -368,7 +285,7 @@ class Scheduler:
         tokens. Finishing (EOS, stop strings, length) is the engine's call; it then calls ``finish``.
         """
         grown = []
-        for seq, n, token in zip(record.seqs, record.num_scheduled_tokens, sampled):
+        for seq, n, token in zip(batch.seqs, batch.num_scheduled_tokens, sampled):
             if seq.status != SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
             tokens = token if isinstance(token, list) else ([] if token is None else [token])

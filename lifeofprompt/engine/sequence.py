@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import itertools
 
+from .sampler import make_generator
 from .sampling_params import SamplingParams
 
 
@@ -54,6 +55,8 @@ class Sequence:
         self.spec_probs = None  # the drafter's q for each draft token [k, V] (None: one-hot, n-gram)
         self.spec_stats = None  # its request's speculation counters (SpecDecodeStats): its own acceptance
         self.group: int | None = None  # its micro-batch group with pipeline overlap (the scheduler's), else None
+        self.grammar = None  # its structured output's matcher (structured_output.GrammarState), if it has one
+        self.generator = None  # its own random stream, made on its first draw (``random_stream``)
 
     @property
     def token_ids(self) -> list[int]:
@@ -70,6 +73,13 @@ class Sequence:
         """Replace the drafts (and their q rows); ``[]`` clears them."""
         self.spec_token_ids = list(token_ids)
         self.spec_probs = probs[: len(token_ids)] if probs is not None and token_ids else None
+
+    def random_stream(self, device):
+        """This answer's own ``torch.Generator``, made from its seed on first use (None without a seed):
+        its draws then depend only on its seed and how many it has drawn, not on who shares the batch."""
+        if self.generator is None and self.sampling_params.seed is not None:
+            self.generator = make_generator(self.sampling_params.seed, device)
+        return self.generator
 
     @property
     def num_prompt_tokens(self) -> int:

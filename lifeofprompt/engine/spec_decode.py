@@ -97,9 +97,8 @@ class SpecDecoder:
                 seq.set_spec(self.proposer.placeholders(seq, limit))
             else:
                 draft = self.proposer.propose(seq.token_ids, limit)
-                grammar = getattr(seq, "grammar", None)
-                if grammar is not None and draft:  # drafts the grammar refuses could never be kept
-                    draft = draft[: grammar.valid_prefix(draft)]
+                if seq.grammar is not None and draft:  # drafts the grammar refuses could never be kept
+                    draft = draft[: seq.grammar.valid_prefix(draft)]
                 seq.set_spec(draft)
             if spare_rows is not None:
                 spare_rows -= len(seq.spec_token_ids)

@@ -18,20 +18,20 @@ RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 # ----------------------------------------------------------------------------- a live trace
 
 
-def kernels_of_step(model, launch: dict) -> str:
-    """The kernels one step launches per layer, and how the step was launched."""
+def kernels_of_step(model, launch) -> str:
+    """The kernels one step launches per layer, and how the step was launched (``step_output.Launch``)."""
     attention = (
-        "Triton store_kv + paged_attention" if launch.get("backend") == "triton" else "torch store_kv + paged_attention"
+        "Triton store_kv + paged_attention" if launch.backend == "triton" else "torch store_kv + paged_attention"
     )
-    how = launch.get("mode", "?")
-    if launch.get("padded_to"):
-        how += f" (batch {launch['rows']} padded to {launch['padded_to']})"
-    if launch.get("fused") == "cpu":
+    how = launch.mode
+    if launch.padded_to:
+        how += f" (batch {launch.rows} padded to {launch.padded_to})"
+    if launch.path in ("cpu", "cpu-rowmajor"):
         return (
             f"{model.config.num_layers} layers in one C call (model/cpu_decode.c: RMSNorm, qkv, RoPE, attention from "
             f"the pool, o_proj, RMSNorm, gate_up, SiLU·up, down) + final norm; lm_head GEMM; {how}"
         )
-    if launch.get("fused"):
+    if launch.path in (True, "fused"):
         return (
             f"{model.config.num_layers} × [fused add+RMSNorm, qkv GEMM, fused RoPE, {attention}, o_proj GEMM, "
             f"fused add+RMSNorm, gate_up GEMM, fused SiLU·up, down GEMM] + lm_head; {how}"
@@ -65,7 +65,7 @@ def live_trace(llm, prompts, params, out=print) -> list:
                 done[o.request_id] = o
         record = engine.step_records[-1]
         out(record.format())
-        out(wrap_line("    kernels: " + kernels_of_step(engine.model, engine.runner.last_launch)))
+        out(wrap_line("    kernels: " + kernels_of_step(engine.model, record.launch)))
     return [done[i] for i in ids]
 
 

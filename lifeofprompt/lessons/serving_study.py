@@ -67,7 +67,7 @@ def time_decode_steps(
     while engine.has_unfinished_requests():
         engine.step()
     records = list(engine.step_records)[first_step:]
-    decodes = [r for r in records if len(r.seqs) == batch_size and r.num_batched_tokens == batch_size]
+    decodes = [r for r in records if r.num_seqs == batch_size and r.num_batched_tokens == batch_size]
     if not decodes:
         raise RuntimeError(f"no step decoded all {batch_size} sequences together (is max_num_seqs >= {batch_size}?)")
     middle = prompt_len + 1 + decode_steps // 2

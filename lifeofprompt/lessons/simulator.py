@@ -26,8 +26,9 @@ import torch
 
 from ..engine.block_manager import BlockManager
 from ..engine.sampling_params import SamplingParams
-from ..engine.scheduler import Scheduler, StepRecord, fair_prefill_threshold
+from ..engine.scheduler import Scheduler, fair_prefill_threshold
 from ..engine.sequence import Sequence
+from ..engine.step_trace import StepRecord, record_step
 from ..errors import RequestTooLargeError
 from ..model.config import SMOLLM2_135M, ModelConfig
 from ..serving.arrivals import ArrivalPattern, Dispatcher, all_at_once, sample_lengths
@@ -153,15 +154,16 @@ class Simulator:
                     dispatcher.finished()
             if dispatcher.done and not sched.has_unfinished():
                 break
-            record = sched.schedule()
-            if record.is_empty:
+            batch = sched.schedule()
+            if batch.is_empty:
                 next_time = dispatcher.next_time()
                 if next_time is None:
                     break  # nothing can ever run again
                 t = max(t, next_time)
                 continue
+            record = record_step(batch, sched)
             record.start_time = t
-            for seq in record.seqs:
+            for seq in batch.seqs:
                 timing = timings[index_of[seq.request_id]]
                 if timing.first_scheduled_time is None:
                     timing.first_scheduled_time = t
@@ -169,9 +171,9 @@ class Simulator:
             record.end_time = t
             sampled = [
                 0 if s.num_computed_tokens + n == len(s) else None
-                for s, n in zip(record.seqs, record.num_scheduled_tokens)
+                for s, n in zip(batch.seqs, batch.num_scheduled_tokens)
             ]
-            for seq in sched.update(record, sampled):
+            for seq in sched.update(batch, sampled):
                 timing = timings[index_of[seq.request_id]]
                 timing.token_times.append(t)
                 if timing.first_token_time is None:
@@ -182,7 +184,6 @@ class Simulator:
                     record.finished.append(seq.request_id)
                     dispatcher.finished()
             if self.keep_steps:
-                record.seqs = []  # keep the trace, not the sequences
                 steps.append(record)
         result = SimResult(timings, steps, sched.num_preemptions, self.policy)
         result.summary = summarize(timings)

@@ -47,7 +47,7 @@ def runs():
         )
         try:
             run = measure_llm(llm, PROMPTS, MAX_TOKENS)
-            out[name + " last launch"] = llm.engine.runner.last_launch.get("mode")  # the last step: a decode
+            out[name + " last launch"] = llm.engine.step_records[-1].launch.mode  # the last step: a decode
             reference = out["uni"][0].tokens if out else run.tokens
             out[name] = run, [teacher_forced_logits(llm.engine.model, p, t) for p, t in zip(PROMPTS, reference)]
             graphs = getattr(llm.engine.model, "decode_graphs", None)

@@ -62,16 +62,9 @@ def test_ngram_speculation_on_the_gpu_path(tinyllama):
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     plain = run(engine(tinyllama), prompts, params)
     spec_engine = engine(tinyllama, {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
-    modes = []
-    run_forward = spec_engine.runner.forward
-
-    def recording(seqs, counts):
-        out = run_forward(seqs, counts)
-        modes.append(spec_engine.runner.last_launch.get("mode"))
-        return out
-
-    spec_engine.runner.forward = recording
+    before = len(spec_engine.step_records)
     spec = run(spec_engine, prompts, params)
+    modes = [r.launch.mode for r in list(spec_engine.step_records)[before:]]
     agree = sum(agreeing_prefix(a, b) for a, b in zip(spec, plain))
     print(
         f"\nn-gram on the GPU: {agree} of {sum(map(len, plain))} tokens agree before a bf16 near-tie; "

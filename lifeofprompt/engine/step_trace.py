@@ -1,0 +1,150 @@
+"""The step trace: what each step did, kept for people (the notebooks, the demo, the figures), not for the step.
+
+The scheduler hands the runner a ``ScheduledBatch`` (who runs, how many tokens); the engine then
+notes a ``StepRecord`` of it here: each request's share with its kind and block table, who was
+admitted and preempted, and, once the step ran, who finished, how long it took and how it ran.
+``format_steps`` prints them, one line per request, as the demo and notebook 07 show them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of one step (a trace line)."""
+
+    request_id: str
+    kind: str  # "prefill", "prefill chunk", "recompute", "decode", "verify"
+    start: int  # num_computed_tokens before the step: first position computed
+    num_tokens: int  # tokens computed this step
+    num_cached_tokens: int  # tokens claimed from the prefix cache when admitted this step (else 0)
+    block_table: list[int]  # the block table after this step's allocation
+    num_draft_tokens: int = 0  # a verify: the drafts checked (num_tokens = 1 + num_draft_tokens)
+    num_accepted_tokens: int | None = None  # a verify, after the step: drafts kept (the rest rolled back)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass
+class StepRecord:
+    """What one step did: its requests' shares, who came and went, when it ran and how."""
+
+    step: int
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    admitted: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)  # filled in after the step ran
+    num_waiting: int = 0  # after scheduling
+    num_running: int = 0
+    num_free_blocks: int = 0
+    group: int | None = None  # its micro-batch group (pipeline overlap), else None
+    overlapped: list[int] = field(default_factory=list)  # steps still in flight when this one was submitted
+    start_time: float | None = None
+    end_time: float | None = None
+    launch: object = None  # how the runner ran it (model_runner.Launch), once it ran
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.scheduled)
+
+    def format(self) -> str:
+        """One line per scheduled request: kind, token positions, blocks."""
+        head = (
+            f"step {self.step:3d}: {self.num_batched_tokens:4d} tokens, {self.num_seqs} running, "
+            f"{self.num_waiting} waiting, {self.num_free_blocks} blocks free"
+        )
+        if self.group is not None:
+            beside = f", beside step {', '.join(map(str, self.overlapped))}" if self.overlapped else ""
+            head += f"; group {self.group}{beside}"
+        lines = [head]
+        for r in self.scheduled:
+            cached = f", {r.num_cached_tokens} cached" if r.num_cached_tokens else ""
+            cached += f", {r.num_draft_tokens} drafts" if r.num_draft_tokens else ""
+            cached += f", {r.num_accepted_tokens} kept" if r.num_accepted_tokens is not None else ""
+            lines.append(
+                f"    {r.request_id:>10} {r.kind:13} tokens {r.start:3d}..{r.end - 1:<3d} "
+                f"({r.num_tokens}{cached})  blocks {r.block_table}"
+            )
+        for rid in self.preempted:
+            lines.append(f"    {rid:>10} PREEMPTED: blocks freed, back to the front of the queue")
+        for rid in self.finished:
+            lines.append(f"    {rid:>10} finished: its blocks go back to the pool after this step")
+        return "\n".join(lines)
+
+
+def kind_of(seq, num_tokens: int) -> str:
+    """What a scheduled share is, from the sequence as the step found it."""
+    start = seq.num_computed_tokens
+    if seq.spec_token_ids:
+        return "verify"
+    if start + num_tokens < len(seq):
+        return "prefill chunk"
+    if num_tokens == 1 and start >= seq.num_prompt_tokens:
+        return "decode"
+    return "recompute" if seq.output_token_ids else "prefill"
+
+
+def record_step(batch, scheduler) -> StepRecord:
+    """The trace of a step just scheduled (before it runs: shares and block tables as the runner gets them)."""
+    shares = [
+        ScheduledRequest(
+            seq.request_id,
+            kind_of(seq, n),
+            seq.num_computed_tokens,
+            n,
+            cached,
+            list(seq.block_table),
+            len(seq.spec_token_ids),
+        )
+        for seq, n, cached in zip(batch.seqs, batch.num_scheduled_tokens, batch.num_cached_tokens)
+    ]
+    return StepRecord(
+        batch.step,
+        list(batch.num_scheduled_tokens),
+        shares,
+        list(batch.admitted),
+        list(batch.preempted),
+        num_waiting=len(scheduler.waiting),
+        num_running=len(scheduler.running),
+        num_free_blocks=scheduler.block_manager.num_free_blocks,
+        group=batch.group,
+    )
+
+
+def format_steps(records, fold_quiet: bool = False) -> str:
+    """The schedule as text, step by step. ``fold_quiet`` folds runs of steps in which every
+    request only decoded one token into its existing blocks (nothing admitted, grown, freed)."""
+    lines, folded, previous = [], [], {}
+
+    def flush():
+        if folded:
+            span = f"step {folded[0]}" if len(folded) == 1 else f"steps {folded[0]}..{folded[-1]}"
+            lines.append(f"{span}: one decode token per running request, no new block")
+            folded.clear()
+
+    for record in records:
+        tables = {r.request_id: r.block_table for r in record.scheduled}
+        quiet = (
+            fold_quiet
+            and not record.admitted
+            and not record.finished
+            and not record.preempted
+            and all(r.kind == "decode" and previous.get(r.request_id) == r.block_table for r in record.scheduled)
+        )
+        previous = tables
+        if quiet:
+            folded.append(record.step)
+            continue
+        flush()
+        lines.append(record.format())
+    flush()
+    return "\n".join(lines)

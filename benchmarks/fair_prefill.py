@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     for name, threshold in (("default", None), ("off", 0)):
         engine = engine_for(model, tokenizer, threshold, args)
         results[name] = {
-            "threshold": engine.scheduler.long_prefill_token_threshold,
+            "threshold": engine.scheduler.config.long_prefill_token_threshold,
             "short_beside_long": short_beside_long(engine, long_ids, short_ids, args.arrive_after).as_dict(),
             "mixed": mixed_throughput(
                 engine_for(model, tokenizer, threshold, args), long_ids, short_ids, args.num_short

@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .engine.config import EngineConfig
 from .errors import LifeOfPromptError
+from .model.forward_path import CPU_TUNINGS
 from .model.loader import DEFAULT_MODEL, MODEL_NAMES
 
 
@@ -30,11 +32,12 @@ def _model_arg(parser: argparse.ArgumentParser) -> None:
         "compute bf16 natively, else float32)",
     )
     parser.add_argument(
-        "--cpu-linear",
+        "--cpu-tuning",
+        "--cpu-linear",  # its old name
         default=None,
-        dest="cpu_linear",
-        help="CPU matrix-product path: auto (timed at start-up, cached) or one of linear, transposed, "
-        "transposed_doubled, onednn, rowwise (default: auto, or $LIFEOFPROMPT_CPU_LINEAR)",
+        dest="cpu_tuning",
+        help="the CPU's speed-ups: auto (each timed at start-up, cached), off, or one path pinned: "
+        f"{', '.join(CPU_TUNINGS[2:])} (default: auto, or $LIFEOFPROMPT_CPU_TUNING; --cpu-linear is its old name)",
     )
 
 
@@ -85,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-seqs", type=int, default=None, help="requests decoded side by side at most")
     serve.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (the shared budget)")
     serve.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: sized from memory)")
-    serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    serve.add_argument(
+        "--block-size", type=int, default=None, help=f"tokens per KV block (default: {EngineConfig.block_size})"
+    )
     serve.add_argument(
         "--max-waiting",
         type=int,

@@ -34,7 +34,7 @@ def demo(args) -> int:
     if args.max_tokens < 1:
         raise InvalidRequestError("--max-tokens must be at least 1", param="max_tokens")
     model, tokenizer = _load(args, say_dtype_reason=False)  # the engine's start-up log says it
-    engine = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=64, log_stats=False, cpu_linear=args.cpu_linear)
+    engine = LLMEngine(model, **engine_settings(args, tokenizer=tokenizer, num_kv_blocks=64, log_stats=False))
     print("\n1. tokenization: text becomes integers")
     for text in STORY_PROMPTS:
         ids = tokenizer.encode(text)
@@ -77,35 +77,29 @@ def generate(args) -> int:
         raise InvalidRequestError("--max-tokens must be at least 1", param="max_tokens")
     params = SamplingParams(temperature=args.temperature, seed=args.seed, max_tokens=args.max_tokens)
     model, tokenizer = _load(args)
-    llm = LLM(model, tokenizer=tokenizer, log_stats=False, cpu_linear=args.cpu_linear)
+    llm = LLM(model, **engine_settings(args, tokenizer=tokenizer, log_stats=False))
     print(args.prompt + llm.generate(args.prompt, params, use_tqdm=False)[0].outputs[0].text)
     return 0
 
 
+# The flags that set engine settings (``EngineConfig``'s names); a flag left unset keeps the setting's default.
+ENGINE_FLAGS = (
+    "dtype device cpu_tuning block_size max_num_seqs max_num_batched_tokens num_kv_blocks max_waiting "
+    "long_prefill_token_threshold speculative_config tensor_parallel_size pipeline_parallel_size pipeline_overlap "
+    "distributed_executor_backend"
+).split()
+
+
+def engine_settings(args, **fixed) -> dict:
+    """The engine settings the command line set, with ``fixed`` ones on top."""
+    return {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name, None) is not None} | fixed
+
+
 def _engine_for_serving(args):
-    """An ``LLMEngine`` from the serve flags (unset flags keep the engine's defaults)."""
+    """An ``LLMEngine`` from the serve flags."""
     from .engine.llm_engine import LLMEngine
 
-    options = {
-        name: getattr(args, name, None)
-        for name in (
-            "dtype",
-            "device",
-            "cpu_linear",
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "num_kv_blocks",
-            "max_waiting",
-            "long_prefill_token_threshold",
-            "speculative_config",
-            "tensor_parallel_size",
-            "pipeline_parallel_size",
-            "pipeline_overlap",
-            "distributed_executor_backend",
-        )
-        if getattr(args, name, None) is not None
-    }
-    return LLMEngine(args.model, block_size=args.block_size, **options)
+    return LLMEngine(args.model, **engine_settings(args))
 
 
 def serve(args) -> int:

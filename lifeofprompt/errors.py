@@ -63,10 +63,15 @@ class RequestTooLargeError(InvalidRequestError):
 
 
 class ConfigError(LifeOfPromptError, ValueError):
-    """An engine or memory setting that is out of range (block_size <= 0, utilization outside (0, 1], …)."""
+    """An engine or memory setting that is out of range (block_size <= 0, utilization outside (0, 1], …);
+    ``param`` names the setting."""
 
     http_status = 400
     error_type = "invalid_config"
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class OutOfMemoryError(LifeOfPromptError):

@@ -13,7 +13,7 @@
 #   aten-onednn-avx2     both
 #   c-avx2               LIFEOFPROMPT_NATIVE_MARCH=x86-64-v3: our C kernels (model/cpu_*.c) built for AVX2, so
 #                        their narrower tiles run (the packed tile of 2 rows, 8 lanes) on an AVX-512 machine
-#   path-<name>          LIFEOFPROMPT_CPU_LINEAR=<name> for every engine, one per path lifeofprompt.model.linear.PATHS
+#   path-<name>          LIFEOFPROMPT_CPU_TUNING=<name> for every engine, one per path lifeofprompt.model.linear.PATHS
 #                        names (linear is the default's); skipped where the chooser says it is unavailable
 #   threads-2            LIFEOFPROMPT_TEST_THREADS=2 (1 is the default's): BLAS splits products otherwise
 # The AVX2 settings run on x86-64 only. Each setting runs under `timeout` (PORTABILITY_TIMEOUT seconds,
@@ -41,7 +41,7 @@ environment() {       # the variables of one setting, as NAME=value words
     onednn-avx2) echo "ONEDNN_MAX_CPU_ISA=AVX2" ;;
     aten-onednn-avx2) echo "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2" ;;
     c-avx2) echo "LIFEOFPROMPT_NATIVE_MARCH=x86-64-v3" ;;
-    path-*) echo "LIFEOFPROMPT_CPU_LINEAR=${1#path-}" ;;
+    path-*) echo "LIFEOFPROMPT_CPU_TUNING=${1#path-}" ;;
     threads-*) echo "LIFEOFPROMPT_TEST_THREADS=${1#threads-}" ;;
     *) return 1 ;;
   esac

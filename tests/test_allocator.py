@@ -58,6 +58,6 @@ def test_the_cpu_engine_says_so_in_its_start_up_log(tiny_model):
 
     model, tokenizer = tiny_model
     engine = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=16, max_num_seqs=2, log_stats=False)
-    note = engine.runner.allocator_note
-    assert note == allocator.keep_freed_memory()
-    assert (note in startup_lines(engine, 64)) == bool(note)
+    note = allocator.keep_freed_memory()
+    assert (note in engine.runner.fast_path.placement) == bool(note)
+    assert (note in startup_lines(engine)) == bool(note)

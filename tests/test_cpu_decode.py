@@ -11,9 +11,11 @@ from lifeofprompt import LLM, SamplingParams
 from lifeofprompt.engine.model_runner import ModelRunner
 from lifeofprompt.engine.sampling_params import SamplingParams as Params
 from lifeofprompt.engine.sequence import Sequence
+from lifeofprompt.errors import ConfigError
 from lifeofprompt.lessons.agreement import FP32_TOLERANCE, assert_greedy_agrees, teacher_forced_logits, top2_margins
 from lifeofprompt.model import cpu_decode, huge_pages
 from lifeofprompt.model.config import ModelConfig
+from lifeofprompt.model.forward_path import ForwardPath
 from lifeofprompt.model.linear import RowPlan
 from lifeofprompt.model.llama import LlamaForCausalLM
 from lifeofprompt.story import STORY_PROMPTS
@@ -56,14 +58,14 @@ def step_batch(runner: ModelRunner, rng: random.Random, num_seqs: int, mixed: bo
     Each decodes one token, or with ``mixed`` some run 2-6 (a verify's rows or a prompt chunk,
     causal among themselves). Returns ``(seqs, num_scheduled_tokens)``.
     """
-    blocks = list(range(runner.num_blocks))
+    blocks = list(range(runner.resolved.num_kv_blocks))
     rng.shuffle(blocks)
     seqs, scheduled = [], []
     for i in range(num_seqs):
         context, new = rng.randrange(0, 41), rng.choice([1, 1, rng.randrange(2, 7)]) if mixed else 1
         seq = Sequence(f"s{i}", [rng.randrange(97) for _ in range(context + new)], Params(temperature=0))
         seq.num_computed_tokens = context
-        needed = (context + new - 1) // runner.block_size + 1
+        needed = (context + new - 1) // runner.resolved.block_size + 1
         seq.block_table, blocks = blocks[:needed], blocks[needed:]
         seqs.append(seq)
         scheduled.append(new)
@@ -82,14 +84,13 @@ def test_the_c_step_computes_the_torch_forward(seed, threads):
     if seed >= 8:
         assert cpu_decode.packed_mask(model) == sum(cpu_decode.PACKED_BITS.values())
     block_size = rng.choice([1, 4, 16])
-    runner = ModelRunner(
+    runner = ModelRunner.for_model(
         model,
-        num_blocks=64 * 41 // block_size + 64,
+        num_kv_blocks=64 * 41 // block_size + 64,
         block_size=block_size,
-        backend="torch",
+        attention_backend="torch",
         max_num_seqs=8,
-        cpu_linear="linear",
-        cpu_decode=True,
+        cpu_tuning="c-step",
     )
     runner.kv_cache.kv.normal_()  # stale values everywhere: only the right slots may be read
     seqs, scheduled = step_batch(runner, rng, rng.randrange(1, 7), mixed=seed % 2 == 1)
@@ -100,7 +101,7 @@ def test_the_c_step_computes_the_torch_forward(seed, threads):
         want = model.hidden_states(*runner.prepare(seqs, scheduled))
         want_kv = runner.kv_cache.kv.clone()
         runner.kv_cache.kv.copy_(before)
-        got = model.hidden_states(*runner.prepare(seqs, scheduled), fused_kernels="cpu")
+        got = model.hidden_states(*runner.prepare(seqs, scheduled), path=ForwardPath.C_STEP)
     finally:
         torch.set_num_threads(previous)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -210,7 +211,7 @@ def fake_step_timer(c_ms: dict, torch_ms: dict, calls: list, row_major_ms: dict 
 
     def measure(rows, fused):
         calls.append((rows, fused))
-        times = {"cpu": c_ms, "cpu-rowmajor": row_major_ms, False: torch_ms}[fused]
+        times = {"cpu": c_ms, "cpu-rowmajor": row_major_ms, "torch": torch_ms}[fused]
         value = times[rows]
         return (
             value.pop(0)
@@ -342,12 +343,12 @@ def test_a_spent_budget_stops_the_timing_and_says_so():
 
 def test_an_unpinned_runner_times_whole_steps_once_and_reads_the_cache_after(tmp_path, monkeypatch):
     monkeypatch.setenv("LIFEOFPROMPT_CACHE", str(tmp_path))
-    monkeypatch.delenv("LIFEOFPROMPT_CPU_LINEAR", raising=False)
+    monkeypatch.delenv("LIFEOFPROMPT_CPU_TUNING", raising=False)
     model = random_model(random.Random(3))
     asked = []
 
     def fake_rows(measure, **_):
-        asked.append(all(measure(2, path) > 0 for path in ("cpu", "cpu-rowmajor", False)))  # the real step, each way
+        asked.append(all(measure(2, path) > 0 for path in ("cpu", "cpu-rowmajor", "torch")))  # the real step, each way
         return (
             {
                 "rows": 4,
@@ -358,24 +359,26 @@ def test_an_unpinned_runner_times_whole_steps_once_and_reads_the_cache_after(tmp
             "2 rows: C 1.0 ms, torch 2.0 ms",
         )
 
-    monkeypatch.setattr("lifeofprompt.engine.cpu_paths.measured_rows", fake_rows)
-    first = ModelRunner(model, num_blocks=512, block_size=4, backend="torch")
-    assert first.linear_choice.pinned is None
-    assert (first.cpu_decode_rows, first.cpu_decode_reason) == (4, "2 rows: C 1.0 ms, torch 2.0 ms")
+    monkeypatch.setattr("lifeofprompt.model.cpu_decode.measured_rows", fake_rows)
+    first = ModelRunner.for_model(model, num_kv_blocks=512, block_size=4, attention_backend="torch")
+    assert first.fast_path.linear_choice.pinned is None
+    assert (first.fast_path.c_step_rows, first.resolved.cpu.notes["c_step"]) == (4, "2 rows: C 1.0 ms, torch 2.0 ms")
     assert asked == [True]
-    second = ModelRunner(model, num_blocks=512, block_size=4, backend="torch")
-    assert second.cpu_decode_rows == 4 and asked == [True]  # from the cache: not timed again
-    assert [second.cpu_step_layout(n) for n in (1, 2, 3, 4)] == ["cpu", "cpu-rowmajor", "cpu-rowmajor", "cpu"]
-    assert second.cpu_step_packed_bytes == cpu_decode.packed_bytes(model) > 0  # 4 rows read the packed copies
-    small = ModelRunner(random_model(random.Random(3)), num_blocks=16, block_size=4, backend="torch")
-    assert small.cpu_decode_rows == 0 and "not measured" in small.cpu_decode_reason
+    second = ModelRunner.for_model(model, num_kv_blocks=512, block_size=4, attention_backend="torch")
+    assert second.fast_path.c_step_rows == 4 and asked == [True]  # from the cache: not timed again
+    assert [second.fast_path.path_for(n) for n in (1, 2, 3, 4)] == ["cpu", "cpu-rowmajor", "cpu-rowmajor", "cpu"]
+    assert second.fast_path.packed_bytes == cpu_decode.packed_bytes(model) > 0  # 4 rows read the packed copies
+    small = ModelRunner.for_model(
+        random_model(random.Random(3)), num_kv_blocks=16, block_size=4, attention_backend="torch"
+    )
+    assert small.fast_path.c_step_rows == 0 and "not measured" in small.resolved.cpu.notes["c_step"]
 
 
 def test_the_runner_packs_before_it_times_the_c_step(tmp_path, monkeypatch):
     """The packed copies exist, in their final place, before the first timed step: packing inside the
     budget cost a slow CPU 1.4 s of its 3 s, and timed the copies from other pages than the engine's."""
     monkeypatch.setenv("LIFEOFPROMPT_CACHE", str(tmp_path))
-    monkeypatch.delenv("LIFEOFPROMPT_CPU_LINEAR", raising=False)
+    monkeypatch.delenv("LIFEOFPROMPT_CPU_TUNING", raising=False)
     model = random_model(random.Random(3), packable=True)
     seen = []
 
@@ -383,8 +386,8 @@ def test_the_runner_packs_before_it_times_the_c_step(tmp_path, monkeypatch):
         seen.append([getattr(m, "_c_step_packed", None) is not None for _, m in cpu_decode.layer_tensors(model) if m])
         return ({"rows": 4, "layouts": {1: "cpu"}, "seconds": {1: 1e-3}, "stopped_before": None}, "1 row: C 1.0 ms")
 
-    monkeypatch.setattr("lifeofprompt.engine.cpu_paths.measured_rows", fake_rows)
-    ModelRunner(model, num_blocks=512, block_size=4, backend="torch")
+    monkeypatch.setattr("lifeofprompt.model.cpu_decode.measured_rows", fake_rows)
+    ModelRunner.for_model(model, num_kv_blocks=512, block_size=4, attention_backend="torch")
     assert len(seen) == 1 and seen[0] and all(seen[0])
 
 
@@ -413,30 +416,32 @@ def test_a_measurement_the_budget_cut_short_is_used_but_not_kept(tmp_path, monke
     """A busy machine spends the budget at 1-2 rows: that start uses what it measured, says so, and the
     next start measures again (a cached 1-row limit would have switched speculation off for good)."""
     monkeypatch.setenv("LIFEOFPROMPT_CACHE", str(tmp_path))
-    monkeypatch.delenv("LIFEOFPROMPT_CPU_LINEAR", raising=False)
+    monkeypatch.delenv("LIFEOFPROMPT_CPU_TUNING", raising=False)
     model = random_model(random.Random(3))
     asked = []
-    monkeypatch.setattr("lifeofprompt.engine.cpu_paths.measured_rows", stopped_the_first_time(asked, 2, 1, 8))
-    busy = ModelRunner(model, num_blocks=512, block_size=4, backend="torch")
-    assert busy.cpu_decode_rows == 1 and "not cached" in busy.cpu_decode_reason
-    again = ModelRunner(model, num_blocks=512, block_size=4, backend="torch")
-    assert again.cpu_decode_rows == 8 and len(asked) == 2  # measured again, and this time kept
-    assert ModelRunner(model, num_blocks=512, block_size=4, backend="torch").cpu_decode_rows == 8 and len(asked) == 2
+    monkeypatch.setattr("lifeofprompt.model.cpu_decode.measured_rows", stopped_the_first_time(asked, 2, 1, 8))
+    busy = ModelRunner.for_model(model, num_kv_blocks=512, block_size=4, attention_backend="torch")
+    assert busy.fast_path.c_step_rows == 1 and "not cached" in busy.resolved.cpu.notes["c_step"]
+    again = ModelRunner.for_model(model, num_kv_blocks=512, block_size=4, attention_backend="torch")
+    assert again.fast_path.c_step_rows == 8 and len(asked) == 2  # measured again, and this time kept
+    assert (
+        ModelRunner.for_model(model, num_kv_blocks=512, block_size=4, attention_backend="torch").fast_path.c_step_rows
+        == 8
+        and len(asked) == 2
+    )
 
 
 def test_the_runner_uses_it_only_where_asked_or_measured():
     model = random_model(random.Random(0))
-    pinned = ModelRunner(model, num_blocks=16, block_size=4, backend="torch", cpu_linear="linear")
-    assert pinned.cpu_decode_rows == 0  # a pinned non-rowwise path: the torch forward
-    assert ModelRunner(model, num_blocks=16, block_size=4, backend="torch", cpu_linear="rowwise").cpu_decode_rows == 16
-    assert (
-        ModelRunner(
-            model, num_blocks=16, block_size=4, backend="torch", cpu_linear="rowwise", cpu_decode=False
-        ).cpu_decode_rows
-        == 0
-    )
+    pool = dict(num_kv_blocks=16, block_size=4, attention_backend="torch")
+    pinned = ModelRunner.for_model(model, cpu_tuning="linear", **pool)
+    assert pinned.fast_path.c_step_rows == 0  # a pinned non-rowwise path: the torch forward
+    assert ModelRunner.for_model(model, cpu_tuning="rowwise", **pool).fast_path.c_step_rows == 16
+    assert ModelRunner.for_model(model, cpu_tuning="c-step", **pool).fast_path.c_step_rows == 16
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="cpu_tuning='linear'"):
+        ModelRunner.for_model(model, cpu_linear="rowwise", cpu_decode=False, **pool)  # the old flags: said how now
     bf16 = random_model(random.Random(0)).to(torch.bfloat16)
-    assert ModelRunner(bf16, num_blocks=16, block_size=4, backend="torch", cpu_decode=True).cpu_decode_rows == 0
+    assert ModelRunner.for_model(bf16, cpu_tuning="c-step", **pool).fast_path.c_step_rows == 0
 
 
 @pytest.fixture(scope="module")
@@ -444,8 +449,8 @@ def story_greedy():
     """Greedy tokens of the story's prompts through the engine, with and without the C step (fp32)."""
     runs = {}
     for flag in (False, True):
-        llm = LLM("smollm2-135m", dtype="float32", cpu_linear="rowwise", cpu_decode=flag, log_stats=False)
-        assert llm.engine.runner.cpu_decode_rows == (16 if flag else 0)
+        llm = LLM("smollm2-135m", dtype="float32", cpu_tuning="rowwise" if flag else "linear", log_stats=False)
+        assert llm.engine.runner.fast_path.c_step_rows == (16 if flag else 0)
         outs = llm.generate(list(STORY_PROMPTS), SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
         runs[flag] = ([list(o.prompt_token_ids) for o in outs], [list(o.outputs[0].token_ids) for o in outs], llm)
     return runs
@@ -462,7 +467,7 @@ def test_the_engine_gives_the_same_greedy_tokens_with_the_c_step(story_greedy, s
         for layer in layers
         for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
     ]
-    assert llm.engine.runner.cpu_step_packed_bytes == sum(w.numel() * 4 for w in matrices)  # made at start, all four
+    assert llm.engine.runner.fast_path.packed_bytes == sum(w.numel() * 4 for w in matrices)  # made at start, all four
     assert any("from a packed copy of the layer matrices" in line for line in llm.engine.startup_log)
     model, _ = smollm2
     margins = [top2_margins(teacher_forced_logits(model, p, w)) for p, w in zip(prompts, want)]
@@ -485,8 +490,7 @@ def test_speculative_verifies_run_in_the_c_step_and_keep_the_greedy_tokens(story
     spec = LLM(
         "smollm2-135m",
         dtype="float32",
-        cpu_linear="rowwise",
-        cpu_decode=True,
+        cpu_tuning="rowwise",
         log_stats=False,
         speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4},
     )
@@ -504,12 +508,11 @@ def test_speculative_verifies_run_in_the_c_step_and_keep_the_greedy_tokens(story
     first = LLM(
         "smollm2-135m",
         dtype="float32",
-        cpu_linear="rowwise",
-        cpu_decode=True,
+        cpu_tuning="rowwise",
         log_stats=False,
         speculative_config={"model": "smollm2-135m", "num_speculative_tokens": 2},
     )
-    assert first.engine.proposer.cpu_decode_rows == 16  # a draft of its own: calibrated (pinned), C step too
+    assert first.engine.proposer.fast_path.c_step_rows == 16  # a draft of its own: calibrated (pinned), C step too
     model, tokenizer = smollm2
     prompt = tokenizer.encode(CODE)
     margins = [top2_margins(teacher_forced_logits(model, prompt, want))]
@@ -592,7 +595,7 @@ def test_the_forecast_follows_the_measured_steps_not_the_row_count(monkeypatch):
     clock = [0.0]
 
     def measure(rows, fused):
-        seconds = {"cpu": c, "cpu-rowmajor": row_major, False: eager}[fused][rows] / 1e3
+        seconds = {"cpu": c, "cpu-rowmajor": row_major, "torch": eager}[fused][rows] / 1e3
         clock[0] += seconds  # a fake clock the budget reads
         return seconds
 
@@ -611,7 +614,7 @@ def test_the_default_budget_reaches_a_batched_step_on_a_slow_cpu(monkeypatch):
     clock = [0.0]
 
     def measure(rows, fused):
-        seconds = {"cpu": c, "cpu-rowmajor": row_major, False: eager}[fused][rows] / 1e3
+        seconds = {"cpu": c, "cpu-rowmajor": row_major, "torch": eager}[fused][rows] / 1e3
         clock[0] += seconds
         return seconds
 
@@ -635,14 +638,22 @@ def test_a_measurement_stopped_past_8_rows_is_kept_and_measured_once_more(tmp_pa
     """A moment's load stopped the timing before 32 rows (after 16): that start keeps 16 and caches it
     provisionally; the next start measures once more and keeps what it finds, and later starts read it."""
     monkeypatch.setenv("LIFEOFPROMPT_CACHE", str(tmp_path))
-    monkeypatch.delenv("LIFEOFPROMPT_CPU_LINEAR", raising=False)
+    monkeypatch.delenv("LIFEOFPROMPT_CPU_TUNING", raising=False)
     model = random_model(random.Random(3))
     asked = []
-    monkeypatch.setattr("lifeofprompt.engine.cpu_paths.measured_rows", stopped_the_first_time(asked, 32, 16, 32))
-    first = ModelRunner(model, num_blocks=4096, block_size=4, backend="torch")
-    assert first.cpu_decode_rows == 16 and "measured once more" in first.cpu_decode_reason
-    assert ModelRunner(model, num_blocks=4096, block_size=4, backend="torch").cpu_decode_rows == 32 and len(asked) == 2
-    assert ModelRunner(model, num_blocks=4096, block_size=4, backend="torch").cpu_decode_rows == 32 and len(asked) == 2
+    monkeypatch.setattr("lifeofprompt.model.cpu_decode.measured_rows", stopped_the_first_time(asked, 32, 16, 32))
+    first = ModelRunner.for_model(model, num_kv_blocks=4096, block_size=4, attention_backend="torch")
+    assert first.fast_path.c_step_rows == 16 and "measured once more" in first.resolved.cpu.notes["c_step"]
+    assert (
+        ModelRunner.for_model(model, num_kv_blocks=4096, block_size=4, attention_backend="torch").fast_path.c_step_rows
+        == 32
+        and len(asked) == 2
+    )
+    assert (
+        ModelRunner.for_model(model, num_kv_blocks=4096, block_size=4, attention_backend="torch").fast_path.c_step_rows
+        == 32
+        and len(asked) == 2
+    )
     # a machine that is simply slow stops early twice: the second answer stays, a third start reads it
     asked.clear()
 
@@ -650,8 +661,13 @@ def test_a_measurement_stopped_past_8_rows_is_kept_and_measured_once_more(tmp_pa
         asked.append(True)
         return {"rows": 16, "layouts": {1: "cpu"}, "seconds": {1: 1e-3}, "stopped_before": 32}, "stopped before 32 rows"
 
-    monkeypatch.setattr("lifeofprompt.engine.cpu_paths.measured_rows", always_stopped)
+    monkeypatch.setattr("lifeofprompt.model.cpu_decode.measured_rows", always_stopped)
     other = random_model(random.Random(4))
     for _ in range(3):
-        assert ModelRunner(other, num_blocks=4096, block_size=4, backend="torch").cpu_decode_rows == 16
+        assert (
+            ModelRunner.for_model(
+                other, num_kv_blocks=4096, block_size=4, attention_backend="torch"
+            ).fast_path.c_step_rows
+            == 16
+        )
     assert len(asked) == 2

@@ -58,7 +58,7 @@ def short_beside_long(eng) -> tuple[int, list[int]]:
 
 def test_a_short_request_gets_its_first_token_the_next_step(model_2k):
     fair = engine(model_2k)
-    assert fair.scheduler.long_prefill_token_threshold == BUDGET // 4 == 64
+    assert fair.scheduler.config.long_prefill_token_threshold == BUDGET // 4 == 64
     steps, chunks = short_beside_long(fair)
     assert steps == 1 and chunks == [64], (steps, chunks)
     # and its decodes go on, one token a step, while the long prompt still prefills

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from lifeofprompt.engine.config import EngineConfig
 from lifeofprompt.errors import ConfigError
 from lifeofprompt.model import linear, linear_calibration
 from lifeofprompt.model.config import ModelConfig
@@ -248,7 +249,7 @@ def test_calibration_times_over_more_bytes_than_the_cache(monkeypatch):
 
 def test_the_choice_is_cached_per_machine_and_threads(tmp_path, monkeypatch):
     monkeypatch.setenv("LIFEOFPROMPT_CACHE", str(tmp_path))
-    monkeypatch.delenv("LIFEOFPROMPT_CPU_LINEAR", raising=False)
+    monkeypatch.delenv("LIFEOFPROMPT_CPU_TUNING", raising=False)
     model = tiny_model()
     runs = []
 
@@ -279,9 +280,17 @@ def test_a_pinned_path_is_not_timed_and_bad_names_are_named(monkeypatch):
     choice = choose_cpu_linear(model, "transposed")
     assert choice.source == "pinned: transposed"
     assert all(plan == RowPlan.single("transposed") for plan in choice.plans.values())
-    monkeypatch.setenv("LIFEOFPROMPT_CPU_LINEAR", "linear")
-    assert choose_cpu_linear(model).source == "pinned: linear"
-    with pytest.raises(ConfigError, match="cpu_linear='fastest'.*auto"):
+    monkeypatch.setenv("LIFEOFPROMPT_CPU_TUNING", "linear")  # the engine's default when set, as tests do
+    assert EngineConfig.from_settings().cpu_tuning == "linear"
+    assert EngineConfig.from_settings(cpu_tuning="auto").cpu_tuning == "auto"  # a setting given wins
+    monkeypatch.delenv("LIFEOFPROMPT_CPU_TUNING")
+    monkeypatch.setenv("LIFEOFPROMPT_CPU_LINEAR", "transposed")  # its old name still works
+    assert EngineConfig.from_settings().cpu_tuning == "transposed"
+    with pytest.warns(DeprecationWarning):
+        assert EngineConfig.from_settings(cpu_linear="rowwise").cpu_tuning == "rowwise"
+    with pytest.raises(ConfigError, match="cpu_tuning='fastest'.*auto"):
+        EngineConfig(cpu_tuning="fastest")
+    with pytest.raises(ConfigError, match="cpu_tuning='fastest'.*auto"):
         choose_cpu_linear(model, "fastest")
     with pytest.raises(ConfigError, match="not available"):
         choose_cpu_linear(model, "onednn", prepack=False)

@@ -7,13 +7,10 @@ import os
 import pytest
 import torch
 
-from lifeofprompt.engine.model_runner import (
-    ModelRunner,
-    graph_batch_sizes,
-    padded_batch_size,
-    resolve_backend,
-    run_greedy_loop,
-)
+from lifeofprompt.engine.cuda_graphs import graph_batch_sizes, padded_batch_size
+from lifeofprompt.engine.fast_path import attention_backend
+from lifeofprompt.engine.memory import kv_bytes_per_block
+from lifeofprompt.engine.model_runner import ModelRunner, run_greedy_loop
 from lifeofprompt.engine.sampling_params import SamplingParams
 from lifeofprompt.engine.sequence import Sequence
 from lifeofprompt.errors import ConfigError
@@ -39,11 +36,11 @@ def test_graph_ladder_and_padding():
 
 
 def test_backend_choice():
-    assert resolve_backend("auto", torch.device("cpu")) == "torch"
-    assert resolve_backend("auto", torch.device("cuda")) == "triton"
-    assert resolve_backend("triton", torch.device("cpu")) == "triton"
+    assert attention_backend("auto", torch.device("cpu")) == "torch"
+    assert attention_backend("auto", torch.device("cuda")) == "triton"
+    assert attention_backend("triton", torch.device("cpu")) == "triton"
     with pytest.raises(ConfigError):
-        resolve_backend("cuda", torch.device("cpu"))
+        attention_backend("cuda", torch.device("cpu"))
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -52,30 +49,32 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def runner(smollm2):
     model, _ = smollm2
-    return ModelRunner(model, 64, 16, max_num_seqs=4, max_model_len=256)
+    return ModelRunner.for_model(model, num_kv_blocks=64, max_num_seqs=4, max_model_len=256)
 
 
 def test_cpu_runner_defaults(runner):
-    assert (runner.backend, runner.enforce_eager, runner.graphs) == ("torch", True, {})
-    assert runner.graph_sizes == [1, 2, 4] and runner.max_blocks_per_seq == 16
-    assert runner.kv_cache.kv.dtype == torch.float32 and runner.num_blocks == 64
+    r = runner.resolved
+    assert (r.attention_backend, r.cuda_graphs, runner.graphs) == ("torch", False, None)
+    assert graph_batch_sizes(r.max_num_seqs) == [1, 2, 4] and r.max_blocks_per_seq == 16
+    assert runner.kv_cache.kv.dtype == torch.float32 and r.num_kv_blocks == 64
     # the tests pin one product path (tests/conftest.py), so no packed copies and no timing
-    pinned = os.environ["LIFEOFPROMPT_CPU_LINEAR"]  # "linear" unless a portability setting forces one
-    assert runner.linear_choice.source == f"pinned: {pinned}"
-    assert (runner.prepacked_bytes > 0) == (pinned == "onednn")
+    pinned = os.environ["LIFEOFPROMPT_CPU_TUNING"]  # "linear" unless a portability setting forces one
+    assert runner.fast_path.linear_choice.source == f"pinned: {pinned}"
+    assert (runner.fast_path.prepacked_bytes > 0) == (pinned == "onednn")
 
 
 @pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
 def test_onednn_prepacks_every_matrix_and_can_be_turned_off(smollm2, story_ids):
     model, _ = smollm2
-    packed = ModelRunner(model, 64, 16, max_num_seqs=4, max_model_len=256, cpu_linear="onednn")
+    settings = dict(num_kv_blocks=64, max_num_seqs=4, max_model_len=256)
+    packed = ModelRunner.for_model(model, cpu_tuning="onednn", **settings)
     # every matrix of the model (120 layer matrices + the tied lm_head) prepacked for oneDNN
     weights = sum(p.numel() for n, p in model.named_parameters() if n.endswith("proj.weight"))
-    assert packed.prepacked_bytes == 4 * (weights + 49152 * 576)
+    assert packed.fast_path.prepacked_bytes == 4 * (weights + 49152 * 576)
     with pytest.raises(ConfigError, match="not available"):  # no packed copies: no oneDNN path
-        ModelRunner(model, 64, 16, max_num_seqs=4, max_model_len=256, cpu_linear="onednn", prepack_cpu_weights=False)
-    lean = ModelRunner(model, 64, 16, max_num_seqs=4, max_model_len=256, prepack_cpu_weights=False)
-    assert lean.prepacked_bytes == 0 and all(getattr(m, "packed", None) is None for m in model.modules())
+        ModelRunner.for_model(model, cpu_tuning="onednn", prepack_cpu_weights=False, **settings)
+    lean = ModelRunner.for_model(model, prepack_cpu_weights=False, **settings)
+    assert lean.fast_path.prepacked_bytes == 0 and all(getattr(m, "packed", None) is None for m in model.modules())
     assert run_greedy_loop(lean, story_ids, 8) == STORY_8  # the pinned path again, without packed copies
 
 
@@ -87,11 +86,11 @@ def test_greedy_matches_the_cached_generator(runner, story_ids):
 @pytest.mark.numerics
 def test_padded_static_decode_gives_the_same_tokens(runner, story_ids):
     """The computation a CUDA graph replays (3 sequences padded to 4, slot -1) run eagerly."""
-    runner.pad_decode_eagerly = True
+    runner.start_decode_graphs(capture=False)
     try:
         assert run_greedy_loop(runner, story_ids, 8) == STORY_8
     finally:
-        runner.pad_decode_eagerly = False
+        runner.graphs = None
 
 
 def test_fill_static_decode_pads_rows(runner):
@@ -100,13 +99,15 @@ def test_fill_static_decode_pads_rows(runner):
         seq = Sequence(f"s{i}", list(range(10, 10 + n)), SamplingParams(temperature=0))
         seq.block_table, seq.num_computed_tokens = table, n - 1
         seqs.append(seq)
-    runner.fill_static_decode(seqs, 4)
-    assert runner.static_input_ids[:4].tolist() == [14, 29, 0, 0]
-    assert runner.static_positions[:4].tolist() == [4, 19, 0, 0]
-    assert runner.static_slot_mapping[:4].tolist() == [7 * 16 + 4, 9 * 16 + 3, -1, -1]
-    assert runner.static_seq_lens[:4].tolist() == [5, 20, 1, 1]
-    assert runner.static_block_tables[:4, :3].tolist() == [[7, 0, 0], [3, 9, 0], [0, 0, 0], [0, 0, 0]]
-    meta = runner.static_decode_metadata(4)
+    runner.start_decode_graphs(capture=False)
+    buffers, runner.graphs = runner.graphs, None
+    buffers.fill(seqs, 4)
+    assert buffers.static_input_ids[:4].tolist() == [14, 29, 0, 0]
+    assert buffers.static_positions[:4].tolist() == [4, 19, 0, 0]
+    assert buffers.static_slot_mapping[:4].tolist() == [7 * 16 + 4, 9 * 16 + 3, -1, -1]
+    assert buffers.static_seq_lens[:4].tolist() == [5, 20, 1, 1]
+    assert buffers.static_block_tables[:4, :3].tolist() == [[7, 0, 0], [3, 9, 0], [0, 0, 0], [0, 0, 0]]
+    meta = buffers.static_decode_metadata(4)
     assert meta.max_seq_len == 256 and meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
     assert meta.block_tables.shape == (4, 16)
 
@@ -141,11 +142,11 @@ def test_seeded_sampling_repeats_through_the_runner(runner, story_ids):
 
 def test_cpu_pool_sizing(smollm2):
     model, _ = smollm2
-    small = ModelRunner(model, None, 16, max_num_seqs=2, max_model_len=64, cpu_kv_bytes=1 << 30)
-    assert small.num_blocks == 2 * 4 + 1  # capped at what 2 full sequences could use
-    per_block = small.kv_bytes_per_block()
+    small = ModelRunner.for_model(model, max_num_seqs=2, max_model_len=64, kv_cache_memory=1 << 30)
+    assert small.resolved.num_kv_blocks == 2 * 4 + 1  # capped at what 2 full sequences could use
+    per_block = kv_bytes_per_block(model.config, model.dtype, 16)
     assert per_block == 2 * 30 * 3 * 64 * 16 * 4  # layers × kv heads × head_dim × tokens × fp32, K and V
-    tight = ModelRunner(model, None, 16, max_num_seqs=256, cpu_kv_bytes=10 * per_block)
-    assert tight.num_blocks == 10
+    tight = ModelRunner.for_model(model, max_num_seqs=256, kv_cache_memory=10 * per_block)
+    assert tight.resolved.num_kv_blocks == 10
     with pytest.raises(ConfigError):
-        ModelRunner(model, 4, 0)
+        ModelRunner.for_model(model, num_kv_blocks=4, block_size=0)

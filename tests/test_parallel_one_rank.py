@@ -3,7 +3,7 @@
 A world of one spawns no worker, yet every step still broadcasts its inputs and runs every
 all-reduce through gloo. An all-reduce over one rank is a sum of one term, so the logits are
 bit-for-bit the single-process engine's and the greedy tokens are exactly equal (the reference
-runs the same torch forward: ``cpu_decode=False``, as the "mp" engine forces). Also: the
+runs the same torch forward: no C step, as the "mp" engine forces). Also: the
 collectives really run, the one-call C step stays off, shutdown leaves no process group behind,
 and values vLLM's name does not take raise ``ConfigError``. (The same on one GPU with NCCL:
 ``tests/gpu/test_parallel_gpu.py``.)
@@ -52,7 +52,7 @@ def children() -> set[int]:
 @pytest.fixture(scope="module")
 def single(one_thread):
     model, tokenizer = tiny_model()
-    llm = LLM(model, tokenizer=tokenizer, distributed_executor_backend="uni", cpu_decode=False, **ENGINE)
+    llm = LLM(model, tokenizer=tokenizer, distributed_executor_backend="uni", **ENGINE)
     return llm, [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy())]
 
 
@@ -61,7 +61,7 @@ def one_rank(one_thread):
     """The "mp" engine, asked for the C step (which it must refuse); the processes it started beside."""
     before = children()
     model, tokenizer = tiny_model()
-    llm = LLM(model, tokenizer=tokenizer, distributed_executor_backend="mp", cpu_decode=True, **ENGINE)
+    llm = LLM(model, tokenizer=tokenizer, distributed_executor_backend="mp", cpu_tuning="c-step", **ENGINE)
     started = children() - before
     yield llm, [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy())], started
     llm.shutdown()
@@ -109,7 +109,7 @@ def test_bf16_with_an_fp32_rotary_table_is_exact_too():
         model, tokenizer = tiny_model()
         return model.to(torch.bfloat16), tokenizer
 
-    engine = dict(ENGINE, dtype=None, cpu_decode=False)
+    engine = dict(ENGINE, dtype=None)
     prompts = PROMPTS[:2]
     model, tokenizer = bf16_model()
     tokens_1 = [o.outputs[0].token_ids for o in LLM(model, tokenizer=tokenizer, **engine).generate(prompts, greedy())]
@@ -140,10 +140,10 @@ def test_a_world_of_one_rank_spawns_nothing(one_rank):
 def test_the_c_step_stays_off(one_rank, single):
     """Asked for it, the "mp" engine still runs the torch forward (the step this mode exists to measure)."""
     llm, _, _ = one_rank
-    assert llm.engine.runner.cpu_decode_rows == 0
+    assert llm.engine.runner.fast_path.c_step_rows == 0
     model, tokenizer = tiny_model()
-    asked = LLM(model, tokenizer=tokenizer, cpu_decode=True, **ENGINE)  # a single engine takes it when asked
-    assert asked.engine.runner.cpu_decode_rows > 0
+    asked = LLM(model, tokenizer=tokenizer, cpu_tuning="c-step", **ENGINE)  # a single engine takes it when asked
+    assert asked.engine.runner.fast_path.c_step_rows > 0
 
 
 def test_tokens_equal_the_single_process_engine(single, one_rank):

@@ -195,10 +195,11 @@ def test_serve_can_turn_the_overlap_off():
 def test_a_group_preempts_only_its_own_requests():
     """Group 1's step is in the pipe; group 0 runs the shared pool dry and evicts its own newest, never group 1's."""
     from lifeofprompt.engine.block_manager import BlockManager
-    from lifeofprompt.engine.scheduler import Scheduler
+    from lifeofprompt.engine.scheduler import Scheduler, SchedulerConfig
     from lifeofprompt.engine.sequence import Sequence, SequenceStatus
 
-    scheduler = Scheduler(BlockManager(6, 4, enable_prefix_caching=False), max_num_batched_tokens=64, num_groups=2)
+    limits = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=64, max_model_len=6 * 4, num_groups=2)
+    scheduler = Scheduler(BlockManager(6, 4, enable_prefix_caching=False), limits)
     a, b, c, d = (
         Sequence(name, list(range(1, 1 + n)), SamplingParams(max_tokens=4))
         for name, n in (("a", 8), ("b", 8), ("c", 4), ("d", 4))

@@ -37,7 +37,7 @@ ENGINE = dict(
     enable_prefix_caching=True,
     log_stats=False,
     check_invariants=True,
-    cpu_decode=False,
+    cpu_tuning="linear",
 )
 TEXTS = (
     "abcabcabcabcabc",
@@ -218,10 +218,11 @@ def test_drafts_changed_under_a_step_in_flight_are_caught():
 
 def test_only_the_collected_group_is_drafted_for():
     from lifeofprompt.engine.block_manager import BlockManager
-    from lifeofprompt.engine.scheduler import Scheduler
+    from lifeofprompt.engine.scheduler import Scheduler, SchedulerConfig
     from lifeofprompt.engine.sequence import Sequence
 
-    scheduler = Scheduler(BlockManager(16, 4), max_num_batched_tokens=64, num_groups=2)
+    limits = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=64, max_model_len=16 * 4, num_groups=2)
+    scheduler = Scheduler(BlockManager(16, 4), limits)
     seqs = [Sequence(name, [1, 2, 3], SamplingParams(max_tokens=4)) for name in "abcd"]
     for seq in seqs:
         scheduler.add(seq)

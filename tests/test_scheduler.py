@@ -12,10 +12,16 @@ from hypothesis import strategies as st
 
 from lifeofprompt.engine.block_manager import BlockManager
 from lifeofprompt.engine.sampling_params import SamplingParams
-from lifeofprompt.engine.scheduler import Scheduler
+from lifeofprompt.engine.scheduler import Scheduler, SchedulerConfig
 from lifeofprompt.engine.sequence import Sequence, SequenceStatus
 from lifeofprompt.engine.step_trace import record_step
 from lifeofprompt.errors import RequestTooLargeError
+
+
+def make_scheduler(num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> Scheduler:
+    """A scheduler over a fresh pool; the longest request is what the whole pool holds."""
+    limits = SchedulerConfig(max_num_seqs, max_num_batched_tokens, num_blocks * block_size)
+    return Scheduler(BlockManager(num_blocks, block_size), limits)
 
 
 def seq(name, prompt_len, max_tokens, first=0):
@@ -42,7 +48,7 @@ def run_step(scheduler):
 
 
 def test_decodes_first_then_prompt_chunks_share_one_budget():
-    sched = Scheduler(BlockManager(64, block_size=4), max_num_seqs=8, max_num_batched_tokens=8)
+    sched = make_scheduler(64, 4, 8, 8)
     a, b = seq("a", 3, 4), seq("b", 20, 2)
     sched.add(a)
     first = run_step(sched)
@@ -60,7 +66,7 @@ def test_decodes_first_then_prompt_chunks_share_one_budget():
 
 
 def test_max_num_seqs_caps_the_running_set():
-    sched = Scheduler(BlockManager(64, block_size=4), max_num_seqs=2, max_num_batched_tokens=100)
+    sched = make_scheduler(64, 4, 2, 100)
     for i in range(3):
         sched.add(seq(f"r{i}", 2, 2))
     record = run_step(sched)
@@ -70,7 +76,7 @@ def test_max_num_seqs_caps_the_running_set():
 
 
 def test_admission_waits_for_blocks():
-    sched = Scheduler(BlockManager(4, block_size=4), max_num_seqs=8, max_num_batched_tokens=100)
+    sched = make_scheduler(4, 4, 8, 100)
     sched.add(seq("big", 12, 1))
     sched.add(seq("small", 6, 1))
     record = run_step(sched)
@@ -80,7 +86,7 @@ def test_admission_waits_for_blocks():
 
 
 def test_preemption_evicts_the_newest_and_it_returns_first():
-    sched = Scheduler(BlockManager(4, block_size=4), max_num_seqs=8, max_num_batched_tokens=100)
+    sched = make_scheduler(4, 4, 8, 100)
     old, new = seq("old", 7, 5), seq("new", 7, 6, first=50)
     sched.add(old)
     sched.add(new)
@@ -107,7 +113,7 @@ def test_preemption_evicts_the_newest_and_it_returns_first():
 
 
 def test_a_request_that_can_never_fit_is_rejected_at_add():
-    sched = Scheduler(BlockManager(4, block_size=4), max_num_seqs=8, max_num_batched_tokens=100)
+    sched = make_scheduler(4, 4, 8, 100)
     with pytest.raises(RequestTooLargeError, match="16 tokens"):
         sched.add(seq("huge", 10, 7))  # 17 tokens > 4 blocks × 4
     sched.add(seq("fits", 10, 6))  # exactly 16: fine
@@ -125,7 +131,7 @@ def test_a_request_that_can_never_fit_is_rejected_at_add():
 def test_every_workload_finishes_with_the_same_tokens(requests, num_blocks, budget, max_seqs, block_size):
     """Random arrivals, pools and budgets: no livelock, budget and caps respected, no leaks, and each
     request's tokens equal what it would produce alone (last + 1 chains)."""
-    sched = Scheduler(BlockManager(num_blocks, block_size), max_num_seqs=max_seqs, max_num_batched_tokens=budget)
+    sched = make_scheduler(num_blocks, block_size, max_seqs, budget)
     pending = [(arrive, seq(f"r{i}", p, m, first=i * 7)) for i, (p, m, arrive) in enumerate(requests)]
     added = []
     for step in range(2000):
@@ -149,7 +155,7 @@ def test_every_workload_finishes_with_the_same_tokens(requests, num_blocks, budg
 def test_the_printed_schedule_folds_quiet_steps():
     from lifeofprompt.engine.step_trace import format_steps
 
-    sched = Scheduler(BlockManager(8, block_size=4), max_num_seqs=8, max_num_batched_tokens=100)
+    sched = make_scheduler(8, 4, 8, 100)
     sched.add(seq("a", 3, 4))
     records = [run_step(sched) for _ in range(4)]
     assert format_steps(records, fold_quiet=True).splitlines() == [

@@ -225,7 +225,7 @@ def test_full_queue_answers_503(server, client, expected):
     once counted the ones about to run as waiting and took only 2), the next gets 503 with Retry-After."""
     engine = server.engine
     saved, engine.max_waiting = engine.max_waiting, 2
-    admitted = engine.scheduler.max_num_seqs + 2
+    admitted = engine.scheduler.config.max_num_seqs + 2
     server.engine_loop.pause()
     results = {}
 
@@ -258,7 +258,7 @@ def test_full_queue_answers_503(server, client, expected):
 
 
 def test_the_served_queue_is_bounded_by_default(server):
-    assert server.engine.max_waiting == 4 * server.engine.scheduler.max_num_seqs
+    assert server.engine.max_waiting == 4 * server.engine.scheduler.config.max_num_seqs
 
 
 def test_a_failing_step_fails_its_requests_and_the_server_goes_on(server, expected, monkeypatch):

@@ -88,11 +88,16 @@ def test_calibrate_and_compare_on_timed_steps():
 def test_the_simulator_takes_the_engines_threshold():
     from lifeofprompt.errors import ConfigError
 
-    assert Simulator(machine=MACHINE).scheduler.long_prefill_token_threshold == 512  # 2,048 / 4, as LLMEngine
-    assert Simulator(machine=MACHINE, max_num_batched_tokens=256).scheduler.long_prefill_token_threshold == 64
-    assert Simulator(machine=MACHINE, long_prefill_token_threshold=0).scheduler.long_prefill_token_threshold is None
-    assert Simulator(machine=MACHINE, long_prefill_token_threshold=300).scheduler.long_prefill_token_threshold == 300
-    assert Simulator(machine=MACHINE, max_num_batched_tokens=8).scheduler.long_prefill_token_threshold is None
+    assert Simulator(machine=MACHINE).scheduler.config.long_prefill_token_threshold == 512  # 2,048 / 4, as LLMEngine
+    assert Simulator(machine=MACHINE, max_num_batched_tokens=256).scheduler.config.long_prefill_token_threshold == 64
+    assert (
+        Simulator(machine=MACHINE, long_prefill_token_threshold=0).scheduler.config.long_prefill_token_threshold is None
+    )
+    assert (
+        Simulator(machine=MACHINE, long_prefill_token_threshold=300).scheduler.config.long_prefill_token_threshold
+        == 300
+    )
+    assert Simulator(machine=MACHINE, max_num_batched_tokens=8).scheduler.config.long_prefill_token_threshold is None
     with pytest.raises(ConfigError):
         Simulator(machine=MACHINE, long_prefill_token_threshold=-1)
 

@@ -99,7 +99,7 @@ def verify_tolerance(smollm2, prompts, reference):
     """The largest change of a top-2 margin between a 1-row decode and a (k + 1)-row verify of the same
     positions (measured here, on this machine's kernels), times 4, and never below the fp32 tolerance."""
     model, _ = smollm2
-    runner = ModelRunner(model, num_blocks=16, block_size=16, backend="torch", max_num_seqs=4)
+    runner = ModelRunner.for_model(model, num_kv_blocks=16, attention_backend="torch", max_num_seqs=4)
     worst = 0.0
     for prompt, tokens in list(zip(prompts, reference[0]))[:2]:  # the code prompt and a story's
         seq = Sequence("m", prompt + tokens, greedy(1))

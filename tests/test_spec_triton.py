@@ -45,7 +45,8 @@ def tiny():
 def test_verify_rows_match_between_torch_and_triton(tiny):
     """A prompt of 7 tokens, then a verify of [last, 4 drafts] beside another sequence's plain decode,
     over block size 4 (the verify crosses a block boundary): every one of the 5 + 1 logit rows agrees."""
-    runners = {name: ModelRunner(tiny, num_blocks=12, block_size=4, backend=name) for name in ("torch", "triton")}
+    pool = dict(num_kv_blocks=12, block_size=4)
+    runners = {name: ModelRunner.for_model(tiny, attention_backend=name, **pool) for name in ("torch", "triton")}
     logits = {}
     for name, runner in runners.items():
         a = Sequence("a", [5, 9, 11, 5, 9, 11, 5], SamplingParams(temperature=0))

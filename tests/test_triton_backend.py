@@ -15,6 +15,7 @@ import importlib.util
 import pytest
 import torch
 
+from lifeofprompt.engine.fast_path import GpuFastPath
 from lifeofprompt.engine.model_runner import ModelRunner
 from lifeofprompt.engine.sampling_params import SamplingParams
 from lifeofprompt.engine.sequence import Sequence
@@ -53,13 +54,11 @@ def test_triton_backend_logits_match_torch(smollm2, story_ids):
     # The torch runner runs the torch forward whatever the product path (a pinned ``rowwise`` would
     # otherwise send its steps through the one-call C step, another summation order throughout), so
     # the two runners differ in their attention alone.
-    runners = {
-        name: ModelRunner(model, num_blocks=16, block_size=4, backend=name, cpu_decode=False)
-        for name in ("torch", "triton")
-    }
-    # the GPU engine's full path: Triton attention and the fused element-wise kernels
-    runners["fused"] = ModelRunner(model, num_blocks=16, block_size=4, backend="triton", fused_kernels=True)
-    assert (runners["triton"].fused_kernels, runners["fused"].fused_kernels) == (False, True)
+    pool = dict(num_kv_blocks=16, block_size=4)
+    runners = {name: ModelRunner.for_model(model, attention_backend=name, **pool) for name in ("torch", "triton")}
+    # the GPU engine's full path: Triton attention and the fused element-wise kernels (the GPU's door)
+    runners["fused"] = ModelRunner.for_model(model, attention_backend="triton", door=GpuFastPath, **pool)
+    assert (runners["triton"].resolved.fused_kernels, runners["fused"].resolved.fused_kernels) == (False, True)
     seqs = {name: make_seqs(story_ids) for name in runners}
 
     first = {name: step_logits(runners[name], seqs[name], [4, 3, 2]) for name in runners}

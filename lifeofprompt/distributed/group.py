@@ -76,6 +76,7 @@ class ParallelGroup:
         self.closed = False
         self.stage_group = None  # stage 0's tensor-parallel group (P > 1)
         self.driver_plan = None  # rank 0's ShardPlan, once the weights are out
+        self.full_weight_bytes = 0  # the whole model's, for the start-up log (set as the weights go out)
         self._lock = threading.RLock()  # one step's collectives at a time
         self._closing = threading.Event()
         self._monitor = threading.Thread(target=self._watch, name="lifeofprompt-tp-monitor", daemon=True)
@@ -226,6 +227,7 @@ class ParallelGroup:
     def _send_weights(self, full_model) -> ShardedLlamaForCausalLM:
         """Each rank's slice of each weight it holds, sent from here one tensor at a time; rank 0 keeps its own."""
         config = full_model.config
+        self.full_weight_bytes = sum(p.numel() * p.element_size() for p in full_model.parameters())
         groups = tensor_parallel_groups(self.size, self.stages, timedelta(seconds=self.timeout_s))  # every rank, first
         self.stage_group = groups[0]
         for rank in range(1, self.world_size):
@@ -352,7 +354,7 @@ class ParallelGroup:
 
     # ------------------------------------------------------------------ looking inside
 
-    def share_plans(self, driver_model, choice, cpu_linear: str | None) -> None:
+    def share_plans(self, driver_model, choice) -> None:
         """Send every worker the CPU product paths to use (``model/linear_calibration.py``), chosen once, here.
 
         Ranks timing products against each other on shared cores would measure each other, so
@@ -370,7 +372,7 @@ class ParallelGroup:
             previous = torch.get_num_threads()
             torch.set_num_threads(self.worker_threads)
             try:
-                theirs = choose_cpu_linear(driver_model, cpu_linear)
+                theirs = choose_cpu_linear(driver_model, "auto")
             finally:
                 torch.set_num_threads(previous)
                 apply_plans(driver_model, choice.plans)  # timing drops packed copies: restore the driver's
@@ -390,11 +392,11 @@ class ParallelGroup:
             dist.gather_object(shard_report(driver_model, driver_cache), reports, dst=0)
         return reports
 
-    def describe(self, driver_model, full_bytes: int, steps_in_flight: int = 1) -> list[str]:
+    def describe(self, driver_model, steps_in_flight: int = 1) -> list[str]:
         """The start-up log's lines about the split: who is who, what each rank holds, and why."""
         plan, c = driver_model.plan, driver_model.full_config
         h, k, i = plan.config.num_heads, plan.config.num_kv_heads, plan.config.intermediate_size
-        per_rank = weight_report(driver_model)["nbytes"]
+        per_rank, full = weight_report(driver_model)["nbytes"], max(self.full_weight_bytes, 1)
         embed = c.vocab_size * c.hidden_size * driver_model.embed_tokens.weight.element_size()
         embed *= 1 if c.tie_word_embeddings else 2
         shared = f", each KV head on {plan.kv_replication} ranks" if plan.kv_replication > 1 else ""
@@ -416,10 +418,10 @@ class ParallelGroup:
             f"rank{shared}), gate/up by columns ({i} of {c.intermediate_size}); o_proj and down_proj row-parallel, "
             "one all-reduce each",
             f"embedding and LM head: vocab-parallel, {plan.vocab[1] - plan.vocab[0]} rows per rank{padded}; "
-            f"replicated they would keep {_mib(embed)} ({embed / max(full_bytes, 1):.0%} of the weights) on every "
+            f"replicated they would keep {_mib(embed)} ({embed / full:.0%} of the weights) on every "
             "rank; the price is one all-reduce of [tokens, hidden] after the lookup and one gather of the sampled "
             "rows' logits to rank 0",
-            f"weights on rank 0: {_mib(per_rank)} of {_mib(full_bytes)} ({per_rank / max(full_bytes, 1):.1%}; "
+            f"weights on rank 0: {_mib(per_rank)} of {_mib(full)} ({per_rank / full:.1%}; "
             f"1/{self.world_size} = {1 / self.world_size:.1%}); each rank's KV pool holds only its {k} KV "
             f"head{'s' if k > 1 else ''}" + (" of its stage's layers" if self.stages > 1 else ""),
         ]

@@ -43,12 +43,12 @@ class RankDecodeGraphs(GraphCapture):
         max_blocks: int,
         max_model_len: int,
         backend: str,
-        fused: bool,
+        path,
         capture: bool,
     ):
         self.model, self.kv_cache, self.device = model, cache, model.device
         self.graph_sizes, self.max_num_seqs, self.max_blocks_per_seq = list(sizes), max_num_seqs, max_blocks
-        self.max_model_len, self.backend, self.fused = max_model_len, backend, fused
+        self.max_model_len, self.backend, self.path = max_model_len, backend, path
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._alloc_static_buffers()
         if capture:
@@ -56,7 +56,7 @@ class RankDecodeGraphs(GraphCapture):
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """What a graph holds (``GraphCapture.capture_graphs``): the shard's ``[rows, vocab / T]`` logits."""
-        return self.model.local_logits(input_ids, positions, meta, self.fused)
+        return self.model.local_logits(input_ids, positions, meta, self.path)
 
     def load(self, size: int, payload: torch.Tensor) -> None:
         """Copy one step's padded inputs (``payload``) into the first ``size`` rows of the static buffers."""
@@ -80,15 +80,15 @@ class RankDecodeGraphs(GraphCapture):
         return self.model.gather_logits(local)
 
 
-def replay_payload(runner, size: int) -> torch.Tensor:
-    """Rank 0: the first ``size`` rows of the runner's filled static buffers (``fill_static_decode``), as int64."""
+def replay_payload(buffers, size: int) -> torch.Tensor:
+    """Rank 0: the first ``size`` rows of the runner's filled static buffers (``DecodeGraphs.fill``), as int64."""
     parts = [
-        runner.static_input_ids[:size],
-        runner.static_positions[:size],
-        runner.static_slot_mapping[:size],
-        runner.static_seq_lens[:size],
-        runner.static_block_tables[:size].reshape(-1),
+        buffers.static_input_ids[:size],
+        buffers.static_positions[:size],
+        buffers.static_slot_mapping[:size],
+        buffers.static_seq_lens[:size],
+        buffers.static_block_tables[:size].reshape(-1),
     ]
     payload = torch.cat([p.to(torch.long) for p in parts])
-    assert payload.numel() == step.replay_payload_size(size, runner.max_blocks_per_seq)
+    assert payload.numel() == step.replay_payload_size(size, buffers.max_blocks_per_seq)
     return payload

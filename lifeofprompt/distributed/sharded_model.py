@@ -36,6 +36,7 @@ import time
 import torch
 from torch import nn
 
+from ..model.forward_path import ForwardPath
 from ..model.linear import Linear
 from ..model.llama import LlamaForCausalLM
 from . import collectives, pipeline, step
@@ -129,19 +130,19 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
     def is_driver(self) -> bool:
         return self.plan.world_rank == 0
 
-    def forward(self, input_ids, positions=None, meta=None, fused_kernels=False):
+    def forward(self, input_ids, positions=None, meta=None, path=ForwardPath.TORCH):
         if input_ids.dim() == 2 and meta is None:  # the convenience form: flattened, then below
-            return super().forward(input_ids, positions, meta, fused_kernels)
+            return super().forward(input_ids, positions, meta, path)
         if not self.is_driver:
-            return self.shard_forward(input_ids, positions, meta, fused_kernels)
+            return self.shard_forward(input_ids, positions, meta, path)
         if self.plan.num_stages > 1:
-            return self.submit(input_ids, positions, meta, fused_kernels).wait()
+            return self.submit(input_ids, positions, meta, path).wait()
         guard = self.collective_guard
         with guard() if guard is not None else contextlib.nullcontext():
-            step.broadcast_step(input_ids, positions, meta, fused_kernels)
-            return self.shard_forward(input_ids, positions, meta, fused_kernels)
+            step.broadcast_step(input_ids, positions, meta, path)
+            return self.shard_forward(input_ids, positions, meta, path)
 
-    def submit(self, input_ids, positions, meta, fused_kernels=False) -> pipeline.PendingLogits:
+    def submit(self, input_ids, positions, meta, path=ForwardPath.TORCH) -> pipeline.PendingLogits:
         """Rank 0 with P > 1: stage 0's part of one step, sent down the pipe; its logits come back later.
 
         The receive of the logits is posted first, so the last stage can always send them, whatever
@@ -150,7 +151,7 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
         plan = self.plan
         guard = self.collective_guard or contextlib.nullcontext
         with guard():
-            header, payload = step.pack(input_ids, positions, meta, fused_kernels)
+            header, payload = step.pack(input_ids, positions, meta, path)
             pipeline.first_hop(plan, header, payload, self.tp_group)
             rows = input_ids.shape[0] if meta.logits_indices is None else meta.logits_indices.shape[0]
             pending = pipeline.PendingLogits(
@@ -161,14 +162,14 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
                 self.device,
                 guard,
             )
-            self.shard_forward(input_ids, positions, meta, fused_kernels, wire=(header, payload))
+            self.shard_forward(input_ids, positions, meta, path, wire=(header, payload))
         return pending
 
-    def hidden_states(self, input_ids, positions, meta, fused_kernels=False):
+    def hidden_states(self, input_ids, positions, meta, path=ForwardPath.TORCH):
         """This stage's layers: from the embedding or the previous stage, to the final norm (last stage) or not."""
         plan = self.plan
         if plan.num_stages == 1:
-            return super().hidden_states(input_ids, positions, meta, fused_kernels)
+            return super().hidden_states(input_ids, positions, meta, path)
         if plan.is_first_stage:
             hidden = self.embed_tokens(input_ids)
         else:
@@ -181,7 +182,7 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
         self.stage_clock.note(start)
         return self.norm(hidden) if plan.is_last_stage else hidden
 
-    def shard_forward(self, input_ids, positions, meta, fused_kernels=False, wire=None):
+    def shard_forward(self, input_ids, positions, meta, path=ForwardPath.TORCH, wire=None):
         """This rank's part of one forward; the full logits on rank 0 with one stage, None elsewhere.
 
         ``wire`` (P > 1): the step's header and payload as rank 0 packed them, sent on to the next
@@ -189,7 +190,7 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
         """
         self.last_block_tables = getattr(meta, "block_tables", None)
         plan = self.plan
-        hidden = self.hidden_states(input_ids, positions, meta, fused_kernels)
+        hidden = self.hidden_states(input_ids, positions, meta, path)
         if not plan.is_last_stage:
             pipeline.send_on(plan, *wire, hidden)
             return None
@@ -213,10 +214,10 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
 
     # ------------------------------------------------------------------ decode graphs, one per rank (P = 1)
 
-    def local_logits(self, input_ids, positions, meta, fused_kernels=False) -> torch.Tensor:
+    def local_logits(self, input_ids, positions, meta, path=ForwardPath.TORCH) -> torch.Tensor:
         """One stage's whole step up to its slice of the logits: no broadcast before, no gather after.
         What each rank's CUDA graph holds (``rank_graphs.py``)."""
-        return self.logits_of(self.hidden_states(input_ids, positions, meta, fused_kernels), meta)
+        return self.logits_of(self.hidden_states(input_ids, positions, meta, path), meta)
 
     def start_decode_graphs(self, runner, capture: bool = True) -> None:
         """Rank 0: every rank, this one too, sets up its static decode buffers and captures its graphs
@@ -226,13 +227,14 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
         if self.plan.num_stages > 1:
             raise NotImplementedError("decode graphs with pipeline stages: a stage's graph would wait on a receive")
         guard = self.collective_guard or contextlib.nullcontext
+        r = runner.resolved
         settings = dict(
-            sizes=runner.graph_sizes,
-            max_num_seqs=runner.max_num_seqs,
-            max_blocks=runner.max_blocks_per_seq,
-            max_model_len=runner.max_model_len,
-            backend=runner.backend,
-            fused=runner.fused_kernels,
+            sizes=runner.graphs.graph_sizes,
+            max_num_seqs=r.max_num_seqs,
+            max_blocks=r.max_blocks_per_seq,
+            max_model_len=r.max_model_len,
+            backend=r.attention_backend,
+            path=runner.fast_path.path_for(1),
             capture=capture,
         )
         with guard():

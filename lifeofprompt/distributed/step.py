@@ -20,15 +20,19 @@ import torch
 import torch.distributed as dist
 
 from ..model.attention import NoCacheMetadata, PagedCacheMetadata
+from ..model.forward_path import ForwardPath
 from . import collectives
 
 STEP, STOP, REPORT, PLANS, CAPTURE, REPLAY = 1, 2, 3, 4, 5, 6  # commands in header[0]
 NO_CACHE, PAGED = 0, 1  # metadata kinds in header[1]
 BACKENDS = ("torch", "triton")
+PATHS = tuple(ForwardPath)  # the forward path travels as its index
 HEADER = 11
 
 
-def pack(input_ids: torch.Tensor, positions: torch.Tensor, meta, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def pack(
+    input_ids: torch.Tensor, positions: torch.Tensor, meta, path: ForwardPath
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(header, payload)`` of one forward: every per-step tensor end to end, as int64."""
     paged = isinstance(meta, PagedCacheMetadata)
     if not paged and not isinstance(meta, NoCacheMetadata):
@@ -52,7 +56,7 @@ def pack(input_ids: torch.Tensor, positions: torch.Tensor, meta, fused: bool) ->
             -1 if logits is None else logits.shape[0],
             meta.max_query_len,
             meta.max_seq_len,
-            int(bool(fused)),
+            PATHS.index(ForwardPath(path)),
             BACKENDS.index(getattr(meta, "backend", "torch")),
             int(getattr(meta, "decode_in_c", False)),
         ],
@@ -70,8 +74,8 @@ def payload_size(header: list[int]) -> int:
 
 
 def unpack(header: list[int], payload: torch.Tensor, cache=None):
-    """The inverse of ``pack``: ``(input_ids, positions, meta, fused)`` over this rank's ``cache``."""
-    _, kind, tokens, seqs, width, logits, max_query_len, max_seq_len, fused, backend, decode_in_c = header
+    """The inverse of ``pack``: ``(input_ids, positions, meta, path)`` over this rank's ``cache``."""
+    _, kind, tokens, seqs, width, logits, max_query_len, max_seq_len, path, backend, decode_in_c = header
     sizes = [tokens, tokens, seqs + 1, seqs, max(logits, 0)] + ([tokens, seqs * width] if kind == PAGED else [])
     ids, positions, starts, lens, rows, *paged = payload.split(sizes)
     fields = dict(
@@ -93,7 +97,7 @@ def unpack(header: list[int], payload: torch.Tensor, cache=None):
         )
     else:
         meta = NoCacheMetadata(**fields)
-    return ids, positions, meta, bool(fused)
+    return ids, positions, meta, PATHS[path]
 
 
 def send_command(command: int, device) -> None:
@@ -103,9 +107,9 @@ def send_command(command: int, device) -> None:
     collectives.broadcast(header, src=0)
 
 
-def broadcast_step(input_ids, positions, meta, fused) -> None:
+def broadcast_step(input_ids, positions, meta, path) -> None:
     """Rank 0: send one forward's inputs to every other rank."""
-    header, payload = pack(input_ids, positions, meta, fused)
+    header, payload = pack(input_ids, positions, meta, path)
     collectives.broadcast(header, src=0)
     collectives.broadcast(payload, src=0)
 
@@ -151,7 +155,7 @@ def send_capture(
     max_blocks: int,
     max_model_len: int,
     backend: str,
-    fused: bool,
+    path: ForwardPath,
     capture: bool,
     device,
 ) -> None:
@@ -165,7 +169,7 @@ def send_capture(
             max_blocks,
             max_model_len,
             BACKENDS.index(backend),
-            int(bool(fused)),
+            PATHS.index(ForwardPath(path)),
             int(bool(capture)),
             0,
             0,
@@ -180,7 +184,7 @@ def send_capture(
 
 def receive_capture(header: list[int], device) -> dict:
     """Ranks > 0: the rest of ``send_capture`` (its sizes), as keyword arguments for ``RankDecodeGraphs``."""
-    _, count, max_num_seqs, max_blocks, max_model_len, backend, fused, capture = header[:8]
+    _, count, max_num_seqs, max_blocks, max_model_len, backend, path, capture = header[:8]
     sizes = torch.empty(count, dtype=torch.long, device=device)
     collectives.broadcast(sizes, src=0)
     return dict(
@@ -189,7 +193,7 @@ def receive_capture(header: list[int], device) -> dict:
         max_blocks=max_blocks,
         max_model_len=max_model_len,
         backend=BACKENDS[backend],
-        fused=bool(fused),
+        path=PATHS[path],
         capture=bool(capture),
     )
 

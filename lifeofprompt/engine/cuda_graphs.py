@@ -1,22 +1,60 @@
-"""``DecodeGraphs``: the model runner's CUDA graphs of decode steps, filled from its sequences.
+"""``DecodeGraphs``: the runner's CUDA graphs of decode steps, filled from its sequences.
 
-The fixed-address buffers and the capture are the model layer's (``model/graph_capture.py``);
-what this adds is the engine's side: every step copies its sequences into the buffers
-(``fill_static_decode``), and a step with B sequences replays the smallest captured graph with
-at least B rows, the extra rows being padding. ``ModelRunner`` inherits this; the same padded
-computation can run eagerly (``run_static_decode``), which is how the CPU tests check the padding.
+A graph bakes in tensor addresses and Python ints, so a decode step's inputs live in fixed buffers
+sized for the largest batch (``model/graph_capture.py`` holds them and captures). A graph is
+captured once per batch size of a ladder (1, 2, 4, 8, 16, 32, 48, ... up to ``max_num_seqs``); a
+step with B sequences replays the smallest graph with at least B rows, the extra rows being padding
+(slot -1: nothing is stored; length 1: attention reads one harmless slot). With ``capture=False``
+the same padded steps run eagerly from the buffers, which is how the CPU tests check the padding.
+With tensor parallelism every rank holds graphs of its own (``distributed/rank_graphs.py``), filled
+from the buffers here.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..errors import ConfigError
 from ..model.graph_capture import GraphCapture
 from .sequence import Sequence
 
 
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The ladder of decode batch sizes that get a CUDA graph: 1, 2, 4, 8, then every 16, up to ``max_num_seqs``."""
+    if max_num_seqs < 1:
+        raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
+    sizes += list(range(16, max_num_seqs, 16))
+    return sorted(set(sizes + [max_num_seqs]))
+
+
+def padded_batch_size(batch: int, sizes: list[int]) -> int | None:
+    """The smallest ladder size that holds ``batch`` rows (None: larger than every graph)."""
+    return next((size for size in sizes if size >= batch), None)
+
+
 class DecodeGraphs(GraphCapture):
-    def fill_static_decode(self, seqs: list[Sequence], size: int) -> None:
+    def __init__(self, runner, capture: bool = True):
+        r = runner.resolved
+        self.runner, self.device, self.kv_cache, self.backend = (
+            runner,
+            runner.device,
+            runner.kv_cache,
+            r.attention_backend,
+        )
+        self.block_size, self.max_num_seqs, self.max_model_len = r.block_size, r.max_num_seqs, r.max_model_len
+        self.max_blocks_per_seq = r.max_blocks_per_seq
+        self.graph_sizes = graph_batch_sizes(r.max_num_seqs)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._alloc_static_buffers()
+        if capture:
+            self.capture_graphs()
+
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        """What a graph holds: the runner's forward of the buffers' rows."""
+        return self.runner.run_model(input_ids, positions, meta)
+
+    def fill(self, seqs: list[Sequence], size: int) -> None:
         """Copy a decode step of ``len(seqs)`` sequences into the static buffers, padding rows up to ``size``.
 
         Padding rows: token 0 at position 0, slot -1 (stored nowhere), length 1 over block 0.
@@ -47,10 +85,11 @@ class DecodeGraphs(GraphCapture):
         ):
             static[:size].copy_(host, non_blocking=True)
 
-    @torch.no_grad()
-    def run_static_decode(self, seqs: list[Sequence], size: int) -> torch.Tensor:
-        """The graph's computation run eagerly: the padded static-buffer decode (tests it on any device)."""
-        self.fill_static_decode(seqs, size)
-        return self.run_model(
-            self.static_input_ids[:size], self.static_positions[:size], self.static_decode_metadata(size)
-        )[: len(seqs)]
+    def run(self, size: int) -> torch.Tensor:
+        """The filled step of ``size`` rows: its graph's replay, or the same computation eagerly."""
+        if size in self.graphs:
+            graph, logits = self.graphs[size]
+            graph.replay()
+            return logits
+        ids, positions = self.static_input_ids[:size], self.static_positions[:size]
+        return self.run_model(ids, positions, self.static_decode_metadata(size))

@@ -108,47 +108,16 @@ def load_draft(config: SpeculativeConfig, target, target_tokenizer):
 class DraftModelProposer:
     """Runs the draft: its mirror of every target forward, and its k one-row passes before a verify."""
 
-    def __init__(self, config: SpeculativeConfig, model, num_blocks: int, block_size: int, backend: str):
+    def __init__(self, config: SpeculativeConfig, model, resolved, door):
         self.k = config.k
         self.model = model
-        self.block_size = block_size
-        self.backend = backend
+        self.block_size = resolved.block_size
+        self.backend = resolved.attention_backend
         self.kv_cache = PagedKVCache.for_model(
-            model.config, num_blocks, block_size, dtype=model.dtype, device=model.device
+            model.config, resolved.num_kv_blocks, self.block_size, dtype=model.dtype, device=model.device
         )
         self.num_forwards = 0
-        self.cpu_decode_rows = 0  # steps of up to this many rows run as one C call (choose_cpu_products)
-
-    def choose_cpu_products(self, runner) -> None:
-        """Multiply as the target's runner chose, and take the one-call C step where it does.
-
-        A draft that shares the target's layers (``first_layers``) shares its ``Linear`` modules,
-        so it already has the target's calibrated plans. A draft with weights of its own has
-        other shapes: it is calibrated once here (or read from the cache), with the target's
-        pinned path if the target's was pinned, so a test's tokens never depend on a timing.
-        """
-        from ..model import cpu_decode
-        from ..model.huge_pages import move_weights_to_huge_pages
-        from ..model.linear import apply_plans, plannable
-        from ..model.linear_calibration import choose_cpu_linear
-
-        choice = runner.linear_choice
-        if choice is None or self.model.dtype != torch.float32:
-            return
-        linears = [m for m in self.model.modules() if plannable(m)]
-        if linears and all(m.plan is not None for m in linears):  # the target's own modules
-            self.cpu_decode_rows = runner.cpu_decode_rows
-            return
-        move_weights_to_huge_pages(self.model)  # where the target's weights are, before timing
-        own = choose_cpu_linear(self.model, choice.pinned, prepack=runner.prepack_cpu_weights)
-        apply_plans(self.model, own.plans)
-        if runner.cpu_decode_rows and cpu_decode.supports(self.model):
-            self.cpu_decode_rows = cpu_decode.usable_rows(own.plans, cpu_decode.layer_shapes(self.model), own.timings)
-
-    def _fused(self, rows: int) -> str | bool:
-        from ..model.cpu_decode import C_STEP, takes_step
-
-        return C_STEP if takes_step(rows, self.cpu_decode_rows, self.kv_cache.kv) else False
+        self.fast_path = door  # its own paths (the target's door chose them: ``for_draft``)
 
     def kv_bytes_per_block(self) -> int:
         return kv_bytes_per_block(self.model.config, self.model.dtype, self.block_size)
@@ -169,7 +138,7 @@ class DraftModelProposer:
             slot_mapping=meta.slot_mapping,
             backend=meta.backend,
         )
-        self.model.hidden_states(input_ids, positions, own, fused_kernels=self._fused(input_ids.shape[0]))
+        self.model.hidden_states(input_ids, positions, own, self.fast_path.path_for(input_ids.shape[0]))
 
     # ---------------------------------------------------------------- drafting
     def placeholders(self, seq: Sequence, max_draft: int) -> list[int]:
@@ -223,7 +192,7 @@ class DraftModelProposer:
             torch.tensor(ids, device=device),
             torch.tensor(positions, device=device),
             meta,
-            fused_kernels=self._fused(len(ids)),
+            path=self.fast_path.path_for(len(ids)),
         )
 
     @staticmethod

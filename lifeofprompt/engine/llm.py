@@ -33,43 +33,11 @@ TQDM_MIN_REQUESTS = 16  # a progress bar only for runs long enough to want one
 
 
 class LLM:
-    def __init__(
-        self,
-        model="smollm2-135m",
-        dtype=None,
-        device=None,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        enable_prefix_caching: bool = True,
-        attention_backend: str | None = None,
-        enforce_eager: bool = False,
-        speculative_config: dict | None = None,
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        distributed_executor_backend: str | None = None,
-        **engine_kwargs,
-    ):
-        self.engine = LLMEngine(
-            model,
-            dtype=dtype,
-            device=device,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory=kv_cache_memory,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching,
-            attention_backend=attention_backend,
-            enforce_eager=enforce_eager,
-            speculative_config=speculative_config,
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            distributed_executor_backend=distributed_executor_backend,
-            **engine_kwargs,
-        )
+    def __init__(self, model="smollm2-135m", **settings):
+        """The engine for ``model`` (a name, a folder, or a loaded model with ``tokenizer=``), with any of the
+        engine's settings by vLLM's names (``engine/config.py``: ``max_num_seqs``, ``num_kv_blocks``,
+        ``speculative_config``, ``tensor_parallel_size``, ...); a bad one is a ``ConfigError`` naming it."""
+        self.engine = LLMEngine(model, **settings)
         self._ids = itertools.count()
 
     def shutdown(self) -> None:

@@ -46,23 +46,25 @@ from ..errors import (
     RequestFailedError,
     SpeculativeConfigError,
 )
+from ..model.loader import load_model
 from .block_manager import BlockManager
 from .completions import CompletionUpdates
+from .config import EngineConfig
 from .logs import log_to_stderr
+from .model_runner import ModelRunner, plan_kv_blocks
 from .outputs import RequestMetrics, RequestOutput
+from .pipeline_overlap import PipelineOverlap
 from .request_state import IncrementalDetokenizer, _Completion, _Request
 from .sampling_params import SamplingParams
-from .scheduler import ScheduledBatch, Scheduler, fair_prefill_threshold
+from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, SequenceStatus
-from .speculative import SpeculativeConfig
+from .spec_decode import SpecDecoder
+from .startup_log import startup_lines
 from .step_output import StepOutput
 from .step_trace import StepRecord, format_steps, record_step
 
 logger = logging.getLogger("lifeofprompt.engine")
 log_to_stderr(logger, "engine", defer_to_root=False)  # like vLLM: the start-up lines show without any set-up
-
-DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
-
 
 # ----------------------------------------------------------------------------- the engine
 
@@ -77,145 +79,103 @@ class StartedStep:
 
 
 class LLMEngine(CompletionUpdates):
-    def __init__(
-        self,
-        model="smollm2-135m",
-        *,
-        tokenizer=None,
-        dtype=None,
-        device=None,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        long_prefill_token_threshold: int | None = None,
-        enable_prefix_caching: bool = True,
-        attention_backend: str | None = None,
-        enforce_eager: bool = False,
-        gpu_memory_utilization: float = 0.9,
-        max_waiting: int | None = None,
-        check_invariants: bool = False,
-        max_step_records: int = 10_000,
-        log_stats: bool = True,
-        clock=time.monotonic,
-        prepack_cpu_weights: bool = True,
-        cpu_linear: str | None = None,
-        cpu_decode: bool | None = None,
-        speculative_config=None,
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        pipeline_overlap: bool = True,
-        distributed_executor_backend: str | None = None,
-    ):
-        from ..distributed.executor import uses_process_group  # a bad value fails before the model loads
-
-        process_group = uses_process_group(distributed_executor_backend, tensor_parallel_size, pipeline_parallel_size)
-        if isinstance(model, str):
-            from ..model.loader import load_model
-
-            self.model, self.tokenizer = load_model(model, dtype=dtype, device=device)
-            self.model_name = model
-        else:
-            if tokenizer is None:
-                raise ConfigError("pass tokenizer= together with a loaded model")
-            self.model, self.tokenizer = model, tokenizer
-            self.model_name = getattr(model, "name", None) or model.config.name
-        if max_waiting is not None and max_waiting < 1:
-            raise ConfigError(f"max_waiting must be >= 1 (or None for unbounded), got {max_waiting}")
-        self.config = self.model.config
+    def __init__(self, model="smollm2-135m", *, clock=time.monotonic, **settings):
+        """Start an engine, in this order (``engine/README.md`` walks it): the settings checked
+        (``EngineConfig``, before anything loads), the model loaded, speculation's drafter, the other
+        ranks of a split model, the runner's start-up (every automatic choice, frozen in
+        ``self.resolved``), then the block manager, the scheduler and the start-up log."""
+        self.config = EngineConfig.from_settings(model=model, **settings)
         self.clock = clock
-        self.spec_config = SpeculativeConfig.from_user(speculative_config)
-        self.spec = None  # speculative decoding's drafter and counters (spec_decode.py)
-        if self.spec_config is not None:
-            from .spec_decode import SpecDecoder
-
-            self.spec = SpecDecoder(self.spec_config, self.model, self.tokenizer, block_size)
-            enforce_eager = enforce_eager or self.spec.needs_eager
-        self.block_size = block_size
-        self.max_waiting = max_waiting
-        self.check_invariants = check_invariants
-        context_len = min(max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings)
+        self.model, self.tokenizer = self._load()
+        self.model_config = self.model.config  # the whole model's (a split model's rank 0 holds a shard)
+        self.spec = SpecDecoder.start(self.config, self.model, self.tokenizer)  # None without speculation
+        self.parallel, runner_config = self._start_ranks()  # no ranks in one process
+        draft_bytes = self.spec.draft_bytes_per_block() if self.spec is not None else 0
+        split = self.parallel is not None
+        self.runner = ModelRunner(self.model, runner_config, draft_kv_bytes_per_block=draft_bytes, split=split)
+        self.resolved = r = self.runner.resolved
+        if self.parallel is not None:
+            self.runner.fast_path.share_with(self.parallel, self.model)
         if self.spec is not None:
-            self.spec.check_context(context_len)
-        if num_kv_blocks is None and (kv_cache_memory is not None or self.model.device.type != "cuda"):
-            num_kv_blocks = self._blocks_for_memory(kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY)
-        self.parallel = (
-            None  # T×P > 1 or "mp": the process group (lifeofprompt.distributed); self.model is rank 0's shard
-        )
-        if process_group:
-            if self.spec_config is not None and self.spec_config.method != "ngram":
-                raise SpeculativeConfigError(
-                    "a draft model runs in one process only: use method 'ngram' with "
-                    "tensor_parallel_size or pipeline_parallel_size > 1",
-                    param="model",
-                )
-            self._launch_tensor_parallel(tensor_parallel_size, pipeline_parallel_size, num_kv_blocks)
-            cpu_decode = False  # the one-call C step has no place for the all-reduces
-            # One stage: every rank captures its own decode graphs (distributed/rank_graphs.py). Several:
-            # a stage's graph would wait inside on the previous stage's send, so the pipeline stays eager.
-            enforce_eager = enforce_eager or pipeline_parallel_size > 1
-        from .model_runner import ModelRunner
+            self.spec.attach(self.runner)
+        self.block_manager = BlockManager(r.num_kv_blocks, r.block_size, r.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, r.scheduler)
+        self.pipeline = None  # P > 1: up to P steps in flight, one per micro-batch group (pipeline_overlap.py)
+        if r.scheduler.num_groups > 1:
+            self.pipeline = PipelineOverlap(self.scheduler, self.runner, r.scheduler.num_groups, self._start_step)
+        self._start_requests()
+        self.startup_log = startup_lines(self)
+        if self.config.log_stats:
+            for line in self.startup_log:
+                logger.info(line)
 
-        self.runner = ModelRunner(
-            self.model,
-            num_kv_blocks,
-            block_size,
-            attention_backend or "auto",
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=context_len,
-            enforce_eager=enforce_eager or None,
-            gpu_memory_utilization=gpu_memory_utilization,
-            prepack_cpu_weights=prepack_cpu_weights,
-            cpu_linear=cpu_linear,
-            cpu_decode=cpu_decode,
-            extra_kv_bytes_per_block=self._draft_bytes_per_block(),
-        )
-        if self.parallel is not None and self.runner.linear_choice is not None:
-            self.parallel.share_plans(self.model, self.runner.linear_choice, cpu_linear)
-        if self.spec is not None:
-            self.spec.attach(self.runner, self.runner.kv_cache.num_blocks)
-        self.num_kv_blocks = self.runner.kv_cache.num_blocks
-        self.block_manager = BlockManager(self.num_kv_blocks, block_size, enable_prefix_caching)
-        # P > 1: up to P steps in flight, one per micro-batch group (pipeline_overlap.py), verifies included
-        depth = pipeline_parallel_size if pipeline_overlap else 1
-        self.scheduler = Scheduler(
-            self.block_manager,
-            max_num_seqs,
-            max_num_batched_tokens,
-            context_len,
-            fair_prefill_threshold(long_prefill_token_threshold, max_num_batched_tokens),
-            num_groups=depth,
-        )
-        self.pipeline = None
-        if depth > 1:
-            from .pipeline_overlap import PipelineOverlap
+    # ---------------------------------------------------------------- set-up
+    def _load(self):
+        """The model and its tokenizer: loaded by name or folder (``model/loader.py``), or given loaded."""
+        c = self.config
+        if isinstance(c.model, str):
+            return load_model(c.model, dtype=c.dtype, device=c.device)
+        if c.tokenizer is None:
+            raise ConfigError("pass tokenizer= together with a loaded model", param="tokenizer")
+        return c.model, c.tokenizer
 
-            self.pipeline = PipelineOverlap(self.scheduler, self.runner, depth, self._start_step)
-        self.max_model_len = self.scheduler.max_model_len
-        self.eos_token_ids = set(self.config.eos_token_ids)
+    def _start_ranks(self):
+        """A split model (``tensor_parallel_size`` × ``pipeline_parallel_size`` > 1, or ``"mp"``): start the
+        other ranks, each with its slice of the weights and a KV pool of the same block count, and keep
+        rank 0's shard as the model (``distributed/group.py``). Returns the group and the runner's config."""
+        from ..distributed.executor import uses_process_group
+
+        c = self.config
+        if not uses_process_group(c.distributed_executor_backend, c.tensor_parallel_size, c.pipeline_parallel_size):
+            return None, c
+        if self.spec is not None and self.spec.draft_model is not None:
+            raise SpeculativeConfigError(
+                "a draft model runs in one process only: use method 'ngram' with tensor_parallel_size or "
+                "pipeline_parallel_size > 1",
+                param="model",
+            )
+        if c.num_kv_blocks is None and c.kv_cache_memory is None and self.model.device.type == "cuda":
+            raise ConfigError(
+                "a parallel engine on a GPU needs num_kv_blocks or kv_cache_memory (the pool is not profiled "
+                "across ranks)"
+            )
+        from ..distributed.group import ParallelGroup
+
+        blocks = plan_kv_blocks(self.model, c, 0)
+        group, self.model = ParallelGroup.launch(
+            self.model, c.tensor_parallel_size, blocks, c.block_size, stages=c.pipeline_parallel_size
+        )
+        group.shutdown_with(self)
+        return group, c.replace(num_kv_blocks=blocks)
+
+    def _start_requests(self) -> None:
+        """The request table, the inbox other threads add to, and the locks around them."""
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.runner.eos_token_ids = tuple(sorted(self.eos_token_ids))  # what min_tokens holds back
         self._grammar_backend = None
+        self.max_waiting = self.resolved.max_waiting  # the queue's bound (the server sets one where none was asked)
         self.requests: dict[str, _Request] = {}
         self._owner: dict[int, tuple[_Request, _Completion]] = {}  # seq_id -> its request and answer
-        self.step_records: deque[StepRecord] = deque(maxlen=max_step_records)
+        self.step_records: deque[StepRecord] = deque(maxlen=self.config.max_step_records)
         self._inbox: list[tuple[str, object]] = []
         self._pending_outputs: list[RequestOutput] = []
         self._lock = threading.Lock()  # guards the inbox and the request table
         self._step_lock = threading.Lock()  # held while a step (or an inbox drain) runs
         self._tokenizer_lock = threading.Lock()  # HF fast tokenizers dislike concurrent use
-        self.startup_log = self._startup_lines(context_len)
-        if log_stats:
-            for line in self.startup_log:
-                logger.info(line)
 
-    # ---------------------------------------------------------------- set-up
-    def _draft_bytes_per_block(self) -> int:
-        return self.spec.draft_bytes_per_block() if self.spec is not None else 0
+    @property
+    def model_name(self) -> str:
+        return self.resolved.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.resolved.max_model_len
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.resolved.num_kv_blocks
 
     @property
     def spec_stats(self):
@@ -231,54 +191,10 @@ class LLMEngine(CompletionUpdates):
     def proposer(self, value) -> None:
         self.spec.proposer = value
 
-    def _blocks_for_memory(self, kv_bytes: int) -> int:
-        """Blocks that fit ``kv_bytes``; with a draft model a block is the target's bytes plus the draft's."""
-        from .memory import kv_bytes_per_block
-
-        blocks = int(kv_bytes) // (
-            kv_bytes_per_block(self.config, self.model.dtype, self.block_size) + self._draft_bytes_per_block()
-        )
-        if blocks < 1:
-            from ..errors import OutOfMemoryError
-
-            if self._draft_bytes_per_block():
-                raise OutOfMemoryError(
-                    f"speculative_config['model']: with the draft's KV beside the model's, "
-                    f"kv_cache_memory={kv_bytes} bytes holds not one block of {self.block_size} tokens"
-                )
-            raise OutOfMemoryError(f"kv_cache_memory={kv_bytes} bytes holds not one block of {self.block_size} tokens")
-        return blocks
-
-    def _launch_tensor_parallel(self, size: int, stages: int, num_kv_blocks: int | None) -> None:
-        """Split the model over ``size`` × ``stages`` ranks; this process is rank 0 and keeps the scheduler.
-        (With ``distributed_executor_backend="mp"`` and T×P = 1: a world of rank 0 alone, ``distributed/executor.py``.)
-
-        The one C decode step (all layers in one call) has no place for the all-reduces, so a
-        split model runs the torch forward; its CPU product paths are chosen once, by the driver,
-        and sent to every rank (``ParallelGroup.share_plans``).
-        """
-        from ..distributed.group import ParallelGroup
-
-        if num_kv_blocks is None:
-            raise ConfigError(
-                "a parallel engine on a GPU needs num_kv_blocks or kv_cache_memory "
-                "(the pool is not profiled across ranks)"
-            )
-        self._full_weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self.parallel, self.model = ParallelGroup.launch(
-            self.model, size, num_kv_blocks, self.block_size, stages=stages
-        )
-        self.parallel.shutdown_with(self)
-
     def shutdown(self) -> None:
         """End the tensor-parallel workers (if any); the engine cannot step afterwards. Idempotent."""
         if self.parallel is not None:
             self.parallel.shutdown()
-
-    def _startup_lines(self, context_len: int) -> list[str]:
-        from .startup_log import startup_lines
-
-        return startup_lines(self, context_len)
 
     # ---------------------------------------------------------------- requests in (any thread)
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
@@ -310,7 +226,7 @@ class LLMEngine(CompletionUpdates):
         text, ids = self.tokenize(prompt)
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt", index=index)
-        vocab = self.config.vocab_size
+        vocab = self.model_config.vocab_size
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise InvalidRequestError(
@@ -339,7 +255,7 @@ class LLMEngine(CompletionUpdates):
         if self._grammar_backend is None:
             from .structured_output import GrammarBackend
 
-            self._grammar_backend = GrammarBackend(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
+            self._grammar_backend = GrammarBackend(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         return self._grammar_backend
 
     def add_request(
@@ -380,7 +296,7 @@ class LLMEngine(CompletionUpdates):
                 raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
             if self.max_waiting is not None and self._num_queued() >= self.max_waiting + self._free_seats():
                 raise QueueFullError(
-                    f"the engine is full: {self.scheduler.max_num_seqs} requests running and "
+                    f"the engine is full: {self.scheduler.config.max_num_seqs} requests running and "
                     f"{self.max_waiting} waiting (max_waiting); retry later"
                 )
             self.requests[request_id] = request
@@ -395,7 +311,7 @@ class LLMEngine(CompletionUpdates):
     def _free_seats(self) -> int:
         """Running slots the next step can fill: a burst that arrives between two steps takes them
         first, so ``max_num_seqs + max_waiting`` requests are admitted, as documented."""
-        return max(0, self.scheduler.max_num_seqs - len(self.scheduler.running))
+        return max(0, self.scheduler.config.max_num_seqs - len(self.scheduler.running))
 
     def queued_request_ids(self) -> list[str]:
         """Requests none of whose answers has started (a shutdown aborts these at once)."""
@@ -503,7 +419,7 @@ class LLMEngine(CompletionUpdates):
         if self.spec is not None:
             # with overlap only this step's group: another's step may be in the pipe with its drafts packed
             self.spec.propose(self.scheduler.running_of(record.group), self.scheduler.max_num_drafts, self.clock)
-        if self.check_invariants:
+        if self.config.check_invariants:
             self.block_manager.check_invariants(self.scheduler.seqs)
         return outputs
 

@@ -47,6 +47,17 @@ from .block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus
 
 
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler needs (vLLM's name): the step's budgets and the longest request."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    long_prefill_token_threshold: int | None = None  # None: off
+    num_groups: int = 1  # micro-batch groups (pipeline overlap)
+
+
 @dataclass
 class ScheduledBatch:
     """One step as the scheduler decided it: what the model runner executes (``seqs``, each with its
@@ -70,26 +81,8 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(
-        self,
-        block_manager: BlockManager,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        long_prefill_token_threshold: int | None = None,
-        num_groups: int = 1,
-    ):
-        if max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise ConfigError(
-                f"max_num_seqs and max_num_batched_tokens must be >= 1, got {max_num_seqs}, {max_num_batched_tokens}"
-            )
-        self.block_manager = block_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.long_prefill_token_threshold = long_prefill_token_threshold  # None or 0: off (see fair_chunk)
-        self.num_groups = num_groups  # micro-batch groups (pipeline overlap); 1: none
-        pool_tokens = block_manager.num_blocks * block_manager.block_size
-        self.max_model_len = min(max_model_len or pool_tokens, pool_tokens)
+    def __init__(self, block_manager: BlockManager, config: SchedulerConfig):
+        self.block_manager, self.config = block_manager, config
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.num_steps = 0
@@ -99,26 +92,25 @@ class Scheduler:
     def max_total_tokens(self, seq: Sequence) -> int:
         """Tokens the sequence may reach: prompt + max_tokens, capped by the context length."""
         max_tokens = seq.sampling_params.max_tokens
-        total = seq.num_prompt_tokens + (max_tokens if max_tokens is not None else self.max_model_len)
-        return min(total, self.max_model_len) if max_tokens is None else total
+        total = seq.num_prompt_tokens + (max_tokens if max_tokens is not None else self.config.max_model_len)
+        return min(total, self.config.max_model_len) if max_tokens is None else total
 
     def check_fits(self, seq: Sequence) -> None:
         """Raise ``RequestTooLargeError`` for a request the pool (or the context) could never hold."""
         total = self.max_total_tokens(seq)
-        if total > self.max_model_len or seq.num_prompt_tokens >= self.max_model_len:
-            pool = self.block_manager.num_blocks * self.block_manager.block_size
+        if total > self.config.max_model_len or seq.num_prompt_tokens >= self.config.max_model_len:
+            bm, limit = self.block_manager, self.config.max_model_len
             raise RequestTooLargeError(
                 f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.sampling_params.max_tokens}) = {total} "
-                f"tokens exceeds the engine's limit of {self.max_model_len} tokens (context length, or the whole "
-                f"KV pool: "
-                f"{self.block_manager.num_blocks} blocks × {self.block_manager.block_size} = {pool} tokens)",
+                f"tokens exceeds the engine's limit of {limit} tokens (context length, or the whole KV pool: "
+                f"{bm.num_blocks} blocks × {bm.block_size} = {bm.num_blocks * bm.block_size} tokens)",
                 param="max_tokens",
             )
 
     def add(self, seq: Sequence, front: bool = False) -> None:
         """Queue a request (``front=True``: ahead of everyone, as for a preempted one)."""
         self.check_fits(seq)
-        if self.num_groups > 1 and seq.group is None:
+        if self.config.num_groups > 1 and seq.group is None:
             seq.group = self.emptiest_group()
         seq.status = SequenceStatus.WAITING
         if front:
@@ -142,7 +134,7 @@ class Scheduler:
     def emptiest_group(self) -> int:
         """The micro-batch group with the fewest unfinished requests (the lowest on a tie), as vLLM
         gives a new request to the virtual engine with the fewest."""
-        counts = [0] * self.num_groups
+        counts = [0] * self.config.num_groups
         for seq in self.seqs:
             if seq.group is not None:
                 counts[seq.group] += 1
@@ -170,7 +162,7 @@ class Scheduler:
         """One step: of every request, or (``group``) of one micro-batch group's requests only."""
         batch = ScheduledBatch(step=self.num_steps, group=group)
         self.num_steps += 1
-        budget = self._schedule_running(batch, self.max_num_batched_tokens)
+        budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
         if not batch.preempted and self.admission_open():  # a step that had to preempt admits nobody
             self._admit_waiting(batch, budget)
         return batch
@@ -219,7 +211,7 @@ class Scheduler:
         """2. Waiting requests, in order, while the budget, the seats and the pool last; each first claims
         its longest cached prefix."""
         bm = self.block_manager
-        while budget > 0 and len(self.running) < self.max_num_seqs:
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = next((s for s in self.waiting if batch.group is None or s.group == batch.group), None)
             if seq is None:
                 return
@@ -244,7 +236,7 @@ class Scheduler:
         runs, one prompt's chunk takes at most the threshold, so a long prompt no longer holds every
         later request's first token and every later decode behind its whole prefill; alone, it takes
         the whole budget, as before (the step count of a lone prompt, and its throughput, unchanged)."""
-        limit = self.long_prefill_token_threshold
+        limit = self.config.long_prefill_token_threshold
         if limit and n > limit and len(self.running) + len(self.waiting) > 1:
             return limit
         return n

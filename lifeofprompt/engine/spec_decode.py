@@ -40,21 +40,11 @@ class SpecDecoder:
         else:
             self.proposer = NgramProposer(config)
 
-    @property
-    def needs_eager(self) -> bool:
-        """A draft model mirrors every target forward; a CUDA graph replay of a decode would skip it."""
-        return self.draft_model is not None
-
-    def check_context(self, context_len: int) -> None:
-        """A draft must reach every position the model may: its rotary table ends at its own context."""
-        from ..errors import SpeculativeConfigError
-
-        if self.draft_model is not None and self.draft_model.config.max_position_embeddings < context_len:
-            raise SpeculativeConfigError(
-                f"the draft's context is {self.draft_model.config.max_position_embeddings} "
-                f"tokens, the engine's {context_len}: give max_model_len <= the draft's",
-                param="model",
-            )
+    @classmethod
+    def start(cls, engine_config, model, tokenizer) -> SpecDecoder | None:
+        """The engine's drafter for ``speculative_config`` (a draft model loads here), or None without one."""
+        config = SpeculativeConfig.from_user(engine_config.speculative_config)
+        return None if config is None else cls(config, model, tokenizer, engine_config.block_size)
 
     def draft_bytes_per_block(self) -> int:
         """KV bytes the draft adds to every block (its pool shares the target's block tables)."""
@@ -64,18 +54,25 @@ class SpecDecoder:
 
         return kv_bytes_per_block(self.draft_model.config, self.draft_model.dtype, self.block_size)
 
-    def attach(self, runner, num_blocks: int) -> None:
-        """Give a draft model its pool (as many blocks as the target's) and hook its mirror into the runner;
-        cap the drafts at the runner's one-call step (``row_budget``)."""
-        self.row_budget = getattr(runner, "cpu_decode_rows", 0)
+    def attach(self, runner) -> None:
+        """Cap the drafts at the runner's one-call step (``row_budget``); give a draft model its pool (as many
+        blocks as the target's) and its door, and hook its mirror into the runner. A draft must reach every
+        position the engine may: its rotary table ends at its own context."""
+        door, resolved = runner.fast_path, runner.resolved
+        self.row_budget = door.c_step_rows
         if self.draft_model is None:
-            self.step_seconds = getattr(runner, "cpu_step_seconds", None) or None
+            self.step_seconds = door.step_seconds or None
             return
+        from ..errors import SpeculativeConfigError
         from .draft_model import DraftModelProposer
 
-        self.proposer = DraftModelProposer(self.config, self.draft_model, num_blocks, self.block_size, runner.backend)
-        if runner.device.type == "cpu":
-            self.proposer.choose_cpu_products(runner)
+        if self.draft_model.config.max_position_embeddings < resolved.max_model_len:
+            raise SpeculativeConfigError(
+                f"the draft's context is {self.draft_model.config.max_position_embeddings} tokens, the engine's "
+                f"{resolved.max_model_len}: give max_model_len <= the draft's",
+                param="model",
+            )
+        self.proposer = DraftModelProposer(self.config, self.draft_model, resolved, door.for_draft(self.draft_model))
         runner.draft = self.proposer
 
     def new_request_stats(self) -> SpecDecodeStats:

@@ -189,7 +189,7 @@ def measure_llm(llm, prompts, max_tokens: int) -> EngineRun:
     records = list(engine.step_records)[before:]
     stats, calls = collectives.snapshot(), collectives.samples()
     reports = engine.parallel.report(engine.model, engine.runner.kv_cache) if engine.parallel else []
-    lines = engine._startup_lines(engine.max_model_len)
+    lines = engine.startup_log
     sizes = (engine.parallel.size, engine.parallel.stages) if engine.parallel else (1, 1)
     times = [r.end_time - r.start_time for r in records if r.start_time is not None and r.end_time is not None]
     decode = [

@@ -118,7 +118,7 @@ def short_beside_long(
     spans = _spans(list(engine.step_records)[first_step:], origin, "long", "short")
     steps_to_first = _steps_to_first_token(list(engine.step_records)[arrival_step:], "short", len(short_ids))
     return ShortBesideLong(
-        engine.scheduler.long_prefill_token_threshold,
+        engine.scheduler.config.long_prefill_token_threshold,
         len(long_ids),
         len(short_ids),
         short_metrics.arrival_time - origin,
@@ -166,7 +166,7 @@ def simulated_short_beside_long(sim, long_len: int, short_len: int, short_max_to
     arrival = short_timing.arrival_time
     after = [r for r in result.steps if r.start_time >= arrival]
     return ShortBesideLong(
-        sim.scheduler.long_prefill_token_threshold,
+        sim.scheduler.config.long_prefill_token_threshold,
         long_len,
         short_len,
         arrival,

@@ -111,7 +111,9 @@ def trace_paged_generation(
     limits = max_tokens if isinstance(max_tokens, dict) else {name: max_tokens for name in prompts}
     arrivals = arrivals or {}
     bm = block_manager or BlockManager(num_blocks, block_size, enable_prefix_caching)
-    runner = runner or ModelRunner(model, bm.num_blocks, bm.block_size, backend="torch")
+    runner = runner or ModelRunner.for_model(
+        model, num_kv_blocks=bm.num_blocks, block_size=bm.block_size, attention_backend="torch"
+    )
     greedy = SamplingParams(temperature=0, ignore_eos=True, max_tokens=max(limits.values()))
     waiting = {name: Sequence(name, ids, greedy) for name, ids in prompts.items()}
     live: dict[str, Sequence] = {}
@@ -146,7 +148,7 @@ def trace_paged_generation(
             batch.append(seq)
             counts.append(n)
         if batch:
-            sampled = runner.execute(batch, counts)
+            sampled = runner.execute(batch, counts).tokens
             for seq, n, token in zip(batch, counts, sampled):
                 seq.num_computed_tokens += n
                 trace.computed_tokens[seq.request_id] += n

@@ -62,7 +62,7 @@ def time_decode_steps(
     """
     params = SamplingParams(temperature=0, max_tokens=decode_steps + 1, ignore_eos=True)
     first_step = len(engine.step_records)
-    for prompt in random_prompts(batch_size, prompt_len, engine.config.vocab_size, seed):
+    for prompt in random_prompts(batch_size, prompt_len, engine.model_config.vocab_size, seed):
         engine.add_request(f"batch-{next(_ids)}", prompt, params)
     while engine.has_unfinished_requests():
         engine.step()

@@ -26,7 +26,7 @@ import torch
 
 from ..engine.block_manager import BlockManager
 from ..engine.sampling_params import SamplingParams
-from ..engine.scheduler import Scheduler, fair_prefill_threshold
+from ..engine.scheduler import Scheduler, SchedulerConfig, fair_prefill_threshold
 from ..engine.sequence import Sequence
 from ..engine.step_trace import StepRecord, record_step
 from ..errors import RequestTooLargeError
@@ -91,19 +91,15 @@ class Simulator:
         self.config, self.dtype = config, dtype
         self.machine = machine or DEFAULT_MACHINE
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        max_model_len = config.max_position_embeddings
+        max_model_len = min(config.max_position_embeddings, num_blocks * block_size)
         if static_batch_size is not None:
             from .static_batching import StaticScheduler
 
             self.scheduler = StaticScheduler(self.block_manager, static_batch_size, max_model_len)
         else:
-            self.scheduler = Scheduler(
-                self.block_manager,
-                max_num_seqs,
-                max_num_batched_tokens,
-                max_model_len,
-                fair_prefill_threshold(long_prefill_token_threshold, max_num_batched_tokens),
-            )
+            fair = fair_prefill_threshold(long_prefill_token_threshold, max_num_batched_tokens)
+            limits = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, fair)
+            self.scheduler = Scheduler(self.block_manager, limits)
         self.keep_steps = keep_steps
         self._step_time_cache: dict[tuple[int, int, int], float] = {}
 

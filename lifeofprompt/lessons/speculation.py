@@ -172,7 +172,7 @@ def measure_step_rows(runner, rows_list, context: int = 128, repeats: int = 5) -
     for rows in rows_list:
         seq = Sequence("timing", [1] * (context + rows), SamplingParams(temperature=0))
         seq.num_computed_tokens = context
-        seq.block_table = list(range(math.ceil((context + rows) / runner.block_size)))
+        seq.block_table = list(range(math.ceil((context + rows) / runner.resolved.block_size)))
         best = float("inf")
         with torch.no_grad():
             for _ in range(repeats + 1):

@@ -13,16 +13,14 @@ such as ``transformers.generate`` on a static batch keep computing its pad token
 
 from __future__ import annotations
 
-from ..engine.scheduler import Scheduler
+from ..engine.scheduler import Scheduler, SchedulerConfig
 
 
 class StaticScheduler(Scheduler):
     """Admit a new batch only when the previous one has completely finished; never chunk a prompt."""
 
-    def __init__(self, block_manager, batch_size: int = 8, max_model_len: int | None = None):
-        super().__init__(
-            block_manager, max_num_seqs=batch_size, max_num_batched_tokens=1 << 30, max_model_len=max_model_len
-        )
+    def __init__(self, block_manager, batch_size: int, max_model_len: int):
+        super().__init__(block_manager, SchedulerConfig(batch_size, 1 << 30, max_model_len))
 
     def admission_open(self) -> bool:
         return not self.running
@@ -32,7 +30,7 @@ def make_static(engine, batch_size: int = 8):
     """Switch an idle ``LLMEngine`` (or ``Simulator``) to static batching with ``batch_size`` seats."""
     if engine.scheduler.has_unfinished():
         raise RuntimeError("switch the scheduling policy only while the engine is idle")
-    engine.scheduler = StaticScheduler(engine.block_manager, batch_size, engine.scheduler.max_model_len)
+    engine.scheduler = StaticScheduler(engine.block_manager, batch_size, engine.scheduler.config.max_model_len)
     return engine
 
 

@@ -80,7 +80,7 @@ def decode_gaps_beside_prefill(
     The streams' gaps come from their token timestamps (the end of the step that sampled each
     token), so a gap is exactly what a user watching the stream would wait.
     """
-    vocab = engine.config.vocab_size
+    vocab = engine.model_config.vocab_size
     streams = [f"stream-{next(_ids)}" for _ in range(num_streams)]
     long_id = f"long-{next(_ids)}"
     # enough tokens to outlast a prefill in chunks of 16 or more (the streams are aborted at the end)

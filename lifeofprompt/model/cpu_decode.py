@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .forward_path import ForwardPath
 from .native_build import c_function
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
@@ -159,19 +160,15 @@ LONG_STEP_S = 0.05
 SHORT_STEP_S = 0.03
 
 
-# The C step's two ways of reading the layer matrices: its packed copies (panels, ``cpu_rows.h``),
-# or the row-major weights. Which is faster depends on the row count and the machine, so the
-# runner times both (``measured_rows``).
-C_STEP = "cpu"  # packed copies where the layout holds them
-C_STEP_ROW_MAJOR = "cpu-rowmajor"  # row-major weights only
+# The C step reads the layer matrices in one of two layouts (``ForwardPath.C_STEP``: its packed
+# copies, panels of ``cpu_rows.h``; ``C_STEP_ROW_MAJOR``: the weights as they are). Which is faster
+# depends on the row count and the machine, so the engine times both (``measured_rows``).
+C_LAYOUTS = (ForwardPath.C_STEP, ForwardPath.C_STEP_ROW_MAJOR)
+TORCH = ForwardPath.TORCH
 
 
 def measured_rows(
-    measure,
-    row_counts=STEP_ROW_COUNTS,
-    rounds: int = 3,
-    budget_s: float = STEP_BUDGET_S,
-    c_paths=(C_STEP, C_STEP_ROW_MAJOR),
+    measure, row_counts=STEP_ROW_COUNTS, rounds: int = 3, budget_s: float = STEP_BUDGET_S, c_paths=C_LAYOUTS
 ) -> tuple[dict, str]:
     """Up to how many rows the C step is faster than the torch forward, timing whole steps, and which
     of its layouts (``c_paths``) is faster at each count.
@@ -179,71 +176,20 @@ def measured_rows(
     A product measured alone does not decide it: at 8 rows oneDNN multiplies faster than the
     rowwise loop, yet the C step also skips the ~40 eager ops a layer around the products, and
     on the AMD EPYC this was written on that won whole steps of up to 4-8 rows. So each row
-    count runs ``measure(rows, fused) -> seconds`` (one forward; ``fused`` is one of ``c_paths``
-    or False) alternately, fastest of ``rounds``; the C step's time is its faster layout's.
-    The first count warms every path up first (first-call set-up). Counts go up ``row_counts``
-    until the C step loses; the gap between the last win and that loss is then halved until it
-    closes (a verify of k = 4 drafts is 5 rows: it should not go eager because 4 won and 8 lost).
-    A layout more than ``LAYOUT_SLACK`` slower than the other is dropped for larger counts; steps
-    forecast (``step_forecast``, from the counts measured so far) to take over ``LONG_STEP_S`` are timed
-    one round fewer, and the first count and steps under ``SHORT_STEP_S`` two rounds more. Timing
-    stops before a count whose forecast (``step_forecast``) would overrun ``budget_s``.
+    count runs ``measure(rows, path) -> seconds`` (one forward; ``path`` is one of ``c_paths``
+    or ``ForwardPath.TORCH``) alternately, fastest of ``rounds`` (``RowTiming``). Counts go up
+    ``row_counts`` until the C step loses; the gap between the last win and that loss is then
+    halved until it closes (a verify of k = 4 drafts is 5 rows: it should not go eager because 4
+    won and 8 lost). Timing stops before a count whose forecast would overrun ``budget_s``.
 
     Returns ``({"rows": limit, "layouts": {count: fastest c_path}, "seconds": {count: the C step's
     time in it}, "stopped_before": the count the budget stopped at, or None}, why)``; ``why`` says
     every count measured.
     """
-    deadline = time.perf_counter() + budget_s
-    notes, results, stopped = [], {}, []
-    layouts_left = list(c_paths)
-
-    def step_forecast(count: int) -> float:
-        """Seconds of one round at ``count`` rows (every path still timed): each path's line through the
-        two largest counts measured, never below the largest; from one count, halfway between flat and
-        proportional. A step of a few rows costs about what one row does (all read the same weights), so
-        scaling by the rows alone forecast a 2-row step at twice a 1-row one, and on a slow CPU that
-        stopped the timing at 1 row."""
-        if not results:
-            return 0.0
-        measured = sorted(results)
-        last = measured[-1]
-
-        def path_forecast(path) -> float:
-            latest = results[last][path]
-            if len(measured) > 1 and path in results[measured[-2]]:
-                before = measured[-2]
-                slope = (latest - results[before][path]) / (last - before)
-                return max(latest, latest + slope * (count - last))
-            return latest * max(1.0, (1 + count / last) / 2)
-
-        return sum(path_forecast(p) for p in (*layouts_left, False))
-
-    def c_wins(count: int) -> bool | None:
-        one_round = step_forecast(count)
-        per_step = one_round / (len(layouts_left) + 1)
-        count_rounds = (
-            rounds + 2 if per_step < SHORT_STEP_S else rounds - 1 if rounds > 1 and per_step > LONG_STEP_S else rounds
-        )
-        if time.perf_counter() + count_rounds * one_round > deadline:
-            notes.append(f"stopped before {count} rows: the {budget_s:.0f} s budget would be spent")
-            stopped.append(count)
-            return None
-        paths = (*layouts_left, False)
-        best = {path: float("inf") for path in paths}
-        if not results:
-            for path in paths:  # warm-up: first-call set-up of each path
-                measure(count, path)
-        for _ in range(count_rounds):
-            for path in paths:
-                best[path] = min(best[path], measure(count, path))
-        results[count] = best
-        fastest = min(best[p] for p in layouts_left)
-        layouts_left[:] = [p for p in layouts_left if best[p] <= (1 + LAYOUT_SLACK) * fastest]
-        return fastest <= best[False]
-
+    timing = RowTiming(measure, rounds, budget_s, list(c_paths))
     rows, lost = 0, None
     for count in row_counts:
-        won = c_wins(count)
+        won = timing.c_wins(count)
         if won is None:
             break
         if not won:
@@ -252,35 +198,98 @@ def measured_rows(
         rows = count
     while lost is not None and lost - rows > 1:  # the crossover lies between rows and lost
         middle = (rows + lost) // 2
-        won = c_wins(middle)
+        won = timing.c_wins(middle)
         if won is None:
             break
         rows, lost = (middle, lost) if won else (rows, middle)
-    layouts = {n: min((p for p in t if p is not False), key=t.get) for n, t in sorted(results.items())}
-    seconds = {n: results[n][layout] for n, layout in layouts.items()}
-    notes[:0] = [describe_count(n, t) for n, t in sorted(results.items())]
-    return (
-        {"rows": rows, "layouts": layouts, "seconds": seconds, "stopped_before": stopped[0] if stopped else None},
-        "; ".join(notes),
-    )
+    return timing.answer(rows)
+
+
+class RowTiming:
+    """The counts ``measured_rows`` timed so far, and how the next one is timed.
+
+    The first count warms every path up first (first-call set-up). A layout more than
+    ``LAYOUT_SLACK`` slower than the other is dropped for larger counts; a count whose steps are
+    forecast to take over ``LONG_STEP_S`` is timed one round fewer, and the first count and steps
+    under ``SHORT_STEP_S`` two rounds more.
+    """
+
+    def __init__(self, measure, rounds: int, budget_s: float, layouts: list):
+        self.measure, self.rounds, self.budget_s, self.layouts_left = measure, rounds, budget_s, layouts
+        self.deadline = time.perf_counter() + budget_s
+        self.results: dict[int, dict] = {}
+        self.notes: list[str] = []
+        self.stopped: int | None = None
+
+    def forecast(self, count: int) -> float:
+        """Seconds of one round at ``count`` rows (every path still timed): each path's line through the
+        two largest counts measured, never below the largest; from one count, halfway between flat and
+        proportional. A step of a few rows costs about what one row does (all read the same weights), so
+        scaling by the rows alone forecast a 2-row step at twice a 1-row one, and on a slow CPU that
+        stopped the timing at 1 row."""
+        if not self.results:
+            return 0.0
+        measured = sorted(self.results)
+        last = measured[-1]
+        total = 0.0
+        for path in (*self.layouts_left, TORCH):
+            latest = self.results[last][path]
+            if len(measured) > 1 and path in self.results[measured[-2]]:
+                before = measured[-2]
+                slope = (latest - self.results[before][path]) / (last - before)
+                total += max(latest, latest + slope * (count - last))
+            else:
+                total += latest * max(1.0, (1 + count / last) / 2)
+        return total
+
+    def c_wins(self, count: int) -> bool | None:
+        """Time ``count`` rows every way still in play; whether the C step won (None: out of budget)."""
+        one_round = self.forecast(count)
+        per_step = one_round / (len(self.layouts_left) + 1)
+        rounds = self.rounds + 2 if per_step < SHORT_STEP_S else self.rounds
+        if per_step >= SHORT_STEP_S and self.rounds > 1 and per_step > LONG_STEP_S:
+            rounds = self.rounds - 1
+        if time.perf_counter() + rounds * one_round > self.deadline:
+            self.notes.append(f"stopped before {count} rows: the {self.budget_s:.0f} s budget would be spent")
+            self.stopped = count
+            return None
+        paths = (*self.layouts_left, TORCH)
+        best = {path: float("inf") for path in paths}
+        if not self.results:
+            for path in paths:  # warm-up: first-call set-up of each path
+                self.measure(count, path)
+        for _ in range(rounds):
+            for path in paths:
+                best[path] = min(best[path], self.measure(count, path))
+        self.results[count] = best
+        fastest = min(best[p] for p in self.layouts_left)
+        self.layouts_left[:] = [p for p in self.layouts_left if best[p] <= (1 + LAYOUT_SLACK) * fastest]
+        return fastest <= best[TORCH]
+
+    def answer(self, rows: int) -> tuple[dict, str]:
+        results = sorted(self.results.items())
+        layouts = {n: min((p for p in t if p != TORCH), key=t.get) for n, t in results}
+        seconds = {n: self.results[n][layout] for n, layout in layouts.items()}
+        why = "; ".join([describe_count(n, t) for n, t in results] + self.notes)
+        return {"rows": rows, "layouts": layouts, "seconds": seconds, "stopped_before": self.stopped}, why
 
 
 def describe_count(rows: int, times: dict) -> str:
     """One count's timings for the start-up log, e.g. ``4 rows: C 35.0 ms (row-major 37.5), torch 81.0 ms``."""
-    c = times[C_STEP] if C_STEP in times else min(t for p, t in times.items() if p is not False)
-    other = times.get(C_STEP_ROW_MAJOR)
+    c = times[ForwardPath.C_STEP] if ForwardPath.C_STEP in times else min(t for p, t in times.items() if p != TORCH)
+    other = times.get(ForwardPath.C_STEP_ROW_MAJOR)
     return (
         f"{rows} row{'s' if rows > 1 else ''}: C {c * 1e3:.1f} ms"
         + (f" (row-major {other * 1e3:.1f})" if other is not None else "")
-        + f", torch {times[False] * 1e3:.1f} ms"
+        + f", torch {times[TORCH] * 1e3:.1f} ms"
     )
 
 
-def layout_for(rows: int, layouts: dict | None) -> str:
+def layout_for(rows: int, layouts: dict | None, unmeasured: ForwardPath = ForwardPath.C_STEP) -> ForwardPath:
     """The C step's layout for a step of ``rows``: that of the largest measured count at or below
-    it (packed where nothing was measured, e.g. with pinned products)."""
+    it (``unmeasured`` where nothing was measured, e.g. with pinned products)."""
     measured = [n for n in (layouts or {}) if int(n) <= rows]
-    return layouts[max(measured, key=int)] if measured else C_STEP
+    return ForwardPath(layouts[max(measured, key=int)]) if measured else unmeasured
 
 
 def measured_step_key(model, plans: dict, block_size: int, decode_attention_in_c: bool) -> dict:
@@ -303,11 +312,6 @@ def measured_step_key(model, plans: dict, block_size: int, decode_attention_in_c
         decode_attention_in_c=decode_attention_in_c,
         source=source_digest(SOURCE),
     )
-
-
-def takes_step(num_rows: int, max_rows: int, kv: torch.Tensor) -> bool:
-    """Whether a step of ``num_rows`` rows over the pool ``kv`` runs as one C call (``max_rows``: the limit)."""
-    return 0 < num_rows <= max_rows and kv.dtype == torch.float32
 
 
 def layer_shapes(model) -> set[tuple[int, int]]:

@@ -13,9 +13,9 @@ So each measurement runs over enough matrices of one shape to exceed twice that 
 
 The choice is written under ``$LIFEOFPROMPT_CACHE/cpu_linear/``, keyed by the CPU's model and
 flags, torch's version, the thread count, the dtype and the shapes: a second start reads it
-in milliseconds, and a machine gives the same tokens run after run. ``cpu_linear="linear"``
-(or any other path name, or the ``LIFEOFPROMPT_CPU_LINEAR`` variable) skips the timing and
-pins one path; tests and checked notebook cells do that, so their tokens never depend on a timing.
+in milliseconds, and a machine gives the same tokens run after run. The engine's
+``cpu_tuning="linear"`` (or any other path name) skips the timing and pins one path; tests and
+checked notebook cells do that, so their tokens never depend on a timing.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ LARGE_ROWS = 64  # the row count that stands for "more than MAX_PLANNED_ROWS"
 BUDGET_SECONDS = 2.5  # past this, row counts not yet timed take the choice below them (~3 s in all)
 DROP_FACTOR = 2.0  # a row-by-row path this many times slower than the best is not timed for more rows
 ROW_BY_ROW = ("transposed", "transposed_doubled", "rowwise")
-ENV_VARIABLE = "LIFEOFPROMPT_CPU_LINEAR"
 
 
 @dataclass
@@ -306,22 +305,20 @@ def write_cached(path: Path, key: dict, plans: dict, timings: dict, seconds: flo
     )
 
 
-def choose_cpu_linear(model: nn.Module, cpu_linear: str | None = None, prepack: bool = True) -> LinearChoice:
-    """The runner's entry point: pinned path, cached choice, or a fresh calibration.
-
-    ``cpu_linear``: ``"auto"`` (the default; ``$LIFEOFPROMPT_CPU_LINEAR`` when set) or a path name.
-    """
-    cpu_linear = cpu_linear or os.environ.get(ENV_VARIABLE) or "auto"
+def choose_cpu_linear(model: nn.Module, path: str = "auto", prepack: bool = True) -> LinearChoice:
+    """The CPU door's entry point (``engine/cpu_fast_path.py``): a pinned path, the cached choice, or a
+    fresh calibration. ``path``: ``"auto"`` or a product path's name (``PATHS``)."""
     shapes = list(weights_by_shape(model))
-    if cpu_linear != "auto":
-        if cpu_linear not in PATHS:
-            raise ConfigError(f"cpu_linear={cpu_linear!r}: use 'auto' or one of {', '.join(PATHS)}")
-        if cpu_linear not in available_paths(prepack=prepack):
+    if path != "auto":
+        if path not in PATHS:
+            raise ConfigError(f"cpu_tuning={path!r}: use 'auto' or one of {', '.join(PATHS)}", param="cpu_tuning")
+        if path not in available_paths(prepack=prepack):
             raise ConfigError(
-                f"cpu_linear={cpu_linear!r} is not available on this machine "
-                f"(available: {', '.join(available_paths(prepack=prepack))})"
+                f"cpu_tuning={path!r} is not available on this machine "
+                f"(available: {', '.join(available_paths(prepack=prepack))})",
+                param="cpu_tuning",
             )
-        return LinearChoice({shape: RowPlan.single(cpu_linear) for shape in shapes}, f"pinned: {cpu_linear}")
+        return LinearChoice({shape: RowPlan.single(path) for shape in shapes}, f"pinned: {path}")
     paths = available_paths(prepack=prepack)
     key = cache_key(model, paths)
     path = cache_file(key)

@@ -18,6 +18,7 @@ from torch import nn
 
 from .attention import AttentionMetadata, NoCacheMetadata
 from .config import ModelConfig
+from .forward_path import ForwardPath
 from .linear import Linear
 
 # ----------------------------------------------------------------------------- building blocks
@@ -161,26 +162,20 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def hidden_states(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        fused_kernels: bool | str = False,
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, path=ForwardPath.TORCH
     ) -> torch.Tensor:
-        """Final normalised hidden state of every row ``[T, hidden]``.
-
-        ``fused_kernels``: True runs ``fused_hidden_states`` below (Triton); ``"cpu"`` runs a
-        decode step of the paged engine as one C call (``cpu_decode.py``, same layers, same weights;
-        ``"cpu-rowmajor"`` the same without its packed copies of the weights).
-        """
-        from .cpu_decode import C_STEP, C_STEP_ROW_MAJOR
-
-        if fused_kernels in (C_STEP, C_STEP_ROW_MAJOR):
+        """Final normalised hidden state of every row ``[T, hidden]``, computed the ``path`` way
+        (``forward_path.ForwardPath``): the torch layers below; ``FUSED``, the same with fused Triton
+        element-wise kernels (``fused_hidden_states``); ``C_STEP``, a small step of the paged engine in
+        one C call (``cpu_decode.py``: same layers, same weights; ``C_STEP_ROW_MAJOR`` without its
+        packed weight copies)."""
+        path = ForwardPath(path)
+        if path is ForwardPath.FUSED:
+            return self.fused_hidden_states(input_ids, positions, meta)
+        if path is not ForwardPath.TORCH:
             from .cpu_decode import decode_hidden_states
 
-            return decode_hidden_states(self, input_ids, positions, meta, packed=fused_kernels == C_STEP)
-        if fused_kernels:
-            return self.fused_hidden_states(input_ids, positions, meta)
+            return decode_hidden_states(self, input_ids, positions, meta, packed=path is ForwardPath.C_STEP)
         hidden = self.embed_tokens(input_ids)
         cos_sin = self.rotary.at(positions)
         for layer in self.layers:
@@ -226,10 +221,10 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor | None = None,
         meta: AttentionMetadata | None = None,
-        fused_kernels: bool | str = False,
+        path: ForwardPath = ForwardPath.TORCH,
     ) -> torch.Tensor:
-        """Flat form: logits ``[len(meta.logits_indices), vocab]`` (all rows when it is None).
-        ``fused_kernels`` runs ``fused_hidden_states`` (Triton; the GPU engine's choice).
+        """Flat form: logits ``[len(meta.logits_indices), vocab]`` (all rows when it is None), the
+        layers run the ``path`` way (``hidden_states``).
 
         Convenience form (``input_ids`` is ``[batch, seq]``, no metadata): logits ``[batch, seq, vocab]``.
         """
@@ -238,7 +233,7 @@ class LlamaForCausalLM(nn.Module):
             meta = NoCacheMetadata.for_lengths([seq] * batch, device=input_ids.device)
             positions = torch.arange(seq, device=input_ids.device).repeat(batch)
             return self.forward(input_ids.reshape(-1), positions, meta).view(batch, seq, -1)
-        hidden = self.hidden_states(input_ids, positions, meta, fused_kernels)
+        hidden = self.hidden_states(input_ids, positions, meta, path)
         if meta.logits_indices is not None:
             hidden = hidden[meta.logits_indices]
         return self.lm_head(hidden).float()

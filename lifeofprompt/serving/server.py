@@ -102,7 +102,7 @@ def build_app(
     model_name = model_name or getattr(engine, "model_name", None) or "lifeofprompt"
     engine_loop = engine_loop or EngineLoop(engine)
     if config.bound_max_waiting and engine.max_waiting is None:
-        engine.max_waiting = default_max_waiting(engine.scheduler.max_num_seqs)
+        engine.max_waiting = default_max_waiting(engine.scheduler.config.max_num_seqs)
     prompt_tokenizer = PromptTokenizer(engine.tokenizer)
     chars_per_token = longest_token_chars(engine.tokenizer)
     created = int(time.time())
@@ -387,7 +387,7 @@ def door_settings(engine, config: ServerConfig) -> str:
     """The start-up line that says how the door is set: the key, what a request may carry, how many
     wait, and how much of a step one long prompt may take (every one a ``serve`` flag)."""
     limits = config.limits or ServerLimits()
-    sched = engine.scheduler
+    sched = engine.resolved.scheduler
     key = (
         "API key on (/v1/*, /tokenize, /detokenize; /health and /metrics open)"
         if config.api_key is not None

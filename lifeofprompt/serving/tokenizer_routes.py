@@ -65,7 +65,7 @@ def detokenize(tokenizer, tokens: list[int]) -> str:
 
 
 def add_tokenizer_routes(app, engine, prompt_tokenizer, check_model) -> None:
-    vocab = engine.config.vocab_size
+    vocab = engine.model_config.vocab_size
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ROUTE_ERRORS)
     async def tokenize_route(body: TokenizeRequest):

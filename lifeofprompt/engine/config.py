@@ -1,0 +1,248 @@
+"""The engine's settings in one place: ``EngineConfig`` (what was asked) and ``ResolvedConfig`` (what start-up chose).
+
+``LLM``, ``LLMEngine``, the command line and the server all build an ``EngineConfig``, with vLLM's
+names where vLLM has the setting. It is checked as it is made, before any model loads: a bad value
+is a ``ConfigError`` naming the field and what it takes. Start-up (``ModelRunner``, in the order
+``engine/README.md`` walks) then makes every automatic choice once and freezes the answers in a
+``ResolvedConfig``: the layers below read it, the start-up log prints it, worker ranks receive it.
+Each default is written once, here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import warnings
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+from ..model.forward_path import CPU_TUNINGS
+from .scheduler import SchedulerConfig, fair_prefill_threshold
+
+CPU_TUNING_VARIABLE = "LIFEOFPROMPT_CPU_TUNING"  # the default of ``cpu_tuning`` (tests pin a path with it)
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every engine setting and its default. Where vLLM's default differs from ours:
+
+    * ``gpu_memory_utilization``: vLLM claims 0.92 of the device (0.9 up to its v0.10 line); we keep 0.9;
+    * ``max_num_batched_tokens``: vLLM picks it by device and entry point (2,048 to 16,384 on GPUs); we
+      take 2,048 on a GPU and, on a CPU, as many tokens as one step prefills in ``STEP_SECONDS``;
+    * ``long_prefill_token_threshold``: off in vLLM; ours caps one prompt's chunk at a quarter of the
+      budget while others wait or run (``scheduler.fair_prefill_threshold``);
+    * ``kv_cache_memory``: vLLM sizes a CPU pool with ``VLLM_CPU_KVCACHE_SPACE``; ours is 2 GiB on a CPU.
+    """
+
+    model: object = "smollm2-135m"  # a name, a Hugging Face folder, or a loaded LlamaForCausalLM (with tokenizer)
+    tokenizer: object = None  # the loaded model's tokenizer
+    dtype: object = "auto"  # "auto": bf16 on a GPU; on a CPU what measures faster (model/loader.py)
+    device: object = None  # None: CUDA when a GPU is present, else the CPU
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # vLLM's num_gpu_blocks_override; None: sized from memory
+    kv_cache_memory: int | None = None  # bytes for the KV pool (vLLM's kv_cache_memory_bytes); None: see above
+    gpu_memory_utilization: float = 0.9  # the share of a GPU's memory the engine may use
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256  # sequences in one step at most
+    max_num_batched_tokens: int | None = None  # one step's token budget; None: see above
+    max_model_len: int | None = None  # None: the model's context, capped by what the pool holds
+    long_prefill_token_threshold: int | None = None  # 0: off; None: a quarter of the budget
+    max_waiting: int | None = None  # waiting requests beyond which add_request raises QueueFullError
+    attention_backend: str = "auto"  # "auto": Triton on a GPU, torch elsewhere
+    enforce_eager: bool = False  # True: never replay decode steps from CUDA graphs
+    cpu_tuning: str = "auto"  # "auto" (measured, cached), "off", or a path name (model/forward_path.py)
+    prepack_cpu_weights: bool = True  # the CPU paths may keep second, re-laid-out copies of weights
+    speculative_config: dict | None = None  # vLLM's dict: {"method": "ngram", ...} or {"model": ...}
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    pipeline_overlap: bool = True  # P > 1: one step per stage in flight
+    distributed_executor_backend: str | None = None  # None, "uni" or "mp" (distributed/executor.py)
+    log_stats: bool = True  # log the start-up lines
+    check_invariants: bool = False  # check the block manager after every step (tests)
+    max_step_records: int = 10_000  # steps of trace kept (``LLMEngine.step_records``)
+
+    def __post_init__(self):
+        check(self)
+
+    @classmethod
+    def from_settings(cls, **settings) -> EngineConfig:
+        """The config ``LLM(...)``, ``LLMEngine(...)`` and the CLI build: keywords by name (a misspelt one is a
+        ``ConfigError`` naming the closest), old names taken with a ``DeprecationWarning``, and
+        ``cpu_tuning`` from ``$LIFEOFPROMPT_CPU_TUNING`` when not given."""
+        settings = translate_deprecated(settings)
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        settings = {
+            k: v for k, v in settings.items() if v is not None or defaults.get(k, None) is None
+        }  # None: default
+        names = set(defaults)
+        for name in settings:
+            if name not in names:
+                close = difflib.get_close_matches(name, names, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(f"unknown engine setting {name!r}{hint} (settings: engine/config.py)", param=name)
+        tuning = os.environ.get(CPU_TUNING_VARIABLE) or os.environ.get("LIFEOFPROMPT_CPU_LINEAR")
+        if tuning and "cpu_tuning" not in settings:
+            settings["cpu_tuning"] = tuning
+        return cls(**settings)
+
+    def replace(self, **changes) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+
+DEPRECATED = {"cpu_linear": "cpu_tuning"}
+
+
+def translate_deprecated(settings: dict) -> dict:
+    """The old keywords, still taken: ``cpu_linear`` is ``cpu_tuning``; ``cpu_decode=True`` asks for the C step
+    (``cpu_tuning="c-step"``), ``cpu_decode=False`` keeps it off, which a pinned product path other than
+    ``rowwise`` already does."""
+    settings = dict(settings)
+    for old, new in DEPRECATED.items():
+        if old in settings:
+            warnings.warn(f"{old}= is now {new}=", DeprecationWarning, stacklevel=4)
+            value = settings.pop(old)
+            if value is not None:
+                settings.setdefault(new, value)
+    if "cpu_decode" in settings:
+        warnings.warn("cpu_decode= is now part of cpu_tuning=", DeprecationWarning, stacklevel=4)
+        asked, tuning = settings.pop("cpu_decode"), settings.get("cpu_tuning")
+        if asked and tuning in (None, "auto", "linear"):
+            settings["cpu_tuning"] = "c-step"
+        elif asked is False and tuning in (None, "auto", "rowwise", "c-step"):
+            raise ConfigError(
+                "cpu_decode=False is no longer a setting of its own: pin a product path to keep the C step out "
+                "(cpu_tuning='linear'), or turn the CPU tuning off (cpu_tuning='off')",
+                param="cpu_decode",
+            )
+    return settings
+
+
+def check(config: EngineConfig) -> None:
+    """Every field in range, before the model loads; the first bad one is a ``ConfigError`` naming it."""
+    for name in ("block_size", "max_num_seqs", "tensor_parallel_size", "pipeline_parallel_size"):
+        _positive_int(config, name)
+    for name in ("num_kv_blocks", "kv_cache_memory", "max_num_batched_tokens", "max_model_len", "max_waiting"):
+        if getattr(config, name) is not None:
+            _positive_int(config, name, "or None")
+    threshold = config.long_prefill_token_threshold
+    if threshold is not None and (not _is_int(threshold) or threshold < 0):
+        raise ConfigError(f"long_prefill_token_threshold must be >= 0 (0: off) or None, got {threshold!r}")
+    if not 0 < config.gpu_memory_utilization <= 1:
+        raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {config.gpu_memory_utilization}")
+    _one_of(config, "attention_backend", ATTENTION_BACKENDS)
+    _one_of(config, "cpu_tuning", CPU_TUNINGS)
+    if not _is_int(config.max_step_records) or config.max_step_records < 0:
+        raise ConfigError(f"max_step_records must be an integer >= 0, got {config.max_step_records!r}")
+    from ..distributed.executor import uses_process_group
+    from .speculative import SpeculativeConfig
+
+    uses_process_group(config.distributed_executor_backend, config.tensor_parallel_size, config.pipeline_parallel_size)
+    SpeculativeConfig.from_user(config.speculative_config)  # a SpeculativeConfigError names the field
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(config: EngineConfig, name: str, extra: str = "") -> None:
+    value = getattr(config, name)
+    if not _is_int(value) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer{' ' + extra if extra else ''}, got {value!r}", param=name)
+
+
+def _one_of(config: EngineConfig, name: str, allowed: tuple) -> None:
+    value = getattr(config, name)
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r} is not one of: {', '.join(map(repr, allowed))}", param=name)
+
+
+# ----------------------------------------------------------------------------- what start-up chose
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """Every choice start-up made, frozen: read by the layers below, printed by the log, sent to worker ranks."""
+
+    model_name: str
+    device: str
+    dtype: str
+    attention_backend: str  # "torch" or "triton"
+    cuda_graphs: bool  # decode steps replayed from CUDA graphs
+    fused_kernels: bool  # the element-wise steps as fused Triton kernels
+    block_size: int
+    num_kv_blocks: int
+    enable_prefix_caching: bool
+    scheduler: SchedulerConfig
+    max_waiting: int | None
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    fast_path: str  # the device's door (fast_path.py)
+    cpu: object = None  # the CPU paths chosen (cpu_fast_path.CpuChoices), None elsewhere
+    why: dict = field(default_factory=dict)  # why an automatic choice fell as it did (the log)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.scheduler.max_num_seqs
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return self.scheduler.max_num_batched_tokens
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+
+def resolve(config: EngineConfig, model, num_kv_blocks: int, door) -> ResolvedConfig:
+    """Every remaining automatic choice, in one place, from what start-up found (the model, the planned
+    block count, the device's door and what it chose):
+
+    * the longest request: ``max_model_len`` if given, else the model's context, never more than the
+      model's context nor more than the whole pool holds;
+    * the step's token budget: ``max_num_batched_tokens`` if given, else what the door measured (a CPU:
+      ``STEP_SECONDS`` of prefill), else 2,048; and the fair-prefill cap from it;
+    * one micro-batch group per pipeline stage when stages overlap.
+    """
+    from .fast_path import DEFAULT_STEP_TOKENS
+
+    c = model.config
+    context = min(config.max_model_len or c.max_position_embeddings, c.max_position_embeddings)
+    budget = config.max_num_batched_tokens or door.step_tokens or DEFAULT_STEP_TOKENS
+    stages = config.pipeline_parallel_size
+    scheduler = SchedulerConfig(
+        config.max_num_seqs,
+        budget,
+        min(context, num_kv_blocks * config.block_size),
+        fair_prefill_threshold(config.long_prefill_token_threshold, budget),
+        stages if stages > 1 and config.pipeline_overlap else 1,
+    )
+    why = dict(budget="as asked" if config.max_num_batched_tokens else door.budget_note or "the default")
+    return ResolvedConfig(
+        model_name=model_name(config, model),
+        device=str(model.device),
+        dtype=str(model.dtype).removeprefix("torch."),
+        attention_backend=door.backend,
+        cuda_graphs=door.cuda_graphs,
+        fused_kernels=door.fused_kernels,
+        block_size=config.block_size,
+        num_kv_blocks=num_kv_blocks,
+        enable_prefix_caching=config.enable_prefix_caching,
+        scheduler=scheduler,
+        max_waiting=config.max_waiting,
+        tensor_parallel_size=config.tensor_parallel_size,
+        pipeline_parallel_size=stages,
+        fast_path=door.name,
+        cpu=door.choices,
+        why=why,
+    )
+
+
+def model_name(config: EngineConfig, model) -> str:
+    """The name requests and the log use: the one asked for, else where the loaded weights came from."""
+    return config.model if isinstance(config.model, str) else model.source

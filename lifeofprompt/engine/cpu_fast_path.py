@@ -1,0 +1,264 @@
+"""``CpuFastPath``: everything that exists only to make a CPU fast, behind one door.
+
+On a CPU a decode step reads every weight once and does little else, so what pays is reading
+weights fast and doing nothing between the reads. In start-up order:
+
+1. the weights move into 2 MiB pages and a big step's freed memory stays mapped (``place_weights``:
+   ``model/huge_pages.py``, ``model/allocator.py``);
+2. each matrix product takes the path measured fastest here for its shape and row count
+   (``model/linear_calibration.py``), with oneDNN's packed copies where it wins;
+3. the decode rows' attention runs in C, straight from the pool, where that measured faster, and
+   steps of up to ``c_step_rows`` rows run every layer in one C call (``model/cpu_decode.py``),
+   from packed copies of the layer matrices at the row counts where those measured faster;
+4. the step's token budget: as many tokens as one step prefills in ``STEP_SECONDS`` here, so a
+   short request never waits behind a long prompt's step of several seconds.
+
+Each answer is timed once per machine and cached (``$LIFEOFPROMPT_CACHE``). With ``cpu_tuning``
+pinned to a path (tests, checked notebook cells) nothing is timed, so no timing moves a token:
+``rowwise`` brings the C paths, ``c-step`` forces the C step up to 16 rows, any other path leaves
+them out, and the budget keeps its default. A split model (tensor or pipeline parallel) takes the
+products only: the one-call step has no place for the all-reduces.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..model import cpu_decode
+from ..model.allocator import keep_freed_memory
+from ..model.attention import PagedKVCache
+from ..model.forward_path import ForwardPath
+from ..model.huge_pages import move_weights_to_huge_pages
+from ..model.linear import apply_plans, plannable
+from ..model.linear_calibration import cached_answer, choose_cpu_linear, machine_key
+from .fast_path import DEFAULT_STEP_TOKENS, STEP_SECONDS, PlainPath, dummy_inputs
+from .memory import format_bytes
+
+FORCED_C_STEP_ROWS = 16  # "c-step": every step of up to this many rows in C
+TIMING_CONTEXT = 64  # cached tokens per sequence in the C step's timed decode steps
+PREFILL_PROBE_TOKENS = 256  # the prompt that times the prefill speed
+
+
+@dataclass(frozen=True)
+class CpuChoices:
+    """What ``CpuFastPath.choose`` settled on (the CPU part of the engine's ``ResolvedConfig``)."""
+
+    tuning: str  # "auto", or the pinned path
+    products: str  # where the product plans came from: pinned, calibrated, cached
+    decode_attention_in_c: bool
+    c_step_rows: int  # steps of up to this many rows run as one C call (0: never)
+    c_step_layouts: dict = field(default_factory=dict)  # row count -> the C layout measured faster there
+    step_seconds: dict = field(default_factory=dict)  # row count -> the C step's measured seconds
+    step_tokens: int | None = None  # the measured token budget (None: not measured)
+    notes: dict = field(default_factory=dict)  # why each answer fell as it did, for the log
+
+
+class CpuFastPath(PlainPath):
+    name = "CPU tuning"
+
+    def __init__(self, model, config, split: bool = False):
+        super().__init__(model, config, split)
+        self.tuning, self.prepack = config.cpu_tuning, config.prepack_cpu_weights
+        self.pinned = None if self.tuning == "auto" else "linear" if self.tuning == "c-step" else self.tuning
+        self.linear_choice = None
+        self.decode_attention_in_c = False
+        self.c_step_rows, self.c_step_layouts, self.step_seconds = 0, {}, {}
+        self.placement: list[str] = []  # what place_weights did, for the log
+        self.prepacked_bytes = self.packed_bytes = 0
+
+    # ------------------------------------------------------------------ start-up
+    def place_weights(self) -> None:
+        """Weights into 2 MiB pages, which one core streams about a quarter faster than 4 KiB ones (before
+        anything is timed, so it is timed there); and a big step's freed memory kept for the next step."""
+        if move_weights_to_huge_pages(self.model):
+            self.placement.append("weights in 2 MiB pages")
+        note = keep_freed_memory()
+        if note:
+            self.placement.append(note)
+
+    def choose(self, runner, num_blocks: int) -> CpuChoices:
+        """The products' paths; then the C attention and the C step's row limit, timed with those products;
+        then the step's token budget, timed with all of them."""
+        if self.model.dtype == torch.float32:
+            self.linear_choice = choose_cpu_linear(self.model, self.pinned or "auto", prepack=self.prepack)
+        self.prepacked_bytes = apply_plans(self.model, self.linear_choice.plans if self.linear_choice else None)
+        notes = {}
+        if not self.split and self.backend == "torch" and cpu_decode.supports(self.model):
+            self.decode_attention_in_c, notes["attention"] = self.choose_decode_attention()
+            notes["c_step"] = self.choose_c_step_rows(runner, num_blocks)
+        self.packed_bytes = self.pack_for_c_step()
+        self.step_tokens, self.budget_note = self.measure_step_tokens(runner)
+        notes["budget"] = self.budget_note
+        products = self.linear_choice.source if self.linear_choice else "torch's own (not fp32)"
+        layouts, seconds = dict(self.c_step_layouts), dict(self.step_seconds)
+        args = (self.decode_attention_in_c, self.c_step_rows, layouts, seconds, self.step_tokens, notes)
+        self.choices = CpuChoices(self.tuning, products, *args)
+        return self.choices
+
+    def choose_decode_attention(self) -> tuple[bool, str]:
+        """Whether decode rows attend in C, straight from the pool (``cpu_decode.decode_attention``): timed
+        once per machine against gather + SDPA; pinned, ``rowwise`` and ``c-step`` mean yes, any other no."""
+        if self.pinned is not None:
+            return self.tuning in ("rowwise", "c-step"), f"follows the pinned {self.tuning} path"
+        c = self.model.config
+        return cpu_decode.decode_attention_faster(c.num_heads, c.num_kv_heads, c.head_dim, self.block_size)
+
+    def choose_c_step_rows(self, runner, num_blocks: int) -> str:
+        """Up to how many rows a step runs as one C call (and, timed, the faster layout and its seconds per
+        row count): pinned, from the products' plans (``cpu_decode.usable_rows``); else whole steps timed."""
+        if self.tuning == "c-step":
+            self.c_step_rows = FORCED_C_STEP_ROWS
+            return "asked for"
+        if self.linear_choice is None:
+            return ""
+        if self.pinned is not None:
+            plans, timings = self.linear_choice.plans, self.linear_choice.timings
+            self.c_step_rows = cpu_decode.usable_rows(plans, cpu_decode.layer_shapes(self.model), timings)
+            return f"follows the pinned {self.pinned} path"
+        answer, why = self.measure_c_step_rows(runner, num_blocks)
+        if isinstance(answer, dict):
+            self.c_step_rows = answer["rows"]
+            self.c_step_layouts = {int(n): ForwardPath(p) for n, p in answer["layouts"].items()}
+            self.step_seconds = {int(n): s for n, s in answer["seconds"].items() if int(n) <= answer["rows"]}
+        return why
+
+    def measure_c_step_rows(self, runner, num_blocks: int) -> tuple[dict | int, str]:
+        """``cpu_decode.measured_rows`` on decode steps of this model over as many blocks as the engine's pool
+        will have, cached per machine (0 where that pool is too small to time)."""
+        per_block = math.ceil(TIMING_CONTEXT / self.block_size)
+        counts = tuple(n for n in cpu_decode.STEP_ROW_COUNTS if n * per_block <= num_blocks)
+        if len(counts) < 4:
+            least = cpu_decode.STEP_ROW_COUNTS[3]
+            return 0, f"not measured: the pool holds fewer than {least} x {TIMING_CONTEXT} tokens"
+        plans, in_c = self.linear_choice.plans, self.decode_attention_in_c
+        key = dict(cpu_decode.measured_step_key(self.model, plans, self.block_size, in_c), row_counts=list(counts))
+        key.update(packed=self.prepack)
+
+        def measure(rows: int, path: ForwardPath) -> float:
+            input_ids, positions, meta = dummy_inputs(runner, cache, [TIMING_CONTEXT] * rows, decode=True)
+            start = time.perf_counter()
+            with torch.no_grad():
+                self.model(input_ids, positions, meta, path=path)
+            return time.perf_counter() - start
+
+        cache = self.scratch_pool(counts[-1] * per_block)
+        return cached_answer(key, lambda: self.time_c_step(measure, counts))
+
+    def time_c_step(self, measure, counts) -> tuple:
+        """The timing behind ``measure_c_step_rows``, with its caching rule: a run the budget cut short early
+        (a busy moment) is used but not cached; one cut short later is kept but measured once more."""
+        # The packed copies first, where the engine keeps them, outside the budget: made by the first packed
+        # step instead, they cost 1.4 s of a slow CPU's 3 s, and were timed from ordinary pages.
+        layouts = (
+            (ForwardPath.C_STEP, ForwardPath.C_STEP_ROW_MAJOR) if self.prepack else (ForwardPath.C_STEP_ROW_MAJOR,)
+        )
+        if self.prepack:
+            cpu_decode.pack_all(self.model)
+        answer, why = cpu_decode.measured_rows(measure, row_counts=counts, c_paths=layouts)
+        stopped = answer["stopped_before"]
+        if stopped is not None and stopped <= cpu_decode.MIN_CACHED_ROWS:
+            why += f"; not cached (the budget ran out before {stopped} rows, a sign of a busy machine)"
+            return answer, why + ": measured again at the next start", None
+        if stopped is not None:  # a slow machine, or a busy moment: one more look at the next start
+            why += "; kept, and measured once more at the next start (a moment's load may have cut it short)"
+            return answer, why, {"provisional": True}
+        return answer, why, {}
+
+    def pack_for_c_step(self) -> int:
+        """Make the C step's packed copies now, not on the first step that needs them, or free them where no
+        step will read them (or the memory setting forbids them); returns their bytes, for the log."""
+        wanted = any(self.path_for(n) == ForwardPath.C_STEP for n in range(1, self.c_step_rows + 1))
+        if not (wanted and self.prepack):
+            if self.c_step_rows:
+                cpu_decode.drop_packed(self.model)
+            return 0
+        cpu_decode.pack_all(self.model)
+        cpu_decode.weight_pointers(self.model)
+        return cpu_decode.packed_bytes(self.model)
+
+    def measure_step_tokens(self, runner) -> tuple[int | None, str]:
+        """How many tokens one step prefills in ``STEP_SECONDS`` here, with the paths just chosen (a prompt of
+        ``PREFILL_PROBE_TOKENS`` tokens, best of two after a warm-up, cached); pinned or split: not timed."""
+        if self.pinned is not None or self.split:
+            return None, f"the default, not timed ({'a split model' if self.split else 'a pinned path'})"
+        c = self.model.config
+        shape = [c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.vocab_size]
+        products = self.linear_choice.source.split(" ")[0] if self.linear_choice else ""
+        key = dict(machine_key(), version=1, what="prefill speed", dtype=str(self.model.dtype), shape=shape)
+        key.update(products=products, c_step_rows=self.c_step_rows, block_size=self.block_size)
+        cache = self.scratch_pool(math.ceil(PREFILL_PROBE_TOKENS / self.block_size))
+
+        def measure():
+            seconds = []
+            for _ in range(3):  # the first warms up
+                input_ids, positions, meta = dummy_inputs(runner, cache, [PREFILL_PROBE_TOKENS])
+                start = time.perf_counter()
+                with torch.no_grad():
+                    self.model(input_ids, positions, meta, path=ForwardPath.TORCH)
+                seconds.append(time.perf_counter() - start)
+            rate = PREFILL_PROBE_TOKENS / min(seconds[1:])
+            return rate, f"prefill measured at {rate:,.0f} tokens/s", {}
+
+        rate, why = cached_answer(key, measure)
+        tokens = int(rate * STEP_SECONDS) // self.block_size * self.block_size
+        return min(max(tokens, self.block_size), DEFAULT_STEP_TOKENS), f"{why}, {STEP_SECONDS:g} s a step"
+
+    def scratch_pool(self, num_blocks: int) -> PagedKVCache:
+        """A small KV pool for timing, before the engine's own is allocated."""
+        return PagedKVCache.for_model(self.model.config, num_blocks, self.block_size, self.model.dtype, "cpu")
+
+    # ------------------------------------------------------------------ every step
+    def path_for(self, rows: int) -> ForwardPath:
+        """The C step (in its measured layout) for steps of up to ``c_step_rows`` rows, else the torch forward."""
+        if not 0 < rows <= self.c_step_rows:
+            return ForwardPath.TORCH
+        unmeasured = ForwardPath.C_STEP if self.prepack else ForwardPath.C_STEP_ROW_MAJOR
+        return ForwardPath(cpu_decode.layout_for(rows, self.c_step_layouts, unmeasured))
+
+    def for_draft(self, draft) -> PlainPath:
+        """A draft model's own door. A draft that shares the target's layers shares their plans and C step;
+        one with weights of its own gets its own products (pinned if the target's were) and C rows."""
+        door = CpuFastPath(draft, self.config, self.split)
+        if self.linear_choice is None or draft.dtype != torch.float32:
+            return door
+        linears = [m for m in draft.modules() if plannable(m)]
+        door.c_step_layouts = self.c_step_layouts
+        if linears and all(m.plan is not None for m in linears):  # the target's own modules
+            door.c_step_rows = self.c_step_rows
+            return door
+        move_weights_to_huge_pages(draft)  # where the target's weights are, before timing
+        door.linear_choice = choose_cpu_linear(draft, self.pinned or "auto", prepack=self.prepack)
+        apply_plans(draft, door.linear_choice.plans)
+        if self.c_step_rows and cpu_decode.supports(draft):
+            shapes, choice = cpu_decode.layer_shapes(draft), door.linear_choice
+            door.c_step_rows = cpu_decode.usable_rows(choice.plans, shapes, choice.timings)
+        return door
+
+    def share_with(self, parallel, model) -> None:
+        """A split model: the products' plans the driver chose go to every rank (``ParallelGroup.share_plans``)."""
+        if self.linear_choice is not None:
+            parallel.share_plans(model, self.linear_choice)
+
+    def describe(self) -> list[str]:
+        """The start-up log's lines for what this door chose."""
+        notes = self.choices.notes if self.choices else {}
+        lines = list(self.placement)
+        if self.prepacked_bytes:
+            lines.append(f"oneDNN's packed copies of the weights its plans use: + {format_bytes(self.prepacked_bytes)}")
+        lines += self.linear_choice.describe() if self.linear_choice else []
+        if self.c_step_rows:
+            rows = "1 row" if self.c_step_rows == 1 else f"1-{self.c_step_rows} rows"
+            copy = f", from a packed copy of the layer matrices (+ {format_bytes(self.packed_bytes)})"
+            why = f"; {notes['c_step']}" if notes.get("c_step") else ""
+            lines.append(
+                f"steps of {rows} (decodes, verifies, short prompt chunks): all layers in one C call "
+                f"(model/cpu_decode.c){copy if self.packed_bytes else ''}{why}"
+            )
+        if notes.get("attention"):
+            how = "in C, from the pool" if self.decode_attention_in_c else "gather + SDPA (torch)"
+            lines.append(f"decode attention: {how} ({notes['attention']})")
+        return lines

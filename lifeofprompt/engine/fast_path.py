@@ -1,0 +1,112 @@
+"""The device's door: what makes steps fast on this device, chosen once at start-up.
+
+The runner asks its door, in start-up order, to place the weights, to choose its paths (measured
+or pinned) and, last, to start (a GPU captures its decode graphs); then, every step, which forward
+a step of n rows takes (``path_for``). Three doors:
+
+* ``PlainPath`` (here): the torch forward as written, nothing measured (``cpu_tuning="off"``);
+* ``GpuFastPath`` (here): the Triton attention, the fused element-wise kernels and CUDA graphs;
+* ``CpuFastPath`` (``cpu_fast_path.py``): everything that exists only to make a CPU fast.
+
+``model_runner.fast_path_for`` picks one by the model's device; a GPU engine never imports the CPU's modules.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..errors import ConfigError
+from ..model.forward_path import ForwardPath
+from .sampling_params import SamplingParams
+from .sequence import Sequence
+
+STEP_SECONDS = 0.25  # a CPU's step: as many tokens as it prefills in this long (cpu_fast_path.py)
+DEFAULT_STEP_TOKENS = 2048  # the step's token budget where nothing measured it (a GPU, pinned CPU paths)
+
+
+def attention_backend(asked: str, device) -> str:
+    """``"auto"``: Triton on CUDA, torch elsewhere; a name is taken as asked."""
+    if asked == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if asked not in ("torch", "triton"):
+        raise ConfigError(f"unknown attention backend {asked!r}: use 'auto', 'torch' or 'triton'")
+    return asked
+
+
+class PlainPath:
+    """The torch forward as written, nothing measured; the base the other doors build on."""
+
+    name = "plain torch"
+    fused_kernels = False
+    cuda_graphs = False
+    decode_attention_in_c = False
+    c_step_rows = 0
+
+    def __init__(self, model, config, split: bool = False):
+        self.model, self.config, self.split = model, config, split  # split: tensor or pipeline parallel
+        self.block_size = config.block_size
+        self.backend = attention_backend(config.attention_backend, model.device)
+        self.choices = None  # what ``choose`` settled on, for the resolved config
+        self.step_tokens: int | None = None  # a measured token budget (None: the default)
+        self.budget_note = ""  # how it was measured, for the log
+        self.step_seconds: dict = {}  # a measured step time by row count (prices speculative drafts)
+
+    def place_weights(self) -> None:
+        """Where the weights live: as loaded."""
+
+    def choose(self, runner, num_blocks: int):
+        """Nothing to measure."""
+
+    def start(self, runner) -> None:
+        """Nothing to capture."""
+
+    def path_for(self, rows: int) -> ForwardPath:
+        return ForwardPath.FUSED if self.fused_kernels else ForwardPath.TORCH
+
+    def for_draft(self, draft) -> PlainPath:
+        """A draft model's door: its forward the plain way."""
+        return PlainPath(draft, self.config, self.split)
+
+    def share_with(self, parallel, model) -> None:
+        """Nothing to send to other ranks."""
+
+    def describe(self) -> list[str]:
+        return []
+
+
+class GpuFastPath(PlainPath):
+    """A GPU's speed: the Triton attention, the element-wise steps as fused Triton kernels
+    (``model.fused_hidden_states``), and decode steps replayed from CUDA graphs (``cuda_graphs.py``).
+    Graphs need the Triton backend and eager-free steps: a draft model mirrors every forward, and a
+    pipeline stage's graph would wait inside on the stage before, so those run eagerly."""
+
+    name = "GPU: Triton, fused kernels, CUDA graphs"
+
+    def __init__(self, model, config, split: bool = False):
+        super().__init__(model, config, split)
+        from .speculative import SpeculativeConfig
+
+        spec = SpeculativeConfig.from_user(config.speculative_config)
+        self.fused_kernels = self.backend == "triton"
+        graphs_possible = model.device.type == "cuda" and self.fused_kernels and config.pipeline_parallel_size == 1
+        self.cuda_graphs = graphs_possible and not config.enforce_eager and not (spec and spec.method != "ngram")
+
+    def start(self, runner) -> None:
+        """Capture the decode graphs, once the KV pool they read exists."""
+        if self.cuda_graphs:
+            runner.start_decode_graphs()
+
+
+def dummy_inputs(runner, cache, lengths: list[int], decode: bool = False):
+    """Inputs of one step over ``cache`` (timing, profiling): a sequence per length, in consecutive blocks;
+    each prefills its whole length, or (``decode``) only its last token after the rest."""
+    seqs, next_block = [], 0
+    vocab = runner.model.config.vocab_size
+    for i, n in enumerate(lengths):
+        seq = Sequence(f"dummy-{i}", [i % vocab] * n, SamplingParams(temperature=0))
+        blocks = math.ceil(n / cache.block_size)
+        seq.block_table = [(next_block + b) % cache.num_blocks for b in range(blocks)]
+        seq.num_computed_tokens = n - 1 if decode else 0
+        next_block += blocks
+        seqs.append(seq)
+    return runner.prepare(seqs, [1 if decode else n for n in lengths], cache=cache)

@@ -1,0 +1,31 @@
+"""``ForwardPath``: which way the model's forward runs its layers, named where the engine picks it.
+
+The torch layers (``llama.py``) are the reference; the other paths compute the same layers with the
+same weights, faster on one kind of device. The engine's device door (``engine/fast_path.py``) picks
+a path per step; the user's ``cpu_tuning`` setting takes one of ``CPU_TUNINGS``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from .linear import PATHS as PRODUCT_PATHS
+
+
+class ForwardPath(str, enum.Enum):
+    TORCH = "torch"  # plain torch ops, each product by its Linear's plan
+    FUSED = "fused"  # the element-wise steps as fused Triton kernels (kernels/fused.py): a GPU's
+    C_STEP = "cpu"  # every layer in one C call, reading packed weight copies (cpu_decode.py): a CPU's, few rows
+    C_STEP_ROW_MAJOR = "cpu-rowmajor"  # the same, reading the row-major weights only
+
+    @property
+    def is_c_step(self) -> bool:
+        return self in (ForwardPath.C_STEP, ForwardPath.C_STEP_ROW_MAJOR)
+
+
+# ``cpu_tuning``: "auto" measures every CPU path on this machine once (cached); "off" runs the plain torch
+# forward and measures nothing; a product path pins every matrix product to it, and "rowwise" brings the
+# C step and the C decode attention (they read weights the same way); "c-step" runs the C step for every
+# step of up to 16 rows with the products pinned to "linear" (its tests). Pinned, nothing is timed, so no
+# timing can move a token.
+CPU_TUNINGS = ("auto", "off", *PRODUCT_PATHS, "c-step")

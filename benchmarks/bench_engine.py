@@ -370,13 +370,13 @@ def decode_step_curve(runner, batch_sizes: list[int], context: int, steps: int =
     from lifeofprompt.engine.sequence import Sequence
 
     rows = []
-    bs = runner.block_size
+    bs = runner.resolved.block_size
     for batch in batch_sizes:
         seqs, next_block = [], 0
         rng = random.Random(batch)
         blocks = (context + steps + 2 + bs - 1) // bs
-        if batch * blocks > runner.num_blocks:
-            rows.append(dict(batch=batch, skipped=f"needs {batch * blocks} blocks > {runner.num_blocks}"))
+        if batch * blocks > runner.resolved.num_kv_blocks:
+            rows.append(dict(batch=batch, skipped=f"needs {batch * blocks} blocks > {runner.resolved.num_kv_blocks}"))
             continue
         for i in range(batch):
             seq = Sequence(f"c{i}", [rng.randint(3, 9999) for _ in range(context)], SamplingParams(temperature=0))
@@ -416,7 +416,7 @@ def step_beside_floor(runner, weight_bytes: int, context: int, pairs: int = 21) 
 
     rng = random.Random(1)
     seq = Sequence("floor", [rng.randint(3, 9999) for _ in range(context)], SamplingParams(temperature=0))
-    seq.block_table = list(range(-(-(context + pairs + 4) // runner.block_size)))
+    seq.block_table = list(range(-(-(context + pairs + 4) // runner.resolved.block_size)))
     run_step(runner, [seq], [context])
     run_step(runner, [seq], [1])  # warm-up
     data = huge_page_buffer(weight_bytes // 4 * 4).view(torch.float32).fill_(1.0)
@@ -659,12 +659,12 @@ def cpu_run(args) -> dict:
     results["machine"] = dict(name=machine.name, bandwidth=machine.bandwidth, flops=machine.flops)
     runner = llm.engine.runner
     rows = decode_step_curve(runner, args.curve, context=args.curve_context, steps=5)
-    results["batching_curve"] = roofline_curve(machine, runner.config, runner.model.dtype, rows)
-    results["decode_floor_s"] = decode_floor(runner.config, runner.model.dtype, machine)
+    results["batching_curve"] = roofline_curve(machine, runner.model.config, runner.model.dtype, rows)
+    results["decode_floor_s"] = decode_floor(runner.model.config, runner.model.dtype, machine)
     # The batch-1 target's floor: weight bytes over the rate these threads *read* memory (no write).
     read = measure_read_bandwidth("cpu")
     step_s = next(r["step_s"] for r in results["batching_curve"] if r["batch"] == 1 and "step_s" in r)
-    weight_bytes = decode_weight_bytes(runner.config, runner.model.dtype)
+    weight_bytes = decode_weight_bytes(runner.model.config, runner.model.dtype)
     floor_s = weight_bytes / read
     paired = step_beside_floor(runner, weight_bytes, context=64)
     # "ratio" (the target's): the median of step ÷ read taken in pairs, so the VM's drift cancels;

@@ -31,7 +31,7 @@ def engine_for(model, tokenizer, threshold, args):
         log_stats=False,
         max_num_batched_tokens=args.budget,
         long_prefill_token_threshold=threshold,
-        cpu_linear=args.cpu_linear,
+        cpu_tuning=args.cpu_tuning,
     )
 
 
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     parser.add_argument("--arrive-after", type=int, default=1, help="steps the long prompt runs alone first")
     parser.add_argument("--num-short", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=1024)
-    parser.add_argument("--cpu-linear", default=None)
+    parser.add_argument("--cpu-tuning", "--cpu-linear", default=None, dest="cpu_tuning")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     model, tokenizer = load_model(args.model, dtype=torch.float32, device="cpu")

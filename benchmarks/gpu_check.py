@@ -276,6 +276,8 @@ def step_kernel(args) -> dict:
 
 def step_decode(args) -> dict:
     """Batch-1 decode step at context ≤ 512 against the floor, with a breakdown; then the batching curve."""
+    from lifeofprompt.engine.cuda_graphs import DecodeGraphs
+    from lifeofprompt.engine.fast_path import GpuFastPath
     from lifeofprompt.engine.model_runner import ModelRunner
     from lifeofprompt.engine.model_runner import step as run_step
     from lifeofprompt.engine.sampler import Sampler
@@ -290,23 +292,22 @@ def step_decode(args) -> dict:
     context = 64 if dry(args) else 500
     start = time.perf_counter()
     # A dry run takes the GPU's code path too: Triton kernels (interpreted) and the fused ones.
-    runner = ModelRunner(
+    runner = ModelRunner.for_model(
         model,
-        2048 if dry(args) else 8192,
-        16,
-        "triton" if dry(args) else "auto",
+        door=GpuFastPath,  # a dry run takes the GPU's door on the CPU: Triton (interpreted), fused kernels, eager
+        num_kv_blocks=2048 if dry(args) else 8192,
+        attention_backend="triton",
         max_num_seqs=ladder_max,
         max_model_len=min(1024, config.max_position_embeddings),
-        enforce_eager=True if dry(args) else None,
-        fused_kernels=True if dry(args) else None,
     )
+    graphs = runner.graphs
     out = dict(
         model=label,
-        backend=runner.backend,
-        graphs=sorted(runner.graphs),
+        backend=runner.resolved.attention_backend,
+        graphs=sorted(graphs.graphs) if graphs else [],
         context=context,
         runner_start_s=time.perf_counter() - start,
-        graph_capture_s=getattr(runner, "graph_capture_seconds", None),
+        graph_capture_s=graphs.graph_capture_seconds if graphs and graphs.graphs else None,
     )
     seq = Sequence("b1", [(7 * i) % 9000 + 3 for i in range(context)], SamplingParams(temperature=0))
     seq.block_table = list(range(math.ceil((context + 200) / 16)))
@@ -328,28 +329,30 @@ def step_decode(args) -> dict:
         return statistics.median(steps)
 
     out["engine_step_s"] = median_step()
-    out["fused_kernels"] = runner.fused_kernels
-    if runner.fused_kernels:
+    door = runner.fast_path
+    out["fused_kernels"] = door.fused_kernels
+    if door.fused_kernels:
         # The same step without the fused element-wise kernels: the before/after of NOTES.md's try.
-        runner.fused_kernels = False
-        if runner.graphs:
-            runner.capture_graphs()
+        door.fused_kernels = False
+        if graphs:
+            graphs.capture_graphs()
         out["engine_step_unfused_s"] = median_step()
-        runner.fused_kernels = True
-        if runner.graphs:
-            runner.capture_graphs()
+        door.fused_kernels = True
+        if graphs:
+            graphs.capture_graphs()
     # Breakdown: host prep, the forward (graph replay / eager), sampling.
+    buffers = graphs or DecodeGraphs(runner, capture=False)
     t0 = time.perf_counter()
     for _ in range(20):
-        runner.fill_static_decode([seq], 1)
+        buffers.fill([seq], 1)
     out["host_fill_static_s"] = (time.perf_counter() - t0) / 20
     t0 = time.perf_counter()
     for _ in range(20):
         runner.prepare([seq], [1])
     out["host_prepare_eager_s"] = (time.perf_counter() - t0) / 20
-    if runner.graphs:
-        graph, _ = runner.graphs[1]
-        runner.fill_static_decode([seq], 1)
+    if graphs and graphs.graphs:
+        graph, _ = graphs.graphs[1]
+        graphs.fill([seq], 1)
         out["graph_replay_s"] = median_time(graph.replay, device)
     ids, positions, meta = runner.prepare([seq], [1])
     meta.slot_mapping = torch.full_like(meta.slot_mapping, -1)  # time the forward without storing
@@ -434,7 +437,7 @@ def step_ours(args) -> dict:
         model=label,
         engine_start_s=time.perf_counter() - start,
         startup_log=llm.engine.startup_log,
-        memory_report={k: v for k, v in llm.engine.runner.memory_report.items() if not isinstance(v, dict)},
+        memory_plan=llm.engine.runner.memory_plan.as_dict() if llm.engine.runner.memory_plan else None,
     )
     prompts, outs = workload(args)
     warm = bench.run_engine(llm, prompts[:4], [8] * min(4, len(prompts)))
@@ -530,9 +533,9 @@ def step_collectives(args) -> dict:
 
     model, tokenizer, label = build_model(args)
     prompts = [[(7 * i + 13 * k) % 9000 + 3 for i in range(n)] for k, n in enumerate((37, 120, 16, 64))]
-    # the same forward in both: eager (the process-group path always is), no one-call C step (it never takes one)
+    # the same forward in both: eager (the process-group path always is), no C step (a pinned product path)
     engine = dict(
-        num_kv_blocks=512, block_size=16, max_num_seqs=8, enforce_eager=True, cpu_decode=False, log_stats=False
+        num_kv_blocks=512, block_size=16, max_num_seqs=8, enforce_eager=True, cpu_tuning="linear", log_stats=False
     )
     max_tokens = 16 if dry(args) else 64
     runs = [

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 from tiny_models import build_tiny_model
 
+from lifeofprompt.engine.config import MIN_FAIR_CHUNK, fair_prefill_threshold
 from lifeofprompt.engine.llm_engine import LLMEngine
 from lifeofprompt.engine.sampling_params import SamplingParams
-from lifeofprompt.engine.scheduler import MIN_FAIR_CHUNK, fair_prefill_threshold
 from lifeofprompt.errors import ConfigError
 
 BUDGET = 256

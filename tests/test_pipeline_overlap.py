@@ -195,7 +195,8 @@ def test_serve_can_turn_the_overlap_off():
 def test_a_group_preempts_only_its_own_requests():
     """Group 1's step is in the pipe; group 0 runs the shared pool dry and evicts its own newest, never group 1's."""
     from lifeofprompt.engine.block_manager import BlockManager
-    from lifeofprompt.engine.scheduler import Scheduler, SchedulerConfig
+    from lifeofprompt.engine.config import SchedulerConfig
+    from lifeofprompt.engine.scheduler import Scheduler
     from lifeofprompt.engine.sequence import Sequence, SequenceStatus
 
     limits = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=64, max_model_len=6 * 4, num_groups=2)

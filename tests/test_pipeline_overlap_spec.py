@@ -218,7 +218,8 @@ def test_drafts_changed_under_a_step_in_flight_are_caught():
 
 def test_only_the_collected_group_is_drafted_for():
     from lifeofprompt.engine.block_manager import BlockManager
-    from lifeofprompt.engine.scheduler import Scheduler, SchedulerConfig
+    from lifeofprompt.engine.config import SchedulerConfig
+    from lifeofprompt.engine.scheduler import Scheduler
     from lifeofprompt.engine.sequence import Sequence
 
     limits = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=64, max_model_len=16 * 4, num_groups=2)

@@ -11,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lifeofprompt.engine.block_manager import BlockManager
+from lifeofprompt.engine.config import SchedulerConfig
 from lifeofprompt.engine.sampling_params import SamplingParams
-from lifeofprompt.engine.scheduler import Scheduler, SchedulerConfig
+from lifeofprompt.engine.scheduler import Scheduler
 from lifeofprompt.engine.sequence import Sequence, SequenceStatus
 from lifeofprompt.engine.step_trace import record_step
 from lifeofprompt.errors import RequestTooLargeError

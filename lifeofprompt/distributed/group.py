@@ -52,6 +52,39 @@ START_TIMEOUT_S = 180.0  # spawn + import torch, on a busy 2-core machine
 logger = logging.getLogger("lifeofprompt.engine")
 
 
+def check_world(full_model, size: int, stages: int, timeout_s: float) -> str:
+    """The sizes the model's shapes allow, one group per process, enough GPUs; returns the backend."""
+    check_tensor_parallel_size(full_model.config, size)
+    check_pipeline_parallel_size(full_model.config, stages)
+    if dist.is_initialized():
+        raise ConfigError(
+            "a parallel engine is already running in this process (torch.distributed has one "
+            "default group): call shutdown() on it first"
+        )
+    if not 0 < timeout_s <= 30:
+        raise ConfigError(f"the collective timeout must be in (0, 30] seconds, got {timeout_s}")
+    if full_model.device.type != "cuda":
+        return "gloo"
+    if torch.cuda.device_count() < size * stages:
+        raise ConfigError(
+            f"{size} x {stages} ranks need {size * stages} GPUs; this machine has {torch.cuda.device_count()}"
+        )
+    return "nccl"
+
+
+def spawn_workers(specs: list[WorkerSpec]) -> list:
+    """One ``spawn``ed process per worker rank, started with this script's ``__main__`` hidden."""
+    context = multiprocessing.get_context("spawn")
+    processes = []
+    for spec in specs:
+        name = f"lifeofprompt-tp-rank{spec.rank}"
+        process = context.Process(target=worker_main, args=(spec,), name=name, daemon=True)
+        with _main_module_hidden():
+            process.start()
+        processes.append(process)
+    return processes
+
+
 class ParallelGroup:
     """Rank 0's handle on the workers. ``launch`` returns it with the driver's own shard."""
 
@@ -96,23 +129,8 @@ class ParallelGroup:
         stages: int = 1,
     ) -> tuple[ParallelGroup, ShardedLlamaForCausalLM]:
         """Start ``size * stages - 1`` workers, split ``full_model`` over all ranks; ``(group, rank 0's shard)``."""
-        config = full_model.config
-        check_tensor_parallel_size(config, size)
-        check_pipeline_parallel_size(config, stages)
-        world = size * stages
-        if dist.is_initialized():
-            raise ConfigError(
-                "a parallel engine is already running in this process (torch.distributed has one "
-                "default group): call shutdown() on it first"
-            )
-        if not 0 < timeout_s <= 30:
-            raise ConfigError(f"the collective timeout must be in (0, 30] seconds, got {timeout_s}")
-        device = full_model.device
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        if device.type == "cuda" and torch.cuda.device_count() < world:
-            raise ConfigError(
-                f"{size} x {stages} ranks need {world} GPUs; this machine has {torch.cuda.device_count()}"
-            )
+        backend = check_world(full_model, size, stages, timeout_s)
+        world, device = size * stages, full_model.device
         threads = worker_threads or max(1, torch.get_num_threads() // world)
         if "TORCHELASTIC_RUN_ID" in os.environ:
             return cls._launch_under_torchrun(
@@ -121,16 +139,15 @@ class ParallelGroup:
         store = dist.TCPStore(
             "127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
         )
-        context = multiprocessing.get_context("spawn")
-        processes = []
-        for rank in range(1, world):
-            spec = WorkerSpec(
+        dtype = str(full_model.dtype).removeprefix("torch.")
+        specs = [
+            WorkerSpec(
                 rank,
                 world,
                 size,
                 store.port,
-                config,
-                str(full_model.dtype).removeprefix("torch."),
+                full_model.config,
+                dtype,
                 f"cuda:{rank}" if device.type == "cuda" else "cpu",
                 backend,
                 num_blocks,
@@ -138,11 +155,9 @@ class ParallelGroup:
                 threads,
                 os.getpid(),
             )
-            process = context.Process(target=worker_main, args=(spec,), name=f"lifeofprompt-tp-rank{rank}", daemon=True)
-            with _main_module_hidden():
-                process.start()
-            processes.append(process)
-        group = cls(size, processes, backend, device, timeout_s, stages, threads)
+            for rank in range(1, world)
+        ]
+        group = cls(size, spawn_workers(specs), backend, device, timeout_s, stages, threads)
         try:
             group._wait_until_started(store)
             with group.guard():

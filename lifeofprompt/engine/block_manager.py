@@ -37,6 +37,8 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from .config import EngineConfig
+
 
 def hash_block(parent_hash: int | None, token_ids) -> int:
     """A 64-bit content hash of one full block, chained to the hash of the block before it."""
@@ -62,7 +64,9 @@ class _SeqState:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = EngineConfig.enable_prefix_caching
+    ):
         if num_blocks < 1 or block_size < 1:
             from ..errors import ConfigError
 

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 
 from ..errors import ConfigError
 from ..model.forward_path import CPU_TUNINGS
-from .scheduler import SchedulerConfig, fair_prefill_threshold
 
+STEP_SECONDS = 0.25  # a CPU's step: as many tokens as it prefills in this long (cpu_fast_path.py)
+DEFAULT_STEP_TOKENS = 2048  # the step's token budget where nothing measured it (a GPU, pinned CPU paths)
 CPU_TUNING_VARIABLE = "LIFEOFPROMPT_CPU_TUNING"  # the default of ``cpu_tuning`` (tests pin a path with it)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
@@ -162,6 +163,17 @@ def _one_of(config: EngineConfig, name: str, allowed: tuple) -> None:
 
 
 @dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler needs (vLLM's name): the step's budgets and the longest request."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    long_prefill_token_threshold: int | None = None  # None: off
+    num_groups: int = 1  # micro-batch groups (pipeline overlap)
+
+
+@dataclass(frozen=True)
 class ResolvedConfig:
     """Every choice start-up made, frozen: read by the layers below, printed by the log, sent to worker ranks."""
 
@@ -209,8 +221,6 @@ def resolve(config: EngineConfig, model, num_kv_blocks: int, door) -> ResolvedCo
       ``STEP_SECONDS`` of prefill), else 2,048; and the fair-prefill cap from it;
     * one micro-batch group per pipeline stage when stages overlap.
     """
-    from .fast_path import DEFAULT_STEP_TOKENS
-
     c = model.config
     context = min(config.max_model_len or c.max_position_embeddings, c.max_position_embeddings)
     budget = config.max_num_batched_tokens or door.step_tokens or DEFAULT_STEP_TOKENS
@@ -246,3 +256,25 @@ def resolve(config: EngineConfig, model, num_kv_blocks: int, door) -> ResolvedCo
 def model_name(config: EngineConfig, model) -> str:
     """The name requests and the log use: the one asked for, else where the loaded weights came from."""
     return config.model if isinstance(config.model, str) else model.source
+
+
+MIN_FAIR_CHUNK = 64  # fair prefill never cuts a prompt's chunk thinner than this
+
+
+def fair_prefill_threshold(requested: int | None, max_num_batched_tokens: int) -> int | None:
+    """The scheduler's ``long_prefill_token_threshold``: ``requested`` if given (0 = off), else a
+    quarter of the step's budget (512 of 2,048), never under ``MIN_FAIR_CHUNK`` tokens.
+
+    A quarter leaves three quarters of every step to the others while a long prompt prefills, so a
+    short request's first token comes one step after it arrives, in a step about a quarter as long;
+    and since the cap holds only while others wait or run, a lone prompt keeps the whole budget. The
+    floor keeps chunks thick enough for fast matrix products, and leaves tiny budgets (a lesson's 8
+    tokens a step) with plain chunked prefill. vLLM's own default is off (4% of max_model_len when
+    ``max_num_partial_prefills`` > 1).
+    """
+    if requested is not None:
+        if requested < 0:
+            raise ConfigError(f"long_prefill_token_threshold must be >= 0 (0 = off), got {requested}")
+        return requested or None
+    threshold = max(max_num_batched_tokens // 4, MIN_FAIR_CHUNK)
+    return threshold if threshold < max_num_batched_tokens else None

@@ -35,7 +35,8 @@ from ..model.forward_path import ForwardPath
 from ..model.huge_pages import move_weights_to_huge_pages
 from ..model.linear import apply_plans, plannable
 from ..model.linear_calibration import cached_answer, choose_cpu_linear, machine_key
-from .fast_path import DEFAULT_STEP_TOKENS, STEP_SECONDS, PlainPath, dummy_inputs
+from .config import DEFAULT_STEP_TOKENS, STEP_SECONDS
+from .fast_path import PlainPath, dummy_inputs
 from .memory import format_bytes
 
 FORCED_C_STEP_ROWS = 16  # "c-step": every step of up to this many rows in C

@@ -20,9 +20,6 @@ from ..model.forward_path import ForwardPath
 from .sampling_params import SamplingParams
 from .sequence import Sequence
 
-STEP_SECONDS = 0.25  # a CPU's step: as many tokens as it prefills in this long (cpu_fast_path.py)
-DEFAULT_STEP_TOKENS = 2048  # the step's token budget where nothing measured it (a GPU, pinned CPU paths)
-
 
 def attention_backend(asked: str, device) -> str:
     """``"auto"``: Triton on CUDA, torch elsewhere; a name is taken as asked."""

@@ -20,6 +20,7 @@ import torch
 
 from ..errors import ConfigError, OutOfMemoryError
 from ..model.config import ModelConfig
+from .config import DEFAULT_STEP_TOKENS, EngineConfig
 
 GiB = 1024**3
 MiB = 1024**2
@@ -74,7 +75,7 @@ def kv_bytes_per_token(config: ModelConfig, dtype) -> int:
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype_bytes(dtype)
 
 
-def kv_bytes_per_block(config: ModelConfig, dtype, block_size: int = 16) -> int:
+def kv_bytes_per_block(config: ModelConfig, dtype, block_size: int = EngineConfig.block_size) -> int:
     """Bytes of one cache block: ``block_size`` tokens across all layers."""
     return kv_bytes_per_token(config, dtype) * _check_block_size(block_size)
 
@@ -86,18 +87,20 @@ def kv_bytes_for_tokens(config: ModelConfig, dtype, num_tokens: int) -> int:
     return kv_bytes_per_token(config, dtype) * num_tokens
 
 
-def blocks_for_tokens(num_tokens: int, block_size: int = 16) -> int:
+def blocks_for_tokens(num_tokens: int, block_size: int = EngineConfig.block_size) -> int:
     """Blocks a sequence of ``num_tokens`` tokens holds: its last block may be partly empty."""
     return math.ceil(num_tokens / _check_block_size(block_size))
 
 
-def num_blocks_for_bytes(kv_pool_bytes: int, config: ModelConfig, dtype, block_size: int = 16) -> int:
+def num_blocks_for_bytes(
+    kv_pool_bytes: int, config: ModelConfig, dtype, block_size: int = EngineConfig.block_size
+) -> int:
     """Whole blocks that fit in ``kv_pool_bytes`` (the engine's pool size for a memory budget)."""
     return max(0, int(kv_pool_bytes) // kv_bytes_per_block(config, dtype, block_size))
 
 
 def max_concurrent_requests(
-    kv_pool_bytes: int, config: ModelConfig, dtype, context_len: int, block_size: int = 16
+    kv_pool_bytes: int, config: ModelConfig, dtype, context_len: int, block_size: int = EngineConfig.block_size
 ) -> int:
     """Requests of ``context_len`` tokens whose caches fit the pool at once (each holds whole blocks)."""
     if context_len <= 0:
@@ -115,7 +118,7 @@ def weight_bytes(config: ModelConfig, dtype) -> int:
 
 
 def estimate_activation_bytes(
-    config: ModelConfig, dtype, num_tokens: int = 2048, logits_rows: int = 256, score_copies: int = 0
+    config: ModelConfig, dtype, num_tokens: int = DEFAULT_STEP_TOKENS, logits_rows: int = 256, score_copies: int = 0
 ) -> int:
     """A rough peak of the transient tensors of one forward over ``num_tokens`` rows (an *estimate*).
 
@@ -138,7 +141,7 @@ def estimate_activation_bytes(
 
 
 @torch.no_grad()
-def measure_activation_bytes(model, num_tokens: int = 2048) -> int:
+def measure_activation_bytes(model, num_tokens: int = DEFAULT_STEP_TOKENS) -> int:
     """Peak memory a forward over ``num_tokens`` rows allocates beyond what was there (CUDA only)."""
     from ..model.attention import NoCacheMetadata
 
@@ -171,7 +174,7 @@ class MemoryPlan:
     bytes_per_block: int
     num_gpu_blocks: int  # whole blocks in the KV pool ("GPU blocks" in vLLM's log)
     num_cpu_blocks: int  # whole blocks in the host swap pool ("CPU blocks")
-    block_size: int = 16
+    block_size: int = EngineConfig.block_size
     bytes_per_token: int = 0
 
     @property
@@ -198,8 +201,8 @@ def plan_memory(
     config: ModelConfig,
     dtype,
     total_memory: int,
-    gpu_memory_utilization: float = 0.9,
-    block_size: int = 16,
+    gpu_memory_utilization: float = EngineConfig.gpu_memory_utilization,
+    block_size: int = EngineConfig.block_size,
     weights: int | None = None,
     activations: int | None = None,
     activations_measured: bool = False,

@@ -21,9 +21,9 @@ import torch
 
 from ..errors import OutOfMemoryError
 from ..model.attention import PagedCacheMetadata, PagedKVCache
-from .config import EngineConfig, resolve
+from .config import DEFAULT_STEP_TOKENS, EngineConfig, resolve
 from .cuda_graphs import DecodeGraphs, padded_batch_size
-from .fast_path import DEFAULT_STEP_TOKENS, GpuFastPath, PlainPath, dummy_inputs
+from .fast_path import GpuFastPath, PlainPath, dummy_inputs
 from .memory import GiB, kv_bytes_per_block, plan_memory
 from .sampler import Sampler
 from .sequence import Sequence

@@ -42,20 +42,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..errors import ConfigError, RequestTooLargeError
+from ..errors import RequestTooLargeError
 from .block_manager import BlockManager
+from .config import SchedulerConfig
 from .sequence import Sequence, SequenceStatus
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """What the scheduler needs (vLLM's name): the step's budgets and the longest request."""
-
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    long_prefill_token_threshold: int | None = None  # None: off
-    num_groups: int = 1  # micro-batch groups (pipeline overlap)
 
 
 @dataclass
@@ -292,25 +282,3 @@ class Scheduler:
             if tokens:
                 grown.append(seq)
         return grown
-
-
-MIN_FAIR_CHUNK = 64  # fair prefill never cuts a prompt's chunk thinner than this
-
-
-def fair_prefill_threshold(requested: int | None, max_num_batched_tokens: int) -> int | None:
-    """The scheduler's ``long_prefill_token_threshold``: ``requested`` if given (0 = off), else a
-    quarter of the step's budget (512 of 2,048), never under ``MIN_FAIR_CHUNK`` tokens.
-
-    A quarter leaves three quarters of every step to the others while a long prompt prefills, so a
-    short request's first token comes one step after it arrives, in a step about a quarter as long;
-    and since the cap holds only while others wait or run, a lone prompt keeps the whole budget. The
-    floor keeps chunks thick enough for fast matrix products, and leaves tiny budgets (a lesson's 8
-    tokens a step) with plain chunked prefill. vLLM's own default is off (4% of max_model_len when
-    ``max_num_partial_prefills`` > 1).
-    """
-    if requested is not None:
-        if requested < 0:
-            raise ConfigError(f"long_prefill_token_threshold must be >= 0 (0 = off), got {requested}")
-        return requested or None
-    threshold = max(max_num_batched_tokens // 4, MIN_FAIR_CHUNK)
-    return threshold if threshold < max_num_batched_tokens else None

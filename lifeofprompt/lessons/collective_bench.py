@@ -216,7 +216,7 @@ def measure_llm(llm, prompts, max_tokens: int) -> EngineRun:
 def one_rank_overhead(single: EngineRun, one_rank: EngineRun) -> dict:
     """What the distributed path costs a step: the same engine as one process, and as a process group of
     rank 0 alone (``distributed_executor_backend="mp"`` at T = P = 1), on the same prompts, the
-    single one built to run the same forward (eager; ``cpu_decode=False``, which "mp" forces).
+    single one built to run the same forward (eager, no C step: a pinned product path).
 
     ``overhead_s``: the difference of their median decode steps (the broadcasts, the all-reduces,
     the packing of each step's inputs). ``collective_share``: the collectives' counted seconds in

@@ -25,7 +25,6 @@ import torch
 
 from ..engine.memory import dtype_bytes, kv_bytes_per_token, weight_bytes
 from ..model.config import ModelConfig
-from ..model.huge_pages import huge_page_buffer
 from .flops import forward_flops
 
 
@@ -95,6 +94,8 @@ def measure_read_bandwidth(device="cpu", nbytes: int | None = None, repeats: int
     device = torch.device(device)
     nbytes = nbytes or (2**30 if device.type == "cuda" else CPU_READ_BYTES)
     if device.type == "cpu":  # the pages the engine keeps its weights in (model/huge_pages.py)
+        from ..model.huge_pages import huge_page_buffer
+
         data = huge_page_buffer(nbytes // 4 * 4).view(torch.float32).fill_(1.0)
     else:
         data = torch.ones(nbytes // 4, dtype=torch.float32, device=device)

@@ -25,8 +25,9 @@ import numpy as np
 import torch
 
 from ..engine.block_manager import BlockManager
+from ..engine.config import SchedulerConfig, fair_prefill_threshold
 from ..engine.sampling_params import SamplingParams
-from ..engine.scheduler import Scheduler, SchedulerConfig, fair_prefill_threshold
+from ..engine.scheduler import Scheduler
 from ..engine.sequence import Sequence
 from ..engine.step_trace import StepRecord, record_step
 from ..errors import RequestTooLargeError

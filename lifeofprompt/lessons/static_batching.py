@@ -13,7 +13,8 @@ such as ``transformers.generate`` on a static batch keep computing its pad token
 
 from __future__ import annotations
 
-from ..engine.scheduler import Scheduler, SchedulerConfig
+from ..engine.config import SchedulerConfig
+from ..engine.scheduler import Scheduler
 
 
 class StaticScheduler(Scheduler):

@@ -181,7 +181,7 @@ class PagedKVCache:
         self.block_size = block_size
 
     @classmethod
-    def for_model(cls, config, num_blocks: int, block_size: int = 16, dtype=torch.float32, device="cpu"):
+    def for_model(cls, config, num_blocks: int, block_size: int, dtype=torch.float32, device="cpu"):
         return cls(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype, device)
 
     def k(self, layer_idx: int) -> torch.Tensor:

@@ -34,51 +34,21 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse
 
-from ..engine.llm import render_chat
 from ..engine.logs import log_to_stderr
-from ..errors import InvalidRequestError, ModelNotFoundError
 from .auth import ApiKeyMiddleware, exposure_warning
-from .choices import Choices
 from .engine_loop import EngineLoop
-from .http_errors import document_errors, error_body, error_responses, install_error_handlers
-from .limits import (
-    MAX_N,
-    BodySizeLimit,
-    PromptTokenizer,
-    ServerLimits,
-    check_prompt_chars,
-    default_max_waiting,
-    longest_token_chars,
-)
-from .openai_protocol import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionRequest,
-    CompletionResponse,
-    Health,
-    ModelList,
-    check_text,
-    completion_prompts,
-    num_logprobs,
-    plain_messages,
-    sampling_params_from,
-    sse_event,
-    usage_field,
-)
-from .server_metrics import render_metrics
-from .submission import EventStream, Submission, stream_deltas, wait_or_disconnect
+from .http_errors import document_errors, install_error_handlers
+from .limits import MAX_N, BodySizeLimit, PromptTokenizer, ServerLimits, default_max_waiting
+from .openai_routes import Endpoints
 from .tokenizer_routes import add_tokenizer_routes
-from .tools import check_auto, parse_tools, tool_mode, tool_structure
 
 __all__ = ["EngineLoop", "ServerConfig", "ServerThread", "build_app", "door_settings", "serve"]
 
 logger = logging.getLogger("lifeofprompt.server")
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
-POST_ERRORS = error_responses(400, 401, 404, 413, 500, 503)
 
 
 @dataclass
@@ -96,16 +66,16 @@ class ServerConfig:
 def build_app(
     engine, model_name: str | None = None, engine_loop: EngineLoop | None = None, config: ServerConfig | None = None
 ):
-    """The FastAPI app over an ``LLMEngine``; the engine thread starts and stops with the app."""
+    """The FastAPI app over an ``LLMEngine``: the door (body size, key, CORS), every error in OpenAI's shape,
+    the OpenAI routes (``openai_routes.py``) and vLLM's tokenizer routes; the engine thread starts and stops
+    with the app."""
     config = config or ServerConfig()
     limits = config.limits or ServerLimits()
-    model_name = model_name or getattr(engine, "model_name", None) or "lifeofprompt"
+    model_name = model_name or engine.model_name
     engine_loop = engine_loop or EngineLoop(engine)
     if config.bound_max_waiting and engine.max_waiting is None:
-        engine.max_waiting = default_max_waiting(engine.scheduler.config.max_num_seqs)
+        engine.max_waiting = default_max_waiting(engine.resolved.max_num_seqs)
     prompt_tokenizer = PromptTokenizer(engine.tokenizer)
-    chars_per_token = longest_token_chars(engine.tokenizer)
-    created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app):
@@ -116,190 +86,27 @@ def build_app(
             engine_loop.stop()
             prompt_tokenizer.close()
 
-    docs = config.enable_docs
+    docs = dict(docs_url="/docs", redoc_url="/redoc", openapi_url="/openapi.json")
     app = FastAPI(
         title="lifeofprompt",
         description="An OpenAI-compatible server over a vLLM-style engine built from scratch.",
         version="1",
         lifespan=lifespan,
-        docs_url="/docs" if docs else None,
-        redoc_url="/redoc" if docs else None,
-        openapi_url="/openapi.json" if docs else None,
+        **(docs if config.enable_docs else dict.fromkeys(docs)),
     )
-    app.state.engine, app.state.engine_loop, app.state.model_name, app.state.config = (
-        engine,
-        engine_loop,
-        model_name,
-        config,
-    )
-    app.state.prompt_tokenizer = prompt_tokenizer
+    app.state.engine, app.state.engine_loop, app.state.model_name = engine, engine_loop, model_name
+    app.state.config, app.state.prompt_tokenizer = config, prompt_tokenizer
     install_error_handlers(app)
     document_errors(app)
     app.add_middleware(BodySizeLimit, limit=limits.max_request_bytes)
     if config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     if config.allowed_origins:
-        app.add_middleware(
-            CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"], allow_headers=["*"]
-        )
-
-    def check_model(requested: str | None) -> None:
-        if requested is not None and requested != model_name:
-            raise ModelNotFoundError(f"the model {requested!r} does not exist; this server runs {model_name!r}")
-
-    async def completion_inputs(prompts: list) -> list:
-        """Text prompts measured, then tokenized off the event loop; token-id prompts as they are."""
-        if len(prompts) > limits.max_prompts_per_request:
-            raise InvalidRequestError(
-                f"at most {limits.max_prompts_per_request} prompts per request, got {len(prompts)}", param="prompt"
-            )
-        texts = [p for p in prompts if isinstance(p, str)]
-        for text in texts:
-            check_prompt_chars(len(text), engine.max_model_len, chars_per_token)
-        if not texts:
-            return prompts
-        encoded = iter(
-            await prompt_tokenizer.run(
-                lambda tok, items: [list(tok.encode(t, add_special_tokens=False)) for t in items], texts
-            )
-        )
-        return [{"prompt": p, "prompt_token_ids": next(encoded)} if isinstance(p, str) else p for p in prompts]
-
-    async def chat_input(messages, tools: list[dict] | None = None) -> list[int]:
-        plain = plain_messages(messages)
-        check_prompt_chars(sum(len(m["content"]) for m in plain), engine.max_model_len, chars_per_token, "messages")
-        return await prompt_tokenizer.run(
-            lambda tok, conversation: render_chat(tok, conversation, tools=tools)[1], plain
-        )
-
-    def client_gone():
-        return JSONResponse(error_body("client disconnected", "aborted", None, 499), status_code=499)
-
-    @app.get("/health", response_model=Health, responses={503: {"model": Health}})
-    async def health():
-        if not engine_loop.alive or engine_loop.draining:
-            status = "shutting down" if engine_loop.draining else "engine thread stopped"
-            return JSONResponse({"status": status}, status_code=503)
-        return {"status": "ok"}
-
-    @app.get("/metrics", response_class=PlainTextResponse)
-    async def prometheus():
-        return PlainTextResponse(
-            render_metrics(engine, engine_loop.stats, model_name), media_type="text/plain; version=0.0.4; charset=utf-8"
-        )
-
-    @app.get("/v1/models", response_model=ModelList, responses=error_responses(401))
-    async def models():
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": model_name,
-                    "object": "model",
-                    "created": created,
-                    "owned_by": "lifeofprompt",
-                    "max_model_len": getattr(engine, "max_model_len", None),
-                }
-            ],
-        }
-
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=POST_ERRORS)
-    async def completions(body: CompletionRequest, request: Request):
-        check_model(body.model)
-        params = sampling_params_from(body, default_max_tokens=16)
-        check_text(body.prompt, "prompt")
-        check_text(body.stop, "stop")
-        submission = Submission(engine_loop, "cmpl")
-        submission.add(await completion_inputs(completion_prompts(body.prompt)), params)
-        choices = Choices(
-            prompt_tokenizer,
-            chat=False,
-            n=body.n,
-            num_logprobs=num_logprobs(body),
-            return_token_ids=body.return_token_ids,
-        )
-        if body.stream:
-            return EventStream(stream_choices(submission, body, "text_completion", choices), submission)
-        return await whole_response(request, submission, "text_completion", choices)
-
-    async def whole_response(request: Request, submission: Submission, object_name: str, choices: Choices):
-        """Every answer of every prompt, once all are done; usage counts each prompt once and every answer."""
-        finals = await wait_or_disconnect(request, submission)
-        if finals is None:
-            return client_gone()
-        usage = usage_field(
-            sum(len(o.prompt_token_ids) for o in finals.values()),
-            sum(len(c.token_ids) for o in finals.values() for c in o.outputs),
-        )
-        return {
-            "id": submission.id,
-            "object": object_name,
-            "created": int(time.time()),
-            "model": model_name,
-            "choices": await choices.whole(finals),
-            "usage": usage,
-        }
-
-    async def stream_choices(submission: Submission, body, object_name: str, choices: Choices):
-        """Server-sent events for one streamed request: OpenAI's chunk envelope around each delta
-        (``Choices.delta`` shapes them); chat opens each choice with its role."""
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
-
-        def chunk(items, usage=None):
-            payload = {
-                "id": submission.id,
-                "object": object_name,
-                "created": int(time.time()),
-                "model": model_name,
-                "choices": items,
-            }
-            if include_usage:
-                payload["usage"] = usage
-            return sse_event(payload)
-
-        if choices.chat:
-            for opening in choices.openings(len(submission.request_ids)):
-                yield chunk([opening])
-        async for kind, *piece in stream_deltas(submission, choices.n):
-            if kind == "text":
-                choice = await choices.delta(*piece)
-                if choice is not None:
-                    yield chunk([choice])
-            elif kind == "usage" and include_usage:
-                yield chunk([], piece[0])
-            elif kind == "error":
-                yield sse_event(piece[0])
-        yield "data: [DONE]\n\n"
-
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=POST_ERRORS)
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        check_model(body.model)
-        tools = parse_tools(body.tools)
-        mode = tool_mode(tools, body.tool_choice)
-        if mode == "auto":
-            check_auto(engine.tokenizer, model_name)
-        forced = mode is not None and mode != "auto"
-        params = sampling_params_from(
-            body, default_max_tokens=None, tool_structure=tool_structure(tools, mode) if forced else None
-        )
-        check_text([m.model_dump() for m in body.messages], "messages")
-        check_text(body.stop, "stop")
-        submission = Submission(engine_loop, "chatcmpl")
-        shown = [t.model_dump(exclude_none=True) for t in tools] if mode is not None else None
-        submission.add([await chat_input(body.messages, shown)], params)
-        choices = Choices(
-            prompt_tokenizer,
-            chat=True,
-            n=body.n,
-            num_logprobs=num_logprobs(body),
-            tool_mode=mode,
-            return_token_ids=body.return_token_ids,
-        )
-        if body.stream:
-            return EventStream(stream_choices(submission, body, "chat.completion.chunk", choices), submission)
-        return await whole_response(request, submission, "chat.completion", choices)
-
-    add_tokenizer_routes(app, engine, prompt_tokenizer, check_model)
+        origins = list(config.allowed_origins)
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])
+    endpoints = Endpoints(engine, engine_loop, model_name, limits, prompt_tokenizer)
+    endpoints.add_to(app)
+    add_tokenizer_routes(app, engine, prompt_tokenizer, endpoints.check_model)
     return app
 
 

@@ -71,12 +71,21 @@ def test_triton_matches_torch_teacher_forced(tinyllama):
     from lifeofprompt.engine.model_runner import ModelRunner
 
     seqs = make_seqs(LENGTHS, tinyllama.config.vocab_size)
-    fast = ModelRunner(tinyllama, 512, 16, "triton", max_num_seqs=8, enforce_eager=True)
-    ref = ModelRunner(tinyllama, 512, 16, "torch", max_num_seqs=8, enforce_eager=True)
+    fast = ModelRunner.for_model(
+        tinyllama, num_kv_blocks=512, attention_backend="triton", max_num_seqs=8, enforce_eager=True
+    )
+    ref = ModelRunner.for_model(
+        tinyllama, num_kv_blocks=512, attention_backend="torch", max_num_seqs=8, enforce_eager=True
+    )
     a, b = teacher_forced_logits(fast, seqs), teacher_forced_logits(ref, seqs)
     del fast, ref
     model32 = copy.deepcopy(tinyllama).float()
-    exact = teacher_forced_logits(ModelRunner(model32, 512, 16, "torch", max_num_seqs=8, enforce_eager=True), seqs)
+    exact = teacher_forced_logits(
+        ModelRunner.for_model(
+            model32, num_kv_blocks=512, attention_backend="torch", max_num_seqs=8, enforce_eager=True
+        ),
+        seqs,
+    )
     del model32
     torch.cuda.empty_cache()
     assert a.shape == b.shape == exact.shape == (sum(LENGTHS), tinyllama.config.vocab_size)
@@ -118,14 +127,20 @@ def test_cuda_graph_decode_matches_eager(tinyllama):
 
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 32000, (n,), generator=g).tolist() for n in (5, 17, 33, 64, 100)]
-    graphs = ModelRunner(tinyllama, 256, 16, "triton", max_num_seqs=8, max_model_len=512)
-    assert graphs.graphs and sorted(graphs.graphs) == [1, 2, 4, 8]
+    graphs = ModelRunner.for_model(
+        tinyllama, num_kv_blocks=256, attention_backend="triton", max_num_seqs=8, max_model_len=512
+    )
+    assert graphs.graphs and sorted(graphs.graphs.graphs) == [1, 2, 4, 8]
     with_graphs = greedy_tokens(graphs, prompts, 24)
     del graphs
-    padded = ModelRunner(tinyllama, 256, 16, "triton", max_num_seqs=8, max_model_len=512, enforce_eager=True)
-    padded.pad_decode_eagerly = True
+    padded = ModelRunner.for_model(
+        tinyllama, num_kv_blocks=256, attention_backend="triton", max_num_seqs=8, max_model_len=512, enforce_eager=True
+    )
+    padded.start_decode_graphs(capture=False)
     assert with_graphs == greedy_tokens(padded, prompts, 24)  # the same computation, replayed
-    plain = ModelRunner(tinyllama, 256, 16, "triton", max_num_seqs=8, max_model_len=512, enforce_eager=True)
+    plain = ModelRunner.for_model(
+        tinyllama, num_kv_blocks=256, attention_backend="triton", max_num_seqs=8, max_model_len=512, enforce_eager=True
+    )
     unpadded = greedy_tokens(plain, prompts, 24)
     same = sum(a == b for x, y in zip(with_graphs, unpadded) for a, b in zip(x, y)) / sum(map(len, unpadded))
     print(f"graph vs unpadded eager decode: {same:.3f} of tokens identical")
@@ -135,13 +150,13 @@ def test_cuda_graph_decode_matches_eager(tinyllama):
 def test_profiled_pool_fits(tinyllama):
     from lifeofprompt.engine.model_runner import ModelRunner
 
-    runner = ModelRunner(
-        tinyllama, None, 16, "triton", max_num_seqs=16, max_num_batched_tokens=2048, enforce_eager=True
+    runner = ModelRunner.for_model(
+        tinyllama, attention_backend="triton", max_num_seqs=16, max_num_batched_tokens=2048, enforce_eager=True
     )
     free, total = torch.cuda.mem_get_info()
     plan = runner.memory_plan
-    print({k: v for k, v in runner.memory_report.items() if isinstance(v, (int, float))})
-    assert runner.num_blocks == plan.num_gpu_blocks > 1000
+    print({k: v for k, v in plan.as_dict().items() if isinstance(v, (int, float))})
+    assert runner.resolved.num_kv_blocks == plan.num_gpu_blocks > 1000
     assert torch.cuda.memory_allocated() <= 0.9 * total
     del runner
     torch.cuda.empty_cache()
@@ -154,7 +169,9 @@ def test_seeded_sampling_repeats_on_gpu(tinyllama):
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7, max_tokens=16)
     runs = []
     for _ in range(2):
-        runner = ModelRunner(tinyllama, 64, 16, "triton", max_num_seqs=4, max_model_len=256)
+        runner = ModelRunner.for_model(
+            tinyllama, num_kv_blocks=64, attention_backend="triton", max_num_seqs=4, max_model_len=256
+        )
         runs.append(run_greedy_loop(runner, [[1, 400, 500, 600]], 16, params=params))
         del runner
     assert runs[0] == runs[1]

@@ -74,9 +74,9 @@ fi
 awk '/== pytest \(budget/{on=1} on{print} /== pytest (ok|FAILED)/{on=0}' "$LOG" > "$WORK/pytest.txt"
 cp "$WORK/pytest.txt" "$OUT/pytest_gpu.txt"
 run_step kernel  40  $CHECK kernel $DRY
-if [ -f kernels/bench.py ] && [ -z "$DRY" ] && [[ ",${SKIP_STEPS:-}," != *",kbench,"* ]]; then
-  say "== python -m lifeofprompt.kernels.bench (budget 25s)"
-  timeout -k 5 25 $PY -m lifeofprompt.kernels.bench > "$WORK/kernels_bench.txt" 2>&1; say "kernels/bench.py rc=$?"
+if [ -f benchmarks/kernel_bench.py ] && [ -z "$DRY" ] && [[ ",${SKIP_STEPS:-}," != *",kbench,"* ]]; then
+  say "== python benchmarks/kernel_bench.py (budget 25s)"
+  timeout -k 5 25 $PY benchmarks/kernel_bench.py > "$WORK/kernels_bench.txt" 2>&1; say "benchmarks/kernel_bench.py rc=$?"
   tail -n 30 "$WORK/kernels_bench.txt" >> "$LOG"
 fi
 run_step decode  90  $CHECK decode $DRY

@@ -44,7 +44,13 @@ import urllib.request
 from pathlib import Path
 
 # The pinned sdist and its download live in the package, which also takes TinyLlama's vocabulary from it.
-from lifeofprompt.model.llama_cpp_sdist import LLAMA_CPP_PYTHON_VERSION, SDIST_SHA256, cache_root, file_lock, source_dir
+from lifeofprompt.lessons.llama_cpp_sdist import (
+    LLAMA_CPP_PYTHON_VERSION,
+    SDIST_SHA256,
+    cache_root,
+    file_lock,
+    source_dir,
+)
 
 # ggml's cmake option -> the /proc/cpuinfo flags it needs (all of them). ggml's AVX512 option
 # compiles with -mavx512f/cd/vl/dq/bw together, so it asks for all five.

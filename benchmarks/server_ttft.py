@@ -56,14 +56,22 @@ def one_round(url: str, long_ids: list[int], short_ids: list[int], gap: float) -
     }
 
 
+def shifted(ids: list[int], round_index: int, vocab: int) -> list[int]:
+    """The same prompt shape with other ids: ``round_index`` moves every id (the first 100 ids, special
+    tokens among them, are left out)."""
+    return [100 + (t + 7919 * (round_index + 1)) % (vocab - 100) for t in ids]
+
+
 def measure(model, tokenizer, long_ids, short_ids, args, **settings) -> dict:
     engine = LLMEngine(model, tokenizer=tokenizer, log_stats=False, **settings)
     r = engine.resolved
     rounds = []
     with ServerThread(engine, config=ServerConfig(shutdown_timeout=5)) as server:
-        one_round(server.url, long_ids[:64], short_ids, 0.0)  # warm-up
-        for _ in range(args.repeats):
-            rounds.append(one_round(server.url, long_ids, short_ids, args.gap))
+        vocab = model.config.vocab_size
+        one_round(server.url, shifted(long_ids[:64], 99, vocab), shifted(short_ids, 99, vocab), 0.0)  # warm-up
+        for i in range(args.repeats):  # new ids each round: nothing is found in the prefix cache
+            long, short = shifted(long_ids, i, vocab), shifted(short_ids, i, vocab)
+            rounds.append(one_round(server.url, long, short, args.gap))
     median = {key: statistics.median(x[key] for x in rounds) for key in rounds[0]}
     return dict(
         settings=settings,

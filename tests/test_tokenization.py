@@ -1,4 +1,4 @@
-"""lifeofprompt.model.tokenization: our BPE loop against the real tokenizer, the walkthrough, the tables."""
+"""lifeofprompt.lessons.tokenization: our BPE loop against the real tokenizer, the walkthrough, the tables."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lifeofprompt.model.tokenization import (
+from lifeofprompt.lessons.tokenization import (
     STORY_TINYLLAMA_COUNTS,
     bpe_encode,
     bpe_steps,
@@ -129,7 +129,7 @@ def test_walkthrough_figure_draws_every_symbol(tokenizer):
 
 
 def test_missing_bytes_are_dropped_like_the_tokenizer_does(tokenizer):
-    from lifeofprompt.model.tokenization import missing_bytes
+    from lifeofprompt.lessons.tokenization import missing_bytes
 
     gaps = missing_bytes(tokenizer)
     assert len(gaps) == 21 and 0x04 in gaps and 0xF1 in gaps and 32 not in gaps
@@ -142,7 +142,7 @@ def test_tinyllama_tokenizer_counts_the_story_as_the_seed_does():
     """The LLaMA SentencePiece vocabulary from the pinned sdist (set-up fetches it): 5, 7 and 3 tokens with <s>."""
     import os
 
-    from lifeofprompt.model.tokenization import load_llama_spm_tokenizer
+    from lifeofprompt.lessons.tokenization import load_llama_spm_tokenizer
 
     tokenizer = load_llama_spm_tokenizer(fetch=False)
     if tokenizer is None:
@@ -164,7 +164,7 @@ def fake_sdist(tmp_path, monkeypatch):
     import subprocess
     import tarfile
 
-    from lifeofprompt.model import llama_cpp_sdist as sdist
+    from lifeofprompt.lessons import llama_cpp_sdist as sdist
 
     vocab = b"not really a GGUF, but bytes with a known sha256"
     archive = tmp_path / "upstream" / sdist.SDIST_NAME

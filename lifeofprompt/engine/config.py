@@ -221,14 +221,12 @@ def resolve(config: EngineConfig, model, num_kv_blocks: int, door) -> ResolvedCo
       ``STEP_SECONDS`` of prefill), else 2,048; and the fair-prefill cap from it;
     * one micro-batch group per pipeline stage when stages overlap.
     """
-    c = model.config
-    context = min(config.max_model_len or c.max_position_embeddings, c.max_position_embeddings)
     budget = config.max_num_batched_tokens or door.step_tokens or DEFAULT_STEP_TOKENS
     stages = config.pipeline_parallel_size
     scheduler = SchedulerConfig(
         config.max_num_seqs,
         budget,
-        min(context, num_kv_blocks * config.block_size),
+        min(context_len(config, model.config), num_kv_blocks * config.block_size),
         fair_prefill_threshold(config.long_prefill_token_threshold, budget),
         stages if stages > 1 and config.pipeline_overlap else 1,
     )
@@ -253,9 +251,14 @@ def resolve(config: EngineConfig, model, num_kv_blocks: int, door) -> ResolvedCo
     )
 
 
+def context_len(config: EngineConfig, model_config) -> int:
+    """The longest request the model allows: ``max_model_len`` if given, never past the model's context."""
+    return min(config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings)
+
+
 def model_name(config: EngineConfig, model) -> str:
-    """The name requests and the log use: the one asked for, else where the loaded weights came from."""
-    return config.model if isinstance(config.model, str) else model.source
+    """The name requests and the server use: the one asked for, else the loaded model's own."""
+    return config.model if isinstance(config.model, str) else model.config.name
 
 
 MIN_FAIR_CHUNK = 64  # fair prefill never cuts a prompt's chunk thinner than this

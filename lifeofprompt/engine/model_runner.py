@@ -21,7 +21,7 @@ import torch
 
 from ..errors import OutOfMemoryError
 from ..model.attention import PagedCacheMetadata, PagedKVCache
-from .config import DEFAULT_STEP_TOKENS, EngineConfig, resolve
+from .config import DEFAULT_STEP_TOKENS, EngineConfig, context_len, resolve
 from .cuda_graphs import DecodeGraphs, padded_batch_size
 from .fast_path import GpuFastPath, PlainPath, dummy_inputs
 from .memory import GiB, kv_bytes_per_block, plan_memory
@@ -60,7 +60,7 @@ def plan_kv_blocks(model, config: EngineConfig, draft_bytes_per_block: int = 0) 
         raise OutOfMemoryError(
             f"{draft}kv_cache_memory={kv_bytes} bytes holds not one block of {config.block_size} tokens"
         )
-    longest = min(config.max_model_len or math.inf, model.config.max_position_embeddings)
+    longest = context_len(config, model.config)
     return int(min(blocks, config.max_num_seqs * -(-longest // config.block_size) + 1))
 
 

@@ -6,7 +6,7 @@ every token of every sequence + the query rows read + the output rows written. T
 baseline is ``scaled_dot_product_attention`` over a contiguous ``[B, kv_heads, L, D]`` cache
 of the same lengths (no block table, no paging): what paging costs or saves shows directly.
 
-    python -m lifeofprompt.kernels.bench --out results.json    # on a GPU
+    python benchmarks/kernel_bench.py --out results.json    # on a GPU
 
 Timings use ``triton.testing.do_bench_cudagraph``: the mean of a CUDA graph of many calls, so host
 launch overhead is left out, as in the engine's graph-captured decode steps. The L2 (about
@@ -19,8 +19,7 @@ import argparse
 import json
 
 import torch
-
-from .cases import make_case
+from lifeofprompt.kernels.cases import make_case
 
 
 def _bytes_moved(

@@ -277,12 +277,12 @@ def step_kernel(args) -> dict:
 def step_decode(args) -> dict:
     """Batch-1 decode step at context ≤ 512 against the floor, with a breakdown; then the batching curve."""
     from lifeofprompt.engine.cuda_graphs import DecodeGraphs
-    from lifeofprompt.engine.fast_path import GpuFastPath
     from lifeofprompt.engine.model_runner import ModelRunner
     from lifeofprompt.engine.model_runner import step as run_step
     from lifeofprompt.engine.sampler import Sampler
     from lifeofprompt.engine.sampling_params import SamplingParams
     from lifeofprompt.engine.sequence import Sequence
+    from lifeofprompt.engine.speedups import GpuSpeedups
     from lifeofprompt.lessons.roofline import decode_floor, decode_weight_bytes
 
     device = device_of(args)
@@ -294,7 +294,7 @@ def step_decode(args) -> dict:
     # A dry run takes the GPU's code path too: Triton kernels (interpreted) and the fused ones.
     runner = ModelRunner.for_model(
         model,
-        door=GpuFastPath,  # a dry run takes the GPU's door on the CPU: Triton (interpreted), fused kernels, eager
+        speedups_class=GpuSpeedups,  # a dry run too: Triton (interpreted on the CPU), fused kernels, eager
         num_kv_blocks=2048 if dry(args) else 8192,
         attention_backend="triton",
         max_num_seqs=ladder_max,
@@ -329,15 +329,15 @@ def step_decode(args) -> dict:
         return statistics.median(steps)
 
     out["engine_step_s"] = median_step()
-    door = runner.fast_path
-    out["fused_kernels"] = door.fused_kernels
-    if door.fused_kernels:
+    gpu = runner.speedups
+    out["fused_kernels"] = gpu.fused_kernels
+    if gpu.fused_kernels:
         # The same step without the fused element-wise kernels: the before/after of NOTES.md's try.
-        door.fused_kernels = False
+        gpu.fused_kernels = False
         if graphs:
             graphs.capture_graphs()
         out["engine_step_unfused_s"] = median_step()
-        door.fused_kernels = True
+        gpu.fused_kernels = True
         if graphs:
             graphs.capture_graphs()
     # Breakdown: host prep, the forward (graph replay / eager), sampling.

@@ -59,5 +59,5 @@ def test_the_cpu_engine_says_so_in_its_start_up_log(tiny_model):
     model, tokenizer = tiny_model
     engine = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=16, max_num_seqs=2, log_stats=False)
     note = allocator.keep_freed_memory()
-    assert (note in engine.runner.fast_path.placement) == bool(note)
+    assert (note in engine.runner.speedups.placement) == bool(note)
     assert (note in startup_lines(engine)) == bool(note)

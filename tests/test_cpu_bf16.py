@@ -49,7 +49,7 @@ def test_the_engine_generates_in_bf16_where_fp32_would(smollm2, model16, story_i
     model32, tokenizer = smollm2
     llm = LLM(model16, tokenizer=tokenizer, num_kv_blocks=64, log_stats=False)
     assert llm.engine.runner.kv_cache.kv.dtype == torch.bfloat16
-    assert llm.engine.runner.fast_path.prepacked_bytes == 0  # oneDNN prepacking is for fp32 (measured there)
+    assert llm.engine.runner.speedups.prepacked_bytes == 0  # oneDNN prepacking is for fp32 (measured there)
     out = llm.generate(story_ids, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
     chosen = [t for o in out for t in o.outputs[0].token_ids]
     fp32_rows = torch.cat(

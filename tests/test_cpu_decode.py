@@ -361,17 +361,17 @@ def test_an_unpinned_runner_times_whole_steps_once_and_reads_the_cache_after(tmp
 
     monkeypatch.setattr("lifeofprompt.model.cpu_decode.measured_rows", fake_rows)
     first = ModelRunner.for_model(model, num_kv_blocks=512, block_size=4, attention_backend="torch")
-    assert first.fast_path.linear_choice.pinned is None
-    assert (first.fast_path.c_step_rows, first.resolved.cpu.notes["c_step"]) == (4, "2 rows: C 1.0 ms, torch 2.0 ms")
+    assert first.speedups.linear_choice.pinned is None
+    assert (first.speedups.c_step_rows, first.resolved.cpu.notes["c_step"]) == (4, "2 rows: C 1.0 ms, torch 2.0 ms")
     assert asked == [True]
     second = ModelRunner.for_model(model, num_kv_blocks=512, block_size=4, attention_backend="torch")
-    assert second.fast_path.c_step_rows == 4 and asked == [True]  # from the cache: not timed again
-    assert [second.fast_path.path_for(n) for n in (1, 2, 3, 4)] == ["cpu", "cpu-rowmajor", "cpu-rowmajor", "cpu"]
-    assert second.fast_path.packed_bytes == cpu_decode.packed_bytes(model) > 0  # 4 rows read the packed copies
+    assert second.speedups.c_step_rows == 4 and asked == [True]  # from the cache: not timed again
+    assert [second.speedups.path_for(n) for n in (1, 2, 3, 4)] == ["cpu", "cpu-rowmajor", "cpu-rowmajor", "cpu"]
+    assert second.speedups.packed_bytes == cpu_decode.packed_bytes(model) > 0  # 4 rows read the packed copies
     small = ModelRunner.for_model(
         random_model(random.Random(3)), num_kv_blocks=16, block_size=4, attention_backend="torch"
     )
-    assert small.fast_path.c_step_rows == 0 and "not measured" in small.resolved.cpu.notes["c_step"]
+    assert small.speedups.c_step_rows == 0 and "not measured" in small.resolved.cpu.notes["c_step"]
 
 
 def test_the_runner_packs_before_it_times_the_c_step(tmp_path, monkeypatch):
@@ -421,11 +421,11 @@ def test_a_measurement_the_budget_cut_short_is_used_but_not_kept(tmp_path, monke
     asked = []
     monkeypatch.setattr("lifeofprompt.model.cpu_decode.measured_rows", stopped_the_first_time(asked, 2, 1, 8))
     busy = ModelRunner.for_model(model, num_kv_blocks=512, block_size=4, attention_backend="torch")
-    assert busy.fast_path.c_step_rows == 1 and "not cached" in busy.resolved.cpu.notes["c_step"]
+    assert busy.speedups.c_step_rows == 1 and "not cached" in busy.resolved.cpu.notes["c_step"]
     again = ModelRunner.for_model(model, num_kv_blocks=512, block_size=4, attention_backend="torch")
-    assert again.fast_path.c_step_rows == 8 and len(asked) == 2  # measured again, and this time kept
+    assert again.speedups.c_step_rows == 8 and len(asked) == 2  # measured again, and this time kept
     assert (
-        ModelRunner.for_model(model, num_kv_blocks=512, block_size=4, attention_backend="torch").fast_path.c_step_rows
+        ModelRunner.for_model(model, num_kv_blocks=512, block_size=4, attention_backend="torch").speedups.c_step_rows
         == 8
         and len(asked) == 2
     )
@@ -435,13 +435,13 @@ def test_the_runner_uses_it_only_where_asked_or_measured():
     model = random_model(random.Random(0))
     pool = dict(num_kv_blocks=16, block_size=4, attention_backend="torch")
     pinned = ModelRunner.for_model(model, cpu_tuning="linear", **pool)
-    assert pinned.fast_path.c_step_rows == 0  # a pinned non-rowwise path: the torch forward
-    assert ModelRunner.for_model(model, cpu_tuning="rowwise", **pool).fast_path.c_step_rows == 16
-    assert ModelRunner.for_model(model, cpu_tuning="c-step", **pool).fast_path.c_step_rows == 16
+    assert pinned.speedups.c_step_rows == 0  # a pinned non-rowwise path: the torch forward
+    assert ModelRunner.for_model(model, cpu_tuning="rowwise", **pool).speedups.c_step_rows == 16
+    assert ModelRunner.for_model(model, cpu_tuning="c-step", **pool).speedups.c_step_rows == 16
     with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="cpu_tuning='linear'"):
         ModelRunner.for_model(model, cpu_linear="rowwise", cpu_decode=False, **pool)  # the old flags: said how now
     bf16 = random_model(random.Random(0)).to(torch.bfloat16)
-    assert ModelRunner.for_model(bf16, cpu_tuning="c-step", **pool).fast_path.c_step_rows == 0
+    assert ModelRunner.for_model(bf16, cpu_tuning="c-step", **pool).speedups.c_step_rows == 0
 
 
 @pytest.fixture(scope="module")
@@ -450,7 +450,7 @@ def story_greedy():
     runs = {}
     for flag in (False, True):
         llm = LLM("smollm2-135m", dtype="float32", cpu_tuning="rowwise" if flag else "linear", log_stats=False)
-        assert llm.engine.runner.fast_path.c_step_rows == (16 if flag else 0)
+        assert llm.engine.runner.speedups.c_step_rows == (16 if flag else 0)
         outs = llm.generate(list(STORY_PROMPTS), SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
         runs[flag] = ([list(o.prompt_token_ids) for o in outs], [list(o.outputs[0].token_ids) for o in outs], llm)
     return runs
@@ -467,7 +467,7 @@ def test_the_engine_gives_the_same_greedy_tokens_with_the_c_step(story_greedy, s
         for layer in layers
         for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
     ]
-    assert llm.engine.runner.fast_path.packed_bytes == sum(w.numel() * 4 for w in matrices)  # made at start, all four
+    assert llm.engine.runner.speedups.packed_bytes == sum(w.numel() * 4 for w in matrices)  # made at start, all four
     assert any("from a packed copy of the layer matrices" in line for line in llm.engine.startup_log)
     model, _ = smollm2
     margins = [top2_margins(teacher_forced_logits(model, p, w)) for p, w in zip(prompts, want)]
@@ -512,7 +512,7 @@ def test_speculative_verifies_run_in_the_c_step_and_keep_the_greedy_tokens(story
         log_stats=False,
         speculative_config={"model": "smollm2-135m", "num_speculative_tokens": 2},
     )
-    assert first.engine.proposer.fast_path.c_step_rows == 16  # a draft of its own: calibrated (pinned), C step too
+    assert first.engine.proposer.speedups.c_step_rows == 16  # a draft of its own: calibrated (pinned), C step too
     model, tokenizer = smollm2
     prompt = tokenizer.encode(CODE)
     margins = [top2_margins(teacher_forced_logits(model, prompt, want))]
@@ -643,14 +643,14 @@ def test_a_measurement_stopped_past_8_rows_is_kept_and_measured_once_more(tmp_pa
     asked = []
     monkeypatch.setattr("lifeofprompt.model.cpu_decode.measured_rows", stopped_the_first_time(asked, 32, 16, 32))
     first = ModelRunner.for_model(model, num_kv_blocks=4096, block_size=4, attention_backend="torch")
-    assert first.fast_path.c_step_rows == 16 and "measured once more" in first.resolved.cpu.notes["c_step"]
+    assert first.speedups.c_step_rows == 16 and "measured once more" in first.resolved.cpu.notes["c_step"]
     assert (
-        ModelRunner.for_model(model, num_kv_blocks=4096, block_size=4, attention_backend="torch").fast_path.c_step_rows
+        ModelRunner.for_model(model, num_kv_blocks=4096, block_size=4, attention_backend="torch").speedups.c_step_rows
         == 32
         and len(asked) == 2
     )
     assert (
-        ModelRunner.for_model(model, num_kv_blocks=4096, block_size=4, attention_backend="torch").fast_path.c_step_rows
+        ModelRunner.for_model(model, num_kv_blocks=4096, block_size=4, attention_backend="torch").speedups.c_step_rows
         == 32
         and len(asked) == 2
     )
@@ -667,7 +667,7 @@ def test_a_measurement_stopped_past_8_rows_is_kept_and_measured_once_more(tmp_pa
         assert (
             ModelRunner.for_model(
                 other, num_kv_blocks=4096, block_size=4, attention_backend="torch"
-            ).fast_path.c_step_rows
+            ).speedups.c_step_rows
             == 16
         )
     assert len(asked) == 2

@@ -1,4 +1,4 @@
-"""The engine's one config, its resolution at start-up, and the doors that keep each device's speed-ups apart.
+"""The engine's one config, its resolution at start-up, and each device's speed-ups kept apart.
 
 ``EngineConfig`` is checked before anything loads (a bad value names its field); ``ResolvedConfig``
 is built once, frozen, picklable for worker ranks, and printed by the start-up log; a GPU engine
@@ -22,7 +22,7 @@ from lifeofprompt.engine.config import DEFAULT_STEP_TOKENS, STEP_SECONDS, Engine
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_TUNING_MODULES = (
-    "lifeofprompt.engine.cpu_fast_path",
+    "lifeofprompt.engine.cpu_speedups",
     "lifeofprompt.model.cpu_decode",
     "lifeofprompt.model.cpu_rows",
     "lifeofprompt.model.linear_calibration",
@@ -123,7 +123,7 @@ def test_a_cpu_step_is_bounded_in_time_unless_a_budget_is_given(monkeypatch, tmp
 
 
 def test_the_gpu_path_never_imports_the_cpu_tuning():
-    """In a fresh process: the engine, the server and the GPU's door, a GPU door chosen for a CUDA model, and
+    """In a fresh process: the engine, the server and the GPU's speed-ups, the GPU's chosen for a CUDA model, and
     an engine run with the CPU tuning off; none of the CPU's tuning modules is ever imported."""
     probe = f"""
 import sys, types, torch
@@ -132,13 +132,13 @@ from tiny_models import tiny_model
 import lifeofprompt.engine.llm_engine, lifeofprompt.serving.server
 from lifeofprompt import LLM, SamplingParams
 from lifeofprompt.engine.config import EngineConfig
-from lifeofprompt.engine.fast_path import GpuFastPath
-from lifeofprompt.engine.model_runner import fast_path_for
+from lifeofprompt.engine.speedups import GpuSpeedups
+from lifeofprompt.engine.model_runner import speedups_for
 cuda = types.SimpleNamespace(device=torch.device("cuda"), config=None)
-assert type(fast_path_for(cuda, EngineConfig())) is GpuFastPath
+assert type(speedups_for(cuda, EngineConfig())) is GpuSpeedups
 model, tokenizer = tiny_model()
 llm = LLM(model, tokenizer=tokenizer, num_kv_blocks=16, cpu_tuning="off", log_stats=False)
-assert llm.engine.resolved.fast_path == "plain torch"
+assert llm.engine.resolved.speedups == "plain torch"
 llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
 print(" ".join(m for m in {list(CPU_TUNING_MODULES)!r} if m in sys.modules))
 """
@@ -155,4 +155,4 @@ LLM(model, tokenizer=tokenizer, num_kv_blocks=16, cpu_tuning="linear", log_stats
 print(" ".join(m for m in {list(CPU_TUNING_MODULES)!r} if m in sys.modules))
 """
     out = subprocess.run([sys.executable, "-c", tuned], capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert out.returncode == 0 and "lifeofprompt.engine.cpu_fast_path" in out.stdout.split(), out.stderr[-3000:]
+    assert out.returncode == 0 and "lifeofprompt.engine.cpu_speedups" in out.stdout.split(), out.stderr[-3000:]

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from lifeofprompt.engine.cuda_graphs import graph_batch_sizes, padded_batch_size
-from lifeofprompt.engine.fast_path import attention_backend
 from lifeofprompt.engine.memory import kv_bytes_per_block
 from lifeofprompt.engine.model_runner import ModelRunner, run_greedy_loop
 from lifeofprompt.engine.sampling_params import SamplingParams
 from lifeofprompt.engine.sequence import Sequence
+from lifeofprompt.engine.speedups import attention_backend
 from lifeofprompt.errors import ConfigError
 from lifeofprompt.model.linear import onednn_available
 
@@ -59,8 +59,8 @@ def test_cpu_runner_defaults(runner):
     assert runner.kv_cache.kv.dtype == torch.float32 and r.num_kv_blocks == 64
     # the tests pin one product path (tests/conftest.py), so no packed copies and no timing
     pinned = os.environ["LIFEOFPROMPT_CPU_TUNING"]  # "linear" unless a portability setting forces one
-    assert runner.fast_path.linear_choice.source == f"pinned: {pinned}"
-    assert (runner.fast_path.prepacked_bytes > 0) == (pinned == "onednn")
+    assert runner.speedups.linear_choice.source == f"pinned: {pinned}"
+    assert (runner.speedups.prepacked_bytes > 0) == (pinned == "onednn")
 
 
 @pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
@@ -70,11 +70,11 @@ def test_onednn_prepacks_every_matrix_and_can_be_turned_off(smollm2, story_ids):
     packed = ModelRunner.for_model(model, cpu_tuning="onednn", **settings)
     # every matrix of the model (120 layer matrices + the tied lm_head) prepacked for oneDNN
     weights = sum(p.numel() for n, p in model.named_parameters() if n.endswith("proj.weight"))
-    assert packed.fast_path.prepacked_bytes == 4 * (weights + 49152 * 576)
+    assert packed.speedups.prepacked_bytes == 4 * (weights + 49152 * 576)
     with pytest.raises(ConfigError, match="not available"):  # no packed copies: no oneDNN path
         ModelRunner.for_model(model, cpu_tuning="onednn", prepack_cpu_weights=False, **settings)
     lean = ModelRunner.for_model(model, prepack_cpu_weights=False, **settings)
-    assert lean.fast_path.prepacked_bytes == 0 and all(getattr(m, "packed", None) is None for m in model.modules())
+    assert lean.speedups.prepacked_bytes == 0 and all(getattr(m, "packed", None) is None for m in model.modules())
     assert run_greedy_loop(lean, story_ids, 8) == STORY_8  # the pinned path again, without packed copies
 
 

@@ -140,10 +140,10 @@ def test_a_world_of_one_rank_spawns_nothing(one_rank):
 def test_the_c_step_stays_off(one_rank, single):
     """Asked for it, the "mp" engine still runs the torch forward (the step this mode exists to measure)."""
     llm, _, _ = one_rank
-    assert llm.engine.runner.fast_path.c_step_rows == 0
+    assert llm.engine.runner.speedups.c_step_rows == 0
     model, tokenizer = tiny_model()
     asked = LLM(model, tokenizer=tokenizer, cpu_tuning="c-step", **ENGINE)  # a single engine takes it when asked
-    assert asked.engine.runner.fast_path.c_step_rows > 0
+    assert asked.engine.runner.speedups.c_step_rows > 0
 
 
 def test_tokens_equal_the_single_process_engine(single, one_rank):

@@ -15,10 +15,10 @@ import importlib.util
 import pytest
 import torch
 
-from lifeofprompt.engine.fast_path import GpuFastPath
 from lifeofprompt.engine.model_runner import ModelRunner
 from lifeofprompt.engine.sampling_params import SamplingParams
 from lifeofprompt.engine.sequence import Sequence
+from lifeofprompt.engine.speedups import GpuSpeedups
 
 if importlib.util.find_spec("triton") is None:  # find it without importing it: lifeofprompt.kernels
     pytest.skip("Triton is not installed", allow_module_level=True)  # must be first (interpreter mode)
@@ -56,8 +56,8 @@ def test_triton_backend_logits_match_torch(smollm2, story_ids):
     # the two runners differ in their attention alone.
     pool = dict(num_kv_blocks=16, block_size=4)
     runners = {name: ModelRunner.for_model(model, attention_backend=name, **pool) for name in ("torch", "triton")}
-    # the GPU engine's full path: Triton attention and the fused element-wise kernels (the GPU's door)
-    runners["fused"] = ModelRunner.for_model(model, attention_backend="triton", door=GpuFastPath, **pool)
+    # the GPU engine's full path: Triton attention and the fused element-wise kernels (the GPU's speed-ups)
+    runners["fused"] = ModelRunner.for_model(model, attention_backend="triton", speedups_class=GpuSpeedups, **pool)
     assert (runners["triton"].resolved.fused_kernels, runners["fused"].resolved.fused_kernels) == (False, True)
     seqs = {name: make_seqs(story_ids) for name in runners}
 

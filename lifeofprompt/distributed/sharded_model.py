@@ -234,7 +234,7 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
             max_blocks=r.max_blocks_per_seq,
             max_model_len=r.max_model_len,
             backend=r.attention_backend,
-            path=runner.fast_path.path_for(1),
+            path=runner.speedups.path_for(1),
             capture=capture,
         )
         with guard():

@@ -111,6 +111,6 @@ class CompletionUpdates:
             request.finished,
             request.metrics,
             num_cached_tokens=request.completions[0].seq.num_cached_tokens,
-            random_weights=getattr(self.model, "is_random", False),
+            random_weights=self.model.is_random,
             error=request.error,
         )

@@ -18,9 +18,11 @@ from dataclasses import dataclass, field
 
 from ..errors import ConfigError
 from ..model.forward_path import CPU_TUNINGS
+from ..model.loader import DEFAULT_MODEL
 
-STEP_SECONDS = 0.25  # a CPU's step: as many tokens as it prefills in this long (cpu_fast_path.py)
+STEP_SECONDS = 0.25  # a CPU's step: as many tokens as it prefills in this long (cpu_speedups.py)
 DEFAULT_STEP_TOKENS = 2048  # the step's token budget where nothing measured it (a GPU, pinned CPU paths)
+CPU_KV_CACHE_MEMORY = 2 << 30  # bytes of KV pool on a CPU when kv_cache_memory is not given
 CPU_TUNING_VARIABLE = "LIFEOFPROMPT_CPU_TUNING"  # the default of ``cpu_tuning`` (tests pin a path with it)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
@@ -37,7 +39,7 @@ class EngineConfig:
     * ``kv_cache_memory``: vLLM sizes a CPU pool with ``VLLM_CPU_KVCACHE_SPACE``; ours is 2 GiB on a CPU.
     """
 
-    model: object = "smollm2-135m"  # a name, a Hugging Face folder, or a loaded LlamaForCausalLM (with tokenizer)
+    model: object = DEFAULT_MODEL  # a name, a Hugging Face folder, or a loaded LlamaForCausalLM (with tokenizer)
     tokenizer: object = None  # the loaded model's tokenizer
     dtype: object = "auto"  # "auto": bf16 on a GPU; on a CPU what measures faster (model/loader.py)
     device: object = None  # None: CUDA when a GPU is present, else the CPU
@@ -74,9 +76,8 @@ class EngineConfig:
         ``cpu_tuning`` from ``$LIFEOFPROMPT_CPU_TUNING`` when not given."""
         settings = translate_deprecated(settings)
         defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-        settings = {
-            k: v for k, v in settings.items() if v is not None or defaults.get(k, None) is None
-        }  # None: default
+        # None stands for the default, as the old keywords took it (``attention_backend=None``: "auto")
+        settings = {k: v for k, v in settings.items() if v is not None or defaults.get(k) is None}
         names = set(defaults)
         for name in settings:
             if name not in names:
@@ -129,13 +130,20 @@ def check(config: EngineConfig) -> None:
             _positive_int(config, name, "or None")
     threshold = config.long_prefill_token_threshold
     if threshold is not None and (not _is_int(threshold) or threshold < 0):
-        raise ConfigError(f"long_prefill_token_threshold must be >= 0 (0: off) or None, got {threshold!r}")
+        raise ConfigError(
+            f"long_prefill_token_threshold must be >= 0 (0: off) or None, got {threshold!r}",
+            param="long_prefill_token_threshold",
+        )
     if not 0 < config.gpu_memory_utilization <= 1:
-        raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {config.gpu_memory_utilization}")
+        utilization = config.gpu_memory_utilization
+        raise ConfigError(
+            f"gpu_memory_utilization must be in (0, 1], got {utilization}", param="gpu_memory_utilization"
+        )
     _one_of(config, "attention_backend", ATTENTION_BACKENDS)
     _one_of(config, "cpu_tuning", CPU_TUNINGS)
     if not _is_int(config.max_step_records) or config.max_step_records < 0:
-        raise ConfigError(f"max_step_records must be an integer >= 0, got {config.max_step_records!r}")
+        records = config.max_step_records
+        raise ConfigError(f"max_step_records must be an integer >= 0, got {records!r}", param="max_step_records")
     from ..distributed.executor import uses_process_group
     from .speculative import SpeculativeConfig
 
@@ -190,8 +198,8 @@ class ResolvedConfig:
     max_waiting: int | None
     tensor_parallel_size: int
     pipeline_parallel_size: int
-    fast_path: str  # the device's door (fast_path.py)
-    cpu: object = None  # the CPU paths chosen (cpu_fast_path.CpuChoices), None elsewhere
+    speedups: str  # what makes this device fast (speedups.py): its name
+    cpu: object = None  # the CPU paths chosen (cpu_speedups.CpuChoices), None elsewhere
     why: dict = field(default_factory=dict)  # why an automatic choice fell as it did (the log)
 
     @property
@@ -211,17 +219,17 @@ class ResolvedConfig:
         return -(-self.max_model_len // self.block_size)
 
 
-def resolve(config: EngineConfig, model, num_kv_blocks: int, door) -> ResolvedConfig:
+def resolve(config: EngineConfig, model, num_kv_blocks: int, speedups) -> ResolvedConfig:
     """Every remaining automatic choice, in one place, from what start-up found (the model, the planned
-    block count, the device's door and what it chose):
+    block count, the device's speed-ups and what they chose):
 
     * the longest request: ``max_model_len`` if given, else the model's context, never more than the
       model's context nor more than the whole pool holds;
-    * the step's token budget: ``max_num_batched_tokens`` if given, else what the door measured (a CPU:
+    * the step's token budget: ``max_num_batched_tokens`` if given, else what the speed-ups measured (a CPU:
       ``STEP_SECONDS`` of prefill), else 2,048; and the fair-prefill cap from it;
     * one micro-batch group per pipeline stage when stages overlap.
     """
-    budget = config.max_num_batched_tokens or door.step_tokens or DEFAULT_STEP_TOKENS
+    budget = config.max_num_batched_tokens or speedups.step_tokens or DEFAULT_STEP_TOKENS
     stages = config.pipeline_parallel_size
     scheduler = SchedulerConfig(
         config.max_num_seqs,
@@ -230,14 +238,14 @@ def resolve(config: EngineConfig, model, num_kv_blocks: int, door) -> ResolvedCo
         fair_prefill_threshold(config.long_prefill_token_threshold, budget),
         stages if stages > 1 and config.pipeline_overlap else 1,
     )
-    why = dict(budget="as asked" if config.max_num_batched_tokens else door.budget_note or "the default")
+    why = dict(budget="as asked" if config.max_num_batched_tokens else speedups.budget_note or "the default")
     return ResolvedConfig(
         model_name=model_name(config, model),
         device=str(model.device),
         dtype=str(model.dtype).removeprefix("torch."),
-        attention_backend=door.backend,
-        cuda_graphs=door.cuda_graphs,
-        fused_kernels=door.fused_kernels,
+        attention_backend=speedups.backend,
+        cuda_graphs=speedups.cuda_graphs,
+        fused_kernels=speedups.fused_kernels,
         block_size=config.block_size,
         num_kv_blocks=num_kv_blocks,
         enable_prefix_caching=config.enable_prefix_caching,
@@ -245,8 +253,8 @@ def resolve(config: EngineConfig, model, num_kv_blocks: int, door) -> ResolvedCo
         max_waiting=config.max_waiting,
         tensor_parallel_size=config.tensor_parallel_size,
         pipeline_parallel_size=stages,
-        fast_path=door.name,
-        cpu=door.choices,
+        speedups=speedups.name,
+        cpu=speedups.choices,
         why=why,
     )
 

@@ -46,6 +46,7 @@ class DecodeGraphs(GraphCapture):
         self.max_blocks_per_seq = r.max_blocks_per_seq
         self.graph_sizes = graph_batch_sizes(r.max_num_seqs)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.on_every_rank = False  # a tensor-parallel shard: each rank replays its own (rank_graphs.py)
         self._alloc_static_buffers()
         if capture:
             self.capture_graphs()

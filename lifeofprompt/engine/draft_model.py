@@ -108,7 +108,7 @@ def load_draft(config: SpeculativeConfig, target, target_tokenizer):
 class DraftModelProposer:
     """Runs the draft: its mirror of every target forward, and its k one-row passes before a verify."""
 
-    def __init__(self, config: SpeculativeConfig, model, resolved, door):
+    def __init__(self, config: SpeculativeConfig, model, resolved, speedups):
         self.k = config.k
         self.model = model
         self.block_size = resolved.block_size
@@ -117,7 +117,7 @@ class DraftModelProposer:
             model.config, resolved.num_kv_blocks, self.block_size, dtype=model.dtype, device=model.device
         )
         self.num_forwards = 0
-        self.fast_path = door  # its own paths (the target's door chose them: ``for_draft``)
+        self.speedups = speedups  # its own (the target's chose them: ``Speedups.for_draft``)
 
     def kv_bytes_per_block(self) -> int:
         return kv_bytes_per_block(self.model.config, self.model.dtype, self.block_size)
@@ -138,7 +138,7 @@ class DraftModelProposer:
             slot_mapping=meta.slot_mapping,
             backend=meta.backend,
         )
-        self.model.hidden_states(input_ids, positions, own, self.fast_path.path_for(input_ids.shape[0]))
+        self.model.hidden_states(input_ids, positions, own, self.speedups.path_for(input_ids.shape[0]))
 
     # ---------------------------------------------------------------- drafting
     def placeholders(self, seq: Sequence, max_draft: int) -> list[int]:
@@ -192,7 +192,7 @@ class DraftModelProposer:
             torch.tensor(ids, device=device),
             torch.tensor(positions, device=device),
             meta,
-            path=self.fast_path.path_for(len(ids)),
+            path=self.speedups.path_for(len(ids)),
         )
 
     @staticmethod

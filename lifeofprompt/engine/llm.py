@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 
 from ..errors import InvalidRequestError
+from ..model.loader import DEFAULT_MODEL
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -33,7 +34,7 @@ TQDM_MIN_REQUESTS = 16  # a progress bar only for runs long enough to want one
 
 
 class LLM:
-    def __init__(self, model="smollm2-135m", **settings):
+    def __init__(self, model=DEFAULT_MODEL, **settings):
         """The engine for ``model`` (a name, a folder, or a loaded model with ``tokenizer=``), with any of the
         engine's settings by vLLM's names (``engine/config.py``: ``max_num_seqs``, ``num_kv_blocks``,
         ``speculative_config``, ``tensor_parallel_size``, ...); a bad one is a ``ConfigError`` naming it."""
@@ -84,8 +85,8 @@ class LLM:
                 )
         requests = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
-            self.engine.validate(prompt, p, index=i)
-            requests.append((prompt, p))
+            text, ids = self.engine.validate(prompt, p, index=i)
+            requests.append(({"prompt": text, "prompt_token_ids": ids}, p))  # not tokenized again when added
         return requests
 
     def _add(self, requests) -> list[str]:

@@ -46,7 +46,7 @@ from ..errors import (
     RequestFailedError,
     SpeculativeConfigError,
 )
-from ..model.loader import load_model
+from ..model.loader import DEFAULT_MODEL, load_model
 from .block_manager import BlockManager
 from .completions import CompletionUpdates
 from .config import EngineConfig
@@ -71,15 +71,17 @@ log_to_stderr(logger, "engine", defer_to_root=False)  # like vLLM: the start-up 
 
 @dataclass
 class StartedStep:
-    """A step on its way: what the scheduler gave it, its trace, and the drafts its verifies check (by seq_id)."""
+    """A step on its way: what the scheduler gave it, its trace, the drafts its verifies check (by seq_id), and
+    when it started."""
 
     batch: ScheduledBatch
     record: StepRecord
     drafts: dict
+    start_time: float
 
 
 class LLMEngine(CompletionUpdates):
-    def __init__(self, model="smollm2-135m", *, clock=time.monotonic, **settings):
+    def __init__(self, model=DEFAULT_MODEL, *, clock=time.monotonic, **settings):
         """Start an engine, in this order (``engine/README.md`` walks it): the settings checked
         (``EngineConfig``, before anything loads), the model loaded, speculation's drafter, the other
         ranks of a split model, the runner's start-up (every automatic choice, frozen in
@@ -95,7 +97,7 @@ class LLMEngine(CompletionUpdates):
         self.runner = ModelRunner(self.model, runner_config, draft_kv_bytes_per_block=draft_bytes, split=split)
         self.resolved = r = self.runner.resolved
         if self.parallel is not None:
-            self.runner.fast_path.share_with(self.parallel, self.model)
+            self.runner.speedups.share_with(self.parallel, self.model)
         if self.spec is not None:
             self.spec.attach(self.runner)
         self.block_manager = BlockManager(r.num_kv_blocks, r.block_size, r.enable_prefix_caching)
@@ -270,8 +272,8 @@ class LLMEngine(CompletionUpdates):
         for i in range(params.n):
             # each answer samples on its own stream: seed, seed + 1, ... (None stays None)
             child = replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-            seq_id = request_id if params.n == 1 else f"{request_id}/{i}"
-            seq = Sequence(seq_id, ids, child, prompt=text, arrival_time=arrival)
+            answer_id = request_id if params.n == 1 else f"{request_id}/{i}"
+            seq = Sequence(answer_id, ids, child, prompt=text, arrival_time=arrival)
             if params.structured_outputs is not None:  # each answer walks the grammar on its own
                 seq.grammar = self.grammar_backend().matcher(params.structured_outputs)
             completions.append(
@@ -390,24 +392,22 @@ class LLMEngine(CompletionUpdates):
         if self.spec is not None:
             self.spec.fill(batch.seqs, self.clock)  # a draft model drafts now, into the slots just given
         record = record_step(batch, self.scheduler)
-        record.start_time = self.clock()
+        record.start_time = start = self.clock()
         for seq in batch.seqs:
             request, _ = self._owner[seq.seq_id]
             metrics = request.metrics
             if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = record.start_time
+                metrics.first_scheduled_time = start
                 metrics.num_cached_tokens = seq.num_cached_tokens
             metrics.num_preemptions = sum(c.seq.num_preemptions for c in request.completions)
         drafts = {seq.seq_id: list(seq.spec_token_ids) for seq in batch.seqs if seq.spec_token_ids}
-        return StartedStep(batch, record, drafts)
+        return StartedStep(batch, record, drafts, start)
 
     def _finish_step(self, started: StartedStep, out: StepOutput) -> list[RequestOutput]:
         """After a step ran: its tokens into their requests, its failures, its trace; then the next drafts."""
-        record = started.record
-        now = record.end_time = self.clock()
-        record.launch = out.launch
+        now = self.clock()
         if started.drafts:
-            self.spec_stats.verify_time += now - record.start_time
+            self.spec_stats.verify_time += now - started.start_time
         changed = self._take_tokens(started, out, now)
         for seq_id, exc in out.failures.items():
             if seq_id in self._owner:
@@ -415,10 +415,12 @@ class LLMEngine(CompletionUpdates):
                 self._end_request(request, "error", now, exc, "in the sampler")
                 changed[request.request_id] = request
         outputs = [self._output_of(request) for request in changed.values()]
-        self.step_records.append(record)
+        started.record.end_time, started.record.launch = now, out.launch
+        self.step_records.append(started.record)
         if self.spec is not None:
             # with overlap only this step's group: another's step may be in the pipe with its drafts packed
-            self.spec.propose(self.scheduler.running_of(record.group), self.scheduler.max_num_drafts, self.clock)
+            group = started.batch.group
+            self.spec.propose(self.scheduler.running_of(group), self.scheduler.max_num_drafts, self.clock)
         if self.config.check_invariants:
             self.block_manager.check_invariants(self.scheduler.seqs)
         return outputs
@@ -510,7 +512,7 @@ class LLMEngine(CompletionUpdates):
         )
 
     def format_trace(self, records=None, fold_quiet: bool = False) -> str:
-        """The step-by-step schedule: who ran, how many tokens, which blocks (``scheduler.format_steps``)."""
+        """The step-by-step schedule: who ran, how many tokens, which blocks (``step_trace.format_steps``)."""
         return format_steps(self.step_records if records is None else records, fold_quiet)
 
     @torch.no_grad()

@@ -1,16 +1,16 @@
 """``ModelRunner``: the engine's start-up, then one scheduled step at a time: a flat batch, the model, samples.
 
 Start-up is the runner's construction, one named step after another (``__init__``): choose the
-device's door (``fast_path.py``), place the weights, plan the KV pool's blocks, choose the fast
+device's speed-ups (``speedups.py``), place the weights, plan the KV pool's blocks, choose the fast
 paths, freeze every choice in the ``ResolvedConfig``, allocate the pool, start (CUDA graphs).
 
 Then each step: the scheduler decides *which* tokens run (``num_scheduled_tokens`` per sequence,
 from ``seq.num_computed_tokens``); the runner decides *how*: token ids and positions in one flat
 tensor, each new token's cache slot from its sequence's block table, logits only for the rows
-that sample (a prompt chunk short of its prompt's end samples nothing), the forward its door
-picks for that many rows, or a decode replayed from a CUDA graph (``cuda_graphs.py``). Sampling
-runs on the device (``step_output.py``); reading the chosen ids back is the step's one host
-synchronisation, and the step returns a ``StepOutput``.
+that sample (a prompt chunk short of its prompt's end samples nothing), the forward its speed-ups
+pick for that many rows, or a decode replayed from a CUDA graph (``cuda_graphs.py``). Sampling
+runs on the device (``step_output.py``); reading the chosen ids back is the step's main host
+synchronisation (logprobs and verifies read theirs too), and the step returns a ``StepOutput``.
 """
 
 from __future__ import annotations
@@ -21,26 +21,24 @@ import torch
 
 from ..errors import OutOfMemoryError
 from ..model.attention import PagedCacheMetadata, PagedKVCache
-from .config import DEFAULT_STEP_TOKENS, EngineConfig, context_len, resolve
+from .config import CPU_KV_CACHE_MEMORY, DEFAULT_STEP_TOKENS, EngineConfig, context_len, resolve
 from .cuda_graphs import DecodeGraphs, padded_batch_size
-from .fast_path import GpuFastPath, PlainPath, dummy_inputs
-from .memory import GiB, kv_bytes_per_block, plan_memory
+from .memory import kv_bytes_per_block, plan_memory
 from .sampler import Sampler
 from .sequence import Sequence
+from .speedups import GpuSpeedups, Speedups, dummy_inputs
 from .step_output import Launch, StepOutput, sample_step
 
-CPU_KV_CACHE_MEMORY = 2 * GiB  # the KV pool on a CPU when kv_cache_memory is not given
 
-
-def fast_path_for(model, config, split: bool = False) -> PlainPath:
-    """The door for the model's device: the GPU's, the CPU's tuning (unless ``cpu_tuning="off"``), or plain."""
+def speedups_for(model, config, split: bool = False) -> Speedups:
+    """What makes the model's device fast: the GPU's speed-ups, the CPU's (unless ``cpu_tuning="off"``), or none."""
     if model.device.type == "cuda":
-        return GpuFastPath(model, config, split)
+        return GpuSpeedups(model, config, split)
     if model.device.type == "cpu" and config.cpu_tuning != "off":
-        from .cpu_fast_path import CpuFastPath
+        from .cpu_speedups import CpuSpeedups
 
-        return CpuFastPath(model, config, split)
-    return PlainPath(model, config, split)
+        return CpuSpeedups(model, config, split)
+    return Speedups(model, config, split)
 
 
 def plan_kv_blocks(model, config: EngineConfig, draft_bytes_per_block: int = 0) -> int | None:
@@ -67,29 +65,31 @@ def plan_kv_blocks(model, config: EngineConfig, draft_bytes_per_block: int = 0) 
 class ModelRunner:
     """Runs steps of a model over a paged KV pool; built once per engine (``engine/README.md``)."""
 
-    def __init__(self, model, config: EngineConfig, *, draft_kv_bytes_per_block: int = 0, split=False, door=None):
+    def __init__(
+        self, model, config: EngineConfig, *, draft_kv_bytes_per_block: int = 0, split=False, speedups_class=None
+    ):
         """Start-up, in the order it must happen. ``split``: the model is one rank's shard (tensor or
-        pipeline parallel); ``door``: a door class to use instead of the device's (tests)."""
+        pipeline parallel); ``speedups_class``: another device's speed-ups than the model's (tests)."""
         self.model, self.device, self.sampler = model, model.device, Sampler()
         self.eos_token_ids = tuple(model.config.eos_token_ids)  # min_tokens holds these back (+ the tokenizer's)
         self.draft = None  # a DraftModelProposer mirrors every eager forward
         self.graphs: DecodeGraphs | None = None  # decode steps through static buffers (CUDA graphs)
         self.memory_plan = None  # a GPU's plan of its memory (memory.MemoryPlan)
-        self.fast_path = (door or fast_path_for)(model, config, split)
-        self.fast_path.place_weights()
+        self.speedups = (speedups_class or speedups_for)(model, config, split)
+        self.speedups.place_weights()
         num_blocks = plan_kv_blocks(model, config, draft_kv_bytes_per_block) or self.profile_kv_blocks(
             config, draft_kv_bytes_per_block
         )
-        self.fast_path.choose(self, num_blocks)
-        self.resolved = resolve(config, model, num_blocks, self.fast_path)
+        self.speedups.choose(self, num_blocks)
+        self.resolved = resolve(config, model, num_blocks, self.speedups)
         self.kv_cache = self.allocate_kv_cache()
-        self.fast_path.start(self)
+        self.speedups.start(self)
 
     @classmethod
-    def for_model(cls, model, door=None, **settings) -> ModelRunner:
+    def for_model(cls, model, speedups_class=None, **settings) -> ModelRunner:
         """A runner from engine settings by name (``EngineConfig.from_settings``), without an engine: tests,
         notebooks, benchmarks."""
-        return cls(model, EngineConfig.from_settings(model=model, **settings), door=door)
+        return cls(model, EngineConfig.from_settings(model=model, **settings), speedups_class=speedups_class)
 
     # ------------------------------------------------------------------ start-up steps
     @torch.no_grad()
@@ -142,6 +142,7 @@ class ModelRunner:
         graphs, and each step's inputs go to them from these buffers (``distributed/rank_graphs.py``)."""
         every_rank = hasattr(self.model, "start_decode_graphs")
         self.graphs = DecodeGraphs(self, capture=capture and not every_rank)
+        self.graphs.on_every_rank = every_rank
         if every_rank:
             self.model.start_decode_graphs(self, capture)
 
@@ -175,14 +176,14 @@ class ModelRunner:
             cache=cache,
             block_tables=block_tables.to(self.device, non_blocking=True),
             slot_mapping=slots.to(self.device, non_blocking=True),
-            backend=self.fast_path.backend,
-            decode_in_c=self.fast_path.decode_attention_in_c,
+            backend=self.speedups.backend,
+            decode_in_c=self.speedups.decode_attention_in_c,
         )
         return torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True), pos.to(self.device), meta
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        """The model's forward the way the door picks for this many rows."""
-        return self.model(input_ids, positions, meta, path=self.fast_path.path_for(input_ids.shape[0]))
+        """The model's forward, the way the speed-ups pick for this many rows."""
+        return self.model(input_ids, positions, meta, path=self.speedups.path_for(input_ids.shape[0]))
 
     @staticmethod
     def is_decode(seqs: list[Sequence], num_scheduled_tokens: list[int]) -> bool:
@@ -210,19 +211,18 @@ class ModelRunner:
         """A decode step through the static buffers, padded to ``size`` rows: a graph's replay, or its
         computation run eagerly; with tensor parallelism, on every rank at once."""
         self.graphs.fill(seqs, size)
-        shard_graphs = getattr(self.model, "decode_graphs", None)
-        if shard_graphs is not None:
+        if self.graphs.on_every_rank:
             from ..distributed.rank_graphs import replay_payload
 
             logits = self.model.replay_decode(size, replay_payload(self.graphs, size))
-            mode = "CUDA graph replay" if shard_graphs.graphs else "padded eager decode"
+            mode = "CUDA graph replay" if self.model.decode_graphs.graphs else "padded eager decode"
             return logits[: len(seqs)], self.launch(mode + " on every rank", len(seqs), size)
         mode = "CUDA graph replay" if size in self.graphs.graphs else "padded eager decode"
         return self.graphs.run(size)[: len(seqs)], self.launch(mode, len(seqs), size)
 
     def launch(self, mode: str, rows: int, padded_to: int | None = None) -> Launch:
         """How a step of ``rows`` rows ran, for its trace."""
-        return Launch(mode, rows, padded_to, self.fast_path.backend, self.fast_path.path_for(padded_to or rows))
+        return Launch(mode, rows, padded_to, self.speedups.backend, self.speedups.path_for(padded_to or rows))
 
     @torch.no_grad()
     def execute(self, seqs: list[Sequence], num_scheduled_tokens: list[int]) -> StepOutput:
@@ -239,7 +239,7 @@ class ModelRunner:
         static buffer, so another step can be prepared while it runs.
         """
         input_ids, positions, meta = self.prepare(seqs, num_scheduled_tokens)
-        path = self.fast_path.path_for(input_ids.shape[0])
+        path = self.speedups.path_for(input_ids.shape[0])
         return self.model.submit(input_ids, positions, meta, path), self.launch("pipelined eager", input_ids.shape[0])
 
     @torch.no_grad()

@@ -2,7 +2,7 @@
 
 Everything is batched: the per-request knobs (temperature, top_k, top_p, min_p) become
 tensors of length B and one set of tensor operations filters every row at once. Nothing here
-copies to the host; the model runner reads the chosen ids back once per step.
+copies to the host; the step reads the chosen ids back once (``step_output.sample_plain``).
 
 Order of operations (as in vLLM):
 

@@ -80,7 +80,7 @@ class Scheduler:
 
     # ---------------------------------------------------------------- requests in and out
     def max_total_tokens(self, seq: Sequence) -> int:
-        """Tokens the sequence may reach: prompt + max_tokens, capped by the context length."""
+        """Tokens the sequence may reach: prompt + max_tokens, or, without max_tokens, the context length."""
         max_tokens = seq.sampling_params.max_tokens
         total = seq.num_prompt_tokens + (max_tokens if max_tokens is not None else self.config.max_model_len)
         return min(total, self.config.max_model_len) if max_tokens is None else total

@@ -9,7 +9,7 @@
 * ``fill`` after scheduling: a draft model drafts into the slots the scheduler just gave;
 * ``observe`` after the verify: the counts (engine-wide and per request) and the step's record.
 
-The verify itself is the model runner's (``execute_verify``) and the rollback the scheduler's.
+The verify itself is the step's sampling (``step_output.sample_step``) and the rollback the scheduler's.
 """
 
 from __future__ import annotations
@@ -56,12 +56,12 @@ class SpecDecoder:
 
     def attach(self, runner) -> None:
         """Cap the drafts at the runner's one-call step (``row_budget``); give a draft model its pool (as many
-        blocks as the target's) and its door, and hook its mirror into the runner. A draft must reach every
+        blocks as the target's) and its speed-ups, and hook its mirror into the runner. A draft must reach every
         position the engine may: its rotary table ends at its own context."""
-        door, resolved = runner.fast_path, runner.resolved
-        self.row_budget = door.c_step_rows
+        speedups, resolved = runner.speedups, runner.resolved
+        self.row_budget = speedups.c_step_rows
         if self.draft_model is None:
-            self.step_seconds = door.step_seconds or None
+            self.step_seconds = speedups.step_seconds or None
             return
         from ..errors import SpeculativeConfigError
         from .draft_model import DraftModelProposer
@@ -72,7 +72,9 @@ class SpecDecoder:
                 f"{resolved.max_model_len}: give max_model_len <= the draft's",
                 param="model",
             )
-        self.proposer = DraftModelProposer(self.config, self.draft_model, resolved, door.for_draft(self.draft_model))
+        self.proposer = DraftModelProposer(
+            self.config, self.draft_model, resolved, speedups.for_draft(self.draft_model)
+        )
         runner.draft = self.proposer
 
     def new_request_stats(self) -> SpecDecodeStats:

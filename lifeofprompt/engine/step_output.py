@@ -72,7 +72,7 @@ def sample_step(sampler: Sampler, seqs: list[Sequence], num_tokens: list[int], l
 
 def sample_plain(sampler: Sampler, logits, seqs: list[Sequence], eos_token_ids, results: dict, failures: dict) -> None:
     """One token per row on the device; each seeded request draws from its own generator. The chosen ids
-    come back to the host once (the step's one synchronisation) and walk each request's grammar."""
+    come back to the host once (a logprob's values with them) and walk each request's grammar."""
     generators = []
     for seq in seqs:
         try:

@@ -46,7 +46,7 @@ class StepRecord:
     overlapped: list[int] = field(default_factory=list)  # steps still in flight when this one was submitted
     start_time: float | None = None
     end_time: float | None = None
-    launch: object = None  # how the runner ran it (model_runner.Launch), once it ran
+    launch: object = None  # how the runner ran it (step_output.Launch), once it ran
 
     @property
     def num_batched_tokens(self) -> int:

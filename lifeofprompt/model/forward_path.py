@@ -1,7 +1,7 @@
 """``ForwardPath``: which way the model's forward runs its layers, named where the engine picks it.
 
 The torch layers (``llama.py``) are the reference; the other paths compute the same layers with the
-same weights, faster on one kind of device. The engine's device door (``engine/fast_path.py``) picks
+same weights, faster on one kind of device. The engine's speed-ups for the device (``engine/speedups.py``) pick
 a path per step; the user's ``cpu_tuning`` setting takes one of ``CPU_TUNINGS``.
 """
 

@@ -1,4 +1,4 @@
-"""``CpuFastPath``: everything that exists only to make a CPU fast, behind one door.
+"""``CpuSpeedups``: everything that exists only to make a CPU fast, behind one object.
 
 On a CPU a decode step reads every weight once and does little else, so what pays is reading
 weights fast and doing nothing between the reads. In start-up order:
@@ -36,8 +36,8 @@ from ..model.huge_pages import move_weights_to_huge_pages
 from ..model.linear import apply_plans, plannable
 from ..model.linear_calibration import cached_answer, choose_cpu_linear, machine_key
 from .config import DEFAULT_STEP_TOKENS, STEP_SECONDS
-from .fast_path import PlainPath, dummy_inputs
 from .memory import format_bytes
+from .speedups import Speedups, dummy_inputs
 
 FORCED_C_STEP_ROWS = 16  # "c-step": every step of up to this many rows in C
 TIMING_CONTEXT = 64  # cached tokens per sequence in the C step's timed decode steps
@@ -46,7 +46,7 @@ PREFILL_PROBE_TOKENS = 256  # the prompt that times the prefill speed
 
 @dataclass(frozen=True)
 class CpuChoices:
-    """What ``CpuFastPath.choose`` settled on (the CPU part of the engine's ``ResolvedConfig``)."""
+    """What ``CpuSpeedups.choose`` settled on (the CPU part of the engine's ``ResolvedConfig``)."""
 
     tuning: str  # "auto", or the pinned path
     products: str  # where the product plans came from: pinned, calibrated, cached
@@ -58,7 +58,7 @@ class CpuChoices:
     notes: dict = field(default_factory=dict)  # why each answer fell as it did, for the log
 
 
-class CpuFastPath(PlainPath):
+class CpuSpeedups(Speedups):
     name = "CPU tuning"
 
     def __init__(self, model, config, split: bool = False):
@@ -220,24 +220,24 @@ class CpuFastPath(PlainPath):
         unmeasured = ForwardPath.C_STEP if self.prepack else ForwardPath.C_STEP_ROW_MAJOR
         return ForwardPath(cpu_decode.layout_for(rows, self.c_step_layouts, unmeasured))
 
-    def for_draft(self, draft) -> PlainPath:
-        """A draft model's own door. A draft that shares the target's layers shares their plans and C step;
-        one with weights of its own gets its own products (pinned if the target's were) and C rows."""
-        door = CpuFastPath(draft, self.config, self.split)
+    def for_draft(self, draft) -> Speedups:
+        """A draft model's own speed-ups. A draft that shares the target's layers shares their plans and C
+        step; one with weights of its own gets its own products (pinned if the target's were) and C rows."""
+        theirs = CpuSpeedups(draft, self.config, self.split)
         if self.linear_choice is None or draft.dtype != torch.float32:
-            return door
+            return theirs
         linears = [m for m in draft.modules() if plannable(m)]
-        door.c_step_layouts = self.c_step_layouts
+        theirs.c_step_layouts = self.c_step_layouts
         if linears and all(m.plan is not None for m in linears):  # the target's own modules
-            door.c_step_rows = self.c_step_rows
-            return door
+            theirs.c_step_rows = self.c_step_rows
+            return theirs
         move_weights_to_huge_pages(draft)  # where the target's weights are, before timing
-        door.linear_choice = choose_cpu_linear(draft, self.pinned or "auto", prepack=self.prepack)
-        apply_plans(draft, door.linear_choice.plans)
+        theirs.linear_choice = choose_cpu_linear(draft, self.pinned or "auto", prepack=self.prepack)
+        apply_plans(draft, theirs.linear_choice.plans)
         if self.c_step_rows and cpu_decode.supports(draft):
-            shapes, choice = cpu_decode.layer_shapes(draft), door.linear_choice
-            door.c_step_rows = cpu_decode.usable_rows(choice.plans, shapes, choice.timings)
-        return door
+            shapes, choice = cpu_decode.layer_shapes(draft), theirs.linear_choice
+            theirs.c_step_rows = cpu_decode.usable_rows(choice.plans, shapes, choice.timings)
+        return theirs
 
     def share_with(self, parallel, model) -> None:
         """A split model: the products' plans the driver chose go to every rank (``ParallelGroup.share_plans``)."""
@@ -245,7 +245,7 @@ class CpuFastPath(PlainPath):
             parallel.share_plans(model, self.linear_choice)
 
     def describe(self) -> list[str]:
-        """The start-up log's lines for what this door chose."""
+        """The start-up log's lines for what was chosen here."""
         notes = self.choices.notes if self.choices else {}
         lines = list(self.placement)
         if self.prepacked_bytes:

@@ -1,14 +1,14 @@
-"""The device's door: what makes steps fast on this device, chosen once at start-up.
+"""The device's speed-ups: everything that makes steps fast on one kind of device, in one object chosen at start-up.
 
-The runner asks its door, in start-up order, to place the weights, to choose its paths (measured
-or pinned) and, last, to start (a GPU captures its decode graphs); then, every step, which forward
-a step of n rows takes (``path_for``). Three doors:
+The runner asks it, in start-up order, to place the weights, to choose its paths (measured or
+pinned) and, last, to start (a GPU captures its decode graphs); then, every step, which forward a
+step of n rows takes (``path_for``). Three kinds:
 
-* ``PlainPath`` (here): the torch forward as written, nothing measured (``cpu_tuning="off"``);
-* ``GpuFastPath`` (here): the Triton attention, the fused element-wise kernels and CUDA graphs;
-* ``CpuFastPath`` (``cpu_fast_path.py``): everything that exists only to make a CPU fast.
+* ``Speedups`` (here): none, the torch forward as written, nothing measured (``cpu_tuning="off"``);
+* ``GpuSpeedups`` (here): the Triton attention, the fused element-wise kernels and CUDA graphs;
+* ``CpuSpeedups`` (``cpu_speedups.py``): everything that exists only to make a CPU fast.
 
-``model_runner.fast_path_for`` picks one by the model's device; a GPU engine never imports the CPU's modules.
+``model_runner.speedups_for`` picks one by the model's device; a GPU engine never imports the CPU's modules.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ def attention_backend(asked: str, device) -> str:
     return asked
 
 
-class PlainPath:
-    """The torch forward as written, nothing measured; the base the other doors build on."""
+class Speedups:
+    """No speed-ups: the torch forward as written, nothing measured; the base the other two build on."""
 
     name = "plain torch"
     fused_kernels = False
@@ -60,9 +60,9 @@ class PlainPath:
     def path_for(self, rows: int) -> ForwardPath:
         return ForwardPath.FUSED if self.fused_kernels else ForwardPath.TORCH
 
-    def for_draft(self, draft) -> PlainPath:
-        """A draft model's door: its forward the plain way."""
-        return PlainPath(draft, self.config, self.split)
+    def for_draft(self, draft) -> Speedups:
+        """A draft model's speed-ups: none, its forward the plain way."""
+        return Speedups(draft, self.config, self.split)
 
     def share_with(self, parallel, model) -> None:
         """Nothing to send to other ranks."""
@@ -71,7 +71,7 @@ class PlainPath:
         return []
 
 
-class GpuFastPath(PlainPath):
+class GpuSpeedups(Speedups):
     """A GPU's speed: the Triton attention, the element-wise steps as fused Triton kernels
     (``model.fused_hidden_states``), and decode steps replayed from CUDA graphs (``cuda_graphs.py``).
     Graphs need the Triton backend and eager-free steps: a draft model mirrors every forward, and a

@@ -28,8 +28,8 @@ def _model_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         default=None,
-        help="auto, float32, bfloat16 or float16 (default auto: bfloat16 on a GPU and on CPUs that "
-        "compute bf16 natively, else float32)",
+        help="auto, float32, bfloat16 or float16 (default auto: bfloat16 on a GPU; on a CPU bfloat16 only where it "
+        "computes bf16 natively and bf16 products measured faster there, else float32)",
     )
     parser.add_argument(
         "--cpu-tuning",

@@ -43,14 +43,20 @@ CPU_TUNING_MODULES = (
         (dict(cpu_tuning="fastest"), "cpu_tuning"),
         (dict(long_prefill_token_threshold=-1), "long_prefill_token_threshold"),
         (dict(distributed_executor_backend="ray"), "distributed_executor_backend"),
+        (dict(dtype="float33"), "dtype"),
+        (dict(dtype="int8"), "dtype"),
+        (dict(device="tpu"), "device"),
+        (dict(enable_prefix_caching="yes"), "enable_prefix_caching"),
+        (dict(prepack_cpu_weights=3), "prepack_cpu_weights"),
     ],
 )
 def test_a_bad_setting_is_a_typed_error_naming_its_field_before_anything_loads(settings, field, monkeypatch):
     import lifeofprompt.engine.llm_engine as llm_engine
 
     monkeypatch.setattr(llm_engine, "load_model", lambda *a, **k: pytest.fail("the model loaded before the check"))
-    with pytest.raises(ConfigError, match=field):
+    with pytest.raises(ConfigError, match=field) as raised:
         LLM(**settings)
+    assert raised.value.param == field
 
 
 def test_a_misspelt_setting_names_the_closest_and_a_bad_speculative_field_its_own():
@@ -67,7 +73,8 @@ def test_the_old_names_still_work_and_say_so(monkeypatch):
     with pytest.warns(DeprecationWarning):
         assert EngineConfig.from_settings(cpu_decode=True).cpu_tuning == "c-step"
     monkeypatch.setenv("LIFEOFPROMPT_CPU_LINEAR", "rowwise")
-    assert EngineConfig.from_settings().cpu_tuning == "rowwise"
+    with pytest.warns(DeprecationWarning, match="LIFEOFPROMPT_CPU_TUNING"):
+        assert EngineConfig.from_settings().cpu_tuning == "rowwise"
     assert EngineConfig.from_settings(attention_backend=None).attention_backend == "auto"  # None: the default
 
 
@@ -102,7 +109,7 @@ def test_the_resolved_config_is_frozen_picklable_and_in_the_log(engine):
     assert engine.scheduler.config is r.scheduler and engine.runner.kv_cache.num_blocks == r.num_kv_blocks
     log = "\n".join(engine.startup_log)
     assert f"up to 3 sequences and {r.max_num_batched_tokens} tokens per step" in log
-    assert "device paths: CPU tuning; torch attention; every step eager" in log
+    assert "speed-ups: CPU tuning; attention backend torch; no CUDA graphs" in log
 
 
 def test_a_cpu_step_is_bounded_in_time_unless_a_budget_is_given(monkeypatch, tmp_path):

@@ -285,7 +285,8 @@ def test_a_pinned_path_is_not_timed_and_bad_names_are_named(monkeypatch):
     assert EngineConfig.from_settings(cpu_tuning="auto").cpu_tuning == "auto"  # a setting given wins
     monkeypatch.delenv("LIFEOFPROMPT_CPU_TUNING")
     monkeypatch.setenv("LIFEOFPROMPT_CPU_LINEAR", "transposed")  # its old name still works
-    assert EngineConfig.from_settings().cpu_tuning == "transposed"
+    with pytest.warns(DeprecationWarning):
+        assert EngineConfig.from_settings().cpu_tuning == "transposed"
     with pytest.warns(DeprecationWarning):
         assert EngineConfig.from_settings(cpu_linear="rowwise").cpu_tuning == "rowwise"
     with pytest.raises(ConfigError, match="cpu_tuning='fastest'.*auto"):

@@ -22,13 +22,15 @@ def uses_process_group(backend, tensor_parallel_size: int, pipeline_parallel_siz
         raise ConfigError(
             f"distributed_executor_backend={backend!r} is not one of: None (one process when "
             "tensor_parallel_size x pipeline_parallel_size = 1, else a process group), 'uni' (one "
-            "process), 'mp' (a process group, even of one rank)"
+            "process), 'mp' (a process group, even of one rank)",
+            param="distributed_executor_backend",
         )
     split = tensor_parallel_size != 1 or pipeline_parallel_size != 1
     if backend == "uni" and split:
         raise ConfigError(
             f"distributed_executor_backend='uni' runs one process, but tensor_parallel_size="
             f"{tensor_parallel_size} x pipeline_parallel_size={pipeline_parallel_size} asks for "
-            "several: use 'mp' or None"
+            "several: use 'mp' or None",
+            param="distributed_executor_backend",
         )
     return split or backend == "mp"

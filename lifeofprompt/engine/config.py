@@ -4,7 +4,8 @@
 names where vLLM has the setting. It is checked as it is made, before any model loads: a bad value
 is a ``ConfigError`` naming the field and what it takes. Start-up (``ModelRunner``, in the order
 ``engine/README.md`` walks) then makes every automatic choice once and freezes the answers in a
-``ResolvedConfig``: the layers below read it, the start-up log prints it, worker ranks receive it.
+``ResolvedConfig``: the layers below read it and the start-up log prints it; it pickles, to travel to
+other processes.
 Each default is written once, here.
 """
 
@@ -84,7 +85,10 @@ class EngineConfig:
                 close = difflib.get_close_matches(name, names, n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
                 raise ConfigError(f"unknown engine setting {name!r}{hint} (settings: engine/config.py)", param=name)
-        tuning = os.environ.get(CPU_TUNING_VARIABLE) or os.environ.get("LIFEOFPROMPT_CPU_LINEAR")
+        tuning = os.environ.get(CPU_TUNING_VARIABLE)
+        if not tuning and os.environ.get("LIFEOFPROMPT_CPU_LINEAR"):
+            warnings.warn("LIFEOFPROMPT_CPU_LINEAR is now LIFEOFPROMPT_CPU_TUNING", DeprecationWarning, stacklevel=3)
+            tuning = os.environ["LIFEOFPROMPT_CPU_LINEAR"]
         if tuning and "cpu_tuning" not in settings:
             settings["cpu_tuning"] = tuning
         return cls(**settings)
@@ -140,6 +144,10 @@ def check(config: EngineConfig) -> None:
             f"gpu_memory_utilization must be in (0, 1], got {utilization}", param="gpu_memory_utilization"
         )
     _one_of(config, "attention_backend", ATTENTION_BACKENDS)
+    for name in ("enable_prefix_caching", "enforce_eager", "prepack_cpu_weights", "pipeline_overlap", "log_stats"):
+        if not isinstance(getattr(config, name), bool):
+            raise ConfigError(f"{name} must be True or False, got {getattr(config, name)!r}", param=name)
+    _check_dtype_and_device(config)
     _one_of(config, "cpu_tuning", CPU_TUNINGS)
     if not _is_int(config.max_step_records) or config.max_step_records < 0:
         records = config.max_step_records
@@ -149,6 +157,23 @@ def check(config: EngineConfig) -> None:
 
     uses_process_group(config.distributed_executor_backend, config.tensor_parallel_size, config.pipeline_parallel_size)
     SpeculativeConfig.from_user(config.speculative_config)  # a SpeculativeConfigError names the field
+
+
+def _check_dtype_and_device(config: EngineConfig) -> None:
+    """``dtype``: "auto", None, a torch floating dtype or its name; ``device``: None or what ``torch.device``
+    takes (named before the model loads, not by torch halfway through)."""
+    import torch
+
+    dtype = config.dtype
+    if dtype not in (None, "auto"):
+        named = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
+        if not isinstance(named, torch.dtype) or not named.is_floating_point:
+            raise ConfigError(f"dtype={dtype!r}: use 'auto', 'float32', 'bfloat16' or 'float16'", param="dtype")
+    if config.device is not None:
+        try:
+            torch.device(config.device)
+        except (RuntimeError, TypeError):
+            raise ConfigError(f"device={config.device!r}: use 'cpu', 'cuda' or 'cuda:N'", param="device") from None
 
 
 def _is_int(value) -> bool:

@@ -188,9 +188,10 @@ class CpuSpeedups(Speedups):
             return None, f"the default, not timed ({'a split model' if self.split else 'a pinned path'})"
         c = self.model.config
         shape = [c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.vocab_size]
-        products = self.linear_choice.source.split(" ")[0] if self.linear_choice else ""
+        plans = self.linear_choice.plans if self.linear_choice else {}
+        products = {f"{o}x{i}": plan.describe() for (o, i), plan in sorted(plans.items())}
         key = dict(machine_key(), version=1, what="prefill speed", dtype=str(self.model.dtype), shape=shape)
-        key.update(products=products, c_step_rows=self.c_step_rows, block_size=self.block_size)
+        key.update(products=products, block_size=self.block_size)
         cache = self.scratch_pool(math.ceil(PREFILL_PROBE_TOKENS / self.block_size))
 
         def measure():
@@ -206,7 +207,8 @@ class CpuSpeedups(Speedups):
 
         rate, why = cached_answer(key, measure)
         tokens = int(rate * STEP_SECONDS) // self.block_size * self.block_size
-        return min(max(tokens, self.block_size), DEFAULT_STEP_TOKENS), f"{why}, {STEP_SECONDS:g} s a step"
+        tokens = min(max(tokens, self.block_size), DEFAULT_STEP_TOKENS)
+        return tokens, f"{why}, {STEP_SECONDS:g} s a step in whole blocks"
 
     def scratch_pool(self, num_blocks: int) -> PagedKVCache:
         """A small KV pool for timing, before the engine's own is allocated."""
@@ -259,6 +261,8 @@ class CpuSpeedups(Speedups):
                 f"steps of {rows} (decodes, verifies, short prompt chunks): all layers in one C call "
                 f"(model/cpu_decode.c){copy if self.packed_bytes else ''}{why}"
             )
+        elif notes.get("c_step"):  # measured, and turned down: say why
+            lines.append(f"no step runs as one C call (model/cpu_decode.c): {notes['c_step']}")
         if notes.get("attention"):
             how = "in C, from the pool" if self.decode_attention_in_c else "gather + SDPA (torch)"
             lines.append(f"decode attention: {how} ({notes['attention']})")

@@ -26,8 +26,8 @@ def startup_lines(engine) -> list[str]:
         f"scheduler: up to {r.max_num_seqs} sequences and {r.max_num_batched_tokens} tokens per step "
         f"({r.why['budget']}); requests up to {r.max_model_len} tokens; prefix caching "
         f"{'on' if r.enable_prefix_caching else 'off'}",
-        f"device paths: {r.speedups}; {r.attention_backend} attention; "
-        + ("decode steps replayed from CUDA graphs" if r.cuda_graphs else "every step eager"),
+        f"speed-ups: {r.speedups}; attention backend {r.attention_backend}; "
+        + ("decode steps replayed from CUDA graphs" if r.cuda_graphs else "no CUDA graphs"),
     ]
     lines += engine.runner.speedups.describe()
     if engine.spec is not None:

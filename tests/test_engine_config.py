@@ -107,6 +107,7 @@ def test_the_resolved_config_is_frozen_picklable_and_in_the_log(engine):
     assert (r.num_kv_blocks, r.block_size, r.max_num_seqs, r.attention_backend) == (32, 4, 3, "torch")
     assert r.max_model_len == 32 * 4  # the pool caps the tiny model's context
     assert engine.scheduler.config is r.scheduler and engine.runner.kv_cache.num_blocks == r.num_kv_blocks
+    assert (engine.block_size, engine.num_kv_blocks, engine.max_model_len) == (4, 32, 128)  # the old attributes
     log = "\n".join(engine.startup_log)
     assert f"up to 3 sequences and {r.max_num_batched_tokens} tokens per step" in log
     assert "speed-ups: CPU tuning; attention backend torch; no CUDA graphs" in log

@@ -180,6 +180,10 @@ class LLMEngine(CompletionUpdates):
         return self.resolved.num_kv_blocks
 
     @property
+    def block_size(self) -> int:
+        return self.resolved.block_size
+
+    @property
     def spec_stats(self):
         """Speculative decoding's counters since start (``speculative.SpecDecodeStats``), or None."""
         return self.spec.stats if self.spec is not None else None

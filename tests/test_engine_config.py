@@ -19,17 +19,9 @@ from tiny_models import tiny_model
 
 from lifeofprompt import LLM, ConfigError, SpeculativeConfigError
 from lifeofprompt.engine.config import DEFAULT_STEP_TOKENS, STEP_SECONDS, EngineConfig
+from lifeofprompt.engine.speedups import CPU_TUNING_MODULES
 
 REPO = Path(__file__).resolve().parents[1]
-CPU_TUNING_MODULES = (
-    "lifeofprompt.engine.cpu_speedups",
-    "lifeofprompt.model.cpu_decode",
-    "lifeofprompt.model.cpu_rows",
-    "lifeofprompt.model.linear_calibration",
-    "lifeofprompt.model.huge_pages",
-    "lifeofprompt.model.allocator",
-    "lifeofprompt.model.native_build",
-)
 
 
 @pytest.mark.parametrize(

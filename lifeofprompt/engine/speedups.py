@@ -20,6 +20,18 @@ from ..model.forward_path import ForwardPath
 from .sampling_params import SamplingParams
 from .sequence import Sequence
 
+# The modules that exist only to make a CPU fast: CpuSpeedups imports them, nothing on a GPU's path does
+# (tests/test_engine_config.py and tests/gpu/test_engine_gpu.py check it in a fresh process).
+CPU_TUNING_MODULES = (
+    "lifeofprompt.engine.cpu_speedups",
+    "lifeofprompt.model.cpu_decode",
+    "lifeofprompt.model.cpu_rows",
+    "lifeofprompt.model.linear_calibration",
+    "lifeofprompt.model.huge_pages",
+    "lifeofprompt.model.allocator",
+    "lifeofprompt.model.native_build",
+)
+
 
 def attention_backend(asked: str, device) -> str:
     """``"auto"``: Triton on CUDA, torch elsewhere; a name is taken as asked."""

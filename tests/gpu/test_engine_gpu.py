@@ -180,20 +180,13 @@ def test_seeded_sampling_repeats_on_gpu(tinyllama):
 
 def test_a_gpu_engine_imports_none_of_the_cpu_tuning():
     """A fresh process builds a GPU engine (random TinyLlama, its GPU speed-ups, CUDA graphs) and decodes;
-    none of the CPU's tuning modules is imported on the way (``tests/test_engine_config.py`` lists them)."""
+    none of the CPU's tuning modules is imported on the way (``engine/speedups.py: CPU_TUNING_MODULES``)."""
     import subprocess
     import sys
     from pathlib import Path
 
-    cpu_tuning = [  # as tests/test_engine_config.py lists them
-        "lifeofprompt.engine.cpu_speedups",
-        "lifeofprompt.model.cpu_decode",
-        "lifeofprompt.model.cpu_rows",
-        "lifeofprompt.model.linear_calibration",
-        "lifeofprompt.model.huge_pages",
-        "lifeofprompt.model.allocator",
-        "lifeofprompt.model.native_build",
-    ]
+    from lifeofprompt.engine.speedups import CPU_TUNING_MODULES
+
     probe = f"""
 import sys, torch
 from lifeofprompt import LLM, SamplingParams
@@ -202,7 +195,7 @@ model = random_tinyllama("cuda", torch.bfloat16)
 llm = LLM(model, tokenizer=ByteTokenizer(model.config.vocab_size), num_kv_blocks=256, max_num_seqs=4, log_stats=False)
 assert llm.engine.resolved.speedups.startswith("GPU") and llm.engine.resolved.cuda_graphs
 llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-print(" ".join(m for m in {cpu_tuning!r} if m in sys.modules))
+print(" ".join(m for m in {list(CPU_TUNING_MODULES)!r} if m in sys.modules))
 """
     repo = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=repo)

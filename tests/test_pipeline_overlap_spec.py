@@ -209,7 +209,7 @@ def test_drafts_changed_under_a_step_in_flight_are_caught():
     seq = Sequence("a", [1, 2, 3], SamplingParams(max_tokens=8))
     seq.set_spec([4, 5])
     batch = ScheduledBatch(step=7, seqs=[seq], num_scheduled_tokens=[3])
-    done = InFlight(StartedStep(batch, record=None, drafts={seq.seq_id: [4, 5]}), pending=None)
+    done = InFlight(StartedStep(batch, record=None, drafts={seq.seq_id: [4, 5]}, start_time=0.0), pending=None)
     PipelineOverlap.check_drafts(done)
     seq.set_spec([4, 6])
     with pytest.raises(AssertionError, match="step 7: drafts changed"):

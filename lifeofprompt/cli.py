@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 from .engine.config import EngineConfig
 from .errors import LifeOfPromptError
@@ -215,6 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # the old names still work, and say so (a command line has no __main__ frame for Python to show them at)
+    warnings.filterwarnings("default", message=".* is now ", category=DeprecationWarning)
+    if any(arg.split("=")[0] == "--cpu-linear" for arg in (sys.argv[1:] if argv is None else argv)):
+        warnings.warn("--cpu-linear is now --cpu-tuning", DeprecationWarning, stacklevel=1)
     if args.command is None:
         parser.print_help()
         return 0

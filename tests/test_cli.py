@@ -70,6 +70,12 @@ def test_generate_rejects_a_bad_max_tokens():
     assert "invalid int value: 'lots'" in out.stderr
 
 
+def test_the_old_cpu_linear_flag_says_its_new_name():
+    out = run("generate", "hi my name is", "--max-tokens", "0", "--cpu-linear", "linear")
+    assert out.returncode == 2 and "DeprecationWarning: --cpu-linear is now --cpu-tuning" in out.stderr
+    assert "is now" not in run("generate", "hi my name is", "--max-tokens", "0", "--cpu-tuning", "linear").stderr
+
+
 @pytest.mark.slow
 @pytest.mark.numerics
 def test_generate_honours_temperature_and_seed(capsys):

@@ -9,6 +9,7 @@ prefill speed unless the user gives one.
 from __future__ import annotations
 
 import dataclasses
+import os
 import pickle
 import subprocess
 import sys
@@ -68,6 +69,22 @@ def test_the_old_names_still_work_and_say_so(monkeypatch):
     with pytest.warns(DeprecationWarning, match="LIFEOFPROMPT_CPU_TUNING"):
         assert EngineConfig.from_settings().cpu_tuning == "rowwise"
     assert EngineConfig.from_settings(attention_backend=None).attention_backend == "auto"  # None: the default
+
+
+def test_an_old_name_is_shown_at_the_users_line():
+    """Python shows a DeprecationWarning by default only where it points at ``__main__``: through LLM(...) the
+    warning names the script's line, not the package's."""
+    script = (
+        "from lifeofprompt import LLM, ConfigError\n"
+        "try:\n"
+        "    LLM(cpu_linear='linear', block_size=0)\n"
+        "except ConfigError:\n"
+        "    pass\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHONWARNINGS", "LIFEOFPROMPT_CPU"))}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "<string>:3: DeprecationWarning: cpu_linear= is now cpu_tuning=" in out.stderr
 
 
 def test_each_default_is_written_once_in_the_config():

@@ -25,7 +25,7 @@ KERNELS = REPO / "kernels"  # installed as lifeofprompt.kernels
 LAYERS = [
     ("base", {"lifeofprompt.errors", "lifeofprompt.env", "lifeofprompt.story", "lifeofprompt._version"}),
     ("model", {"lifeofprompt.model", "lifeofprompt.kernels"}),
-    ("distributed", {"lifeofprompt.distributed"}),  # the coming parallel workers
+    ("distributed", {"lifeofprompt.distributed"}),  # the model over processes
     ("engine", {"lifeofprompt.engine"}),
     ("serving", {"lifeofprompt.serving"}),
     ("lessons", {"lifeofprompt.lessons"}),
@@ -255,6 +255,20 @@ def test_pyproject_lists_every_subpackage():
     assert all((folder / "__init__.py").exists() for folder in folders), "every folder of modules is a package"
     on_disk = {"lifeofprompt", "lifeofprompt.kernels"} | {module_name(f / "__init__.py")[0] for f in folders}
     assert listed == on_disk
+
+
+def modules_missing_from_the_diagram(readme: str) -> list[str]:
+    """The subpackages' modules that the README's package diagram (the block under "## The package") omits."""
+    block = readme.split("## The package", 1)[1].split("```", 2)[1]
+    words = set(re.findall(r"[A-Za-z_]+", block))
+    modules = [p for p in PACKAGE.rglob("*.py") if p.parent != PACKAGE and p.name != "__init__.py"]
+    return [str(p.relative_to(PACKAGE)) for p in modules if p.stem not in words]
+
+
+def test_the_readme_diagram_names_every_module():
+    readme = (REPO / "README.md").read_text()
+    assert modules_missing_from_the_diagram(readme) == []
+    assert modules_missing_from_the_diagram(readme.replace("cuda_graphs", "")) == ["engine/cuda_graphs.py"]
 
 
 def test_public_names_stay_at_the_top():

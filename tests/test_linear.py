@@ -262,7 +262,7 @@ def test_the_choice_is_cached_per_machine_and_threads(tmp_path, monkeypatch):
     assert first.source.startswith("calibrated in") and len(runs) == 1
     second = choose_cpu_linear(model)
     assert second.source.startswith("cached in") and second.plans == first.plans and len(runs) == 1
-    stored = json.loads(next((tmp_path / "cpu_linear").glob("*.json")).read_text())
+    stored = json.loads(next((tmp_path / "cpu_tuning").glob("*.json")).read_text())
     assert stored["key"]["threads"] == torch.get_num_threads() and stored["key"]["cpu"]
     assert "128x64" in stored["plans"] and "CPU matrix products" in first.describe()[0]
     threads = torch.get_num_threads()

@@ -27,7 +27,7 @@ from lifeofprompt.engine.llm import LLM
 from lifeofprompt.engine.sampling_params import SamplingParams
 from lifeofprompt.errors import WorkerFailedError
 
-pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.ranks]
+pytestmark = [pytest.mark.usefixtures("one_thread")]  # ranks: the tests that start the P = 2 engine
 
 
 def pipelined(**kwargs) -> LLM:
@@ -86,6 +86,7 @@ def stage_times(llm: LLM) -> tuple[dict, dict]:
     return as_dict(engine.model.stage_clock.times), as_dict(reports[1]["stage_times"])
 
 
+@pytest.mark.ranks
 def test_overlapped_steps_give_the_single_and_the_plain_engines_tokens(single, plain, overlapped):
     llm, runs = overlapped
     tokens = runs["many"]["tokens"]
@@ -95,6 +96,7 @@ def test_overlapped_steps_give_the_single_and_the_plain_engines_tokens(single, p
     assert llm.engine.scheduler.num_preemptions > 0  # two groups, one pool of 12 blocks: it ran dry
 
 
+@pytest.mark.ranks
 def test_two_groups_keep_two_steps_in_flight_and_the_stages_run_at_once(overlapped):
     llm, runs = overlapped
     records = runs["many"]["records"]
@@ -113,6 +115,7 @@ def test_two_groups_keep_two_steps_in_flight_and_the_stages_run_at_once(overlapp
     assert at_once, "stage 0 never ran a step while stage 1 ran the one before it"
 
 
+@pytest.mark.ranks
 def test_one_request_keeps_one_step_in_flight_the_bubble(overlapped):
     llm, runs = overlapped
     records = runs["one"]["records"]
@@ -124,6 +127,7 @@ def test_one_request_keeps_one_step_in_flight_the_bubble(overlapped):
         assert stage0[k][0] >= stage1[k - 1][1]
 
 
+@pytest.mark.ranks
 def test_the_block_manager_is_whole_after_overlapped_steps(overlapped):
     llm, _ = overlapped
     engine = llm.engine
@@ -133,6 +137,7 @@ def test_the_block_manager_is_whole_after_overlapped_steps(overlapped):
     assert "up to 2 steps in flight" in next(line for line in engine.startup_log if line.startswith("pipeline"))
 
 
+@pytest.mark.ranks
 def test_an_abort_while_its_step_is_in_the_pipe_frees_its_blocks_safely(single, overlapped):
     """Its blocks go back at once and the other group's later steps may take them: every stage runs the steps
     in order, so those steps write after the aborted one's. The survivor keeps the single engine's tokens."""
@@ -160,6 +165,7 @@ def test_an_abort_while_its_step_is_in_the_pipe_frees_its_blocks_safely(single, 
     engine.block_manager.check_invariants(engine.scheduler.seqs)
 
 
+@pytest.mark.ranks
 def test_shutdown_ends_every_worker_of_the_overlapped_engine(overlapped):
     llm, _ = overlapped
     pids = llm.engine.parallel.worker_pids
@@ -167,6 +173,7 @@ def test_shutdown_ends_every_worker_of_the_overlapped_engine(overlapped):
     assert wait_gone(pids, 10) == [] and spawned_children() == []
 
 
+@pytest.mark.ranks
 def test_a_worker_killed_with_steps_in_flight_gives_the_typed_error_within_30_s():
     llm = pipelined(num_kv_blocks=64)
     pids = llm.engine.parallel.worker_pids

@@ -22,7 +22,7 @@ from tiny_models import assert_parallel_agrees, tiny_model
 from lifeofprompt.engine.llm import LLM
 from lifeofprompt.engine.sampling_params import SamplingParams
 
-pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.ranks]
+pytestmark = [pytest.mark.usefixtures("one_thread")]  # ranks: the tests that start the P = 2 engine
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 # 40 blocks of 4 tokens. A: 3 requests of up to 48 tokens, all at once: no preemption, and 128 tokens a
@@ -120,6 +120,7 @@ def agreed_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("run", list(RUNS))
 def test_overlapped_verifies_give_the_single_engines_tokens(single, overlapped, run):
     llm, runs = overlapped
@@ -130,6 +131,7 @@ def test_overlapped_verifies_give_the_single_engines_tokens(single, overlapped, 
     assert_parallel_agrees(llm.engine.model, full, prompts_of(run), tokens, single[run]["plain"]["tokens"])
 
 
+@pytest.mark.ranks
 def test_each_request_is_drafted_and_keeps_what_the_single_engine_did(single, overlapped):
     """Run A: drafts depend on a request's tokens alone, so as far as its tokens are the single engine's, so is
     every verify (position, drafts, kept); they are all the way here (at least 90% of the verifies compared)."""
@@ -143,6 +145,7 @@ def test_each_request_is_drafted_and_keeps_what_the_single_engine_did(single, ov
     assert compared >= 0.9 * sum(len(o.metrics.spec_steps) for o in theirs["outputs"]) > 0
 
 
+@pytest.mark.ranks
 def test_seeded_sampling_speculates_as_in_the_single_engine(single, overlapped):
     """At temperature 0.3 each request draws from its own seeded generator, in its own order, whichever group
     it is in and whatever else is in the pipe: the rejection sampler keeps and draws the same tokens."""
@@ -155,6 +158,7 @@ def test_seeded_sampling_speculates_as_in_the_single_engine(single, overlapped):
     ] == [[(s.position, s.draft_token_ids, s.num_accepted) for s in o.metrics.spec_steps] for o in theirs["outputs"]]
 
 
+@pytest.mark.ranks
 def test_verifies_are_in_flight_beside_the_other_groups_steps(overlapped):
     llm, runs = overlapped
     records = runs["A"]["records"] + runs["B"]["records"]
@@ -172,6 +176,7 @@ def test_verifies_are_in_flight_beside_the_other_groups_steps(overlapped):
     assert any(stage0[k][0] < stage1[k - 1][1] and stage1[k - 1][0] < stage0[k][1] for k in steps if k - 1 in stage1)
 
 
+@pytest.mark.ranks
 def test_the_acceptance_counters_agree_with_the_step_records(overlapped):
     _, runs = overlapped
     for run in RUNS:
@@ -183,6 +188,7 @@ def test_the_acceptance_counters_agree_with_the_step_records(overlapped):
         assert sum(s.num_accepted_tokens for s in per_request) == runs[run]["accepted"]
 
 
+@pytest.mark.ranks
 def test_the_pool_runs_dry_and_is_whole_at_the_end(overlapped):
     llm, runs = overlapped
     engine = llm.engine
@@ -192,6 +198,7 @@ def test_the_pool_runs_dry_and_is_whole_at_the_end(overlapped):
     assert engine.block_manager.num_used_blocks == 0
 
 
+@pytest.mark.ranks
 def test_the_startup_log_says_verifies_travel_with_the_overlap(overlapped):
     llm, _ = overlapped
     log = llm.engine.startup_log

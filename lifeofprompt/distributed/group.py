@@ -59,7 +59,8 @@ def check_world(full_model, size: int, stages: int, timeout_s: float) -> str:
     if dist.is_initialized():
         raise ConfigError(
             "a parallel engine is already running in this process (torch.distributed has one "
-            "default group): call shutdown() on it first"
+            "default group): call shutdown() on it first",
+            param="tensor_parallel_size",
         )
     if not 0 < timeout_s <= 30:
         raise ConfigError(f"the collective timeout must be in (0, 30] seconds, got {timeout_s}")
@@ -67,7 +68,8 @@ def check_world(full_model, size: int, stages: int, timeout_s: float) -> str:
         return "gloo"
     if torch.cuda.device_count() < size * stages:
         raise ConfigError(
-            f"{size} x {stages} ranks need {size * stages} GPUs; this machine has {torch.cuda.device_count()}"
+            f"{size} x {stages} ranks need {size * stages} GPUs; this machine has {torch.cuda.device_count()}",
+            param="tensor_parallel_size",
         )
     return "nccl"
 
@@ -183,7 +185,10 @@ class ParallelGroup:
 
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if world != size * stages:
-            raise ConfigError(f"torchrun started {world} ranks, but {size} x {stages} = {size * stages} are asked for")
+            raise ConfigError(
+                f"torchrun started {world} ranks, but {size} x {stages} = {size * stages} are asked for",
+                param="tensor_parallel_size",
+            )
         device = full_model.device
         if rank > 0:
             local = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if device.type == "cuda" else "cpu"

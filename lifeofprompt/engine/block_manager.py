@@ -70,7 +70,9 @@ class BlockManager:
         if num_blocks < 1 or block_size < 1:
             from ..errors import ConfigError
 
-            raise ConfigError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
+            raise ConfigError(
+                f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}", param="num_kv_blocks"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching

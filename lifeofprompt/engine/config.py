@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 
@@ -87,7 +88,7 @@ class EngineConfig:
                 raise ConfigError(f"unknown engine setting {name!r}{hint} (settings: engine/config.py)", param=name)
         tuning = os.environ.get(CPU_TUNING_VARIABLE)
         if not tuning and os.environ.get("LIFEOFPROMPT_CPU_LINEAR"):
-            warnings.warn("LIFEOFPROMPT_CPU_LINEAR is now LIFEOFPROMPT_CPU_TUNING", DeprecationWarning, stacklevel=3)
+            warn_deprecated("LIFEOFPROMPT_CPU_LINEAR is now LIFEOFPROMPT_CPU_TUNING")
             tuning = os.environ["LIFEOFPROMPT_CPU_LINEAR"]
         if tuning and "cpu_tuning" not in settings:
             settings["cpu_tuning"] = tuning
@@ -98,6 +99,16 @@ class EngineConfig:
 
 
 DEPRECATED = {"cpu_linear": "cpu_tuning"}
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def warn_deprecated(message: str) -> None:
+    """A ``DeprecationWarning`` attributed to the first caller outside the package: Python shows these only
+    when they point at ``__main__`` (a script, a notebook), so pointed inside the package it would be hidden."""
+    frame, level = sys._getframe(0), 1
+    while frame is not None and frame.f_code.co_filename.startswith(PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, DeprecationWarning, stacklevel=level)
 
 
 def translate_deprecated(settings: dict) -> dict:
@@ -107,12 +118,12 @@ def translate_deprecated(settings: dict) -> dict:
     settings = dict(settings)
     for old, new in DEPRECATED.items():
         if old in settings:
-            warnings.warn(f"{old}= is now {new}=", DeprecationWarning, stacklevel=4)
+            warn_deprecated(f"{old}= is now {new}=")
             value = settings.pop(old)
             if value is not None:
                 settings.setdefault(new, value)
     if "cpu_decode" in settings:
-        warnings.warn("cpu_decode= is now part of cpu_tuning=", DeprecationWarning, stacklevel=4)
+        warn_deprecated("cpu_decode= is now part of cpu_tuning=")
         asked, tuning = settings.pop("cpu_decode"), settings.get("cpu_tuning")
         if asked and tuning in (None, "auto", "linear"):
             settings["cpu_tuning"] = "c-step"
@@ -310,7 +321,10 @@ def fair_prefill_threshold(requested: int | None, max_num_batched_tokens: int) -
     """
     if requested is not None:
         if requested < 0:
-            raise ConfigError(f"long_prefill_token_threshold must be >= 0 (0 = off), got {requested}")
+            raise ConfigError(
+                f"long_prefill_token_threshold must be >= 0 (0 = off), got {requested}",
+                param="long_prefill_token_threshold",
+            )
         return requested or None
     threshold = max(max_num_batched_tokens // 4, MIN_FAIR_CHUNK)
     return threshold if threshold < max_num_batched_tokens else None

@@ -22,7 +22,7 @@ from .sequence import Sequence
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """The ladder of decode batch sizes that get a CUDA graph: 1, 2, 4, 8, then every 16, up to ``max_num_seqs``."""
     if max_num_seqs < 1:
-        raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}", param="max_num_seqs")
     sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
     sizes += list(range(16, max_num_seqs, 16))
     return sorted(set(sizes + [max_num_seqs]))

@@ -139,7 +139,8 @@ class LLMEngine(CompletionUpdates):
         if c.num_kv_blocks is None and c.kv_cache_memory is None and self.model.device.type == "cuda":
             raise ConfigError(
                 "a parallel engine on a GPU needs num_kv_blocks or kv_cache_memory (the pool is not profiled "
-                "across ranks)"
+                "across ranks)",
+                param="num_kv_blocks",
             )
         from ..distributed.group import ParallelGroup
 

@@ -57,13 +57,15 @@ def dtype_bytes(dtype) -> int:
         name = dtype.removeprefix("torch.")
         dtype = _DTYPE_NAMES.get(name) or getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
-        raise ConfigError(f"unknown dtype {dtype!r}: give a torch dtype or a name like 'bf16', 'float32'")
+        raise ConfigError(
+            f"unknown dtype {dtype!r}: give a torch dtype or a name like 'bf16', 'float32'", param="dtype"
+        )
     return dtype.itemsize
 
 
 def _check_block_size(block_size) -> int:
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-        raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
+        raise ConfigError(f"block_size must be a positive integer, got {block_size!r}", param="block_size")
     return block_size
 
 
@@ -218,7 +220,9 @@ def plan_memory(
     """
     _check_block_size(block_size)
     if not 0 < gpu_memory_utilization <= 1:
-        raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        raise ConfigError(
+            f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}", param="gpu_memory_utilization"
+        )
     if total_memory <= 0:
         raise ConfigError(f"total_memory must be > 0 bytes, got {total_memory}")
     if cpu_swap_bytes < 0:

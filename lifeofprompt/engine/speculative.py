@@ -51,7 +51,9 @@ class SpeculativeConfig:
         if value is None or isinstance(value, cls):
             return value
         if not isinstance(value, dict):
-            raise SpeculativeConfigError(f"speculative_config must be a dict, got {type(value).__name__}")
+            raise SpeculativeConfigError(
+                f"speculative_config must be a dict, got {type(value).__name__}", param="speculative_config"
+            )
         known = {
             "method",
             "num_speculative_tokens",

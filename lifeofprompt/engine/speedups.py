@@ -38,7 +38,9 @@ def attention_backend(asked: str, device) -> str:
     if asked == "auto":
         return "triton" if device.type == "cuda" else "torch"
     if asked not in ("torch", "triton"):
-        raise ConfigError(f"unknown attention backend {asked!r}: use 'auto', 'torch' or 'triton'")
+        raise ConfigError(
+            f"unknown attention backend {asked!r}: use 'auto', 'torch' or 'triton'", param="attention_backend"
+        )
     return asked
 
 

@@ -208,7 +208,8 @@ def attention_backend(name: str):
 
     raise ConfigError(
         f"unknown attention backend {name!r}: use 'torch' (any device) or 'triton' (GPU, or CPU under "
-        "TRITON_INTERPRET=1)"
+        "TRITON_INTERPRET=1)",
+        param="attention_backend",
     )
 
 

@@ -11,7 +11,7 @@ Timing a product on one small matrix would measure the cache, not memory: in a r
 every weight comes from DRAM, because the whole model is larger than the last-level cache.
 So each measurement runs over enough matrices of one shape to exceed twice that cache.
 
-The choice is written under ``$LIFEOFPROMPT_CACHE/cpu_linear/``, keyed by the CPU's model and
+The choice is written under ``$LIFEOFPROMPT_CACHE/cpu_tuning/``, keyed by the CPU's model and
 flags, torch's version, the thread count, the dtype and the shapes: a second start reads it
 in milliseconds, and a machine gives the same tokens run after run. The engine's
 ``cpu_tuning="linear"`` (or any other path name) skips the timing and pins one path; tests and
@@ -244,7 +244,7 @@ def rowwise_source_digest() -> str:
 
 def cache_file(key: dict) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir() / "cpu_linear" / f"{digest}.json"
+    return cache_dir() / "cpu_tuning" / f"{digest}.json"
 
 
 def read_cached(path: Path) -> tuple[dict, dict] | None:

@@ -33,6 +33,13 @@ def _model_arg(parser: argparse.ArgumentParser) -> None:
         "computes bf16 natively and bf16 products measured faster there, else float32)",
     )
     parser.add_argument(
+        "--quantization",
+        default="auto",
+        type=lambda v: None if v == "none" else v,
+        help="none (floats), gguf (the embedded model's own Q4_1/Q8_0 blocks), q8_0 or q4_1 (a float checkpoint "
+        "quantized at load); default auto: the GGUF's blocks where they measured faster on this CPU, else none",
+    )
+    parser.add_argument(
         "--cpu-tuning",
         "--cpu-linear",  # its old name
         default=None,

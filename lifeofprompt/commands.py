@@ -11,7 +11,7 @@ from .story import STORY_PROMPTS
 
 def _load(args, say_dtype_reason: bool = True):
     started = time.perf_counter()
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, quantization=_quantization(args))
     print(f"model: {model.source}")
     print(
         f"       {model.config.num_layers} layers, hidden {model.config.hidden_size}, "
@@ -24,6 +24,15 @@ def _load(args, say_dtype_reason: bool = True):
     if model.is_random:
         print("       NOTE: random weights - the text below is meaningless; use it for speed and memory only")
     return model, tokenizer
+
+
+def _quantization(args):
+    """``--quantization`` as the engine reads it (``config.quantization_to_load``: "auto" with a pinned path: none)."""
+    from .engine.config import EngineConfig, quantization_to_load
+
+    asked = getattr(args, "quantization", "auto")
+    settings = engine_settings(args, model=args.model, quantization=asked)
+    return quantization_to_load(EngineConfig.from_settings(**settings))
 
 
 def demo(args) -> int:

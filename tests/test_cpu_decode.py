@@ -1,5 +1,6 @@
 """The fused C decode step (model/cpu_decode.c) against the torch forward, and the weights' 2 MiB pages."""
 
+import copy
 import itertools
 import random
 
@@ -13,11 +14,14 @@ from lifeofprompt.engine.sampling_params import SamplingParams as Params
 from lifeofprompt.engine.sequence import Sequence
 from lifeofprompt.errors import ConfigError
 from lifeofprompt.lessons.agreement import FP32_TOLERANCE, assert_greedy_agrees, teacher_forced_logits, top2_margins
-from lifeofprompt.model import cpu_decode, huge_pages
+from lifeofprompt.model import cpu_decode, huge_pages, quantized_linear
+from lifeofprompt.model.block_formats import quantize
 from lifeofprompt.model.config import ModelConfig
+from lifeofprompt.model.cpu_blocks import blocks_linear
 from lifeofprompt.model.forward_path import ForwardPath
 from lifeofprompt.model.linear import RowPlan
 from lifeofprompt.model.llama import LlamaForCausalLM
+from lifeofprompt.model.quantized_linear import QuantizedLinear, quantize_model
 from lifeofprompt.story import STORY_PROMPTS
 
 pytestmark = [
@@ -72,17 +76,9 @@ def step_batch(runner: ModelRunner, rng: random.Random, num_seqs: int, mixed: bo
     return seqs, scheduled
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("seed", range(12))
-@torch.no_grad()
-def test_the_c_step_computes_the_torch_forward(seed, threads):
-    """Random shapes, block sizes, contexts and scattered blocks; one-token decodes, and (odd seeds)
-    steps that mix them with rows of verifies and prompt chunks: the same hidden states and the
-    same KV rows written. Seeds from 8 on take shapes the packed layout holds for every matrix."""
-    rng = random.Random(seed)
-    model = random_model(rng, packable=seed >= 8)
-    if seed >= 8:
-        assert cpu_decode.packed_mask(model) == sum(cpu_decode.PACKED_BITS.values())
+def assert_c_step_computes_the_torch_forward(model, rng: random.Random, threads: int, mixed: bool) -> None:
+    """One step of random sequences (``step_batch``) in C and by the torch forward: the same hidden
+    states, and the same KV rows written."""
     block_size = rng.choice([1, 4, 16])
     runner = ModelRunner.for_model(
         model,
@@ -93,7 +89,7 @@ def test_the_c_step_computes_the_torch_forward(seed, threads):
         cpu_tuning="c-step",
     )
     runner.kv_cache.kv.normal_()  # stale values everywhere: only the right slots may be read
-    seqs, scheduled = step_batch(runner, rng, rng.randrange(1, 7), mixed=seed % 2 == 1)
+    seqs, scheduled = step_batch(runner, rng, rng.randrange(1, 7), mixed=mixed)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -109,6 +105,96 @@ def test_the_c_step_computes_the_torch_forward(seed, threads):
     assert written.any()
     assert torch.equal((runner.kv_cache.kv != before).flatten(0, 1).flatten(2).any(-1), written)
     torch.testing.assert_close(runner.kv_cache.kv, want_kv, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("seed", range(12))
+@torch.no_grad()
+def test_the_c_step_computes_the_torch_forward(seed, threads):
+    """Random shapes, block sizes, contexts and scattered blocks; one-token decodes, and (odd seeds)
+    steps that mix them with rows of verifies and prompt chunks: the same hidden states and the
+    same KV rows written. Seeds from 8 on take shapes the packed layout holds for every matrix."""
+    rng = random.Random(seed)
+    model = random_model(rng, packable=seed >= 8)
+    if seed >= 8:
+        assert cpu_decode.packed_mask(model) == sum(cpu_decode.PACKED_BITS.values())
+    assert_c_step_computes_the_torch_forward(model, rng, threads, mixed=seed % 2 == 1)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+@pytest.mark.parametrize("seed", range(6))
+@torch.no_grad()
+def test_the_c_step_reads_blocks_and_computes_the_dequantized_forward(seed, fmt, threads, monkeypatch):
+    """A model whose layer matrices are GGUF blocks (``quantize_model``): the C step reads the blocks
+    themselves, and computes what the torch forward does with every matrix dequantized (the kernel
+    taken out of the torch path, so the two share no product code). The random widths include ones
+    that are not whole blocks of 32 (40, 100, 36, 130; heads of 34), and (seed 5) a model with
+    a packable shape, which still gets no packed copy."""
+    monkeypatch.setattr(quantized_linear, "KERNEL_MAX_ROWS", 0)
+    rng = random.Random(100 + seed)
+    model = quantize_model(random_model(rng, packable=seed == 5), fmt)
+    assert cpu_decode.supports(model) and cpu_decode.packed_mask(model) == 0
+    assert_c_step_computes_the_torch_forward(model, rng, threads, mixed=seed % 2 == 1)
+
+
+@torch.no_grad()
+def test_each_matrix_is_read_in_its_own_format(monkeypatch):
+    """Formats mixed across layers and matrices (as a GGUF may mix them): layer 0 all Q4_1; in
+    layer 1 an fp32 o_proj, a Q8_0 gate_up and Q4_1 qkv and down. Each is read as it is stored."""
+    monkeypatch.setattr(quantized_linear, "KERNEL_MAX_ROWS", 0)
+    rng = random.Random(7)
+    model = quantize_model(random_model(rng, packable=True), "q4_1")
+    layer = model.layers[1]
+    o = nn.Linear(layer.self_attn.o_proj.in_features, layer.self_attn.o_proj.out_features, bias=False)
+    o.weight.data = layer.self_attn.o_proj.blocks.dequantize()
+    layer.self_attn.o_proj = o
+    layer.mlp.gate_up_proj = QuantizedLinear(quantize(layer.mlp.gate_up_proj.blocks.dequantize(), "q8_0"))
+    formats = [[m.format for m in (p.qkv, p.o, p.gate_up, p.down)] for p in cpu_decode.weight_pointers(model)]
+    codes = cpu_decode.FORMAT_CODES
+    assert formats == [[codes["q4_1"]] * 4, [codes["q4_1"], codes["fp32"], codes["q8_0"], codes["q4_1"]]]
+    assert cpu_decode.matrix_formats(model) == {"qkv": "q4_1", "o": "fp32,q4_1", "gate_up": "q4_1,q8_0", "down": "q4_1"}
+    assert_c_step_computes_the_torch_forward(model, rng, threads=2, mixed=True)
+
+
+def test_block_matrices_get_no_packed_copy_and_are_read_as_blocks():
+    model = quantize_model(random_model(random.Random(9), packable=True), "q8_0")
+    assert cpu_decode.packable(model) == dict.fromkeys(cpu_decode.MATRICES, False)
+    assert cpu_decode.pack_all(model) == cpu_decode.packed_bytes(model) == 0
+    down, described = model.layers[1].mlp.down_proj, cpu_decode.weight_pointers(model)[1].down
+    assert (described.format, described.data, described.scales, described.mins) == (
+        cpu_decode.FORMAT_CODES["q8_0"],
+        down.quants.data_ptr(),
+        down.scales.data_ptr(),
+        None,
+    )
+
+
+def test_a_model_quantized_after_a_c_step_or_copied_is_described_afresh():
+    """The step's pointers are kept on the model, stamped with its tensors: a copy of the model, or the
+    same model once its matrices became blocks, gets its own."""
+    model = random_model(random.Random(9), packable=True)
+    fp32 = cpu_decode.weight_pointers(model)
+    twin = copy.deepcopy(model)  # ctypes arrays of pointers do not copy: the copy starts without them
+    assert cpu_decode.weight_pointers(twin)[0].qkv.data != fp32[0].qkv.data
+    quantize_model(model, "q4_1")
+    qkv = cpu_decode.weight_pointers(model)[0].qkv
+    assert (qkv.format, qkv.data) == (
+        cpu_decode.FORMAT_CODES["q4_1"],
+        model.layers[0].self_attn.qkv_proj.quants.data_ptr(),
+    )
+
+
+def test_the_c_step_timing_is_kept_apart_for_each_format():
+    """The measured row limit is cached per model shape and per format: a quantized model's steps are
+    not the fp32 model's."""
+    fp32 = random_model(random.Random(2), packable=True)
+    blocks = quantize_model(copy.deepcopy(fp32), "q4_1")
+    key = lambda model: cpu_decode.measured_step_key(model, {}, 16, False)
+    assert key(fp32) != key(blocks)
+    assert key(blocks)["formats"] == dict.fromkeys(cpu_decode.MATRICES, "q4_1")
+    assert key(fp32)["formats"] == dict.fromkeys(cpu_decode.MATRICES, "fp32")
+    assert cpu_decode.layer_shapes(blocks) == cpu_decode.layer_shapes(fp32)
 
 
 def test_the_packed_layout_stores_panels_of_rows_column_by_column():
@@ -133,9 +219,7 @@ def test_all_copies_are_made_at_once_and_read_by_the_step():
     assert cpu_decode.pack_all(model) == cpu_decode.packed_bytes(model) > 0
     down = model.layers[1].mlp.down_proj
     assert torch.equal(cpu_decode.packed_weight(down), cpu_decode.pack(down.weight))
-    assert (
-        cpu_decode.weight_pointers(model)[19] == cpu_decode.packed_weight(down).data_ptr()
-    )  # layer 1's packed down_proj
+    assert cpu_decode.weight_pointers(model)[1].down.data == cpu_decode.packed_weight(down).data_ptr()
 
 
 def test_packing_all_again_keeps_current_copies_and_renews_stale_ones():
@@ -163,9 +247,7 @@ def test_the_packed_copy_follows_the_weights():
     assert cpu_decode.weight_pointers(model) is not first
     down = model.layers[0].mlp.down_proj
     assert torch.equal(cpu_decode.packed_weight(down), cpu_decode.pack(down.weight))
-    assert (
-        cpu_decode.weight_pointers(model)[9] == cpu_decode.packed_weight(down).data_ptr()
-    )  # layer 0's packed down_proj
+    assert cpu_decode.weight_pointers(model)[0].down.data == cpu_decode.packed_weight(down).data_ptr()
 
 
 def test_rows_follow_the_calibrated_choice():
@@ -523,6 +605,43 @@ def test_speculative_verifies_run_in_the_c_step_and_keep_the_greedy_tokens(story
         first.generate([CODE], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].token_ids
     )
     assert_greedy_agrees([drafted], [want[:8]], [margins[0][:8]], FP32_TOLERANCE, min_steps=7)
+
+
+@pytest.fixture(scope="module")
+def smollm2_q4_1(smollm2):
+    """The embedded SmolLM2 with its layer matrices and LM head quantized to Q4_1 at load (a copy: the
+    session's model stays fp32)."""
+    model, tokenizer = smollm2
+    return quantize_model(copy.deepcopy(model), "q4_1"), tokenizer
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])  # a decode, a verify of 4 drafts, a prompt chunk
+@torch.no_grad()
+def test_a_quantized_smollm2_runs_its_steps_in_c(smollm2_q4_1, rows, monkeypatch):
+    """SmolLM2 in Q4_1, after a cached prefix of 20 tokens: ``rows`` new tokens (causal among
+    themselves) in C against the torch forward with every matrix dequantized. The same hidden
+    states and logits up to fp32 summation order; the runner takes the C step and packs nothing."""
+    model, tokenizer = smollm2_q4_1
+    runner = ModelRunner.for_model(
+        model, num_kv_blocks=16, block_size=16, attention_backend="torch", max_num_seqs=8, cpu_tuning="c-step"
+    )
+    assert runner.speedups.c_step_rows == 16 and runner.speedups.packed_bytes == 0
+    text = tokenizer.encode(CODE)  # the code prompt below: 43 tokens
+    prefix, new = text[:20], text[20 : 20 + rows]
+    first = Sequence("s", prefix, Params(temperature=0))
+    first.block_table = [3, 9, 5]  # scattered blocks
+    model.hidden_states(*runner.prepare([first], [len(prefix)]))  # the prefix's keys and values
+    step = Sequence("s", prefix + new, Params(temperature=0))
+    step.num_computed_tokens, step.block_table = len(prefix), [3, 9, 5]
+    cache = runner.kv_cache.kv.clone()
+    monkeypatch.setattr(quantized_linear, "KERNEL_MAX_ROWS", 0)  # the reference dequantizes every matrix
+    want = model.hidden_states(*runner.prepare([step], [rows]))
+    runner.kv_cache.kv.copy_(cache)
+    got = model.hidden_states(*runner.prepare([step], [rows]), path=ForwardPath.C_STEP)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    logits = model.lm_head(want)  # dequantized
+    assert (model.lm_head(got) - logits).abs().max() < FP32_TOLERANCE
+    assert (blocks_linear(want, model.lm_head.blocks) - logits).abs().max() < FP32_TOLERANCE  # the block kernel's
 
 
 @pytest.mark.skipif(not huge_pages.huge_pages_available(), reason="this system gives no transparent huge pages")

@@ -23,20 +23,21 @@
  *   residual += (silu(normed @ w_gate^T) * (normed @ w_up^T)) @ w_down^T
  * and at the end hidden = rms_norm(residual) * w_final. The LM head stays with the caller.
  *
- * The products read each weight once, front to back, for all m rows at a time, from the C
- * step's own packed copy (panels of output rows stored column by column, cpu_rows.h): one
- * sequential stream per thread, which the prefetcher follows at close to the machine's read
- * rate, and each weight vector loaded once for a whole tile of rows. A matrix whose shape the
- * layout cannot hold is read row-major; so is every matrix when the caller passes no packed copies
- * (the runner measures both ways per row count). Threads split the heads of the qkv
- * product (each rotates and stores its own), the (row, head) pairs of attention and panels of
- * output rows of the other products; SiLU x up is done a panel of gate and up rows at a time,
- * and each thread normalises the residual for itself.
+ * The products read each weight once, front to back, for all m rows at a time: one sequential
+ * stream per thread, which the prefetcher follows at close to the machine's read rate, and each
+ * weight vector loaded once for a whole tile of rows. Each layer matrix comes in its own format
+ * (WeightMatrix, cpu_blocks.h): fp32 from the C step's own packed copy (panels of output rows
+ * stored column by column, cpu_rows.h), or fp32 row-major where the layout cannot hold the shape
+ * or the caller passes no packed copies (the runner measures both ways per row count); or GGUF
+ * blocks (Q8_0, Q4_1), unpacked in registers by cpu_blocks.h, so a quantized model's step reads
+ * 5 or 8.5 bits a weight instead of 32. Threads split the heads of the qkv product (each
+ * rotates and stores its own), the (row, head) pairs of attention and chunks of output rows of
+ * the other products; SiLU x up is done a chunk of gate and up rows at a time, and each thread
+ * normalises the residual for itself.
  *
- * Layouts (all fp32, row-major, contiguous):
- *   weights[10 * layer + i]: in_norm [H], qkv [(NQ + 2 NKV) D, H], o [H, NQ D], post_norm [H],
- *                            gate_up [2 I, H], down [H, I], then qkv, o, gate_up and down again in
- *                            the packed layout (cpu_rows.h) where Dims.packed marks them
+ * Layouts (all fp32 unless a matrix is blocks, row-major, contiguous):
+ *   layers[layer]: in_norm [H], post_norm [H], and the matrices qkv [(NQ + 2 NKV) D, H],
+ *                  o [H, NQ D], gate_up [2 I, H] (gate rows, then up rows), down [H, I]
  *   kv: [layers, 2, num_blocks, block_size, NKV, D]; token slot s of a sequence is
  *       block_tables[r][j / block_size] * block_size + j % block_size for its position j
  *   cos, sin: [max_positions, D / 2]
@@ -50,22 +51,33 @@ static int omp_get_thread_num(void) { return 0; }
 #endif
 
 #include "cpu_rows.h"
+#include "cpu_blocks.h"
 
 typedef struct {
     long hidden, num_heads, num_kv_heads, head_dim, intermediate, num_layers;
     long num_blocks, block_size, max_blocks;
     float eps, scale;
-    long packed;        /* which matrices are packed (bits: PACKED_QKV ...); the others are row-major */
 } Dims;
 
-enum { PACKED_QKV = 1, PACKED_O = 2, PACKED_GATE_UP = 4, PACKED_DOWN = 8 };
+/* One layer's weights: the two norms and the four matrices, each in its own format. */
+typedef struct {
+    const float *in_norm, *post_norm;
+    WeightMatrix qkv, o, gate_up, down;
+} Layer;
 
-/* A product through the packed copy where the caller made one (its rows fit the
- * layout: see cpu_rows.h), else straight from the row-major weight. */
-static void times_weight(int packed, const float *x, long x_stride, long m, const float *w, long n, long first,
-                         long last, float *y, long y_stride, int accumulate) {
-    if (packed) packed_times_weight_range(x, x_stride, m, w, n, first, last, y, y_stride, accumulate);
-    else rows_times_weight_range(x, x_stride, m, w, n, first, last, y, y_stride, accumulate);
+/* y[r][o] (or +=) x[r] . W[o] for o in [first, last), whatever W's format: the packed panels, the
+ * row-major rows, or blocks (x, n columns, copied into `room` first where n is not whole blocks). */
+static void times_matrix(const WeightMatrix *w, const float *x, long x_stride, long m, long n, long first, long last,
+                         float *y, long y_stride, int accumulate, float *room) {
+    if (w->format == FORMAT_F32_PACKED) {
+        packed_times_weight_range(x, x_stride, m, w->data, n, first, last, y, y_stride, accumulate);
+    } else if (w->format == FORMAT_F32) {
+        rows_times_weight_range(x, x_stride, m, w->data, n, first, last, y, y_stride, accumulate);
+    } else {
+        long stride;
+        const float *input = block_input(x, x_stride, m, n, room, &stride);
+        blocks_times_range(input, stride, m, w, blocks_of(n), first, last, y, y_stride, accumulate);
+    }
 }
 
 static void rms_norm(const float *x, const float *weight, float *y, long m, long n, float eps) {
@@ -273,25 +285,27 @@ static long chunk_last(long c, long rows) { return (c + 1) * CHUNK_ROWS < rows ?
 
 /* act[r][i] = silu(normed[r] . gate[i]) * (normed[r] . up[i]) for i in [first, last): gate row i
  * and up row I + i of the stacked gate_up weight, both products done here so no barrier
- * separates them. */
-static void gate_up_chunk(int packed, const float *normed, const float *w_gate_up, long m, long H, long I, long first, long last,
-                          float *act) {
+ * separates them. Each is a product of the rows from `first` (and from I + first) viewed as a
+ * matrix of their own (matrix_rows), in any format. */
+static void gate_up_chunk(const WeightMatrix *w_gate_up, const float *normed, long m, long H, long I, long first,
+                          long last, float *act, float *room) {
     long width = last - first;
     float gate[m * width], up[m * width];
-    times_weight(packed, normed, H, m, w_gate_up + first * H, H, 0, width, gate, width, 0);
-    times_weight(packed, normed, H, m, w_gate_up + (I + first) * H, H, 0, width, up, width, 0);
+    WeightMatrix gate_rows = matrix_rows(w_gate_up, first, H), up_rows = matrix_rows(w_gate_up, I + first, H);
+    times_matrix(&gate_rows, normed, H, m, H, 0, width, gate, width, 0, room);
+    times_matrix(&up_rows, normed, H, m, H, 0, width, up, width, 0, room);
     for (long r = 0; r < m; r++)
         for (long i = 0; i < width; i++) act[r * I + first + i] = silu(gate[r * width + i]) * up[r * width + i];
 }
 
 /* q, k and v of one head for every row (`head` counts q heads, then k heads, then v heads):
  * its D rows of the qkv product, rotated if a q or k head, stored into the pool if a k or v head. */
-static void project_head(int packed, const float *normed, const float *w_qkv, float *qkv, long head, long m, const Dims *d,
+static void project_head(const WeightMatrix *w_qkv, const float *normed, float *qkv, long head, long m, const Dims *d,
                          const int64_t *positions, const int64_t *slots, const float *cos_table,
-                         const float *sin_table, float *k_pool, float *v_pool) {
+                         const float *sin_table, float *k_pool, float *v_pool, float *room) {
     long H = d->hidden, D = d->head_dim, NQ = d->num_heads, NKV = d->num_kv_heads;
     long width = (NQ + 2 * NKV) * D, half = D / 2;
-    times_weight(packed, normed, H, m, w_qkv, H, head * D, (head + 1) * D, qkv, width, 0);
+    times_matrix(w_qkv, normed, H, m, H, head * D, (head + 1) * D, qkv, width, 0, room);
     for (long r = 0; r < m; r++) {
         float *out = qkv + r * width + head * D;
         if (head < NQ + NKV)
@@ -304,41 +318,42 @@ static void project_head(int packed, const float *normed, const float *w_qkv, fl
 }
 
 /* The whole step. Scratch buffers (caller-owned): normed [threads, m, H] (each thread normalises
- * for itself, which saves a barrier), qkv [m, (NQ + 2 NKV) D], context [m, NQ D], act [m, I].
- * `hidden` holds the embeddings on entry and the final
+ * for itself, which saves a barrier), qkv [m, (NQ + 2 NKV) D], context [m, NQ D], act [m, I],
+ * room [threads, m, widest input rounded up to whole blocks] (each thread's copy of a product's
+ * input where block matrices need one). `hidden` holds the embeddings on entry and the final
  * normalised hidden states on return. Five barriers a layer, one after each step whose
  * results every thread needs next. */
-void decode_step(const Dims *d, const int64_t *weights, const float *final_norm, float *hidden, long m,
+void decode_step(const Dims *d, const Layer *layers, const float *final_norm, float *hidden, long m,
                  const int64_t *positions, const int64_t *slots, const int32_t *block_tables,
                  const int32_t *seq_lens, float *kv, const float *cos_table, const float *sin_table,
-                 float *normed_all, float *qkv, float *context, float *act, int threads) {
+                 float *normed_all, float *qkv, float *context, float *act, float *room_all, long room_floats,
+                 int threads) {
     long H = d->hidden, D = d->head_dim, NQ = d->num_heads, NKV = d->num_kv_heads, I = d->intermediate;
     long qkv_width = (NQ + 2 * NKV) * D;
     long pool = d->num_blocks * d->block_size * NKV * D;           /* floats in one layer's K (or V) */
     #pragma omp parallel num_threads(threads)
     {
         float *normed = normed_all + (long)omp_get_thread_num() * m * H;
-        long packed = d->packed;
+        float *room = room_all + (long)omp_get_thread_num() * room_floats;
         for (long layer = 0; layer < d->num_layers; layer++) {
-            const float *const *w = (const float *const *)(weights + 10 * layer), *const *p = w + 6;
-            const float *w_qkv = packed & PACKED_QKV ? p[0] : w[1], *w_o = packed & PACKED_O ? p[1] : w[2];
-            const float *w_gate_up = packed & PACKED_GATE_UP ? p[2] : w[4], *w_down = packed & PACKED_DOWN ? p[3] : w[5];
+            const Layer *w = layers + layer;
             float *k_pool = kv + (2 * layer) * pool, *v_pool = kv + (2 * layer + 1) * pool;
-            rms_norm(hidden, w[0], normed, m, H, d->eps);
+            rms_norm(hidden, w->in_norm, normed, m, H, d->eps);
             #pragma omp for schedule(static)
             for (long head = 0; head < NQ + 2 * NKV; head++)
-                project_head(packed & PACKED_QKV, normed, w_qkv, qkv, head, m, d, positions, slots, cos_table, sin_table, k_pool, v_pool);
+                project_head(&w->qkv, normed, qkv, head, m, d, positions, slots, cos_table, sin_table, k_pool, v_pool,
+                             room);
             attend_rows(qkv, qkv_width, k_pool, v_pool, block_tables, seq_lens, d, m, context, NQ * D, threads);
             #pragma omp for schedule(static)
             for (long c = 0; c < chunks(H); c++)
-                times_weight(packed & PACKED_O, context, NQ * D, m, w_o, NQ * D, chunk_first(c), chunk_last(c, H), hidden, H, 1);
-            rms_norm(hidden, w[3], normed, m, H, d->eps);
+                times_matrix(&w->o, context, NQ * D, m, NQ * D, chunk_first(c), chunk_last(c, H), hidden, H, 1, room);
+            rms_norm(hidden, w->post_norm, normed, m, H, d->eps);
             #pragma omp for schedule(static)
             for (long c = 0; c < chunks(I); c++)         /* gate rows, then the up rows I apart, then SiLU(gate) * up */
-                gate_up_chunk(packed & PACKED_GATE_UP, normed, w_gate_up, m, H, I, chunk_first(c), chunk_last(c, I), act);
+                gate_up_chunk(&w->gate_up, normed, m, H, I, chunk_first(c), chunk_last(c, I), act, room);
             #pragma omp for schedule(static)
             for (long c = 0; c < chunks(H); c++)
-                times_weight(packed & PACKED_DOWN, act, I, m, w_down, I, chunk_first(c), chunk_last(c, H), hidden, H, 1);
+                times_matrix(&w->down, act, I, m, I, chunk_first(c), chunk_last(c, H), hidden, H, 1, room);
         }
     }
     rms_norm(hidden, final_norm, hidden, m, H, d->eps);

@@ -9,10 +9,12 @@ many rows as it measured the whole C step faster than the torch forward on this 
 (``measured_rows``, cached); with the products pinned (tests), where ``rowwise`` is every layer
 matrix's plan (``usable_rows``), so no timing moves a token.
 
-It serves fp32 Llama weights on the CPU, the engine's paged KV pool and steps of a few rows:
-one-token decodes, the k + 1 rows of a speculative verify, a short prefill chunk, mixed as
-the scheduler sends them. Larger steps go the torch way. Its numbers equal the torch
-forward's up to fp32 summation order (tests/test_cpu_decode.py).
+It serves Llama models with fp32 activations on the CPU, the engine's paged KV pool and steps of
+a few rows: one-token decodes, the k + 1 rows of a speculative verify, a short prefill chunk,
+mixed as the scheduler sends them. Larger steps go the torch way. Each layer matrix is read in its
+own format (``cpu_blocks.h``'s ``WeightMatrix``): fp32, from a packed copy or row-major, or GGUF
+blocks (``QuantizedLinear``: Q8_0 or Q4_1, unpacked in registers, no float copy made). Its
+numbers equal the torch forward's up to fp32 summation order (tests/test_cpu_decode.py).
 """
 
 from __future__ import annotations
@@ -47,7 +49,33 @@ class Dims(ctypes.Structure):
             "block_size",
             "max_blocks",
         )
-    ] + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("packed", ctypes.c_long)]
+    ] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+class Matrix(ctypes.Structure):
+    """``WeightMatrix`` of ``cpu_blocks.h``: one layer matrix, its format and the planes it is read from."""
+
+    _fields_ = [
+        ("format", ctypes.c_int64),
+        ("data", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+        ("mins", ctypes.c_void_p),
+    ]
+
+
+MATRICES = ("qkv", "o", "gate_up", "down")  # a layer's four matrices, in the order of ``Layer``
+
+
+class Layer(ctypes.Structure):
+    """``Layer`` of ``cpu_decode.c``: one layer's two norms and four matrices."""
+
+    _fields_ = [("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p)] + [(name, Matrix) for name in MATRICES]
+
+
+# ``cpu_blocks.h``'s formats: fp32 row-major, fp32 packed (panels, ``cpu_rows.h``), GGUF blocks.
+FORMAT_CODES = {"fp32": 0, "fp32-packed": 1, "q8_0": 2, "q4_1": 3}
+BLOCK_FORMATS = ("q8_0", "q4_1")
+BLOCK = 32  # weights per block (block_formats.BLOCK)
 
 
 @functools.cache
@@ -56,7 +84,11 @@ def step_kernel():
     return c_function(
         SOURCE,
         "decode_step",
-        [ctypes.POINTER(Dims)] + [ctypes.c_void_p] * 3 + [ctypes.c_long] + [ctypes.c_void_p] * 11 + [ctypes.c_int],
+        [ctypes.POINTER(Dims)]
+        + [ctypes.c_void_p] * 3
+        + [ctypes.c_long]
+        + [ctypes.c_void_p] * 12
+        + [ctypes.c_long, ctypes.c_int],
     )
 
 
@@ -68,35 +100,72 @@ def packed_layout() -> tuple[int, int] | None:
 
 
 def supports(model) -> bool:
-    """Whether ``model`` can run this path: fp32 weights on the CPU, each contiguous, and the kernel built."""
+    """Whether ``model`` can run this path: fp32 activations on the CPU, every layer matrix fp32 or
+    Q8_0/Q4_1 blocks, every tensor contiguous, and the kernel built."""
     if model.device.type != "cpu" or model.dtype != torch.float32:
         return False
-    if any(not p.is_contiguous() for p in model.parameters()):
+    if any(not t.is_contiguous() for t in (*model.parameters(), *model.buffers())):
+        return False
+    if any(matrix_format(module) is None for layer in layer_matrices(model) for module in layer.values()):
         return False
     return step_kernel() is not None and packed_layout() is not None
 
 
-# The bits of ``Dims.packed``, one per layer matrix, in the order of ``layer_tensors``.
+def layer_matrices(model) -> list[dict[str, nn.Module]]:
+    """Per layer, its four matrices' modules by name (``MATRICES``)."""
+    return [
+        {
+            "qkv": layer.self_attn.qkv_proj,
+            "o": layer.self_attn.o_proj,
+            "gate_up": layer.mlp.gate_up_proj,
+            "down": layer.mlp.down_proj,
+        }
+        for layer in model.layers
+    ]
+
+
+def is_blocks(module: nn.Module) -> bool:
+    """Whether a layer matrix is kept as GGUF blocks (``QuantizedLinear``), not as an fp32 weight."""
+    return getattr(module, "quants", None) is not None
+
+
+def matrix_format(module: nn.Module) -> str | None:
+    """``"q8_0"``/``"q4_1"`` for blocks, ``"fp32"`` for an fp32 weight; None for what the step cannot read."""
+    if is_blocks(module):
+        return module.format if module.format in BLOCK_FORMATS else None
+    weight = getattr(module, "weight", None)
+    return "fp32" if weight is not None and weight.dtype == torch.float32 else None
+
+
+def matrix_formats(model) -> dict[str, str]:
+    """Each matrix name's format across the layers (``"q4_1"``, or e.g. ``"fp32,q8_0"`` where layers differ)."""
+    layers = layer_matrices(model)
+    return {name: ",".join(sorted({str(matrix_format(layer[name])) for layer in layers})) for name in MATRICES}
+
+
+# The bits of ``packed_mask``, one per layer matrix.
 PACKED_BITS = {"qkv": 1, "o": 2, "gate_up": 4, "down": 8}
 
 
 def packable(model) -> dict[str, bool]:
-    """Which layer matrices the packed layout can hold: every row range the C step takes of it
-    (a head of qkv, a panel of the others, the up half at row I) starts at a whole panel. The
-    layout puts no condition on the columns."""
+    """Which layer matrices the packed layout can hold: fp32 ones (blocks are read as they are)
+    whose every row range the C step takes (a head of qkv, a panel of the others, the up half at
+    row I) starts at a whole panel. The layout puts no condition on the columns."""
     panel_rows, _ = packed_layout()
     config = model.config
     hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
-    return {
+    shapes_fit = {
         "qkv": head_dim % panel_rows == 0,
         "o": hidden % panel_rows == 0,
         "gate_up": inter % panel_rows == 0,
         "down": hidden % panel_rows == 0,
     }
+    layers = layer_matrices(model)
+    return {name: fits and not any(is_blocks(layer[name]) for layer in layers) for name, fits in shapes_fit.items()}
 
 
 def packed_mask(model) -> int:
-    """``Dims.packed`` for this model: the bits of the matrices the C step reads packed."""
+    """The bits (``PACKED_BITS``) of the matrices the C step reads from packed copies."""
     return sum(PACKED_BITS[name] for name, ok in packable(model).items() if ok)
 
 
@@ -293,17 +362,19 @@ def layout_for(rows: int, layouts: dict | None, unmeasured: ForwardPath = Forwar
 
 
 def measured_step_key(model, plans: dict, block_size: int, decode_attention_in_c: bool) -> dict:
-    """What the C step's measured row limit depends on: the machine, the model's shape, the
-    products' plans (the torch step's speed), the attention path and both C sources."""
+    """What the C step's measured row limit depends on: the machine, the model's shape and its
+    matrices' formats (fp32 or blocks), the products' plans (the torch step's speed), the
+    attention path and both C sources (with the headers they include)."""
     from .linear_calibration import machine_key
     from .native_build import source_digest
 
     config = model.config
     return dict(
         machine_key(),
-        version=7,
+        version=8,
         what="whole decode steps: the C step (panels and row-major) against the torch forward",
         dtype=str(model.dtype),
+        formats=matrix_formats(model),
         layers=config.num_layers,
         vocab=config.vocab_size,
         heads=[config.num_heads, config.num_kv_heads, config.head_dim],
@@ -315,14 +386,8 @@ def measured_step_key(model, plans: dict, block_size: int, decode_attention_in_c
 
 
 def layer_shapes(model) -> set[tuple[int, int]]:
-    """The weight shapes the fused step multiplies (every layer's four matrices)."""
-    layer = model.layers[0]
-    return {
-        tuple(layer.self_attn.qkv_proj.weight.shape),
-        tuple(layer.self_attn.o_proj.weight.shape),
-        tuple(layer.mlp.gate_up_proj.weight.shape),
-        tuple(layer.mlp.down_proj.weight.shape),
-    }
+    """The weight shapes ``(out, in)`` the fused step multiplies (every layer's four matrices)."""
+    return {(m.out_features, m.in_features) for m in layer_matrices(model)[0].values()}
 
 
 def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -339,27 +404,17 @@ def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
 
 
 def layer_tensors(model) -> list[tuple[torch.Tensor, nn.Module | None]]:
-    """Every layer's ten tensors in the order ``cpu_decode.c`` reads them: the six row-major ones,
-    then the four matrices again, each with its module where it is to be read packed (None: row-major)."""
+    """Every tensor of the layers that ``cpu_decode.c`` reads, each with its module where it is an
+    fp32 matrix to be read packed (None otherwise: a norm, a row-major weight, a block plane)."""
     ok = packable(model)
     tensors = []
-    for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        tensors += [
-            (layer.input_layernorm.weight, None),
-            (attn.qkv_proj.weight, None),
-            (attn.o_proj.weight, None),
-            (layer.post_attention_layernorm.weight, None),
-            (mlp.gate_up_proj.weight, None),
-            (mlp.down_proj.weight, None),
-        ]
-        for name, module in (
-            ("qkv", attn.qkv_proj),
-            ("o", attn.o_proj),
-            ("gate_up", mlp.gate_up_proj),
-            ("down", mlp.down_proj),
-        ):
-            tensors.append((module.weight, module if ok[name] else None))
+    for layer, matrices in zip(model.layers, layer_matrices(model)):
+        tensors += [(layer.input_layernorm.weight, None), (layer.post_attention_layernorm.weight, None)]
+        for name, module in matrices.items():
+            if is_blocks(module):
+                tensors += [(t, None) for t in module.blocks.tensors()]
+            else:
+                tensors.append((module.weight, module if ok[name] else None))
     return tensors
 
 
@@ -408,23 +463,62 @@ def pack_all(model) -> int:
     return sum(sizes)
 
 
-def weight_pointers(model, packed: bool = True) -> ctypes.Array:
-    """The ten per-layer weight addresses ``cpu_decode.c`` reads: the row-major weights and their packed
-    copies (without ``packed``, the row-major ones again: the C step is then told to read no copy).
+class PointerCache(dict):
+    """The ``Layer`` arrays ``weight_pointers`` made, by ``packed``. A copy of the model (``copy.deepcopy``,
+    pickling) starts without them: they point into the original's tensors, and ctypes will not copy
+    pointers anyway."""
 
-    Called every step, so the answer is kept on the model with a stamp of every weight's address
-    and version: a step then costs one pass over ~300 integers, not a rebuild (which cost ~2 ms).
+    def __deepcopy__(self, memo):
+        return PointerCache()
+
+    def __reduce__(self):
+        return PointerCache, ()
+
+
+def step_tensors(model) -> list[tuple[torch.Tensor, nn.Module | None]]:
+    """``layer_tensors``, kept on the model while its layer matrices stay the same modules (a model
+    quantized after a C step, ``quantize_model``, has new ones)."""
+    modules = [id(module) for layer in layer_matrices(model) for module in layer.values()]
+    cached = model.__dict__.get("_c_step_tensors")
+    if cached is None or cached[0] != modules:
+        cached = model._c_step_tensors = (modules, layer_tensors(model))
+    return cached[1]
+
+
+def matrix_pointers(module: nn.Module, packed: bool, packable_here: bool) -> tuple[Matrix, list[torch.Tensor]]:
+    """One layer matrix as ``cpu_blocks.h`` reads it, and the tensors it points into (kept alive)."""
+    if is_blocks(module):
+        planes = module.blocks
+        mins = planes.mins.data_ptr() if planes.mins is not None else None
+        matrix = Matrix(FORMAT_CODES[planes.format], planes.quants.data_ptr(), planes.scales.data_ptr(), mins)
+        return matrix, planes.tensors()
+    if packed and packable_here:
+        copy = packed_weight(module)
+        return Matrix(FORMAT_CODES["fp32-packed"], copy.data_ptr(), None, None), [copy]
+    return Matrix(FORMAT_CODES["fp32"], module.weight.data_ptr(), None, None), [module.weight]
+
+
+def weight_pointers(model, packed: bool = True) -> ctypes.Array:
+    """The per-layer ``Layer`` structs ``cpu_decode.c`` reads: the norms, and each matrix in its format
+    (fp32 from its packed copy where the layout holds it, unless ``packed`` is False; else row-major;
+    or its blocks).
+
+    Called every step, so the answer is kept on the model with a stamp of every tensor's address
+    and version: a step then costs one pass over a few hundred integers, not a rebuild (which cost ~2 ms).
     """
-    tensors = getattr(model, "_c_step_tensors", None)
-    if tensors is None:
-        tensors = model._c_step_tensors = layer_tensors(model)
+    tensors = step_tensors(model)
     stamp = [weight_stamp(t) for t, _ in tensors]
     cached = getattr(model, "_c_step_pointers", {}).get(packed)
     if cached is not None and cached[0] == stamp:
         return cached[1]
-    kept = [packed_weight(module) if packed and module is not None else tensor for tensor, module in tensors]
-    pointers = (ctypes.c_int64 * len(kept))(*(t.data_ptr() for t in kept))
-    model.__dict__.setdefault("_c_step_pointers", {})[packed] = (stamp, pointers, kept)
+    ok, layers, kept = packable(model), [], []
+    for layer, matrices in zip(model.layers, layer_matrices(model)):
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        described = {name: matrix_pointers(module, packed, ok[name]) for name, module in matrices.items()}
+        layers.append(Layer(*(t.data_ptr() for t in norms), *(matrix for matrix, _ in described.values())))
+        kept += [*norms, *(t for _, held in described.values() for t in held)]
+    pointers = (Layer * len(layers))(*layers)
+    model.__dict__.setdefault("_c_step_pointers", PointerCache())[packed] = (stamp, pointers, kept)
     return pointers
 
 
@@ -460,7 +554,8 @@ def decode_hidden_states(
     model, input_ids: torch.Tensor, positions: torch.Tensor, meta, packed: bool = True
 ) -> torch.Tensor:
     """Final normalised hidden states ``[m, hidden]`` of a small step (``meta``: ``PagedCacheMetadata``; any rows);
-    ``packed``: read the packed copies where the layout holds them (else the row-major weights only)."""
+    ``packed``: read the packed copies of fp32 matrices where the layout holds them (else the row-major
+    weights); block matrices are read as blocks either way."""
     config, attn = model.config, model.layers[0].self_attn
     m = input_ids.shape[0]
     kv = meta.cache.kv
@@ -477,18 +572,19 @@ def decode_hidden_states(
         block_tables.shape[1],
         model.norm.eps,
         meta.scale if meta.scale is not None else config.head_dim**-0.5,
-        packed_mask(model) if packed else 0,
     )
     hidden = model.embed_tokens(input_ids).contiguous()
     positions = positions.to(torch.int64).contiguous()
     slots = meta.slot_mapping.to(torch.int64).contiguous()
     empty = functools.partial(torch.empty, dtype=torch.float32)
     threads = torch.get_num_threads()
+    room = m * -(-max(config.hidden_size, attn.q_size, config.intermediate_size) // BLOCK) * BLOCK
     scratch = [
         empty(threads, m, config.hidden_size),
         empty(m, attn.q_size + 2 * attn.kv_size),
         empty(m, attn.q_size),
         empty(m, config.intermediate_size),
+        empty(threads, room),  # each thread's copy of a block product's input whose width is not whole blocks
     ]
     step_kernel()(
         ctypes.byref(dims),
@@ -504,6 +600,7 @@ def decode_hidden_states(
         model.rotary.cos.data_ptr(),
         model.rotary.sin.data_ptr(),
         *(t.data_ptr() for t in scratch),
+        room,
         threads,
     )
     return hidden

@@ -1,0 +1,84 @@
+"""The compiled CPU product for block matrices (``cpu_blocks.c``), called through ctypes.
+
+A decode step multiplies a few rows by every weight once, so its cost is reading the weights.
+Kept as GGUF blocks (``block_formats.py``), a weight costs fewer bytes: Q4_1 reads 5 bits a
+weight (16 bytes of nibbles, an fp16 scale and an fp16 minimum per 32) instead of fp32's 32,
+Q8_0 8.5 bits. That saving is only worth having if the product reads the blocks themselves:
+dequantizing a matrix to floats first writes and reads the 32 bits a weight again.
+
+So the kernel unpacks each block in registers: the 16 bytes of a Q4_1 block become two vectors
+of floats (a mask and a shift split the nibbles, a conversion makes them floats, one multiply-add
+per vector applies ``d`` and ``m``), which are multiplied straight into the rows of x. Each
+unpacked block serves a whole tile of rows of x (up to 8), as the fp32 kernel ``cpu_rows.h``
+tiles rows, so the unpacking is paid once per tile and the multiply-adds once per row.
+
+Two other ways were measured on SmolLM2's shapes and dropped (``cpu_blocks.h`` says by how much):
+the identity ``sum_i x_i (d q_i + m) = d * sum_i x_i q_i + m * sum_i x_i`` (x times the integers,
+each block's sum scaled once) was no faster for one row and slower for more; llama.cpp's int8
+activations were faster for one row but moved SmolLM2's logits three times as far as bf16 does.
+
+It is built by ``native_build.py`` (once per machine, into the cache folder) with the CPU's own
+vector width; where no C compiler is found, ``blocks_kernel_available`` is False and the layers
+dequantize a tile of rows at a time instead (``quantized_linear.py``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from .block_formats import BlockWeight
+from .native_build import c_function
+
+SOURCE = Path(__file__).with_name("cpu_blocks.c")
+FORMAT_CODES = {"q8_0": 2, "q4_1": 3}  # cpu_blocks.h's FORMAT_Q8_0, FORMAT_Q4_1
+
+
+@functools.cache
+def blocks_kernel():
+    """The compiled ``blocks_times_weight`` function, or None where it cannot be built here."""
+    args = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long] + [ctypes.c_void_p] * 3
+    return c_function(
+        SOURCE, "blocks_times_weight", args + [ctypes.c_long, ctypes.c_void_p, ctypes.c_int], ctypes.c_int
+    )
+
+
+def blocks_kernel_available() -> bool:
+    """Whether the block kernel is built for this machine (built on the first call, then cached)."""
+    return blocks_kernel() is not None
+
+
+def blocks_linear(x: torch.Tensor, blocks: BlockWeight) -> torch.Tensor:
+    """``x @ W.T`` for ``x [M, in]`` on the CPU and a block matrix ``W``: fp32 ``[M, out]``.
+
+    The kernel reads fp32 rows (another float dtype is converted first: the rows are few, the
+    weights many). Runs on ``torch.get_num_threads()`` OpenMP threads; ctypes releases the GIL meanwhile.
+    """
+    kernel = blocks_kernel()
+    if kernel is None:
+        raise RuntimeError("the block kernel is not available on this machine (no C compiler, or its build failed)")
+    if not x.is_floating_point() or x.dim() != 2 or x.shape[1] != blocks.in_features:
+        raise ValueError(f"expected float x [M, {blocks.in_features}], got {x.dtype} {tuple(x.shape)}")
+    x = x.to(torch.float32).contiguous()
+    planes = [t.contiguous() for t in blocks.tensors()]
+    quants, scales = planes[0], planes[1]
+    mins = planes[2] if blocks.mins is not None else None
+    out = torch.empty(x.shape[0], blocks.out_features, dtype=torch.float32)
+    failed = kernel(
+        x.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        FORMAT_CODES[blocks.format],
+        quants.data_ptr(),
+        scales.data_ptr(),
+        mins.data_ptr() if mins is not None else None,
+        blocks.out_features,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if failed:
+        raise MemoryError("the block kernel could not allocate its copy of x")
+    return out

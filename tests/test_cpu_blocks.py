@@ -1,0 +1,172 @@
+"""The compiled block kernel (model/cpu_blocks.c) against the dequantized product, and the layers that call it."""
+
+import itertools
+
+import pytest
+import torch
+
+from lifeofprompt.model import quantized_linear
+from lifeofprompt.model.block_formats import BlockWeight, dequantize, quantize
+from lifeofprompt.model.cpu_blocks import blocks_kernel_available, blocks_linear
+from lifeofprompt.model.quantized_linear import QuantizedLinear
+
+pytestmark = [
+    pytest.mark.numerics,
+    pytest.mark.skipif(not blocks_kernel_available(), reason="no C compiler: the block kernel is not offered"),
+]
+
+FORMATS = ("q8_0", "q4_1")
+EPS = torch.finfo(torch.float32).eps
+
+
+def reference(x: torch.Tensor, blocks: BlockWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x @ W.T`` in float64 on the dequantized weights, and a bound on the kernel's distance from it.
+
+    The kernel sums in fp32 in its own order: each product adds to a chain of at most
+    ``in / 8 + 8`` fp32 additions (vectors of 8 or 16 lanes along the row, a few accumulators, the
+    lanes' sum), and each weight ``d q + m`` is rounded once in fp32. Every rounding moves the
+    result by at most ``EPS`` times the sum of the magnitudes it adds, so the error is below
+    ``(in / 8 + 8) * EPS * sum_i |x_i| (|d q_i| + |m|)``.
+    """
+    x64 = x.double()
+    want = x64 @ dequantize(blocks, torch.float64).t()
+    magnitudes = dequantize(blocks, torch.float64).abs()
+    if blocks.mins is not None:
+        magnitudes += blocks.mins.double().abs().repeat_interleave(32, dim=1)[:, : blocks.in_features]
+    depth = blocks.in_features // 8 + 8
+    return want, depth * EPS * (x64.abs() @ magnitudes.t())
+
+
+def assert_matches(got: torch.Tensor, x: torch.Tensor, blocks: BlockWeight) -> float:
+    """``got`` is ``x @ dequantize(blocks).T`` within the fp32 bound of ``reference``; returns the worst
+    error as a fraction of that bound."""
+    want, bound = reference(x, blocks)
+    ratio = ((got.double() - want).abs() / bound).max().item()
+    assert ratio <= 1, f"the kernel is {ratio:.3g} times the fp32 bound away from the dequantized product"
+    return ratio
+
+
+def random_blocks(fmt: str, out: int, inner: int, seed: int) -> BlockWeight:
+    """Blocks of every bit pattern: random quant bytes (Q8_0 down to -128, which ggml never writes but a
+    file may hold; Q4_1 all sixteen nibbles), random fp16 scales and minimums, zeros past ``inner``."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = -(-inner // 32)
+    width = blocks * (32 if fmt == "q8_0" else 16)
+    quants = torch.randint(0, 256, (out, width), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(out, blocks, generator=g) * 0.02 + 1e-4).half()
+    if fmt == "q8_0":
+        return BlockWeight(fmt, quants.view(torch.int8), scales, None, inner)
+    mins = (-torch.rand(out, blocks, generator=g) * 0.1).half()
+    return BlockWeight(fmt, quants, scales, mins, inner)
+
+
+# Row counts across the kernel's tiles (1, 2-4, 5-8 rows; 16 = two tiles of 8), output rows that are
+# no multiple of a tile or a thread's chunk, widths with a ragged last block (72, 100) and whole ones.
+SHAPES = [(1, 37, 72), (2, 70, 100), (3, 33, 576), (5, 64, 32), (8, 97, 1536), (11, 40, 100), (16, 129, 576)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m, out, inner", SHAPES)
+@torch.no_grad()
+def test_the_kernel_computes_the_dequantized_product(fmt, m, out, inner):
+    """Quantized random weights and arbitrary bit patterns alike."""
+    torch.manual_seed(m * 1000 + out)
+    x = torch.randn(m, inner)
+    for blocks in (quantize(torch.randn(out, inner) * 0.1, fmt), random_blocks(fmt, out, inner, seed=out)):
+        assert_matches(blocks_linear(x, blocks), x, blocks)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@torch.no_grad()
+def test_the_comparison_catches_a_wrong_scale_or_nibble_order(fmt):
+    """The check above has teeth: the kernel's result, held against the product of blocks with one
+    block's scale changed, or (Q4_1) with each byte's two nibbles swapped, or (Q8_0) with the bytes
+    of a block read in the other order, is far outside the bound."""
+    x = torch.randn(4, 100)
+    blocks = quantize(torch.randn(45, 100) * 0.1, fmt)
+    got = blocks_linear(x, blocks)
+    assert assert_matches(got, x, blocks) < 0.1
+    scaled = blocks.scales.clone()
+    scaled[7, 2] *= 1.01
+    wrong = [BlockWeight(fmt, blocks.quants, scaled, blocks.mins, blocks.in_features)]
+    if fmt == "q4_1":
+        swapped = (blocks.quants >> 4) | (blocks.quants << 4)
+        wrong.append(BlockWeight(fmt, swapped, blocks.scales, blocks.mins, blocks.in_features))
+    else:
+        reversed_blocks = blocks.quants.view(45, -1, 32).flip(-1).reshape(45, -1)
+        wrong.append(BlockWeight(fmt, reversed_blocks, blocks.scales, blocks.mins, blocks.in_features))
+    for mutated in wrong:
+        want, bound = reference(x, mutated)
+        assert ((got.double() - want).abs() / bound).max().item() > 100
+
+
+@torch.no_grad()
+def test_a_ragged_width_reads_no_column_past_it():
+    """Q4_1 turns the zeros padding a row's last block into ``d q + m``, not exactly 0: the kernel must
+    meet them with zeros, whatever lies past the row's end in memory (here x is a slice of a wider,
+    non-contiguous buffer full of large numbers)."""
+    blocks = quantize(torch.randn(24, 72) * 0.1 + 0.5, "q4_1")  # a minimum far from 0: padding weighs ~0.5
+    wide = torch.full((3, 200), 1e4)
+    wide[:, :72] = torch.randn(3, 72)
+    x = wide[:, :72]
+    assert not x.is_contiguous()
+    assert_matches(blocks_linear(x, blocks), x.contiguous(), blocks)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@torch.no_grad()
+def test_threads_split_the_rows_and_each_output_is_the_same(fmt):
+    """Every output is one thread's sum, in an order that does not depend on the thread count."""
+    x = torch.randn(5, 576)
+    blocks = quantize(torch.randn(1000, 576) * 0.1, fmt)
+    previous = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(blocks_linear(x, blocks))
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_the_kernel_reads_fp32_rows_of_the_matrix_width():
+    """Rows of another float dtype are made fp32 first; rows of another width, or of integers, are refused."""
+    blocks = quantize(torch.randn(8, 64), "q8_0")
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    assert torch.equal(blocks_linear(x, blocks), blocks_linear(x.float(), blocks))
+    for wrong in (torch.randn(2, 65), torch.ones(2, 64, dtype=torch.int32), torch.randn(64)):
+        with pytest.raises(ValueError, match="float x"):
+            blocks_linear(wrong, blocks)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@torch.no_grad()
+def test_a_quantized_layer_takes_the_kernel_for_few_rows_and_dequantizes_for_many(fmt, monkeypatch):
+    """``QuantizedLinear`` on the CPU: up to ``KERNEL_MAX_ROWS`` rows the compiled kernel, more the
+    dequantizing fallback, and both compute the same product."""
+    layer = QuantizedLinear(quantize(torch.randn(50, 100) * 0.1, fmt))
+    calls = []
+    monkeypatch.setattr(
+        quantized_linear,
+        "block_kernel",
+        lambda x, b, real=quantized_linear.block_kernel: calls.append(x.shape[0]) or real(x, b),
+    )
+    for rows in (1, quantized_linear.KERNEL_MAX_ROWS, quantized_linear.KERNEL_MAX_ROWS + 1):
+        x = torch.randn(rows, 100)
+        assert_matches(layer(x), x, layer.blocks)
+    assert calls == [1, quantized_linear.KERNEL_MAX_ROWS, quantized_linear.KERNEL_MAX_ROWS + 1]
+    few, many = torch.randn(3, 100), torch.randn(quantized_linear.KERNEL_MAX_ROWS + 1, 100)
+    assert quantized_linear.block_kernel(few, layer.blocks) is blocks_linear
+    assert quantized_linear.block_kernel(many, layer.blocks) is None
+
+
+def test_every_row_count_and_format_agrees_with_one_row_at_a_time():
+    """A tile of rows computes each row as a lone row would, up to fp32 summation order."""
+    torch.manual_seed(0)
+    for fmt, m in itertools.product(FORMATS, (2, 7, 9)):
+        blocks = quantize(torch.randn(33, 96) * 0.1, fmt)
+        x = torch.randn(m, 96)
+        together = blocks_linear(x, blocks)
+        alone = torch.cat([blocks_linear(x[r : r + 1], blocks) for r in range(m)])
+        torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)

@@ -4,9 +4,9 @@
 #   OUT=/some/dir bash benchmarks/gpu_run.sh              # on the GPU machine (python3 with torch/triton)
 #   OUT=/tmp/dry  bash benchmarks/gpu_run.sh --cpu-dry-run  # the same steps on the CPU, tiny sizes
 #
-# Writes into $OUT: gpu_results.json, gpu_log.txt, pytest_gpu.txt, batching_curve.png, throughput.png
-# (at most 8 files). Each step runs in its own process under `timeout`, so a crash or a hang costs
-# only that step. The package is made importable without installing anything: PYTHONPATH points at
+# Writes into $OUT: gpu_results.json, gpu_log.txt, pytest_gpu.txt, batching_curve.png, throughput.png,
+# block_step.json (at most 8 files). Each step runs in its own process under `timeout`, so a crash or
+# a hang costs only that step. The package is made importable without installing anything: PYTHONPATH points at
 # the repository, and a tiny sitecustomize maps `lifeofprompt.kernels` to kernels/ (what
 # pyproject's package-dir does for an installed copy).
 set -u
@@ -80,6 +80,7 @@ if [ -f benchmarks/kernel_bench.py ] && [ -z "$DRY" ] && [[ ",${SKIP_STEPS:-}," 
   tail -n 30 "$WORK/kernels_bench.txt" >> "$LOG"
 fi
 run_step decode  90  $CHECK decode $DRY
+run_step block   60  $PY benchmarks/gpu_block_step.py $DRY   # GGUF block weights: batch-1 products and forward vs floor -> $OUT/block_step.json
 run_step ours    75  $CHECK ours $DRY --ours-deadline 40
 if [ -n "$DRY" ]; then PEER_CAP=30; else PEER_CAP=50; fi
 run_step peer    70  $CHECK peer $DRY --peer-timeout $PEER_CAP

@@ -421,16 +421,21 @@ def step_beside_floor(runner, weight_bytes: int, context: int, pairs: int = 21) 
     run_step(runner, [seq], [1])  # warm-up
     data = huge_page_buffer(weight_bytes // 4 * 4).view(torch.float32).fill_(1.0)
     data.sum()
-    steps, reads = [], []
+    steps, reads, forwards = [], [], []
     for _ in range(pairs):
         start = time.perf_counter()
         data.sum()
         reads.append(time.perf_counter() - start)
         start = time.perf_counter()
+        runner.forward([seq], [1])  # the forward alone (inputs built, layers, LM head); the sequence stays
+        forwards.append(time.perf_counter() - start)
+        start = time.perf_counter()
         run_step(runner, [seq], [1])
         steps.append(time.perf_counter() - start)
     ratios = [s / r for s, r in zip(steps, reads)]
     return dict(
+        median_forward_s=statistics.median(forwards),
+        forward_ratio=statistics.median([f / r for f, r in zip(forwards, reads)]),
         pairs=pairs,
         context=context,
         median_step_s=statistics.median(steps),
@@ -602,7 +607,7 @@ def llama_cpp_record(server) -> dict:
         version=module.server_version(server.binary),
         build=module.build_info(server.binary),
         command=server.command(),
-        model=f"{server.model.name} (Q4_1: ~4.5 bits a weight, where ours reads dequantized weights)",
+        model=f"{server.model.name} (Q4_1 layers, 5 bits a weight; the Q8_0 table, 8.5), read as stored",
     )
 
 
@@ -625,17 +630,24 @@ def cpu_run(args) -> dict:
 
     torch.set_num_threads(args.threads)
     llm = make_llm(
-        "smollm2-135m", "cpu", dtype=cpu_dtype(args.dtype), max_num_seqs=args.max_num_seqs, enable_prefix_caching=False
+        "smollm2-135m",
+        "cpu",
+        dtype=cpu_dtype(args.dtype),
+        max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=False,
+        quantization=args.quantization,
     )
     dtype = str(llm.engine.model.dtype).removeprefix("torch.")
+    quantization = llm.engine.model.quantization
     results: dict = {
         "env": env_info(),
         "cpu": cpu_description(),
         "threads": args.threads,
         "dtype": dtype,
+        "quantization": quantization,
         "rounds": args.rounds,
         "peers": list(args.peers),
-        "model": f"smollm2-135m ({SHORT_DTYPE.get(dtype, dtype)}, real weights)",
+        "model": f"smollm2-135m ({weights_label(dtype, quantization)}, real weights)",
         "startup_log": list(llm.engine.startup_log),
     }
     run_engine(llm, *mixed_workload(4, seed=9))  # warm-up: first-call set-up of every kernel
@@ -665,6 +677,10 @@ def cpu_run(args) -> dict:
     read = measure_read_bandwidth("cpu")
     step_s = next(r["step_s"] for r in results["batching_curve"] if r["batch"] == 1 and "step_s" in r)
     weight_bytes = decode_weight_bytes(runner.model.config, runner.model.dtype)
+    if quantization is not None:  # the bytes a step reads: the blocks and the float norms
+        from lifeofprompt.model.quantized_linear import weight_bytes as model_weight_bytes
+
+        weight_bytes = model_weight_bytes(runner.model)
     floor_s = weight_bytes / read
     paired = step_beside_floor(runner, weight_bytes, context=64)
     # "ratio" (the target's): the median of step ÷ read taken in pairs, so the VM's drift cancels;
@@ -681,7 +697,8 @@ def cpu_run(args) -> dict:
     print(
         f"batch-1 step {step_s * 1e3:.1f} ms, floor {floor_s * 1e3:.1f} ms ({read / 1e9:.1f} GB/s read): "
         f"{step_s / floor_s:.2f}x; in {paired['pairs']} step/read pairs {paired['ratio']:.2f}x "
-        f"(median step {paired['median_step_s'] * 1e3:.1f} ms, read {paired['median_read_s'] * 1e3:.1f} ms)",
+        f"(median step {paired['median_step_s'] * 1e3:.1f} ms, read {paired['median_read_s'] * 1e3:.1f} ms); "
+        f"the forward alone {paired['median_forward_s'] * 1e3:.1f} ms, {paired['forward_ratio']:.2f}x",
         flush=True,
     )
     results["targets"] = targets(results)
@@ -703,12 +720,18 @@ def parse_peers(text: str) -> tuple[str, ...]:
     return peers
 
 
+def weights_label(dtype: str, quantization: str | None) -> str:
+    """``fp32``, ``bf16``, or the blocks' name (``gguf``, ``q8_0``, ``q4_1``): what a step reads."""
+    return quantization or SHORT_DTYPE.get(dtype, dtype)
+
+
 def result_stem(results: dict, stamp: str) -> str:
     """``<cpu-slug>_<date>``, with threads and dtype added when they are not the default 1 and float32,
     so runs of one day at other settings do not overwrite each other."""
     stem = cpu_file_slug(results["cpu"])
-    if results["threads"] != 1 or results["dtype"] != "float32":
-        stem += f"_{results['threads']}t_{SHORT_DTYPE.get(results['dtype'], results['dtype'])}"
+    weights = weights_label(results["dtype"], results.get("quantization"))
+    if results["threads"] != 1 or weights != "fp32":
+        stem += f"_{results['threads']}t_{weights}"
     return f"{stem}_{stamp}"
 
 
@@ -745,16 +768,25 @@ def main(argv=None) -> int:
         default=2,
         help="runs of each peer, alternating; the fastest counts (batch-1 decode: one more)",
     )
+    parser.add_argument(
+        "--quantization",
+        choices=["none", "gguf", "q8_0", "q4_1", "auto"],
+        default="none",
+        type=str,
+        help="our engine's weights: none (floats, --dtype), gguf (the file's own Q4_1/Q8_0 blocks), q8_0/q4_1 "
+        "(quantized at load), auto (the engine's choice)",
+    )
     parser.add_argument("--peer-timeout", type=float, default=300, help="cap on transformers' continuous batching run")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    args.quantization = None if args.quantization == "none" else args.quantization
     results = cpu_run(args)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = result_stem(results, time.strftime("%Y%m%d"))
     path = args.out / f"cpu_engine_{stem}.json"
     path.write_text(json.dumps(results, indent=2, default=str))
     title = (
-        f"SmolLM2-135M {SHORT_DTYPE.get(results['dtype'], results['dtype'])} on {results['cpu']['model']} "
+        f"SmolLM2-135M {weights_label(results['dtype'], results.get('quantization'))} on {results['cpu']['model']} "
         f"({args.threads} thread{'s' if args.threads > 1 else ''}), {results['env']['date']}"
     )
     panels = {name: results[k] for k, name in CPU_PANELS.items() if k in results}

@@ -54,7 +54,9 @@ def cpu_name(result: dict) -> tuple[str, bool]:
 
 
 def dtype_of(result: dict) -> str:
-    """``dtype`` when recorded; older files only say it in ``model``, e.g. "smollm2-135m (fp32, ...)"."""
+    """The weights' format: ``quantization`` or ``dtype`` when recorded; older files only say it in ``model``."""
+    if result.get("quantization"):  # weights kept as blocks: what a step reads
+        return result["quantization"]
     if result.get("dtype"):
         return {"float32": "fp32", "bfloat16": "bf16"}.get(result["dtype"], result["dtype"])
     model = result.get("model", "")

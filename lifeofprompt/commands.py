@@ -108,7 +108,7 @@ def _engine_for_serving(args):
     """An ``LLMEngine`` from the serve flags."""
     from .engine.llm_engine import LLMEngine
 
-    return LLMEngine(args.model, **engine_settings(args))
+    return LLMEngine(args.model, **engine_settings(args, quantization=getattr(args, "quantization", "auto")))
 
 
 def serve(args) -> int:

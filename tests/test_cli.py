@@ -92,3 +92,20 @@ def test_generate_honours_temperature_and_seed(capsys):
     assert runs[0] == runs[1]
     assert runs[2] == "hello there's no need to do it."
     assert runs[0] != runs[2]
+
+
+def test_generate_on_the_gguf_blocks_says_so():
+    out = run("generate", "hi my name is", "--max-tokens", "4", "--quantization", "gguf")
+    assert out.returncode == 0, out.stderr
+    assert "the GGUF's own blocks" in out.stdout
+
+
+def test_the_quantization_flag_reads_as_the_engine_does():
+    from lifeofprompt.cli import build_parser
+    from lifeofprompt.commands import _quantization
+
+    parse = build_parser().parse_args
+    assert _quantization(parse(["generate", "hi", "--quantization", "none"])) is None
+    assert _quantization(parse(["generate", "hi", "--quantization", "q4_1"])) == "q4_1"
+    assert _quantization(parse(["generate", "hi", "--cpu-tuning", "linear"])) is None  # auto with a pinned path: floats
+    assert _quantization(parse(["generate", "hi", "--cpu-tuning", "auto"])) == "auto"

@@ -136,3 +136,32 @@ def memory_panel(
     panel.controls = controls  # for tests and for readers who want to set values in code
     panel.shown = shown
     return panel
+
+
+def bytes_per_weight_figure(steps, footer: str = ""):
+    """Notebook 05b: for each way of holding the weights, the batch-1 step's floor (bytes ÷ read rate) and the
+    step measured, side by side, in milliseconds; each pair labelled with its bits per weight."""
+    import matplotlib.pyplot as plt
+
+    from .footer import add_footer
+
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    x = range(len(steps))
+    floors = [s.floor_s * 1e3 for s in steps]
+    measured = [s.step_s * 1e3 for s in steps]
+    ax.bar(
+        [i - 0.2 for i in x], floors, width=0.4, color="#c6d3e6", edgecolor="#4c72b0", label="floor: bytes ÷ read rate"
+    )
+    ax.bar([i + 0.2 for i in x], measured, width=0.4, color="#4c72b0", label="batch-1 step, measured")
+    for i in x:
+        ax.text(i + 0.2, measured[i], f"{measured[i]:.1f}", ha="center", va="bottom", fontsize=8)
+        ax.text(i - 0.2, floors[i], f"{floors[i]:.1f}", ha="center", va="bottom", fontsize=8, color="#4c72b0")
+    ax.set_xticks(list(x), [f"{s.label}\n{s.bits_per_weight:.1f} bits/weight" for s in steps], fontsize=8.5)
+    ax.set_ylabel("milliseconds per token")
+    ax.set_title("Fewer bytes per weight: the floor falls with the bytes; the step follows as far as unpacking allows")
+    ax.legend(frameon=False, fontsize=8)
+    ax.spines[["top", "right"]].set_visible(False)
+    if footer:
+        add_footer(fig, footer)
+    fig.tight_layout()
+    return fig

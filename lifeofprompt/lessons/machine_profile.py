@@ -119,7 +119,13 @@ def measure_decode_step(context: int = PROFILE_CONTEXT) -> float:
     from .serving_study import time_decode_steps
 
     engine = LLMEngine(
-        "smollm2-135m", dtype=torch.float32, device="cpu", num_kv_blocks=64, max_num_seqs=1, log_stats=False
+        "smollm2-135m",
+        dtype=torch.float32,
+        quantization=None,  # the profile's step is fp32's: 05b sets the blocks' beside it
+        device="cpu",
+        num_kv_blocks=64,
+        max_num_seqs=1,
+        log_stats=False,
     )
     time_decode_steps(engine, 1, prompt_len=16, decode_steps=2)  # warm-up
     return time_decode_steps(engine, 1, prompt_len=context, decode_steps=PROFILE_DECODE_STEPS).step_s

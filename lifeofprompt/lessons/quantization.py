@@ -68,3 +68,55 @@ def decode_floors(stored: StoredWeights, read_bandwidth: float) -> list[Floor]:
     n = stored.num_weights
     rows = [("as stored (Q4_1 + Q8_0 table + fp32 norms)", stored.total_bytes), ("bf16", 2 * n), ("fp32", 4 * n)]
     return [Floor(label, nbytes, nbytes / read_bandwidth) for label, nbytes in rows]
+
+
+# ----------------------------------------------------------------------------- the engine on each format (05b)
+
+FORMATS = {  # label: how load_model makes it
+    "fp32": dict(dtype="float32"),
+    "bf16": dict(dtype="bfloat16"),
+    "Q8_0 (at load)": dict(quantization="q8_0"),
+    "Q4_1 (at load)": dict(quantization="q4_1"),
+    "GGUF as stored": dict(quantization="gguf"),
+}
+
+
+@dataclass(frozen=True)
+class FormatStep:
+    """One way of holding the embedded model: the bytes a step reads, their floor, the measured step, perplexity."""
+
+    label: str
+    weight_bytes: int
+    floor_s: float
+    step_s: float
+    path: str  # how the step ran: the C step, or torch's layers for bf16
+    perplexity: float
+
+    @property
+    def bits_per_weight(self) -> float:
+        from ..model.config import SMOLLM2_135M
+
+        return 8 * self.weight_bytes / SMOLLM2_135M.num_parameters()
+
+
+def measure_format(label: str, read_bandwidth: float) -> FormatStep:
+    """Load the embedded model the ``label`` way (``FORMATS``), time its batch-1 decode step, score its perplexity.
+
+    fp32 and blocks run the C step (``model/cpu_decode.py``), which computes in fp32; bf16 runs torch's
+    layers, whose bf16 products use the CPU's own bf16 instructions where it has them.
+    """
+    from ..model.block_calibration import fastest_float_step, step_seconds
+    from ..model.forward_path import ForwardPath
+    from ..model.loader import load_model
+    from ..model.quantized_linear import weight_bytes
+    from .perplexity import perplexity
+
+    model, tokenizer = load_model("smollm2-135m", **FORMATS[label])
+    if label == "bf16":
+        step, path = step_seconds(model, ForwardPath.TORCH), "torch layers"
+    elif model.quantization is None:
+        step, path = fastest_float_step(model), "C step"
+    else:
+        step, path = step_seconds(model, ForwardPath.C_STEP), "C step"
+    nbytes = weight_bytes(model)
+    return FormatStep(label, nbytes, nbytes / read_bandwidth, step, path, perplexity(model, tokenizer))

@@ -22,3 +22,21 @@ def test_floors_scale_with_bytes():
     assert [f.weight_bytes for f in floors] == [90, 180, 360]
     assert [f.floor_s for f in floors] == pytest.approx([9.0, 18.0, 36.0])
     assert SMOLLM2_135M.tie_word_embeddings  # why the whole table counts: the LM head reads it
+
+
+def test_the_bytes_per_weight_figure_pairs_each_floor_with_its_step():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from lifeofprompt.figures.memory import bytes_per_weight_figure
+    from lifeofprompt.lessons.quantization import FormatStep
+
+    steps = [
+        FormatStep("fp32", 538_000_000, 0.018, 0.020, "C step", 29.5),
+        FormatStep("Q4_1", 84_000_000, 0.003, 0.006, "C step", 31.3),
+    ]
+    ax = bytes_per_weight_figure(steps, footer="a machine").axes[0]
+    heights = sorted(round(p.get_height(), 3) for p in ax.patches)
+    assert heights == [3.0, 6.0, 18.0, 20.0]  # two floors and two steps, in milliseconds
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    assert labels[0].startswith("fp32\n32.0 bits") and labels[1].startswith("Q4_1\n5.0 bits")

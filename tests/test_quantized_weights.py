@@ -126,3 +126,54 @@ def test_auto_keeps_the_blocks_only_where_they_timed_faster(blocks_s, floats_s, 
     quantization, why = resolve_quantization("smollm2-135m", torch.device("cpu"), "auto")
     assert quantization == chosen and f"{blocks_s * 1e3:.1f} ms with the GGUF's blocks" in why
     assert resolve_quantization("tinyllama-1.1b-random", torch.device("cpu"), "auto")[0] is None
+
+
+def dequantized_twin(model):
+    """A float copy of a block model: every ``QuantizedLinear`` replaced by a ``Linear`` of its dequantized weights."""
+    import copy
+
+    from lifeofprompt.model.linear import Linear
+
+    twin = copy.deepcopy(model)
+    for name, module in list(twin.named_modules()):
+        if isinstance(module, QuantizedLinear):
+            linear = Linear(module.in_features, module.out_features, bias=False)
+            linear.weight.data = module.blocks.dequantize()
+            parent, _, attr = name.rpartition(".")
+            setattr(twin.get_submodule(parent) if parent else twin, attr, linear)
+    if isinstance(twin.embed_tokens, QuantizedEmbedding):
+        twin.embed_tokens = torch.nn.Embedding.from_pretrained(twin.lm_head.weight)
+    return twin
+
+
+def test_the_engine_on_the_c_step_with_blocks_decodes_the_fp32_engines_tokens(gguf_model, smollm2, story_ids):
+    """Same weights, another summation order: greedy tokens equal up to the first step within bf16's margin."""
+    from lifeofprompt.lessons.agreement import assert_greedy_agrees, teacher_forced_logits, top2_margins
+
+    params = SamplingParams(max_tokens=16, temperature=0)
+    runs = {}
+    for name, (model, tokenizer) in {"blocks": gguf_model, "fp32": smollm2}.items():
+        llm = LLM(model, tokenizer=tokenizer, cpu_tuning="c-step", num_kv_blocks=64, max_num_seqs=4, log_stats=False)
+        assert llm.engine.runner.speedups.c_step_rows >= 3  # the story's three decodes go through the C step
+        runs[name] = [
+            o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": i} for i in story_ids], params)
+        ]
+    margins = [top2_margins(teacher_forced_logits(smollm2[0], p, r)) for p, r in zip(story_ids, runs["fp32"])]
+    assert_greedy_agrees(runs["blocks"], runs["fp32"], margins, BF16_TOLERANCE, min_steps=24)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_tinyllama_quantized_at_load_decodes_as_its_dequantized_twin(fmt):
+    """TinyLlama's shapes (random weights) through the engine's C step on blocks, against the same blocks dequantized
+    to fp32: only the summation order differs, so fp32's tolerance applies (``agreement.FP32_TOLERANCE``)."""
+    from lifeofprompt.lessons.agreement import FP32_TOLERANCE, teacher_forced_logits
+
+    llm = LLM("tinyllama-1.1b-random", quantization=fmt, cpu_tuning="c-step", num_kv_blocks=16, log_stats=False)
+    model = llm.engine.model
+    assert model.lm_head.format == fmt and "RANDOM" in model.source
+    prompt = llm.engine.tokenizer.encode("hi my name is")
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=8, temperature=0))
+    tokens = out[0].outputs[0].token_ids
+    reference = teacher_forced_logits(dequantized_twin(model), prompt, tokens)
+    assert_argmax_agrees(tokens, reference, FP32_TOLERANCE, min_decided=4)

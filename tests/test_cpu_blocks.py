@@ -170,3 +170,17 @@ def test_every_row_count_and_format_agrees_with_one_row_at_a_time():
         together = blocks_linear(x, blocks)
         alone = torch.cat([blocks_linear(x[r : r + 1], blocks) for r in range(m)])
         torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("inner", [32, 96, 576, 1536])
+@torch.no_grad()
+def test_each_row_count_up_to_a_tile_is_the_dequantized_product(fmt, inner):
+    """With AVX-512, one row of x and 2 to 8 rows take loops of their own (``cpu_blocks.h``: a lookup of a
+    block's sixteen Q4_1 weights by nibble, Q8_0 sign-extended in one instruction), unrolled over pairs
+    of blocks for one row: an odd and an even number of blocks, every nibble and byte, each row count."""
+    torch.manual_seed(inner)
+    for m in range(1, 10):
+        x = torch.randn(m, inner)
+        for blocks in (quantize(torch.randn(67, inner) * 0.1, fmt), random_blocks(fmt, 67, inner, seed=m)):
+            assert_matches(blocks_linear(x, blocks), x, blocks)

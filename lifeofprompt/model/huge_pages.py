@@ -60,13 +60,17 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
 
 
 def move_weights_to_huge_pages(model: nn.Module) -> int:
-    """Copy every CPU parameter of ``model`` into one huge-page buffer, in place; returns the bytes moved.
+    """Copy every CPU parameter of ``model``, and the planes of its block matrices, into one huge-page buffer,
+    in place; returns the bytes moved.
 
     Tied parameters (one ``Parameter`` in two modules) are moved once and stay tied. Returns 0,
     changing nothing, where the system has no huge pages, the weights are not on the CPU, or
     they were moved already (several runners over one model).
     """
-    params = [p for p in model.parameters() if p.device.type == "cpu"]
+    from .quantized_linear import QuantizedLinear
+
+    planes = [t for m in model.modules() if isinstance(m, QuantizedLinear) for t in m.blocks.tensors()]
+    params = [p for p in [*model.parameters(), *planes] if p.device.type == "cpu"]
     if (
         not params
         or not huge_pages_available()

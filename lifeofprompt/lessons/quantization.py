@@ -99,24 +99,39 @@ class FormatStep:
         return 8 * self.weight_bytes / SMOLLM2_135M.num_parameters()
 
 
-def measure_format(label: str, read_bandwidth: float) -> FormatStep:
-    """Load the embedded model the ``label`` way (``FORMATS``), time its batch-1 decode step, score its perplexity.
+def measure_formats(labels: list[str], read_bandwidth: float, rounds: int = 3) -> list[FormatStep]:
+    """Load the embedded model each ``label`` way (``FORMATS``), time its batch-1 decode step, score its perplexity.
 
-    fp32 and blocks run the C step (``model/cpu_decode.py``), which computes in fp32; bf16 runs torch's
-    layers, whose bf16 products use the CPU's own bf16 instructions where it has them.
+    The formats take turns, ``rounds`` times, and each keeps its fastest median: a moment of load on a shared
+    machine then slows one round of every format rather than all rounds of one. fp32 and blocks run the C
+    step (``model/cpu_decode.py``), which computes in fp32; bf16 runs torch's layers, whose bf16 products use
+    the CPU's own bf16 instructions where it has them.
     """
-    from ..model.block_calibration import fastest_float_step, step_seconds
-    from ..model.forward_path import ForwardPath
     from ..model.loader import load_model
     from ..model.quantized_linear import weight_bytes
     from .perplexity import perplexity
 
-    model, tokenizer = load_model("smollm2-135m", **FORMATS[label])
+    loaded = {label: load_model("smollm2-135m", **FORMATS[label]) for label in labels}
+    times = {label: [] for label in labels}
+    for _ in range(rounds):
+        for label in labels:
+            times[label].append(_step_seconds(label, loaded[label][0]))
+    steps = []
+    for label, (model, tokenizer) in loaded.items():
+        nbytes, path = weight_bytes(model), "torch layers" if label == "bf16" else "C step"
+        steps.append(
+            FormatStep(label, nbytes, nbytes / read_bandwidth, min(times[label]), path, perplexity(model, tokenizer))
+        )
+    return steps
+
+
+def _step_seconds(label: str, model) -> float:
+    """One timing of a batch-1 step: torch's layers for bf16, else the C step (fp32 in its faster layout)."""
+    from ..model.block_calibration import fastest_float_step, step_seconds
+    from ..model.forward_path import ForwardPath
+
     if label == "bf16":
-        step, path = step_seconds(model, ForwardPath.TORCH), "torch layers"
-    elif model.quantization is None:
-        step, path = fastest_float_step(model), "C step"
-    else:
-        step, path = step_seconds(model, ForwardPath.C_STEP), "C step"
-    nbytes = weight_bytes(model)
-    return FormatStep(label, nbytes, nbytes / read_bandwidth, step, path, perplexity(model, tokenizer))
+        return step_seconds(model, ForwardPath.TORCH)
+    if model.quantization is None:
+        return fastest_float_step(model)
+    return step_seconds(model, ForwardPath.C_STEP)

@@ -41,7 +41,11 @@ def one_row_step(model, context: int = TIMING_CONTEXT, block_size: int = TIMING_
 
 @torch.no_grad()
 def step_seconds(model, path: ForwardPath) -> float:
-    """The median time of a batch-1 decode step, logits included, the ``path`` way."""
+    """The median time of a batch-1 decode step, logits included, the ``path`` way, with the weights in 2 MiB
+    pages where the system has them, as the engine places them (``huge_pages.py``)."""
+    from .huge_pages import move_weights_to_huge_pages
+
+    move_weights_to_huge_pages(model)
     inputs = one_row_step(model)
     times = []
     for i in range(ROUNDS + 2):

@@ -5,9 +5,9 @@ import itertools
 import pytest
 import torch
 
-from lifeofprompt.model import quantized_linear
+from lifeofprompt.model import cpu_blocks, quantized_linear
 from lifeofprompt.model.block_formats import BlockWeight, dequantize, quantize
-from lifeofprompt.model.cpu_blocks import blocks_kernel_available, blocks_linear
+from lifeofprompt.model.cpu_blocks import blocks_kernel_available, blocks_linear, dequantize_rows
 from lifeofprompt.model.quantized_linear import QuantizedLinear
 
 pytestmark = [
@@ -143,9 +143,10 @@ def test_the_kernel_reads_fp32_rows_of_the_matrix_width():
 @pytest.mark.parametrize("fmt", FORMATS)
 @torch.no_grad()
 def test_a_quantized_layer_takes_the_kernel_for_few_rows_and_dequantizes_for_many(fmt, monkeypatch):
-    """``QuantizedLinear`` on the CPU: up to ``KERNEL_MAX_ROWS`` rows the compiled kernel, more the
-    dequantizing fallback, and both compute the same product."""
+    """``QuantizedLinear`` on the CPU: up to its row limit (timed per machine, here pinned) the compiled kernel,
+    more the dequantizing fallback, and both compute the same product."""
     layer = QuantizedLinear(quantize(torch.randn(50, 100) * 0.1, fmt))
+    monkeypatch.setattr(quantized_linear, "cpu_kernel_rows", lambda: quantized_linear.KERNEL_MAX_ROWS)
     calls = []
     monkeypatch.setattr(
         quantized_linear,
@@ -184,3 +185,109 @@ def test_each_row_count_up_to_a_tile_is_the_dequantized_product(fmt, inner):
         x = torch.randn(m, inner)
         for blocks in (quantize(torch.randn(67, inner) * 0.1, fmt), random_blocks(fmt, 67, inner, seed=m)):
             assert_matches(blocks_linear(x, blocks), x, blocks)
+
+
+# ----------------------------------------------------------------------------- dequantize_rows (prefill)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("inner", [32, 72, 100, 576])
+def test_the_compiled_dequantization_is_torch_s_bit_for_bit(fmt, inner):
+    """``dequantize_rows`` writes the very floats of ``BlockWeight.dequantize`` (``d * q``, then ``+ m``, each
+    rounded; no fused multiply-add): every bit pattern, ragged widths, row ranges that are no multiple of a
+    thread's chunk, the true and the padded width, one thread and two."""
+    previous = torch.get_num_threads()
+    try:
+        for threads, blocks in itertools.product(
+            (1, 2), (quantize(torch.randn(101, inner) * 0.1, fmt), random_blocks(fmt, 101, inner, seed=inner))
+        ):
+            torch.set_num_threads(threads)
+            for first, last in ((0, 101), (0, 1), (3, 40), (33, 97), (100, 101), (7, 7)):
+                want = blocks.dequantize(torch.float32, first, last)
+                got = dequantize_rows(blocks, first, last)
+                assert got.shape == want.shape
+                assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+                padded = dequantize_rows(blocks, first, last, padded=True)
+                assert padded.shape == (last - first, blocks.blocks_per_row * 32)
+                assert torch.equal(padded[:, :inner].view(torch.int32), want.view(torch.int32))
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_the_compiled_dequantization_writes_into_a_scratch_buffer():
+    """``out``: the rows land at its front and the result is a view of it; a buffer too small, of
+    another dtype or not contiguous is refused, as are rows outside the matrix."""
+    blocks = random_blocks("q4_1", 40, 100, seed=3)
+    scratch = torch.full((64 * 100,), float("nan"))
+    got = dequantize_rows(blocks, 5, 30, out=scratch)
+    assert got.data_ptr() == scratch.data_ptr() and got.shape == (25, 100)
+    assert torch.equal(got, blocks.dequantize(torch.float32, 5, 30))
+    assert scratch[25 * 100 :].isnan().all()
+    for wrong in (torch.empty(25 * 100 - 1), torch.empty(25 * 100, dtype=torch.float64), torch.empty(100, 50).t()):
+        with pytest.raises(ValueError, match="out must be"):
+            dequantize_rows(blocks, 5, 30, out=wrong)
+    for first, last in ((-1, 3), (5, 41), (6, 5)):
+        with pytest.raises(ValueError, match="not within"):
+            dequantize_rows(blocks, first, last)
+
+
+def exact_product(x: torch.Tensor, blocks: BlockWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x @ W.T`` in float64 on the fp32 weights, and a bound for an fp32 product in any summation order
+    (BLAS's): at most ``in`` roundings in a chain, each by ``EPS`` of the magnitudes summed."""
+    w = blocks.dequantize(torch.float32).double()
+    x64 = x.double()
+    return x64 @ w.t(), (blocks.in_features + 1) * EPS * (x64.abs() @ w.abs().t())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m, out, inner", [(17, 70, 72), (64, 300, 100), (300, 129, 576), (33, 1100, 1536)])
+@torch.no_grad()
+def test_the_compiled_dequantized_product_for_many_rows(fmt, m, out, inner, monkeypatch):
+    """``dequantized_product`` on the CPU takes ``dequantize_rows`` for each tile of output rows (here tiles
+    of 64 rows, so that most products have several and a ragged last one) and BLAS for the product: the
+    dequantized product within fp32 summation tolerance, and the torch fallback's result as closely."""
+    torch.manual_seed(m + out)
+    monkeypatch.setattr(quantized_linear, "CPU_DEQUANTIZE_ROWS", 64)
+    tiles = []
+
+    def counted(blocks, first, last, **kwargs):
+        tiles.append((first, last))
+        return dequantize_rows(blocks, first, last, **kwargs)
+
+    monkeypatch.setattr(cpu_blocks, "dequantize_rows", counted)
+    x = torch.randn(m, inner)
+    for blocks in (quantize(torch.randn(out, inner) * 0.1, fmt), random_blocks(fmt, out, inner, seed=m)):
+        tiles.clear()
+        got = quantized_linear.dequantized_product(x, blocks, torch.float32)
+        assert tiles == [(first, min(first + 64, out)) for first in range(0, out, 64)]
+        want, bound = exact_product(x, blocks)
+        assert got.dtype == torch.float32 and got.shape == (m, out)
+        assert ((got.double() - want).abs() <= bound).all()
+        with monkeypatch.context() as no_compiler:
+            no_compiler.setattr(cpu_blocks, "dequantize_kernel", lambda: None)
+            fallback = quantized_linear.dequantized_product(x, blocks, torch.float32)
+        assert len(tiles) == -(-out // 64)
+        assert ((fallback.double() - want).abs() <= bound).all()
+
+
+@torch.no_grad()
+def test_a_quantized_layer_prefills_through_the_compiled_dequantization():
+    """A layer given more than ``KERNEL_MAX_ROWS`` rows (a prompt) under ``no_grad``, and one under autograd
+    (which always dequantizes), both compute the product; another output dtype is honoured."""
+    layer = QuantizedLinear(random_blocks("q8_0", 200, 100, seed=5))
+    x = torch.randn(2, 40, 100)
+    want, bound = exact_product(x.reshape(-1, 100), layer.blocks)
+    got = layer(x)
+    assert got.shape == (2, 40, 200)
+    assert ((got.reshape(-1, 200).double() - want).abs() <= bound).all()
+    half = quantized_linear.dequantized_product(x.reshape(-1, 100), layer.blocks, torch.bfloat16)
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), got.reshape(-1, 200), rtol=1e-2, atol=1e-2)
+
+
+def test_the_kernels_row_limit_is_what_the_timing_found(monkeypatch, tmp_path):
+    """The CPU's row limit follows the measurement: the last timed count the kernel won, never under the floor."""
+    monkeypatch.setenv("LIFEOFPROMPT_CACHE", str(tmp_path))
+    clock = iter([0.0, 1.0, 0.0, 2.0] + [0.0, 1.0, 0.0, 2.0] + [0.0, 3.0, 0.0, 2.0] * 3)  # wins at 16, 64; loses at 256
+    monkeypatch.setattr("time.perf_counter", lambda: next(clock))
+    assert quantized_linear.kernel_row_limit() == 64

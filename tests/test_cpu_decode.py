@@ -131,7 +131,7 @@ def test_the_c_step_reads_blocks_and_computes_the_dequantized_forward(seed, fmt,
     taken out of the torch path, so the two share no product code). The random widths include ones
     that are not whole blocks of 32 (40, 100, 36, 130; heads of 34), and (seed 5) a model with
     a packable shape, which still gets no packed copy."""
-    monkeypatch.setattr(quantized_linear, "KERNEL_MAX_ROWS", 0)
+    monkeypatch.setattr(quantized_linear, "cpu_kernel_rows", lambda: 0)
     rng = random.Random(100 + seed)
     model = quantize_model(random_model(rng, packable=seed == 5), fmt)
     assert cpu_decode.supports(model) and cpu_decode.packed_mask(model) == 0
@@ -142,7 +142,7 @@ def test_the_c_step_reads_blocks_and_computes_the_dequantized_forward(seed, fmt,
 def test_each_matrix_is_read_in_its_own_format(monkeypatch):
     """Formats mixed across layers and matrices (as a GGUF may mix them): layer 0 all Q4_1; in
     layer 1 an fp32 o_proj, a Q8_0 gate_up and Q4_1 qkv and down. Each is read as it is stored."""
-    monkeypatch.setattr(quantized_linear, "KERNEL_MAX_ROWS", 0)
+    monkeypatch.setattr(quantized_linear, "cpu_kernel_rows", lambda: 0)
     rng = random.Random(7)
     model = quantize_model(random_model(rng, packable=True), "q4_1")
     layer = model.layers[1]
@@ -634,7 +634,7 @@ def test_a_quantized_smollm2_runs_its_steps_in_c(smollm2_q4_1, rows, monkeypatch
     step = Sequence("s", prefix + new, Params(temperature=0))
     step.num_computed_tokens, step.block_table = len(prefix), [3, 9, 5]
     cache = runner.kv_cache.kv.clone()
-    monkeypatch.setattr(quantized_linear, "KERNEL_MAX_ROWS", 0)  # the reference dequantizes every matrix
+    monkeypatch.setattr(quantized_linear, "cpu_kernel_rows", lambda: 0)  # the reference dequantizes every matrix
     want = model.hidden_states(*runner.prepare([step], [rows]))
     runner.kv_cache.kv.copy_(cache)
     got = model.hidden_states(*runner.prepare([step], [rows]), path=ForwardPath.C_STEP)

@@ -81,6 +81,15 @@ class BlockWeight:
         return dequantize(self.rows(first, self.out_features if last is None else last), dtype)
 
 
+def weight_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every tensor of weights a step reads: the float parameters, and the planes of each module that keeps a
+    matrix as blocks (its ``blocks``: ``quantized_linear.QuantizedLinear``)."""
+    planes = [
+        t for m in model.modules() if isinstance(getattr(m, "blocks", None), BlockWeight) for t in m.blocks.tensors()
+    ]
+    return [*model.parameters(), *planes]
+
+
 def concatenate(parts: list[BlockWeight]) -> BlockWeight:
     """Stack matrices of one format and width row-wise (q/k/v into qkv, gate/up into gate_up): exact."""
     first = parts[0]

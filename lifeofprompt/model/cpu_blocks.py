@@ -82,3 +82,58 @@ def blocks_linear(x: torch.Tensor, blocks: BlockWeight) -> torch.Tensor:
     if failed:
         raise MemoryError("the block kernel could not allocate its copy of x")
     return out
+
+
+@functools.cache
+def dequantize_kernel():
+    """The compiled ``dequantize_rows`` function, or None where it cannot be built here."""
+    args = [ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long]
+    return c_function(
+        SOURCE, "dequantize_rows", args + [ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_int], ctypes.c_int
+    )
+
+
+def dequantize_rows(
+    blocks: BlockWeight, first: int = 0, last: int | None = None, out: torch.Tensor | None = None, padded: bool = False
+) -> torch.Tensor:
+    """Rows ``first .. last - 1`` of a CPU block matrix as fp32 ``[rows, width]``, in one compiled pass.
+
+    The floats are bit for bit ``blocks.dequantize(torch.float32, first, last)`` (``d * q``, or
+    ``d * q`` then ``+ m``, each rounded: no fused multiply-add). ``width`` is ``in_features``, or
+    with ``padded`` the row's whole blocks (``blocks_per_row * 32``: a ragged last block's padding
+    included). ``out``: a contiguous fp32 tensor of at least ``rows * width`` elements to write into
+    (a scratch buffer reused across tiles); the result is then a view of its front. Runs on
+    ``torch.get_num_threads()`` OpenMP threads.
+    """
+    kernel = dequantize_kernel()
+    if kernel is None:
+        raise RuntimeError("the block kernel is not available on this machine (no C compiler, or its build failed)")
+    last = blocks.out_features if last is None else last
+    if not 0 <= first <= last <= blocks.out_features:
+        raise ValueError(f"rows {first}..{last} are not within the matrix's {blocks.out_features}")
+    if not blocks.quants.is_cpu:
+        raise ValueError("dequantize_rows reads CPU tensors only")
+    width = blocks.blocks_per_row * 32 if padded else blocks.in_features
+    rows = last - first
+    if out is None:
+        out = torch.empty(rows, width, dtype=torch.float32)
+    elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() < rows * width:
+        raise ValueError(f"out must be a contiguous fp32 tensor of at least {rows * width} elements")
+    planes = [t.contiguous() for t in blocks.tensors()]
+    quants, scales = planes[0], planes[1]
+    mins = planes[2] if blocks.mins is not None else None
+    failed = kernel(
+        FORMAT_CODES[blocks.format],
+        quants.data_ptr(),
+        scales.data_ptr(),
+        mins.data_ptr() if mins is not None else None,
+        blocks.in_features,
+        first,
+        last,
+        out.data_ptr(),
+        width,
+        torch.get_num_threads(),
+    )
+    if failed:
+        raise ValueError(f"dequantize_rows refused format {blocks.format!r} or width {width}")
+    return out.reshape(-1)[: rows * width].view(rows, width)

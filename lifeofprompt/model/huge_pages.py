@@ -67,10 +67,9 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
     changing nothing, where the system has no huge pages, the weights are not on the CPU, or
     they were moved already (several runners over one model).
     """
-    from .quantized_linear import QuantizedLinear
+    from .block_formats import weight_tensors
 
-    planes = [t for m in model.modules() if isinstance(m, QuantizedLinear) for t in m.blocks.tensors()]
-    params = [p for p in [*model.parameters(), *planes] if p.device.type == "cpu"]
+    params = [p for p in weight_tensors(model) if p.device.type == "cpu"]
     if (
         not params
         or not huge_pages_available()

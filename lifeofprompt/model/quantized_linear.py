@@ -14,12 +14,15 @@ numbers only inside the product:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from .block_formats import BlockWeight
 
 DEQUANTIZE_ROWS = 4096  # output rows dequantized at a time on the fallback path
+CPU_DEQUANTIZE_ROWS = 1024  # the same with the compiled dequantization (cpu_blocks.dequantize_rows)
 KERNEL_MAX_ROWS = 16  # activation rows up to which the block kernels beat dequantize-and-multiply
 
 
@@ -89,7 +92,7 @@ def block_product(x: torch.Tensor, blocks: BlockWeight, out_dtype: torch.dtype) 
 
 def block_kernel(x: torch.Tensor, blocks: BlockWeight):
     """The compiled or Triton kernel that takes this product, or None for the dequantizing fallback."""
-    if x.shape[0] > KERNEL_MAX_ROWS or torch.is_grad_enabled():
+    if torch.is_grad_enabled() or x.shape[0] > (cpu_kernel_rows() if x.is_cpu else KERNEL_MAX_ROWS):
         return None
     if x.is_cpu:
         from .cpu_blocks import blocks_kernel_available, blocks_linear
@@ -102,8 +105,70 @@ def block_kernel(x: torch.Tensor, blocks: BlockWeight):
     return None
 
 
+ROW_COUNTS_TIMED = (16, 64, 256, 1024)  # activation rows at which the CPU's two ways are timed
+
+
+@functools.cache
+def cpu_kernel_rows() -> int:
+    """The most activation rows the CPU's block kernel takes: timed once per machine against dequantizing tiles into
+    BLAS (``kernel_row_limit``), since which is faster for a prompt chunk depends on the CPU's vector units."""
+    from .cpu_blocks import blocks_kernel_available
+
+    return kernel_row_limit() if blocks_kernel_available() else KERNEL_MAX_ROWS
+
+
+def kernel_row_limit() -> int:
+    """The largest of ``ROW_COUNTS_TIMED`` up to which the block kernel beat dequantize-then-multiply on a
+    3072 x 576 Q4_1 matrix (SmolLM2's gate_up), never below ``KERNEL_MAX_ROWS``; cached per machine.
+    (On the AVX-512 EPYC the kernel won at every count, 1,024 rows included, at one thread and two.)"""
+    import time
+
+    from .block_formats import quantize
+    from .cpu_blocks import blocks_linear
+    from .linear_calibration import cached_answer, machine_key
+
+    def measure():
+        blocks = quantize(torch.randn(3072, 576, generator=torch.Generator().manual_seed(0)) * 0.02, "q4_1")
+        limit, seconds = KERNEL_MAX_ROWS, {}
+        for rows in ROW_COUNTS_TIMED:
+            x = torch.randn(rows, 576)
+            times = {}
+            for name, product in (("kernel", blocks_linear), ("dequantize", dequantized_product)):
+                args = (x, blocks) if name == "kernel" else (x, blocks, x.dtype)
+                product(*args)  # warm-up
+                start = time.perf_counter()
+                product(*args)
+                times[name] = time.perf_counter() - start
+            seconds[rows] = times
+            if times["kernel"] > times["dequantize"]:
+                break
+            limit = rows
+        return limit, f"the block kernel up to {limit} rows", dict(seconds=seconds)
+
+    key = dict(machine_key(), version=1, what="block kernel vs dequantize-then-BLAS, by rows")
+    return int(cached_answer(key, measure)[0])
+
+
 def dequantized_product(x: torch.Tensor, blocks: BlockWeight, out_dtype: torch.dtype) -> torch.Tensor:
-    """The product a tile of output rows at a time: each tile dequantized into ``x``'s dtype, then ``x @ tile.T``."""
+    """The product a tile of output rows at a time: each tile dequantized into ``x``'s dtype, then ``x @ tile.T``.
+
+    On a CPU with the compiled kernel and fp32 ``x``, a tile of ``CPU_DEQUANTIZE_ROWS`` rows is
+    dequantized in one pass (``cpu_blocks.dequantize_rows``) into one scratch buffer reused by every
+    tile, and multiplied by BLAS straight into its columns of the result. Elsewhere (a GPU, another
+    dtype, no C compiler) torch dequantizes ``DEQUANTIZE_ROWS`` rows at a time.
+    """
+    if x.is_cpu and blocks.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2:
+        from .cpu_blocks import dequantize_kernel, dequantize_rows
+
+        if dequantize_kernel() is not None:
+            out = torch.empty(x.shape[0], blocks.out_features, dtype=torch.float32)
+            tile_rows = min(CPU_DEQUANTIZE_ROWS, blocks.out_features)
+            scratch = torch.empty(tile_rows * blocks.in_features, dtype=torch.float32)
+            for first in range(0, blocks.out_features, tile_rows):
+                last = min(first + tile_rows, blocks.out_features)
+                tile = dequantize_rows(blocks, first, last, out=scratch)
+                torch.mm(x, tile.t(), out=out[:, first:last])
+            return out.to(out_dtype)
     out = torch.empty(x.shape[0], blocks.out_features, dtype=out_dtype, device=x.device)
     for first in range(0, blocks.out_features, DEQUANTIZE_ROWS):
         last = min(first + DEQUANTIZE_ROWS, blocks.out_features)

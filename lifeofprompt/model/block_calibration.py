@@ -77,7 +77,11 @@ def blocks_decode_faster(load) -> tuple[bool, str]:
 
     if step_kernel() is None:
         return False, "no C compiler here, so no block kernels: fp32"
+    from .cpu_decode import SOURCE
+    from .native_build import source_digest
+
     key = dict(machine_key(), version=CALIBRATION_VERSION, what="smollm2 GGUF blocks vs fp32, batch-1 step")
+    key["source"] = source_digest(SOURCE)  # the C step and the block kernel it includes: changed, timed again
 
     def measure():
         blocks = step_seconds(load("gguf"), ForwardPath.C_STEP)

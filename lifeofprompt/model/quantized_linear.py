@@ -145,7 +145,11 @@ def kernel_row_limit() -> int:
             limit = rows
         return limit, f"the block kernel up to {limit} rows", dict(seconds=seconds)
 
+    from .cpu_blocks import SOURCE
+    from .native_build import source_digest
+
     key = dict(machine_key(), version=1, what="block kernel vs dequantize-then-BLAS, by rows")
+    key["source"] = source_digest(SOURCE)  # a changed kernel is timed again
     return int(cached_answer(key, measure)[0])
 
 

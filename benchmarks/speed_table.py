@@ -100,7 +100,7 @@ def newest(rows: list[dict]) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    header = ["CPU", "date", "threads", "dtype"] + [name for name, _ in COLUMNS] + ["file"]
+    header = ["CPU", "date", "threads", "weights"] + [name for name, _ in COLUMNS] + ["file"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         ratios = [f"{row[key]:.2f}×" if isinstance(row[key], (int, float)) else "–" for _, key in COLUMNS]

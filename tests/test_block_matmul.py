@@ -33,6 +33,7 @@ from lifeofprompt.kernels import block_matmul as bm  # noqa: E402
 
 from lifeofprompt import kernels  # noqa: E402
 from lifeofprompt.model.block_formats import BLOCK, BlockWeight, dequantize, quantize  # noqa: E402
+from lifeofprompt.model.config import TINYLLAMA_1_1B  # noqa: E402
 
 pytestmark = [
     pytest.mark.numerics,
@@ -165,13 +166,7 @@ def tinyllama_blocks(out_features: int, in_features: int, fmt: str) -> BlockWeig
     return BlockWeight(fmt, quants, scales, scales if fmt == "q4_1" else None, in_features)
 
 
-TINYLLAMA = {
-    "qkv": (2560, 2048),
-    "o": (2048, 2048),
-    "gate_up": (11264, 2048),
-    "down": (2048, 5632),
-    "head": (32000, 2048),
-}
+TINYLLAMA = TINYLLAMA_1_1B.matrix_shapes()  # qkv 2560 x 2048, o, gate_up 11264 x 2048, down, head 32000 x 2048
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

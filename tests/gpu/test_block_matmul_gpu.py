@@ -25,6 +25,8 @@ import os
 import pytest
 import torch
 
+from lifeofprompt.model.config import TINYLLAMA_1_1B
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
@@ -39,13 +41,7 @@ pytestmark = [
 
 CUDA = "cuda"
 FORMATS = ["q8_0", "q4_1"]
-TINYLLAMA = {
-    "qkv": (2560, 2048),
-    "o": (2048, 2048),
-    "gate_up": (11264, 2048),
-    "down": (2048, 5632),
-    "head": (32000, 2048),
-}
+TINYLLAMA = TINYLLAMA_1_1B.matrix_shapes()  # qkv 2560 x 2048, o, gate_up 11264 x 2048, down, head 32000 x 2048
 BF16_SCALE = 2.0**-8
 
 

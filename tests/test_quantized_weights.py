@@ -110,6 +110,7 @@ def test_the_engine_on_blocks_says_so_and_decodes_the_story(one_thread):
     llm = LLM("smollm2-135m", quantization="gguf", cpu_tuning="off", log_stats=False)
     log = "\n".join(llm.engine.startup_log)
     assert "GGUF's own blocks" in log and "Q4_1 matrices x 120" in log and "quantization gguf (as asked)" in log
+    assert llm.engine.resolved.quantization == "gguf"  # frozen with the other choices
     outputs = llm.generate(STORY_PROMPTS, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 8 for o in outputs)
 

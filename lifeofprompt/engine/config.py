@@ -274,6 +274,7 @@ class ResolvedConfig:
     tensor_parallel_size: int
     pipeline_parallel_size: int
     speedups: str  # what makes this device fast (speedups.py): its name
+    quantization: str | None = None  # the weights' form as loaded: None (floats), "gguf", "q8_0" or "q4_1"
     cpu: object = None  # the CPU paths chosen (cpu_speedups.CpuChoices), None elsewhere
     why: dict = field(default_factory=dict)  # why an automatic choice fell as it did (the log)
 
@@ -314,6 +315,8 @@ def resolve(config: EngineConfig, model, num_kv_blocks: int, speedups) -> Resolv
         stages if stages > 1 and config.pipeline_overlap else 1,
     )
     why = dict(budget="as asked" if config.max_num_batched_tokens else speedups.budget_note or "the default")
+    quantization = getattr(model, "quantization", None)  # a split model's shard holds floats
+    why["quantization"] = getattr(model, "quantization_reason", "") or "as given"
     return ResolvedConfig(
         model_name=model_name(config, model),
         device=str(model.device),
@@ -329,6 +332,7 @@ def resolve(config: EngineConfig, model, num_kv_blocks: int, speedups) -> Resolv
         tensor_parallel_size=config.tensor_parallel_size,
         pipeline_parallel_size=stages,
         speedups=speedups.name,
+        quantization=quantization,
         cpu=speedups.choices,
         why=why,
     )

@@ -192,6 +192,11 @@ class CpuSpeedups(Speedups):
         products = {f"{o}x{i}": plan.describe() for (o, i), plan in sorted(plans.items())}
         key = dict(machine_key(), version=1, what="prefill speed", dtype=str(self.model.dtype), shape=shape)
         key.update(products=products, block_size=self.block_size)
+        if self.model.quantization is not None:  # block matrices: their formats and kernels set the speed
+            from ..model.native_build import source_digest
+
+            key.update(formats=cpu_decode.matrix_formats(self.model), head=self.model.lm_head.format)
+            key.update(kernels=source_digest(cpu_decode.SOURCE))
         cache = self.scratch_pool(math.ceil(PREFILL_PROBE_TOKENS / self.block_size))
 
         def measure():

@@ -20,8 +20,7 @@ def startup_lines(engine) -> list[str]:
     lines = [
         f"model {model.source}",
         f"{model.dtype} on {model.device}{dtype_why}; weights take {format_bytes(weights)}",
-        f"weights: {describe_weights(model)}; quantization {model.quantization} "
-        f"({model.quantization_reason or 'as given'})",
+        f"weights: {describe_weights(model)}; quantization {r.quantization} ({r.why['quantization']})",
         f"KV cache: {format_bytes(kv)} = {r.num_kv_blocks} blocks × {r.block_size} tokens = {tokens} tokens "
         f"({format_bytes(kv / max(tokens, 1))} per token)",
         # vLLM's line: the pool over the longest allowed request

@@ -72,13 +72,12 @@ def blocks_decode_faster(load) -> tuple[bool, str]:
 
     ``load(quantization)`` loads the embedded model with its blocks (``"gguf"``) or in fp32 (None); the
     loader passes it in, so this module does not import the loader that calls it."""
-    from .cpu_decode import step_kernel
+    from .cpu_decode import SOURCE, step_kernel
     from .linear_calibration import cached_verdict, machine_key
+    from .native_build import source_digest
 
     if step_kernel() is None:
         return False, "no C compiler here, so no block kernels: fp32"
-    from .cpu_decode import SOURCE
-    from .native_build import source_digest
 
     key = dict(machine_key(), version=CALIBRATION_VERSION, what="smollm2 GGUF blocks vs fp32, batch-1 step")
     key["source"] = source_digest(SOURCE)  # the C step and the block kernel it includes: changed, timed again

@@ -230,6 +230,16 @@ def random_tinyllama(device, dtype, seed: int = RANDOM_SEED) -> LlamaForCausalLM
 # ----------------------------------------------------------------------------- loading
 
 
+def empty_model(config: ModelConfig) -> LlamaForCausalLM:
+    """A ``LlamaForCausalLM`` on the CPU with unset weights (made without initialising them) and its rotary
+    tables computed, for a loader to fill."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device="cpu")
+    model.rotary = type(model.rotary)(config.head_dim, config.max_position_embeddings, config.rope_theta)
+    return model
+
+
 def load_hf_dir(path: Path, device, dtype) -> tuple[LlamaForCausalLM, object]:
     """Our Llama from a Hugging Face folder (config.json + safetensors), plus its tokenizer."""
     from safetensors.torch import load_file
@@ -247,10 +257,7 @@ def load_hf_dir(path: Path, device, dtype) -> tuple[LlamaForCausalLM, object]:
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         tensors.update(load_file(str(f)))
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    model = model.to_empty(device="cpu")
-    model.rotary = type(model.rotary)(config.head_dim, config.max_position_embeddings, config.rope_theta)
+    model = empty_model(config)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.load_hf_state_dict(tensors)
@@ -383,10 +390,7 @@ def load_smollm2_blocks(device: torch.device, dtype) -> tuple[LlamaForCausalLM, 
     folder = smollm2_hf_dir()
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(folder), name=str(folder))
     dtype, reason = choose_dtype(device, dtype, SMOLLM2_DECLARED_DTYPE)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    model = model.to_empty(device="cpu")
-    model.rotary = type(model.rotary)(config.head_dim, config.max_position_embeddings, config.rope_theta)
+    model = empty_model(config)
     load_gguf_blocks(model, smollm2_gguf_path())
     model = model.to(device=device, dtype=dtype).eval()
     model.source = "smollm2-135m: SmolLM2-135M-Instruct, the GGUF's own blocks (Q4_1 layers, Q8_0 embedding/LM head)"

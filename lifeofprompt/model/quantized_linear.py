@@ -19,7 +19,7 @@ import functools
 import torch
 from torch import nn
 
-from .block_formats import BlockWeight
+from .block_formats import BlockWeight, weight_tensors
 
 DEQUANTIZE_ROWS = 4096  # output rows dequantized at a time on the fallback path
 CPU_DEQUANTIZE_ROWS = 1024  # the same with the compiled dequantization (cpu_blocks.dequantize_rows)
@@ -121,36 +121,40 @@ def kernel_row_limit() -> int:
     """The largest of ``ROW_COUNTS_TIMED`` up to which the block kernel beat dequantize-then-multiply on a
     3072 x 576 Q4_1 matrix (SmolLM2's gate_up), never below ``KERNEL_MAX_ROWS``; cached per machine.
     (On the AVX-512 EPYC the kernel won at every count, 1,024 rows included, at one thread and two.)"""
-    import time
-
     from .block_formats import quantize
-    from .cpu_blocks import blocks_linear
+    from .cpu_blocks import SOURCE, blocks_linear
     from .linear_calibration import cached_answer, machine_key
+    from .native_build import source_digest
 
     def measure():
         blocks = quantize(torch.randn(3072, 576, generator=torch.Generator().manual_seed(0)) * 0.02, "q4_1")
         limit, seconds = KERNEL_MAX_ROWS, {}
+        products = {
+            "kernel": lambda x: blocks_linear(x, blocks),
+            "dequantize": lambda x: dequantized_product(x, blocks, x.dtype),
+        }
         for rows in ROW_COUNTS_TIMED:
             x = torch.randn(rows, 576)
-            times = {}
-            for name, product in (("kernel", blocks_linear), ("dequantize", dequantized_product)):
-                args = (x, blocks) if name == "kernel" else (x, blocks, x.dtype)
-                product(*args)  # warm-up
-                start = time.perf_counter()
-                product(*args)
-                times[name] = time.perf_counter() - start
+            times = {name: second_call_seconds(product, x) for name, product in products.items()}
             seconds[rows] = times
             if times["kernel"] > times["dequantize"]:
                 break
             limit = rows
         return limit, f"the block kernel up to {limit} rows", dict(seconds=seconds)
 
-    from .cpu_blocks import SOURCE
-    from .native_build import source_digest
-
     key = dict(machine_key(), version=1, what="block kernel vs dequantize-then-BLAS, by rows")
     key["source"] = source_digest(SOURCE)  # a changed kernel is timed again
     return int(cached_answer(key, measure)[0])
+
+
+def second_call_seconds(product, x: torch.Tensor) -> float:
+    """How long ``product(x)`` takes once its first call (kernel build, first-touch of memory) is behind it."""
+    import time
+
+    product(x)
+    start = time.perf_counter()
+    product(x)
+    return time.perf_counter() - start
 
 
 def dequantized_product(x: torch.Tensor, blocks: BlockWeight, out_dtype: torch.dtype) -> torch.Tensor:
@@ -226,8 +230,8 @@ def quantize_model(model: nn.Module, fmt: str) -> nn.Module:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of all the model's weights: its float parameters and its block matrices."""
-    return sum(p.numel() * p.element_size() for p in model.parameters()) + quantized_weight_bytes(model)
+    """Bytes of all the model's weights: its float parameters and its block matrices (``weight_tensors``)."""
+    return sum(t.numel() * t.element_size() for t in weight_tensors(model))
 
 
 def describe_weights(model: nn.Module) -> str:

@@ -634,7 +634,8 @@ def targets(results: dict) -> dict:
 
 def cpu_run(args) -> dict:
     from lifeofprompt import env_info
-    from lifeofprompt.lessons.roofline import decode_floor, decode_weight_bytes, measure_machine, measure_read_bandwidth
+    from lifeofprompt.lessons.roofline import measure_machine, measure_read_bandwidth
+    from lifeofprompt.model.quantized_linear import weight_bytes as model_weight_bytes
 
     torch.set_num_threads(args.threads)
     llm = make_llm(
@@ -679,16 +680,15 @@ def cpu_run(args) -> dict:
     results["machine"] = dict(name=machine.name, bandwidth=machine.bandwidth, flops=machine.flops)
     runner = llm.engine.runner
     rows = decode_step_curve(runner, args.curve, context=args.curve_context, steps=5)
-    results["batching_curve"] = roofline_curve(machine, runner.model.config, runner.model.dtype, rows)
-    results["decode_floor_s"] = decode_floor(runner.model.config, runner.model.dtype, machine)
+    weight_bytes = model_weight_bytes(runner.model)  # what a step reads: floats, or blocks and float norms
+    if quantization is None:
+        results["batching_curve"] = roofline_curve(machine, runner.model.config, runner.model.dtype, rows)
+    else:  # the roofline counts bytes from a dtype; blocks have none, so their curve carries no prediction
+        results["batching_curve"] = rows
+    results["decode_floor_s"] = weight_bytes / machine.bandwidth
     # The batch-1 target's floor: weight bytes over the rate these threads *read* memory (no write).
     read = measure_read_bandwidth("cpu")
     step_s = next(r["step_s"] for r in results["batching_curve"] if r["batch"] == 1 and "step_s" in r)
-    weight_bytes = decode_weight_bytes(runner.model.config, runner.model.dtype)
-    if quantization is not None:  # the bytes a step reads: the blocks and the float norms
-        from lifeofprompt.model.quantized_linear import weight_bytes as model_weight_bytes
-
-        weight_bytes = model_weight_bytes(runner.model)
     floor_s = weight_bytes / read
     paired = step_beside_floor(runner, weight_bytes, context=64)
     # "ratio" (the target's): the median of step ÷ read taken in pairs, so the VM's drift cancels;

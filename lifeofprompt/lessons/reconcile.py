@@ -124,7 +124,9 @@ def batch1_weight_bytes(dtype=torch.float32) -> int:
 
 
 def compare_steps(profile: MachineProfile, cpu: dict, source: str) -> StepComparison:
-    """The profile's step beside the benchmark's, each with its own run's read floor."""
+    """The profile's step beside the benchmark's, each with its own run's read floor (both fp32's)."""
+    if cpu.get("quantization"):
+        raise ValueError(f"the profile's step is fp32's; this benchmark ran on {cpu['quantization']} blocks")
     weight_bytes = batch1_weight_bytes(getattr(torch, cpu.get("dtype", "float32")))
     bench = benchmark_step(cpu, source, weight_bytes)
     row = next(r for r in cpu["batching_curve"] if r["batch"] == 1 and "step_s" in r)

@@ -6,51 +6,21 @@ imports them from here, and ``lifeofprompt.model.llama`` its fused decode layers
 the package imports this subpackage (``tests/test_layout.py`` checks it), so the CPU torch path
 never needs Triton.
 
-Without CUDA the kernels run in Triton's interpreter (numpy on the CPU, slow but exact for
-fp32/fp16). Interpreter mode is decided when ``@triton.jit`` decorates a kernel, so this
-module sets ``TRITON_INTERPRET=1`` *before* importing the kernel modules when no GPU is
-available and the variable is unset. Triton decorates its own helpers when it is first
-imported, so this only works if nothing imported ``triton`` earlier in the process; otherwise
-the import raises ``ConfigError`` saying so. To run the interpreter on a GPU machine, set
-``TRITON_INTERPRET=1`` yourself before anything imports Triton (and pass CPU tensors).
+Without CUDA they run in Triton's interpreter: ``triton_mode`` decides which before any kernel
+module is imported. Run from a checkout, this folder also answers to the bare name ``kernels``,
+which belongs to Hugging Face's package; ``name_clash`` hands that name over.
 """
 
-import os
+if __name__ == "kernels":  # imported by the bare name from a checkout: not us (see name_clash.py)
+    from .name_clash import load_hugging_face_kernels
 
-import torch
+    load_hugging_face_kernels()
+else:
+    # First, before any kernel module imports triton: it fixes the interpreter mode.
+    from .triton_mode import INTERPRETED
 
-if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
-    os.environ["TRITON_INTERPRET"] = "1"
+    # isort: split
+    from .paged_attention import paged_attention
+    from .store_kv import store_kv
 
-try:
-    import triton  # noqa: F401
-except ImportError as exc:
-    from lifeofprompt.errors import MissingDependencyError
-
-    raise MissingDependencyError(
-        "the Triton backend needs Triton (pip install triton, Linux only); backend='torch' runs anywhere"
-    ) from exc
-
-from .paged_attention import INTERPRETED, paged_attention  # noqa: E402
-from .store_kv import store_kv  # noqa: E402
-
-
-def _check_interpreter_mode() -> None:
-    """Triton's own helpers (``tl.max``, ``tl.cdiv``) are decorated when ``triton`` is first imported:
-    if that happened before TRITON_INTERPRET was set, interpreted kernels cannot call them."""
-    import triton.language as tl
-    from triton.runtime.jit import JITFunction
-
-    if INTERPRETED and isinstance(tl.cdiv, JITFunction):
-        from lifeofprompt.errors import ConfigError
-
-        raise ConfigError(
-            "Triton was imported before TRITON_INTERPRET=1 was set, so its interpreter cannot run "
-            "the kernels: set TRITON_INTERPRET=1 in the environment, or import lifeofprompt.kernels "
-            "before anything imports triton"
-        )
-
-
-_check_interpreter_mode()
-
-__all__ = ["store_kv", "paged_attention", "INTERPRETED"]
+    __all__ = ["store_kv", "paged_attention", "INTERPRETED"]

@@ -39,7 +39,7 @@ sums, and a second small kernel adds them and rounds once. No atomics, so result
 from run to run. All grid sizes come from shapes, never from tensor values, so the products can
 be captured in CUDA graphs.
 
-Without a GPU the kernels run in Triton's interpreter (see ``kernels/__init__.py``), where fp32
+Without a GPU the kernels run in Triton's interpreter (see ``kernels/triton_mode.py``), where fp32
 and fp16 are exact but bf16 ``tl.dot`` is not; ``reference`` is the torch product to compare with.
 """
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
@@ -37,9 +36,7 @@ import triton.language as tl
 from lifeofprompt.errors import ConfigError
 
 from .tiles import TileConfig, cdiv, choose_num_kv_splits, choose_tiles, next_power_of_2
-
-# Fixed when this module's kernels are decorated (see kernels/__init__.py).
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+from .triton_mode import INTERPRETED
 
 
 def check_device(tensor: torch.Tensor) -> None:

@@ -73,6 +73,26 @@ def test_kernels_folder_is_installed_as_lifeofprompt_kernels():
     assert Path(out.stdout.strip()) == REPO / "kernels"
 
 
+def test_the_bare_name_kernels_is_never_this_folder_even_from_the_checkout():
+    """Run from the repository root, kernels/ answers to the bare name ``kernels``, which is Hugging Face's
+    package (transformers >= 5.25 imports it): the folder hands the name over, or says it is not there."""
+    code = (
+        "import pathlib\n"
+        "try:\n"
+        "    import kernels\n"
+        "    print(pathlib.Path(kernels.__file__).resolve())\n"
+        "except ModuleNotFoundError as error:\n"
+        "    print('missing', error.name)\n"
+        "import transformers.activations, lifeofprompt.kernels as ours\n"
+        "print(pathlib.Path(ours.__file__).resolve().parent)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    bare, ours = out.stdout.strip().splitlines()
+    assert bare == "missing kernels" or not Path(bare).is_relative_to(REPO / "kernels"), bare
+    assert Path(ours) == REPO / "kernels"
+
+
 def test_readme_starts_with_the_two_commands():
     lines = [line.strip() for line in (REPO / "README.md").read_text().splitlines()]
     commands = [line for line in lines if line.startswith("bash scripts/") or line.startswith(".venv/bin/")]

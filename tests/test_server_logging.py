@@ -122,7 +122,7 @@ def test_the_door_line_names_a_key_and_fair_prefill_off(tiny_model):
     )
     line = door_settings(engine, ServerConfig(api_key="k", enable_docs=True, allowed_origins=["http://a.example"]))
     assert line.startswith(
-        "door: API key on (/v1/*, /tokenize, /detokenize; /health and /metrics open); docs on; "
+        "door: API key on (/v1/*, /tokenize, /detokenize, /tokenizer_info; /health and /metrics open); docs on; "
         "CORS for http://a.example;"
     )
     assert "bodies up to 4 MiB" in line and "256 running + unbounded waiting" in line  # build_app bounds it, not this

@@ -1,7 +1,7 @@
 """The door: an API key, a word when the server is reachable from elsewhere, and nothing else open.
 
 As vLLM does: with ``--api-key`` (or ``LIFEOFPROMPT_API_KEY``) every request to ``/v1/*``,
-``/tokenize`` and ``/detokenize`` needs ``Authorization: Bearer <key>``, compared in constant
+``/tokenize``, ``/detokenize`` and ``/tokenizer_info`` needs ``Authorization: Bearer <key>``, compared in constant
 time (``hmac.compare_digest``), else 401 in OpenAI's shape. ``/health`` and ``/metrics`` stay
 open, for load balancers and Prometheus. Without a key, binding beyond loopback logs a warning:
 anyone who can reach the port can use the model. The interactive docs (``/docs``, ``/redoc``,
@@ -18,7 +18,7 @@ import os
 from .http_errors import error_json
 
 API_KEY_ENV = "LIFEOFPROMPT_API_KEY"
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")
 
 logger = logging.getLogger("lifeofprompt.server")
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..engine.sampling_params import SamplingParams
 from ..engine.structured_output import StructuredOutputsParams
@@ -31,9 +31,23 @@ from .openai_logprobs import ChatLogprobs, CompletionLogprobs
 from .tools import ToolCall
 
 
-class _Body(BaseModel):
+class NullMeansDefault(BaseModel):
+    """A request body where ``null`` for an optional field means its default, as OpenAI reads it:
+    clients (and SDKs that serialize every attribute) send ``"n": null`` or ``"stream": null``.
+    A required field that is null is still a 400 naming it."""
+
     model_config = ConfigDict(extra="allow")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data):
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
+
+
+class _Body(NullMeansDefault):
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -72,9 +86,7 @@ class CompletionRequest(_Body):
     best_of: int | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class ChatMessage(NullMeansDefault):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
 
@@ -111,6 +123,10 @@ UNSUPPORTED = {
 }
 
 
+# include_usage: a last chunk with the totals; continuous_usage_stats (vLLM's, for benchmarks): usage on every chunk
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
+
+
 def check_supported(body: _Body) -> None:
     """Caps first (n, top_logprobs, logit_bias: served later within these; stop), then a 400
     naming the first field that asks for something we do not do."""
@@ -126,9 +142,10 @@ def check_supported(body: _Body) -> None:
         if name in type(body).model_fields and not asks_nothing(getattr(body, name)):
             raise InvalidRequestError(f"{name}={getattr(body, name)!r} is not supported by this server yet", param=name)
     options = body.stream_options or {}
-    if set(options) - {"include_usage"}:
+    if set(options) - set(STREAM_OPTIONS):
         raise InvalidRequestError(
-            f"stream_options supports only include_usage, got {sorted(options)}", param="stream_options"
+            f"stream_options supports only {' and '.join(STREAM_OPTIONS)}, got {sorted(options)}",
+            param="stream_options",
         )
 
 

@@ -24,6 +24,7 @@ from .openai_protocol import (
     CompletionRequest,
     CompletionResponse,
     Health,
+    ModelCard,
     ModelList,
     check_text,
     completion_prompts,
@@ -51,6 +52,8 @@ class Endpoints:
         app.get("/health", response_model=Health, responses={503: {"model": Health}})(self.health)
         app.get("/metrics", response_class=PlainTextResponse)(self.metrics)
         app.get("/v1/models", response_model=ModelList, responses=error_responses(401))(self.models)
+        card = app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=error_responses(401, 404))
+        card(self.model)
         app.post("/v1/completions", response_model=CompletionResponse, responses=POST_ERRORS)(self.completions)
         chat = app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=POST_ERRORS)
         chat(self.chat_completions)
@@ -66,9 +69,22 @@ class Endpoints:
         text = render_metrics(self.engine, self.engine_loop.stats, self.model_name)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def card(self) -> dict:
+        return dict(
+            id=self.model_name,
+            object="model",
+            created=self.created,
+            owned_by="lifeofprompt",
+            max_model_len=self.engine.max_model_len,
+        )
+
     async def models(self):
-        card = dict(id=self.model_name, object="model", created=self.created, owned_by="lifeofprompt")
-        return {"object": "list", "data": [dict(card, max_model_len=self.engine.max_model_len)]}
+        return {"object": "list", "data": [self.card()]}
+
+    async def model(self, model_id: str):
+        """One model's card (``client.models.retrieve``); a name this server does not run is a 404."""
+        self.check_model(model_id)
+        return self.card()
 
     async def completions(self, body: CompletionRequest, request: Request):
         self.check_model(body.model)
@@ -160,21 +176,37 @@ class Endpoints:
 
     async def stream_choices(self, submission: Submission, body, object_name: str, choices: Choices):
         """Server-sent events for one streamed request: OpenAI's chunk envelope around each delta
-        (``Choices.delta`` shapes them); chat opens each choice with its role."""
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        (``Choices.delta`` shapes them); chat opens each choice with its role.
+
+        ``stream_options.include_usage`` adds a last chunk with the totals (every other chunk says
+        ``"usage": null``); vLLM's ``continuous_usage_stats`` (guidellm, aiperf) also puts usage on
+        every chunk, implying ``include_usage``. As vLLM counts it, a chunk's usage is its own
+        choice's: that choice's prompt, and the tokens that choice has generated so far (with
+        ``n > 1`` or several prompts, each choice counts alone; the last chunk has the totals).
+        """
+        options = body.stream_options or {}
+        continuous = bool(options.get("continuous_usage_stats"))
+        include_usage = continuous or bool(options.get("include_usage"))
+        generated: dict[int, int] = {}  # choice -> tokens so far
 
         def chunk(items, usage=None):
             payload = self.envelope(submission, object_name, items)
             return sse_event(dict(payload, usage=usage) if include_usage else payload)
 
+        def usage_so_far(index: int) -> dict | None:
+            if not continuous:
+                return None
+            return usage_field(submission.prompt_lengths[index // choices.n], generated.get(index, 0))
+
         if choices.chat:
             for opening in choices.openings(len(submission.request_ids)):
-                yield chunk([opening])
+                yield chunk([opening], usage_so_far(opening["index"]))
         async for kind, *piece in stream_deltas(submission, choices.n):
             if kind == "text":
+                generated[piece[0]] = generated.get(piece[0], 0) + len(piece[2])
                 choice = await choices.delta(*piece)
                 if choice is not None:
-                    yield chunk([choice])
+                    yield chunk([choice], usage_so_far(piece[0]))
             elif kind == "usage" and include_usage:
                 yield chunk([], piece[0])
             elif kind == "error":

@@ -15,8 +15,9 @@ error (``lifeofprompt.errors``: its HTTP status and OpenAI type), in OpenAI's sh
 (``http_errors.py``). What a request may ask for is limited before any work (``limits.py``); the
 door has an optional API key (``auth.py``); on SIGTERM the server drains (``engine_loop.py``).
 The wire format lives in ``openai_protocol.py``, the answers' shapes in ``choices.py`` (``n``,
-logprobs, tool calls: ``tools.py``), vLLM's ``/tokenize`` and ``/detokenize`` in
-``tokenizer_routes.py``, the ``/metrics`` page in ``server_metrics.py``.
+logprobs, tool calls: ``tools.py``), vLLM's ``/tokenize``, ``/detokenize`` and ``/tokenizer_info`` in
+``tokenizer_routes.py``, the ``/metrics`` page in ``server_metrics.py``; every answer echoes the
+request's ``X-Request-Id`` (``request_id.py``).
 
     python -m lifeofprompt serve --model smollm2-135m --port 8000
 
@@ -43,6 +44,7 @@ from .engine_loop import EngineLoop
 from .http_errors import document_errors, install_error_handlers
 from .limits import MAX_N, BodySizeLimit, PromptTokenizer, ServerLimits, default_max_waiting
 from .openai_routes import Endpoints
+from .request_id import RequestIdMiddleware
 from .tokenizer_routes import add_tokenizer_routes
 
 __all__ = ["EngineLoop", "ServerConfig", "ServerThread", "build_app", "door_settings", "serve"]
@@ -104,6 +106,7 @@ def build_app(
     if config.allowed_origins:
         origins = list(config.allowed_origins)
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(RequestIdMiddleware)  # added last: outermost, so the door's own errors carry the id too
     endpoints = Endpoints(engine, engine_loop, model_name, limits, prompt_tokenizer)
     endpoints.add_to(app)
     add_tokenizer_routes(app, engine, prompt_tokenizer, endpoints.check_model)
@@ -196,7 +199,7 @@ def door_settings(engine, config: ServerConfig) -> str:
     limits = config.limits or ServerLimits()
     sched = engine.resolved.scheduler
     key = (
-        "API key on (/v1/*, /tokenize, /detokenize; /health and /metrics open)"
+        "API key on (/v1/*, /tokenize, /detokenize, /tokenizer_info; /health and /metrics open)"
         if config.api_key is not None
         else "API key off"
     )

@@ -53,6 +53,12 @@ class Submission:
         self.id = f"{kind}-{uuid.uuid4().hex[:24]}"
         self.request_ids: list[str] = []
         self.finished: set[str] = set()
+        self.prompt_lengths: list[int] = []  # tokens in each prompt, for usage on every chunk
+
+    @staticmethod
+    def prompt_length(prompt) -> int:
+        """Tokens in a prompt as the routes give it: token ids, or ``{"prompt_token_ids": [...]}``."""
+        return len(prompt["prompt_token_ids"]) if isinstance(prompt, dict) else len(prompt)
 
     def add(self, prompts: list, params: SamplingParams) -> None:
         """Add every prompt, or none: a prompt the engine refuses aborts the ones already added."""
@@ -63,6 +69,7 @@ class Submission:
                 request_id = f"{self.id}-{index}"
                 self.engine_loop.add(request_id, prompt, params, self.queue, loop, arrival_time=arrival)
                 self.request_ids.append(request_id)
+                self.prompt_lengths.append(self.prompt_length(prompt))
         except BaseException:
             self.abort()
             raise

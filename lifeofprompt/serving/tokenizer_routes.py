@@ -4,9 +4,16 @@
   ``{"messages": [...]}`` (rendered by the chat template exactly as ``/v1/chat/completions`` does,
   ``add_generation_prompt`` true, ``add_special_tokens`` false by default) →
   ``{"tokens": [...], "count": n, "max_model_len": L}``;
-* ``POST /detokenize`` with ``{"tokens": [...]}`` → ``{"prompt": "..."}``.
+* ``POST /detokenize`` with ``{"tokens": [...]}`` → ``{"prompt": "..."}``;
+* ``GET /tokenizer_info`` → the tokenizer's configuration as vLLM serves it: its ``init_kwargs``
+  (special tokens as their text, ``model_max_length``, ``chat_template``, ``added_tokens_decoder``,
+  ...) without the server's file paths, plus ``tokenizer_class``; ``bos_token``, ``eos_token``,
+  ``pad_token`` and ``unk_token`` are always there (null when the tokenizer has none).
+  lm-evaluation-harness's ``remote`` tokenizer reads it (it checks ``eos_token``, renders
+  ``chat_template`` itself) and then calls ``/tokenize`` with ``{"prompt", "add_special_tokens": false}``
+  and ``/detokenize`` with ``{"tokens"}``.
 
-Both sit behind the API key like ``/v1`` (``auth.PROTECTED_PREFIXES``), answer errors in OpenAI's
+All three sit behind the API key like ``/v1`` (``auth.PROTECTED_PREFIXES``), answer errors in OpenAI's
 shape, and run on the server's own tokenizer in its worker thread (``limits.PromptTokenizer``).
 """
 
@@ -64,8 +71,44 @@ def detokenize(tokenizer, tokens: list[int]) -> str:
         raise InvalidRequestError(f"tokens could not be decoded: {exc}", param="tokens") from None
 
 
+SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
+# where the server keeps its files: no use to a client, and not the client's business
+SERVER_PATHS = ("vocab_file", "merges_file", "tokenizer_file", "name_or_path", "is_local", "local_files_only")
+
+
+def plain_json(value):
+    """A tokenizer's settings as JSON: an ``AddedToken`` as its text, dict keys as strings."""
+    if hasattr(value, "content"):
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): plain_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain_json(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
+
+
+def tokenizer_info(tokenizer) -> dict:
+    """vLLM's ``/tokenizer_info``: the tokenizer's ``init_kwargs`` less file paths, with its class and chat template."""
+    settings = dict(getattr(tokenizer, "init_kwargs", None) or {})
+    info = plain_json({k: v for k, v in settings.items() if k not in SERVER_PATHS})
+    for name in SPECIAL_TOKENS:
+        info.setdefault(name, plain_json(getattr(tokenizer, name, None)))
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str):
+        info["chat_template"] = template
+    info["tokenizer_class"] = type(tokenizer).__name__
+    return info
+
+
 def add_tokenizer_routes(app, engine, prompt_tokenizer, check_model) -> None:
     vocab = engine.model_config.vocab_size
+    info = tokenizer_info(engine.tokenizer)
+
+    @app.get("/tokenizer_info", responses=error_responses(401))
+    async def tokenizer_info_route() -> dict:
+        return info
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ROUTE_ERRORS)
     async def tokenize_route(body: TokenizeRequest):

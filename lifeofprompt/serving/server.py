@@ -17,7 +17,8 @@ door has an optional API key (``auth.py``); on SIGTERM the server drains (``engi
 The wire format lives in ``openai_protocol.py``, the answers' shapes in ``choices.py`` (``n``,
 logprobs, tool calls: ``tools.py``), vLLM's ``/tokenize``, ``/detokenize`` and ``/tokenizer_info`` in
 ``tokenizer_routes.py``, the ``/metrics`` page in ``server_metrics.py``; every answer echoes the
-request's ``X-Request-Id`` (``request_id.py``).
+request's ``X-Request-Id`` (``request_id.py``); ``/v1/responses``, stateless, is answered by the chat
+route (``responses_api.py``).
 
     python -m lifeofprompt serve --model smollm2-135m --port 8000
 
@@ -45,6 +46,7 @@ from .http_errors import document_errors, install_error_handlers
 from .limits import MAX_N, BodySizeLimit, PromptTokenizer, ServerLimits, default_max_waiting
 from .openai_routes import Endpoints
 from .request_id import RequestIdMiddleware
+from .responses_api import add_responses_route
 from .tokenizer_routes import add_tokenizer_routes
 
 __all__ = ["EngineLoop", "ServerConfig", "ServerThread", "build_app", "door_settings", "serve"]
@@ -110,6 +112,7 @@ def build_app(
     endpoints = Endpoints(engine, engine_loop, model_name, limits, prompt_tokenizer)
     endpoints.add_to(app)
     add_tokenizer_routes(app, engine, prompt_tokenizer, endpoints.check_model)
+    add_responses_route(app, endpoints)
     return app
 
 

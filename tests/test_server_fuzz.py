@@ -71,11 +71,13 @@ def tame(case) -> None:
                 case.body.pop(name, None)
         if "stream" in case.body:
             case.body["stream"] = False
-        for name in ("max_tokens", "max_completion_tokens"):
+        for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             value = case.body.get(name)
             if isinstance(value, int) and not isinstance(value, bool) and value > MAX_TOKENS:
                 case.body[name] = MAX_TOKENS
-        if "max_tokens" not in case.body and "max_completion_tokens" not in case.body:
+        if "input" in case.body:  # /v1/responses
+            case.body.setdefault("max_output_tokens", MAX_TOKENS)
+        elif "max_tokens" not in case.body and "max_completion_tokens" not in case.body:
             case.body["max_tokens"] = MAX_TOKENS
 
 

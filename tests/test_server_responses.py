@@ -50,7 +50,11 @@ def client(smollm2):
 
 def test_a_string_input_makes_a_response_with_text(client):
     made = client.responses.create(
-        model=MODEL, input="What is the capital of France?", instructions="Answer briefly.", max_output_tokens=24
+        model=MODEL,
+        temperature=0,
+        input="What is the capital of France?",
+        instructions="Answer briefly.",
+        max_output_tokens=24,
     )
     assert made.id.startswith("resp_") and made.object == "response" and made.model == MODEL
     assert made.status in ("completed", "incomplete") and made.output_text.strip()
@@ -71,7 +75,7 @@ def test_a_string_input_makes_a_response_with_text(client):
 
 
 def test_max_output_tokens_makes_an_incomplete_response(client):
-    cut = client.responses.create(model=MODEL, input="Tell me a long story.", max_output_tokens=3)
+    cut = client.responses.create(model=MODEL, temperature=0, input="Tell me a long story.", max_output_tokens=3)
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
     assert cut.usage.output_tokens == 3 and cut.output[0].status == "incomplete"
 
@@ -79,7 +83,11 @@ def test_max_output_tokens_makes_an_incomplete_response(client):
 def test_text_format_json_schema_answers_valid_json(client):
     fmt = {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}
     made = client.responses.create(
-        model=MODEL, input="Name a city and its country as JSON.", text={"format": fmt}, max_output_tokens=60
+        model=MODEL,
+        temperature=0,
+        input="Name a city and its country as JSON.",
+        text={"format": fmt},
+        max_output_tokens=60,
     )
     assert made.status == "completed", made.output_text
     jsonschema.validate(json.loads(made.output_text), CITY)
@@ -92,10 +100,10 @@ def test_content_parts_are_text_and_other_parts_are_a_400(client):
         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello Ann!"}]},
         {"role": "user", "content": "What is my name?"},
     ]
-    assert client.responses.create(model=MODEL, input=conversation, max_output_tokens=8).output_text
+    assert client.responses.create(model=MODEL, temperature=0, input=conversation, max_output_tokens=8).output_text
     image = [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]
     with pytest.raises(openai.BadRequestError) as refused:
-        client.responses.create(model=MODEL, input=image)
+        client.responses.create(model=MODEL, temperature=0, input=image)
     assert refused.value.body["param"] == "input.0.content.0"
 
 
@@ -134,7 +142,9 @@ def check_event_order(events) -> None:
 
 
 def test_streaming_yields_typed_events_whose_deltas_make_the_text(client):
-    events = list(client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=12, stream=True))
+    events = list(
+        client.responses.create(model=MODEL, temperature=0, input="Say hello.", max_output_tokens=12, stream=True)
+    )
     check_event_order(events)
     final = events[-1].response
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
@@ -148,7 +158,9 @@ def test_streaming_yields_typed_events_whose_deltas_make_the_text(client):
 def test_an_agents_function_call_round_trip(client, choice):
     """The model calls a tool (its arguments valid for the tool's schema); the agent sends the call and
     its output back as items, and the next response reads them."""
-    first = client.responses.create(model=MODEL, input=ASK, tools=TOOLS, tool_choice=choice, max_output_tokens=60)
+    first = client.responses.create(
+        model=MODEL, temperature=0, input=ASK, tools=TOOLS, tool_choice=choice, max_output_tokens=60
+    )
     calls = [item for item in first.output if item.type == "function_call"]
     assert first.status == "completed" and len(calls) == 1, first.output
     (call,) = calls
@@ -165,7 +177,9 @@ def test_an_agents_function_call_round_trip(client, choice):
             {"type": "function_call_output", "call_id": call.call_id, "output": output},
         ]
         # tool_choice "none": auto (the agent's default) needs the tool-call template, another change
-        return client.responses.create(model=MODEL, input=turn, tools=TOOLS, tool_choice="none", max_output_tokens=16)
+        return client.responses.create(
+            model=MODEL, temperature=0, input=turn, tools=TOOLS, tool_choice="none", max_output_tokens=16
+        )
 
     short, long = answer("21"), answer("21 degrees celsius, sunny, with a light wind from the west")
     assert short.output_text and short.output[0].type == "message"
@@ -176,7 +190,13 @@ def test_a_streamed_function_call_has_its_argument_events(client):
     tool_choice = {"type": "function", "name": "get_weather"}
     events = list(
         client.responses.create(
-            model=MODEL, input=ASK, tools=TOOLS, tool_choice=tool_choice, max_output_tokens=60, stream=True
+            model=MODEL,
+            temperature=0,
+            input=ASK,
+            tools=TOOLS,
+            tool_choice=tool_choice,
+            max_output_tokens=60,
+            stream=True,
         )
     )
     check_event_order(events)
@@ -193,7 +213,7 @@ def test_a_streamed_function_call_has_its_argument_events(client):
     [
         ({"previous_response_id": "resp_123"}, "previous_response_id"),
         ({"store": True}, "store"),
-        ({"background": True}, "background"),
+        ({"extra_body": {"background": True}}, "background"),  # an SDK field since 1.67
         ({"extra_body": {"conversation": "conv_123"}}, "conversation"),
         ({"tools": [{"type": "web_search"}]}, "tools.0"),
         ({"tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]}, "tools.0"),
@@ -203,7 +223,7 @@ def test_a_streamed_function_call_has_its_argument_events(client):
     ],
 )
 def test_what_needs_server_state_is_a_400_naming_the_field(client, fields, param):
-    request = {"model": MODEL, "input": "hi", "max_output_tokens": 2, **fields}
+    request = {"model": MODEL, "temperature": 0, "input": "hi", "max_output_tokens": 2, **fields}
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(**request)
     assert refused.value.body["param"] == param
@@ -211,4 +231,4 @@ def test_what_needs_server_state_is_a_400_naming_the_field(client, fields, param
 
 def test_store_false_or_missing_is_served(client):
     for store in ({"store": False}, {}):
-        assert client.responses.create(model=MODEL, input="hi", max_output_tokens=2, **store).output_text
+        assert client.responses.create(model=MODEL, temperature=0, input="hi", max_output_tokens=2, **store).output_text

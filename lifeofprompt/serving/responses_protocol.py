@@ -261,7 +261,8 @@ def status_of(finish_reason: str | None) -> tuple[str, dict | None]:
 def response_object(body: ResponsesRequest, response_id: str, model: str, **state) -> dict:
     """The ``response`` object: what the request asked for, echoed as the SDK's ``Response`` requires,
     and its state so far (``status``, ``output``, ``usage``, ``incomplete_details``)."""
-    tools = [{"description": None, "parameters": None, "strict": None, **t} for t in body.tools or []]
+    # the grammar holds every call to its tool's schema, as strict mode promises; older SDKs require both fields
+    tools = [{"description": None, "parameters": {"type": "object"}, **t, "strict": True} for t in body.tools or []]
     return {
         "id": response_id,
         "object": "response",

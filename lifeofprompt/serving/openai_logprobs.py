@@ -8,7 +8,9 @@ by finite logits, but JSON cannot carry it) is sent as -9999.0, as vLLM does.
 * ``/v1/completions`` with ``logprobs: N`` (0-20): ``{"tokens", "token_logprobs", "top_logprobs",
   "text_offset"}``; each ``top_logprobs`` entry maps token text to logprob for the N most likely
   tokens *and* the sampled one (so N + 1 entries when it was not among them; N = 0 gives just it);
-  ``text_offset`` counts characters into the choice's text (the prompt is not echoed).
+  ``text_offset`` counts characters into the choice's text. With ``echo`` the prompt's tokens come
+  first, from the prefill's scores (the engine's ``prompt_logprobs``); the first has nothing before
+  it, so its logprob and top_logprobs are null, as OpenAI's legacy completions and vLLM send them.
 * ``/v1/chat/completions`` with ``logprobs: true`` and ``top_logprobs: N``: ``{"content": [{"token",
   "logprob", "bytes", "top_logprobs": [N × {"token", "logprob", "bytes"}]}]}``.
 
@@ -58,13 +60,17 @@ def completion_logprobs(tokenizer, token_ids: list[int], entries: list[dict], te
     for token, entry in zip(token_ids, entries):
         text = _text(tokenizer, token)
         out["tokens"].append(text)
+        out["text_offset"].append(text_offset)
+        text_offset += len(text)
+        if entry is None:  # an echoed prompt's first token: nothing before it predicts it
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
         out["token_logprobs"].append(_finite(entry[token]) if token in entry else None)
         top: dict[str, float] = {}
         for tid, lp in sorted(entry.items(), key=lambda kv: -kv[1]):
             top.setdefault(_text(tokenizer, tid), _finite(lp))
         out["top_logprobs"].append(top)
-        out["text_offset"].append(text_offset)
-        text_offset += len(text)
     return out
 
 

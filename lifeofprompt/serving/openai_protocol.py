@@ -67,7 +67,7 @@ class _Body(BaseModel):
 
 class CompletionRequest(_Body):
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool | None = None
+    echo: bool | None = None  # the prompt before the answer; with logprobs, its tokens' too (choices.py)
     suffix: str | None = None
     best_of: int | None = None
 
@@ -99,7 +99,6 @@ def _is_text_format(value) -> bool:
 # field -> the values that ask for nothing (anything else is refused, naming the field)
 UNSUPPORTED = {
     "best_of": lambda v: v in (None, 1),
-    "echo": lambda v: not v,
     "suffix": lambda v: not v,
     "functions": lambda v: not v,
     "function_call": lambda v: v in (None, "none"),
@@ -168,6 +167,12 @@ def num_logprobs(body: _Body) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
         raise InvalidRequestError(f"logprobs must be an integer between 0 and {MAX_TOP_LOGPROBS}", param="logprobs")
     return value
+
+
+def echo_prompt_logprobs(body: CompletionRequest) -> int | None:
+    """The engine's ``prompt_logprobs`` for a completions request: ``echo`` with ``logprobs: N`` scores the
+    echoed prompt's tokens with the same N (as vLLM does), else None (the prompt is not scored)."""
+    return num_logprobs(body) if body.echo else None
 
 
 def sampling_params_from(

@@ -127,3 +127,32 @@ def test_every_one_of_n_choices_echoes_the_prompt(client, stream):
     assert sorted(texts) == [0, 1]
     for text in texts.values():
         assert text.startswith(PROMPT) and PROMPT not in text[len(PROMPT) :]
+
+
+def test_vllm_prompt_logprobs_field(client, smollm2, engine_scores):
+    """vLLM's extra field: the choice's ``prompt_logprobs``, None first, then each prompt token with its top N,
+    ranked (the prompt token's rank null when it is below them)."""
+    ids, scores = engine_scores["text"]
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, extra_body={"prompt_logprobs": 1})
+    got = out.choices[0].model_extra["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids)
+    for i in range(1, len(ids)):
+        mine = got[i][str(ids[i])]
+        assert mine["logprob"] == pytest.approx(scores[i][ids[i]], abs=ATOL)
+        assert mine["decoded_token"] == smollm2[1].decode([ids[i]])
+        ranks = sorted((v["rank"] or 99) for v in got[i].values())
+        assert ranks[0] == 1 and (len(got[i]) == 1 or (len(got[i]) == 2 and mine["rank"] is None))
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"prompt_logprobs": 21},
+        {"prompt_logprobs": 2, "stream": True},
+        {"prompt_logprobs": 2, "echo": True, "logprobs": 1},
+    ],
+)
+def test_bad_prompt_logprobs_are_400s_naming_the_field(client, extra):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, extra_body=extra)
+    assert info.value.body["param"] == "prompt_logprobs"

@@ -17,7 +17,7 @@ the end (one cut by ``max_tokens`` goes out as ``content`` instead).
 
 from __future__ import annotations
 
-from .openai_logprobs import chat_logprobs, completion_logprobs
+from .openai_logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 from .openai_protocol import openai_finish_reason
 from .tools import tool_calls_from
 
@@ -33,9 +33,11 @@ class Choices:
         tool_mode: str | None = None,
         return_token_ids: bool = False,
         echo: bool = False,
+        prompt_logprobs: int | None = None,
     ):
         self.prompt_tokenizer, self.chat, self.n = prompt_tokenizer, chat, n
         self.num_logprobs, self.return_token_ids, self.echo = num_logprobs, return_token_ids, echo
+        self.prompt_logprobs = prompt_logprobs  # vLLM's field (its N): the choice carries the prompt's scores
         self.echoes: dict[int, tuple[str, list, list | None]] = {}  # a stream's prompts not yet sent, by choice
         self.tool_mode = tool_mode if tool_mode not in (None, "auto") else None
         self.text_offset: dict[int, int] = {}  # completions' logprobs: characters so far
@@ -92,6 +94,9 @@ class Choices:
                 choice["finish_reason"] = finish
                 if self.return_token_ids:
                     choice["token_ids"] = list(completion.token_ids)
+                if self.prompt_logprobs is not None and output.prompt_logprobs is not None:
+                    entries, top = list(output.prompt_logprobs), self.prompt_logprobs
+                    choice["prompt_logprobs"] = await self.prompt_tokenizer.run(vllm_prompt_logprobs, entries, top)
                 choices.append(choice)
         return sorted(choices, key=lambda c: c["index"])
 

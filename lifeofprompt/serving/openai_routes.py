@@ -27,8 +27,8 @@ from .openai_protocol import (
     Health,
     ModelList,
     check_text,
+    completion_prompt_logprobs,
     completion_prompts,
-    echo_prompt_logprobs,
     num_logprobs,
     plain_messages,
     sampling_params_from,
@@ -75,9 +75,11 @@ class Endpoints:
     async def completions(self, body: CompletionRequest, request: Request):
         """``echo`` puts the prompt before each answer (every one of the ``n``; streamed: in each choice's first
         chunk), with logprobs its tokens' first (``choices.py``); ``max_tokens: 0`` + ``echo`` + ``logprobs``
-        is lm-evaluation-harness's log-likelihood request: the prompt scored, nothing generated."""
+        is lm-evaluation-harness's log-likelihood request: the prompt scored, nothing generated. vLLM's
+        ``prompt_logprobs: N`` returns each prompt token's top N as the choice's ``prompt_logprobs``."""
         self.check_model(body.model)
-        params = replace(sampling_params_from(body, default_max_tokens=16), prompt_logprobs=echo_prompt_logprobs(body))
+        params = sampling_params_from(body, default_max_tokens=16)
+        params = replace(params, prompt_logprobs=completion_prompt_logprobs(body))
         check_text(body.prompt, "prompt")
         check_text(body.stop, "stop")
         submission = Submission(self.engine_loop, "cmpl")
@@ -89,6 +91,7 @@ class Endpoints:
             num_logprobs=num_logprobs(body),
             return_token_ids=body.return_token_ids,
             echo=bool(body.echo),
+            prompt_logprobs=body.prompt_logprobs,
         )
         if body.stream:
             return EventStream(self.stream_choices(submission, body, "text_completion", choices), submission)

@@ -81,21 +81,22 @@ def test_echo_with_logprobs_scores_the_prompt_then_the_answer(client, smollm2, e
     assert "".join(lp.tokens) == choice.text and choice.text.startswith(PROMPT)
 
 
-@pytest.mark.parametrize("as_ids", [False, True])
-def test_lm_eval_log_likelihood_request(client, server, smollm2, engine_scores, as_ids):
-    """lm-evaluation-harness's ``local-completions`` body: the prompt scored, nothing generated."""
+@pytest.mark.parametrize("as_ids, max_tokens", [(False, 0), (True, 0), (True, 1)])
+def test_lm_eval_log_likelihood_request(client, server, smollm2, engine_scores, as_ids, max_tokens):
+    """lm-evaluation-harness's ``local-completions`` body: the prompt scored, nothing generated (or one token,
+    which the harness's parser drops: it reads ``token_logprobs[ctxlen:-1]``)."""
     ids, scores = engine_scores["text"]
     prompt = [ids, OTHER] if as_ids else PROMPT
-    body = dict(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    body = dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, echo=True, logprobs=1, temperature=0)
     out = client.completions.create(**body)
     expected = [engine_scores["text"], engine_scores["other"]] if as_ids else [engine_scores["text"]]
     assert len(out.choices) == len(expected)
     for choice, (ids, scores) in zip(out.choices, expected):
         assert choice.finish_reason == "length"
-        assert len(choice.logprobs.tokens) == len(ids)
+        assert len(choice.logprobs.tokens) == len(ids) + max_tokens
         assert_prompt_part(choice.logprobs, ids, scores, smollm2[1])
-        assert choice.text == smollm2[1].decode(ids)
-    assert out.usage.completion_tokens == 0
+        assert choice.text.startswith(smollm2[1].decode(ids))
+    assert out.usage.completion_tokens == max_tokens * len(expected)
     assert server.engine.block_manager.num_used_blocks == 0
 
 
@@ -156,3 +157,11 @@ def test_bad_prompt_logprobs_are_400s_naming_the_field(client, extra):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, extra_body=extra)
     assert info.value.body["param"] == "prompt_logprobs"
+
+
+def test_a_streamed_log_likelihood_request_sends_the_scored_prompt(client, engine_scores, smollm2):
+    ids, scores = engine_scores["text"]
+    body = dict(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1, temperature=0, stream=True)
+    chunks = [c.choices[0] for c in client.completions.create(**body) if c.choices]
+    assert len(chunks) == 1 and chunks[0].text == PROMPT and chunks[0].finish_reason == "length"
+    assert_prompt_part(chunks[0].logprobs, ids, scores, smollm2[1])

@@ -75,7 +75,7 @@ def test_every_request_is_checked_before_any_work(llm, prompts, params, error, i
 
 def test_invalid_sampling_values_and_mismatched_lists(llm):
     bad = SamplingParams(temperature=0)
-    bad.max_tokens = 0  # made valid, then broken: generate re-checks
+    bad.max_tokens = -1  # made valid, then broken: generate re-checks
     with pytest.raises(InvalidRequestError, match="request 0: max_tokens"):
         llm.generate("ok", bad)
     with pytest.raises(InvalidRequestError, match="2 sampling_params for 3 prompts"):

@@ -181,7 +181,7 @@ def test_metrics_parse_as_prometheus(client, server):
     "body, status, param",
     [
         ({"prompt": HI_IDS, "temperature": -1}, 400, "temperature"),
-        ({"prompt": HI_IDS, "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": HI_IDS, "max_tokens": -1}, 400, "max_tokens"),
         ({"prompt": HI_IDS, "max_tokens": 5000}, 413, "max_tokens"),  # prompt + max_tokens > the 1,024-token pool
         ({"prompt": [7] * 1100}, 413, "max_tokens"),  # the prompt alone is too long
         ({"prompt": [10**9]}, 400, "prompt"),  # outside the vocabulary

@@ -9,7 +9,7 @@ schema (tests/test_server.py checks it).
 
 Checks: no 5xx, and every response's status, content type, headers and body conform to the schema.
 Not checked: whether schema-valid bodies are accepted (many ask for what we refuse by name, such as
-``echo`` or ``best_of``) or schema-invalid ones refused (unknown fields are accepted, as OpenAI does).
+``suffix`` or ``best_of``) or schema-invalid ones refused (unknown fields are accepted, as OpenAI does).
 """
 
 from __future__ import annotations

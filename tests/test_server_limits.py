@@ -95,7 +95,7 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "ma
             },
             "structured_outputs.regex",
         ),
-        ("/v1/completions", {"echo": True}, "echo"),
+        ("/v1/completions", {"suffix": " and so on"}, "suffix"),
     ],
 )
 def test_unsupported_fields_and_bad_values_are_refused_by_name(http, path, extra, param):

@@ -121,16 +121,18 @@ class BlockManager:
         return state
 
     # ---------------------------------------------------------------- admission: the prefix cache
-    def claim_cached_prefix(self, seq) -> int:
+    def claim_cached_prefix(self, seq, lookup: bool = True) -> int:
         """Share the longest run of cached full blocks that starts ``seq``; return the tokens they cover.
 
         Call once, when the sequence is admitted (or re-admitted after preemption) with an empty
         block table; the caller sets ``seq.num_computed_tokens`` to the result. The result is a
-        whole number of blocks and always leaves at least one token to compute.
+        whole number of blocks and always leaves at least one token to compute. ``lookup=False``
+        (a request that scores its prompt: every prompt row must be computed) claims nothing, but
+        its blocks are still registered for others as they fill.
         """
         assert not seq.block_table and seq.num_computed_tokens == 0, "claim_cached_prefix wants a fresh sequence"
         state = self._seqs[seq.seq_id] = _SeqState()
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not lookup:
             return 0
         tokens = seq.token_ids
         eligible = (len(tokens) - 1) // self.block_size  # full blocks that still leave a token to compute

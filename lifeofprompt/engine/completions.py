@@ -113,4 +113,11 @@ class CompletionUpdates:
             num_cached_tokens=request.completions[0].seq.num_cached_tokens,
             random_weights=self.model.is_random,
             error=request.error,
+            prompt_logprobs=_prompt_logprobs_of(request),
         )
+
+
+def _prompt_logprobs_of(request: _Request) -> list | None:
+    """vLLM's shape: None for the first prompt token (nothing predicts it), then one entry per scored token."""
+    scored = request.completions[0].seq.prompt_logprobs
+    return None if scored is None else [None, *scored]

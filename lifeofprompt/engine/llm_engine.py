@@ -245,6 +245,13 @@ class LLMEngine(CompletionUpdates):
                 raise InvalidRequestError(
                     f"token id {outside[0]!r} is outside the vocabulary [0, {vocab})", param=field_name, index=index
                 )
+        if params.prompt_logprobs is not None and self.parallel is not None:
+            raise InvalidRequestError(
+                "prompt_logprobs needs the whole model in one process (tensor_parallel_size and "
+                "pipeline_parallel_size 1)",
+                param="prompt_logprobs",
+                index=index,
+            )
         if params.structured_outputs is not None:
             try:
                 self.grammar_backend().compile(params.structured_outputs)
@@ -275,8 +282,14 @@ class LLMEngine(CompletionUpdates):
         request_id = str(request_id)
         completions = []
         for i in range(params.n):
-            # each answer samples on its own stream: seed, seed + 1, ... (None stays None)
-            child = replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            # each answer samples on its own stream: seed, seed + 1, ... (None stays None); the first scores
+            # the prompt (when asked), the others share its cached blocks
+            child = replace(
+                params,
+                n=1,
+                seed=None if params.seed is None else params.seed + i,
+                prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+            )
             answer_id = request_id if params.n == 1 else f"{request_id}/{i}"
             seq = Sequence(answer_id, ids, child, prompt=text, arrival_time=arrival)
             if params.structured_outputs is not None:  # each answer walks the grammar on its own
@@ -413,7 +426,9 @@ class LLMEngine(CompletionUpdates):
         now = self.clock()
         if started.drafts:
             self.spec_stats.verify_time += now - started.start_time
+        self._take_prompt_logprobs(out)
         changed = self._take_tokens(started, out, now)
+        self._finish_prompt_only(started, changed, now)
         for seq_id, exc in out.failures.items():
             if seq_id in self._owner:
                 request = self._owner[seq_id][0]
@@ -458,6 +473,31 @@ class LLMEngine(CompletionUpdates):
                 started.record.finished.append(seq.request_id)
             self._release_siblings(request, completion)
         return changed
+
+    def _take_prompt_logprobs(self, out: StepOutput) -> None:
+        """The prompt tokens this step scored join their sequence's list (``prompt_logprobs.py``)."""
+        for seq_id, entries in out.prompt_logprobs.items():
+            owner = self._owner.get(seq_id)
+            if owner is not None and owner[1].seq.prompt_logprobs is not None:
+                owner[1].seq.prompt_logprobs.extend(entries)
+
+    def _finish_prompt_only(self, started: StartedStep, changed: dict[str, _Request], now: float) -> None:
+        """``max_tokens=0`` (a log-likelihood: the prompt's logprobs, nothing generated): a request ends with
+        "length" once its whole prompt is computed."""
+        for seq in started.batch.seqs:
+            if (
+                seq.sampling_params.max_tokens == 0
+                and seq.status == SequenceStatus.RUNNING
+                and seq.num_computed_tokens >= seq.num_prompt_tokens
+                and seq.seq_id in self._owner
+            ):
+                request, completion = self._owner[seq.seq_id]
+                self.scheduler.finish(seq, "length")
+                if request.finished:
+                    request.metrics.finished_time = now
+                started.record.finished.append(seq.request_id)
+                changed[request.request_id] = request
+                self._release_siblings(request, completion)
 
     def _release_siblings(self, request: _Request, completion: _Completion) -> None:
         """n > 1: once the first answer has sampled, its prompt's full blocks are cached, so the other

@@ -19,11 +19,12 @@ import math
 
 import torch
 
-from ..errors import OutOfMemoryError
+from ..errors import OutOfMemoryError, RequestFailedError
 from ..model.attention import PagedCacheMetadata, PagedKVCache
 from .config import CPU_KV_CACHE_MEMORY, DEFAULT_STEP_TOKENS, EngineConfig, context_len, resolve
 from .cuda_graphs import DecodeGraphs, padded_batch_size
 from .memory import kv_bytes_per_block, plan_memory
+from .prompt_logprobs import plan_prompt_rows, score_prompt_rows
 from .sampler import Sampler
 from .sequence import Sequence
 from .speedups import GpuSpeedups, Speedups, dummy_inputs
@@ -227,8 +228,28 @@ class ModelRunner:
     @torch.no_grad()
     def execute(self, seqs: list[Sequence], num_scheduled_tokens: list[int]) -> StepOutput:
         """Run one step: its tokens, logprobs and failures, and how it ran (``step_output.py``)."""
+        prompt_rows = plan_prompt_rows(seqs, num_scheduled_tokens)  # None unless a prompt chunk asks
+        if prompt_rows is not None:
+            return self.scoring_step(seqs, num_scheduled_tokens, prompt_rows)
         logits, launch = self.forward_step(seqs, num_scheduled_tokens)
         return self.sample_step(seqs, num_scheduled_tokens, logits, launch)
+
+    @torch.no_grad()
+    def scoring_step(self, seqs: list[Sequence], num_scheduled_tokens: list[int], prompt_rows) -> StepOutput:
+        """``execute`` for a step with prompt rows to score (``prompt_logprobs.py``): always eager, the hidden
+        states of every row kept, the sampling rows' logits taken from them, then the prompt rows scored in
+        slices. Only such steps pay for it; the others never come here."""
+        if not hasattr(self.model, "hidden_states"):  # a split model's ranks hold the hidden states
+            raise RequestFailedError("prompt_logprobs needs the whole model in one process")
+        input_ids, positions, meta = self.prepare(seqs, num_scheduled_tokens)
+        rows = input_ids.shape[0]
+        hidden = self.model.hidden_states(input_ids, positions, meta, self.speedups.path_for(rows))
+        if self.draft is not None:
+            self.draft.mirror(input_ids, positions, meta)
+        logits = self.model.lm_head(hidden[meta.logits_indices]).float()
+        out = self.sample_step(seqs, num_scheduled_tokens, logits, self.launch("eager, prompt rows scored", rows))
+        out.prompt_logprobs = score_prompt_rows(self.model.lm_head, hidden, prompt_rows)
+        return out
 
     @torch.no_grad()
     def submit(self, seqs: list[Sequence], num_scheduled_tokens: list[int]):

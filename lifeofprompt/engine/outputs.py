@@ -92,6 +92,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     random_weights: bool = False  # the model had seeded random weights: the text means nothing
     error: Exception | None = None  # this request alone failed in a step (finish_reason "error")
+    # prompt_logprobs asked: None for the first prompt token, then {token_id: logprob} per prompt token (the
+    # token itself and the top N, the shape of CompletionOutput.logprobs), as far as its prefill has come
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def __repr__(self) -> str:
         out = self.outputs[0] if self.outputs else None

@@ -14,6 +14,7 @@ from .structured_output import StructuredOutputsParams
 
 # torch.Generator.manual_seed takes any integer in [-2**63, 2**64): a request's n answers use seed ... seed + n - 1
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
+MAX_PROMPT_LOGPROBS = 20  # vLLM's default max_logprobs: top-k of every prompt token costs a [rows, k] read-back
 GREEDY_BELOW, MIN_TEMPERATURE = 1e-5, 1e-2
 
 
@@ -25,11 +26,12 @@ class SamplingParams:
     top_k: int = -1  # keep the k most likely tokens; -1 = all
     min_p: float = 0.0  # drop tokens less likely than min_p × the most likely one
     seed: int | None = None  # same prompt + params + seed → same tokens, run after run
-    max_tokens: int | None = 16  # new tokens at most (None: up to the context length)
+    max_tokens: int | None = 16  # new tokens at most (None: up to the context length; 0: score the prompt only)
     stop: list[str] | str | None = None  # stop strings (not included in the output text)
     stop_token_ids: list[int] | None = None  # extra token ids that end generation
     ignore_eos: bool = False  # keep going past EOS (benchmarks)
     logprobs: int | None = None  # top-N log-probabilities per generated token
+    prompt_logprobs: int | None = None  # top-N log-probabilities per prompt token (prompt_logprobs.py), 0..20
     presence_penalty: float = 0.0  # minus this from every token already in the output, in [-2, 2]
     frequency_penalty: float = 0.0  # minus this × its count in the output, in [-2, 2]
     repetition_penalty: float = 1.0  # tokens in prompt or output: positive logits ÷ it, negative × it
@@ -76,11 +78,14 @@ class SamplingParams:
         if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
             bad("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.max_tokens is not None and (
-            isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1
+            isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 0
         ):
-            bad("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            bad("max_tokens", f"max_tokens must be an integer >= 0 (0: the prompt only), got {self.max_tokens!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             bad("logprobs", f"logprobs must be an integer >= 0, got {self.logprobs!r}")
+        pl = self.prompt_logprobs
+        if pl is not None and (isinstance(pl, bool) or not isinstance(pl, int) or not 0 <= pl <= MAX_PROMPT_LOGPROBS):
+            bad("prompt_logprobs", f"prompt_logprobs must be an integer in [0, {MAX_PROMPT_LOGPROBS}], got {pl!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             bad("seed", f"seed must be an integer, got {self.seed!r}")
         if self.seed is not None and not MIN_SEED <= self.seed <= self.seed + self.n - 1 <= MAX_SEED:

@@ -14,7 +14,8 @@ and there is no separate "prefill phase" or "decode phase": a step mixes them.
 2. Then, if nobody was preempted this step, waiting requests are admitted in arrival order
    while the budget lasts, the running set is under ``max_num_seqs`` and ``allocate_slots``
    can give the request's first chunk. Admission first claims the longest cached prefix of the
-   prompt, so those tokens are not computed again.
+   prompt, so those tokens are not computed again (not for a request that asks for
+   ``prompt_logprobs``: it needs every prompt row, as in vLLM V1; its blocks are still cached).
 
 Speculative decoding. A decoding request that carries draft tokens (``seq.spec_token_ids``)
 costs 1 + k tokens of the same budget: a *verify* of its last token and its k drafts, never
@@ -205,7 +206,7 @@ class Scheduler:
             seq = next((s for s in self.waiting if batch.group is None or s.group == batch.group), None)
             if seq is None:
                 return
-            cached = bm.claim_cached_prefix(seq)
+            cached = bm.claim_cached_prefix(seq, lookup=seq.prompt_logprobs is None)  # as vLLM V1
             seq.num_computed_tokens = cached
             n = self.fair_chunk(min(len(seq) - cached, budget))
             if not bm.allocate_slots(seq, n):

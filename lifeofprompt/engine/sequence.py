@@ -57,6 +57,9 @@ class Sequence:
         self.group: int | None = None  # its micro-batch group with pipeline overlap (the scheduler's), else None
         self.grammar = None  # its structured output's matcher (structured_output.GrammarState), if it has one
         self.generator = None  # its own random stream, made on its first draw (``random_stream``)
+        # prompt_logprobs asked: entry i scores prompt token i + 1 (token 0 has nothing before it), filled as
+        # prefill chunks run (``prompt_logprobs.py``); rows already scored are not scored again after a preemption
+        self.prompt_logprobs: list[dict[int, float]] | None = None if sampling_params.prompt_logprobs is None else []
 
     @property
     def token_ids(self) -> list[int]:

@@ -38,13 +38,15 @@ class StepOutput:
     ``tokens``: None (a prompt chunk short of its end, or a failed row), the sampled token, or a
     verify's kept tokens (a list). ``logprobs``: None, ``(logprob, {token_id: logprob})`` for a
     request that asked, or a verify's list of them. ``failures``: seq_id -> why its row could not
-    be sampled (the engine ends that request alone).
+    be sampled (the engine ends that request alone). ``prompt_logprobs``: seq_id -> the scores of the
+    prompt tokens this step's rows predicted, for requests that asked (``prompt_logprobs.py``).
     """
 
     tokens: list
     logprobs: list
     failures: dict[int, BaseException] = field(default_factory=dict)
     launch: Launch | None = None
+    prompt_logprobs: dict[int, list] = field(default_factory=dict)  # seq_id -> this step's prompt tokens' scores
 
 
 def sample_step(sampler: Sampler, seqs: list[Sequence], num_tokens: list[int], logits, eos_token_ids) -> StepOutput:
@@ -53,6 +55,9 @@ def sample_step(sampler: Sampler, seqs: list[Sequence], num_tokens: list[int], l
     for seq, n in zip(seqs, num_tokens):
         if seq.num_computed_tokens + n != len(seq) + len(seq.spec_token_ids):
             continue  # a prompt chunk short of the prompt's end: no logits row
+        if seq.sampling_params.max_tokens == 0:  # prompt only: its row is computed, nothing is sampled
+            row += 1
+            continue
         if seq.spec_token_ids:
             verifies.append((seq, row))
             row += 1 + len(seq.spec_token_ids)

@@ -5,6 +5,11 @@ prompt (choice ``prompt index × n + answer index``, OpenAI's order), log-probab
 (``openai_logprobs.py``), a tool call (``tools.py``) and vLLM's ``return_token_ids``. Token texts for
 logprobs are decoded on the server's own tokenizer, in its worker thread (``limits.PromptTokenizer``).
 
+Completions' ``echo`` puts the prompt before each answer: its text (token-id prompts decoded) and,
+with ``logprobs: N``, its tokens' logprobs (the first null) before the generated ones, as vLLM does.
+Every one of the ``n`` answers of a prompt echoes it; a stream sends the prompt in each choice's first
+chunk, and only there (``echo_in_stream``); ``max_tokens: 0`` gives the prompt alone.
+
 A streamed tool call is sent whole, in the answer's last chunk: the ``"required"`` grammar names
 the function only inside the JSON, and a call's arguments are only known to be a complete call at
 the end (one cut by ``max_tokens`` goes out as ``content`` instead).
@@ -12,7 +17,7 @@ the end (one cut by ``max_tokens`` goes out as ``content`` instead).
 
 from __future__ import annotations
 
-from .openai_logprobs import chat_logprobs, completion_logprobs
+from .openai_logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 from .openai_protocol import openai_finish_reason
 from .tools import tool_calls_from
 
@@ -27,9 +32,13 @@ class Choices:
         num_logprobs: int | None = None,
         tool_mode: str | None = None,
         return_token_ids: bool = False,
+        echo: bool = False,
+        prompt_logprobs: int | None = None,
     ):
         self.prompt_tokenizer, self.chat, self.n = prompt_tokenizer, chat, n
-        self.num_logprobs, self.return_token_ids = num_logprobs, return_token_ids
+        self.num_logprobs, self.return_token_ids, self.echo = num_logprobs, return_token_ids, echo
+        self.prompt_logprobs = prompt_logprobs  # vLLM's field (its N): the choice carries the prompt's scores
+        self.echoes: dict[int, tuple[str, list, list | None]] = {}  # a stream's prompts not yet sent, by choice
         self.tool_mode = tool_mode if tool_mode not in (None, "auto") else None
         self.text_offset: dict[int, int] = {}  # completions' logprobs: characters so far
         self.held: dict[int, tuple[str, list, list]] = {}  # a streamed tool call: text, ids, entries
@@ -43,6 +52,22 @@ class Choices:
         out = await self.prompt_tokenizer.run(completion_logprobs, list(token_ids), list(entries), offset)
         self.text_offset[index] = offset + sum(len(t) for t in out["tokens"])
         return out
+
+    async def prompt_of(self, output) -> tuple[str, list[int], list | None]:
+        """What ``echo`` puts before an answer: the prompt's text (decoded when it came as token ids), its ids,
+        and (with logprobs) their entries from the engine's ``prompt_logprobs``, the first None."""
+        text = output.prompt
+        if text is None:
+            text = await self.prompt_tokenizer.run(_decode, list(output.prompt_token_ids))
+        wanted = self.num_logprobs is not None and output.prompt_logprobs is not None
+        return text, list(output.prompt_token_ids), list(output.prompt_logprobs) if wanted else None
+
+    async def echo_in_stream(self, prompt_index: int, output) -> None:
+        """A streamed prompt's first output: its echo waits for each of its choices' first chunk."""
+        if self.echo:
+            echo = await self.prompt_of(output)
+            for answer in range(self.n):
+                self.echoes[prompt_index * self.n + answer] = echo
 
     def message(self, text: str, finish_reason):
         """The chat message (or delta content) and finish reason: a tool call if the answer is one."""
@@ -61,14 +86,28 @@ class Choices:
                 if self.chat:
                     message, finish = self.message(completion.text, finish)
                     choice = {"index": index, "message": {"role": "assistant", **message}}
+                    ids, entries = completion.token_ids, completion.logprobs
                 else:
-                    choice = {"index": index, "text": completion.text}
-                choice["logprobs"] = await self.logprobs(index, completion.token_ids, completion.logprobs)
+                    text, ids, entries = await self.echoed(output, completion)
+                    choice = {"index": index, "text": text}
+                choice["logprobs"] = await self.logprobs(index, ids, entries)
                 choice["finish_reason"] = finish
                 if self.return_token_ids:
                     choice["token_ids"] = list(completion.token_ids)
+                if self.prompt_logprobs is not None and output.prompt_logprobs is not None:
+                    entries, top = list(output.prompt_logprobs), self.prompt_logprobs
+                    choice["prompt_logprobs"] = await self.prompt_tokenizer.run(vllm_prompt_logprobs, entries, top)
                 choices.append(choice)
         return sorted(choices, key=lambda c: c["index"])
+
+    async def echoed(self, output, completion) -> tuple[str, list[int], list | None]:
+        """A completions answer's text, ids and logprob entries, the prompt's first with ``echo``."""
+        text, ids, entries = completion.text, list(completion.token_ids), completion.logprobs
+        if not self.echo:
+            return text, ids, entries
+        prompt_text, prompt_ids, prompt_entries = await self.prompt_of(output)
+        both = None if entries is None or prompt_entries is None else prompt_entries + list(entries)
+        return prompt_text + text, prompt_ids + ids, both
 
     # ------------------------------------------------------------------ stream deltas
     def openings(self, num_prompts: int = 1) -> list[dict]:
@@ -87,6 +126,11 @@ class Choices:
                 return None
             text, new_ids, entries = self.held.pop(index)
             entries = entries if self.num_logprobs is not None else None
+        generated_ids = list(new_ids)
+        if index in self.echoes:  # echo: this choice's first chunk carries its prompt
+            prompt_text, prompt_ids, prompt_entries = self.echoes.pop(index)
+            text, new_ids = prompt_text + text, prompt_ids + generated_ids
+            entries = None if entries is None or prompt_entries is None else prompt_entries + list(entries)
         logprobs = await self.logprobs(index, new_ids, entries)
         if self.chat:
             if self.tool_mode is not None:
@@ -100,5 +144,9 @@ class Choices:
             choice = {"index": index, "text": text}
         choice.update(logprobs=logprobs, finish_reason=finish_reason)
         if self.return_token_ids:
-            choice["token_ids"] = list(new_ids)
+            choice["token_ids"] = generated_ids
         return choice
+
+
+def _decode(tokenizer, token_ids: list[int]) -> str:
+    return tokenizer.decode(token_ids, skip_special_tokens=False)

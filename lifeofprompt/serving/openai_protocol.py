@@ -81,7 +81,8 @@ class _Body(NullMeansDefault):
 
 class CompletionRequest(_Body):
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool | None = None
+    echo: bool | None = None  # the prompt before the answer; with logprobs, its tokens' too (choices.py)
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's top N, as the choice's prompt_logprobs
     suffix: str | None = None
     best_of: int | None = None
 
@@ -111,7 +112,6 @@ def _is_text_format(value) -> bool:
 # field -> the values that ask for nothing (anything else is refused, naming the field)
 UNSUPPORTED = {
     "best_of": lambda v: v in (None, 1),
-    "echo": lambda v: not v,
     "suffix": lambda v: not v,
     "functions": lambda v: not v,
     "function_call": lambda v: v in (None, "none"),
@@ -185,6 +185,24 @@ def num_logprobs(body: _Body) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
         raise InvalidRequestError(f"logprobs must be an integer between 0 and {MAX_TOP_LOGPROBS}", param="logprobs")
     return value
+
+
+def completion_prompt_logprobs(body: CompletionRequest) -> int | None:
+    """The engine's ``prompt_logprobs`` for a completions request: vLLM's field as asked, else ``echo`` with
+    ``logprobs: N`` scores the echoed prompt's tokens with the same N (as vLLM does), else None. vLLM's
+    field is not streamed (as in vLLM), and with ``echo`` it must ask for the same N as ``logprobs``."""
+    echoed = num_logprobs(body) if body.echo else None
+    asked = body.prompt_logprobs
+    if asked is None:
+        return echoed
+    if body.stream:
+        raise InvalidRequestError("prompt_logprobs is not streamed: ask without stream", param="prompt_logprobs")
+    if echoed is not None and echoed != asked:
+        raise InvalidRequestError(
+            f"prompt_logprobs ({asked}) and echo's logprobs ({echoed}) ask for two different top N",
+            param="prompt_logprobs",
+        )
+    return asked
 
 
 def sampling_params_from(

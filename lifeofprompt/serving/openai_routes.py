@@ -9,6 +9,7 @@ OpenAI's chunk envelope. ``server.build_app`` puts them on the app (``add_to``).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -27,6 +28,7 @@ from .openai_protocol import (
     ModelCard,
     ModelList,
     check_text,
+    completion_prompt_logprobs,
     completion_prompts,
     num_logprobs,
     plain_messages,
@@ -87,8 +89,13 @@ class Endpoints:
         return self.card()
 
     async def completions(self, body: CompletionRequest, request: Request):
+        """``echo`` puts the prompt before each answer (every one of the ``n``; streamed: in each choice's first
+        chunk), with logprobs its tokens' first (``choices.py``); ``max_tokens: 0`` + ``echo`` + ``logprobs``
+        is lm-evaluation-harness's log-likelihood request: the prompt scored, nothing generated. vLLM's
+        ``prompt_logprobs: N`` returns each prompt token's top N as the choice's ``prompt_logprobs``."""
         self.check_model(body.model)
         params = sampling_params_from(body, default_max_tokens=16)
+        params = replace(params, prompt_logprobs=completion_prompt_logprobs(body))
         check_text(body.prompt, "prompt")
         check_text(body.stop, "stop")
         submission = Submission(self.engine_loop, "cmpl")
@@ -99,6 +106,8 @@ class Endpoints:
             n=body.n,
             num_logprobs=num_logprobs(body),
             return_token_ids=body.return_token_ids,
+            echo=bool(body.echo),
+            prompt_logprobs=body.prompt_logprobs,
         )
         if body.stream:
             return EventStream(self.stream_choices(submission, body, "text_completion", choices), submission)
@@ -207,6 +216,8 @@ class Endpoints:
                 choice = await choices.delta(*piece)
                 if choice is not None:
                     yield chunk([choice], usage_so_far(piece[0]))
+            elif kind == "prompt":
+                await choices.echo_in_stream(*piece)
             elif kind == "usage" and include_usage:
                 yield chunk([], piece[0])
             elif kind == "error":

@@ -123,16 +123,20 @@ async def stream_deltas(submission: Submission, n: int = 1):
     """``("text", choice, new text, new token ids, their logprob entries, finish_reason)`` per answer
     that adds text or finishes, then ``("usage", totals)``; or ``("error", body)`` if the engine
     failed the request mid-stream. ``choice`` is ``prompt index × n + answer index``, OpenAI's order.
+    Before a prompt's first text, ``("prompt", prompt index, its first output)``: what ``echo`` sends.
 
     Text is sent as the difference from what this client already has, so an engine that holds
     back a partial character (or a possible stop string) is streamed correctly. If the client
     disconnects, the generator is closed here and the requests still running are aborted.
     """
-    sent, sent_ids, done = {}, {}, set()
+    sent, sent_ids, done, prompts_seen = {}, {}, set(), set()
     prompt_tokens = completion_tokens = 0
     try:
         try:
             async for index, output in submission.outputs():
+                if index not in prompts_seen:
+                    prompts_seen.add(index)
+                    yield "prompt", index, output
                 if output.finished:
                     prompt_tokens += len(output.prompt_token_ids)
                 for completion in output.outputs:

@@ -72,7 +72,11 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "ma
             {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
             "response_format",
         ),
-        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # auto
+        (
+            "/v1/chat/completions",
+            {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "sometimes"},
+            "tool_choice",
+        ),
         ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
         ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
         ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),

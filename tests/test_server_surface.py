@@ -21,6 +21,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from lifeofprompt.engine.llm_engine import LLMEngine  # noqa: E402
 from lifeofprompt.lessons.agreement import teacher_forced_logits  # noqa: E402
 from lifeofprompt.serving.server import ServerConfig, build_app  # noqa: E402
+from tiny_models import build_tiny_model  # noqa: E402
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}]}
 ADD = {
@@ -42,16 +43,17 @@ TOOLS = [
 SCHEMAS = {"add": ADD, "echo": ECHO}
 
 
-def tiny_engine(tiny_model):
+def tiny_engine(tiny_model, num_kv_blocks: int = 128):
     model, tokenizer = tiny_model
     tokenizer = type(tokenizer)(tokenizer.vocab_size)
     tokenizer.chat_template = "tags"  # ByteTokenizer.apply_chat_template: <role>\ncontent\n
-    return LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=128, max_num_seqs=8, log_stats=False)
+    return LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=num_kv_blocks, max_num_seqs=8, log_stats=False)
 
 
 @pytest.fixture(scope="module")
-def http(tiny_model):
-    app = build_app(tiny_engine(tiny_model), model_name="tiny")
+def http():
+    # 2,048 positions: the default tools template puts the tools in the system prompt, a byte a token here
+    app = build_app(tiny_engine(build_tiny_model(max_position_embeddings=2048), num_kv_blocks=1024), model_name="tiny")
     with TestClient(app, raise_server_exceptions=False) as client:
         client.engine = app.state.engine
         yield client
@@ -173,9 +175,10 @@ def test_tool_choice_required_calls_one_of_the_tools_with_valid_arguments(http):
             "/v1/chat/completions",
             json={
                 **CHAT,
-                "max_tokens": 120,
+                "max_tokens": 200,  # a call is about 60 bytes of Hermes framing, a byte a token here
                 "tools": TOOLS,
                 "tool_choice": "required",
+                "parallel_tool_calls": False,  # one call each (several: tests/test_tool_calls_auto.py)
                 "n": 12,
                 "seed": 0,
                 "temperature": 1.0,
@@ -186,7 +189,7 @@ def test_tool_choice_required_calls_one_of_the_tools_with_valid_arguments(http):
     assert set(names) == {"add", "echo"}, names  # the grammar lets either be chosen
 
 
-def test_a_named_tool_is_called_and_streams_as_one_call(http):
+def test_a_named_tool_is_called_and_streams_name_first_then_argument_pieces(http):
     body = {
         **CHAT,
         "max_tokens": 120,
@@ -198,19 +201,25 @@ def test_a_named_tool_is_called_and_streams_as_one_call(http):
     assert assert_valid_calls(whole["choices"]) == ["add"] * 4
     chunks = streamed(http, "/v1/chat/completions", body)
     calls = [d for c in chunks for ch in c["choices"] for d in ch["delta"].get("tool_calls", [])]
-    assert len(calls) == 1 and calls[0]["function"]["name"] == "add"
-    assert calls[0]["function"]["arguments"] == whole["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+    first, rest = calls[0], calls[1:]
+    assert first["function"] == {"name": "add", "arguments": ""} and first["id"].startswith("call_")
+    assert len(rest) > 1 and all(d["index"] == 0 and set(d["function"]) == {"arguments"} for d in rest)
+    arguments = "".join(d["function"]["arguments"] for d in rest)
+    assert arguments == whole["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+    jsonschema.validate(json.loads(arguments), ADD)
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
-def test_tool_choice_none_ignores_the_tools_and_auto_needs_a_template_for_them(http, monkeypatch):
-    plain = ok(http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4, "tools": TOOLS, "tool_choice": "none"}))
-    assert plain["choices"][0]["message"].get("tool_calls") is None
-    auto = http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4, "tools": TOOLS})
-    assert auto.status_code == 400 and auto.json()["error"]["param"] == "tool_choice"
-    assert "chat template" in auto.json()["error"]["message"]
+def test_tools_reach_the_prompt_through_our_template_unless_the_chat_template_reads_them(http, monkeypatch):
+    def prompt_tokens(**extra):
+        return ok(http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1, **extra}))["usage"]["prompt_tokens"]
+
+    bare = prompt_tokens()
+    assert prompt_tokens(tools=TOOLS, tool_choice="none") == bare  # "none": the tools are not shown
+    assert prompt_tokens(tools=TOOLS) > bare + len(json.dumps(ADD))  # auto: our tools template, in the system prompt
+    # a chat template that reads ``tools`` gets them instead (this byte tokenizer's renders none of them)
     monkeypatch.setattr(http.engine.tokenizer, "chat_template", "{% if tools %}...{% endif %}", raising=False)
-    assert ok(http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4, "tools": TOOLS}))["choices"]
+    assert prompt_tokens(tools=TOOLS) == bare
 
 
 @pytest.mark.parametrize(

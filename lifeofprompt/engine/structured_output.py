@@ -1,8 +1,9 @@
 """Structured output: the next token is chosen only among those a grammar allows, so JSON comes out as JSON.
 
 A request asks with vLLM's names, ``SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))``
-(or ``regex=``, ``choice=``, ``grammar=`` in EBNF, ``json_object=True``), or over HTTP with
-OpenAI's ``response_format``. The grammar library, xgrammar, does the hard part: it compiles the
+(or ``regex=``, ``choice=``, ``grammar=`` in EBNF, ``json_object=True``, or ``structural_tag=``: xgrammar's
+structural tag as JSON, free text with tagged regions such as tool calls, see ``serving/tools.py``), or over
+HTTP with OpenAI's ``response_format``. The grammar library, xgrammar, does the hard part: it compiles the
 grammar once against the tokenizer's vocabulary, and for each sequence keeps a matcher that knows
 where in the grammar the output stands. Each step:
 
@@ -42,7 +43,7 @@ import torch
 
 from ..errors import InvalidRequestError, StructuredOutputUnavailableError
 
-KINDS = ("json", "regex", "choice", "grammar", "json_object")
+KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 # JSON may be laid out with spaces and newlines as models like to, but a run of whitespace is capped:
 # an unbounded one lets a model (random weights above all) pad until max_tokens and never close the object.
 MAX_WHITESPACE = 8
@@ -52,13 +53,15 @@ STRICT_STRING_CHARACTER = r"[^\0-\x1f\"\\\r\n]"  # ... and as JSON allows them
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
-    """Exactly one of: a JSON schema (dict or JSON text), a regex, a list of choices, EBNF, or any JSON object."""
+    """Exactly one of: a JSON schema (dict or JSON text), a regex, a list of choices, EBNF, any JSON object,
+    or an xgrammar structural tag (dict or JSON text, vLLM's ``structural_tag``)."""
 
     json: dict | str | None = None
     regex: str | None = None
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    structural_tag: dict | str | None = None
 
     def __post_init__(self):
         given = [k for k in KINDS if getattr(self, k) is not None and getattr(self, k) is not False]
@@ -91,6 +94,11 @@ class StructuredOutputsParams:
             raise InvalidRequestError(
                 "structured_outputs.json must be a JSON schema (an object or its JSON text)",
                 param="structured_outputs.json",
+            )
+        if self.structural_tag is not None and not isinstance(self.structural_tag, (dict, str)):
+            raise InvalidRequestError(
+                "structured_outputs.structural_tag must be an xgrammar structural tag (an object or its JSON text)",
+                param="structured_outputs.structural_tag",
             )
 
     @property
@@ -162,7 +170,14 @@ class GrammarBackend:
             return c.compile_regex(params.regex)
         if kind == "choice":
             return c.compile_regex("|".join(_escape(choice) for choice in params.choice))
+        if kind == "structural_tag":
+            return c.compile_grammar(self.structural_tag_grammar(params.structural_tag))
         return c.compile_grammar(params.grammar)
+
+    def structural_tag_grammar(self, tag: dict | str) -> str:
+        """A structural tag's grammar in EBNF, strings held to JSON's rule as in ``json_grammar``."""
+        text = tag if isinstance(tag, str) else json.dumps(tag)
+        return str(self.xgr.Grammar.from_structural_tag(text)).replace(LOOSE_STRING_CHARACTER, STRICT_STRING_CHARACTER)
 
     def json_grammar(self, schema: str) -> str:
         """The schema's grammar in EBNF, with JSON's ban on raw control characters in strings enforced.

@@ -10,16 +10,17 @@ with ``logprobs: N``, its tokens' logprobs (the first null) before the generated
 Every one of the ``n`` answers of a prompt echoes it; a stream sends the prompt in each choice's first
 chunk, and only there (``echo_in_stream``); ``max_tokens: 0`` gives the prompt alone.
 
-A streamed tool call is sent whole, in the answer's last chunk: the ``"required"`` grammar names
-the function only inside the JSON, and a call's arguments are only known to be a complete call at
-the end (one cut by ``max_tokens`` goes out as ``content`` instead).
+With tools in play, each answer's text goes through a ``tool_calls.ToolCallParser``: whole, it
+becomes ``content`` and ``tool_calls``; streamed, each piece becomes the content and ``tool_calls``
+deltas it settles (a call's name first, then its arguments as they are generated), holding back
+what could still be the start of a call.
 """
 
 from __future__ import annotations
 
 from .openai_logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 from .openai_protocol import openai_finish_reason
-from .tools import tool_calls_from
+from .tool_calls import ToolCallParser, delta_from, message_from
 
 
 class Choices:
@@ -39,9 +40,9 @@ class Choices:
         self.num_logprobs, self.return_token_ids, self.echo = num_logprobs, return_token_ids, echo
         self.prompt_logprobs = prompt_logprobs  # vLLM's field (its N): the choice carries the prompt's scores
         self.echoes: dict[int, tuple[str, list, list | None]] = {}  # a stream's prompts not yet sent, by choice
-        self.tool_mode = tool_mode if tool_mode not in (None, "auto") else None
+        self.tool_mode = tool_mode
         self.text_offset: dict[int, int] = {}  # completions' logprobs: characters so far
-        self.held: dict[int, tuple[str, list, list]] = {}  # a streamed tool call: text, ids, entries
+        self.parsers: dict[int, ToolCallParser] = {}  # streamed answers with tools: one parser per choice
 
     async def logprobs(self, index: int, token_ids: list[int], entries: list | None):
         if self.num_logprobs is None or entries is None:
@@ -70,11 +71,10 @@ class Choices:
                 self.echoes[prompt_index * self.n + answer] = echo
 
     def message(self, text: str, finish_reason):
-        """The chat message (or delta content) and finish reason: a tool call if the answer is one."""
-        calls = tool_calls_from(text, self.tool_mode) if self.tool_mode is not None else None
-        if calls is None:
+        """The chat message fields and finish reason: with tools, the calls parsed out of the text."""
+        if self.tool_mode is None:
             return {"content": text}, finish_reason
-        return {"content": None, "tool_calls": calls}, "tool_calls"
+        return message_from(text, finish_reason)
 
     # ------------------------------------------------------------------ whole answers
     async def whole(self, finals: dict) -> list[dict]:
@@ -118,30 +118,26 @@ class Choices:
         ]
 
     async def delta(self, index: int, text: str, new_ids: list[int], entries, finish_reason) -> dict | None:
-        """One stream choice for what an answer added; None while a tool call is still being held."""
-        if self.tool_mode is not None and self.chat:
-            held_text, held_ids, held_entries = self.held.get(index, ("", [], []))
-            self.held[index] = (held_text + text, held_ids + list(new_ids), held_entries + list(entries or []))
-            if finish_reason is None:
-                return None
-            text, new_ids, entries = self.held.pop(index)
-            entries = entries if self.num_logprobs is not None else None
+        """One stream choice for what an answer added; None when it settles nothing to send yet."""
         generated_ids = list(new_ids)
         if index in self.echoes:  # echo: this choice's first chunk carries its prompt
             prompt_text, prompt_ids, prompt_entries = self.echoes.pop(index)
             text, new_ids = prompt_text + text, prompt_ids + generated_ids
             entries = None if entries is None or prompt_entries is None else prompt_entries + list(entries)
         logprobs = await self.logprobs(index, new_ids, entries)
-        if self.chat:
-            if self.tool_mode is not None:
-                delta, finish_reason = self.message(text, finish_reason)
-                if "tool_calls" in delta:
-                    delta = {"tool_calls": [{"index": 0, **delta["tool_calls"][0]}]}
-            else:
-                delta = {"content": text} if text else {}
-            choice = {"index": index, "delta": delta}
-        else:
+        if not self.chat:
             choice = {"index": index, "text": text}
+        elif self.tool_mode is None:
+            choice = {"index": index, "delta": {"content": text} if text else {}}
+        else:
+            parser = self.parsers.setdefault(index, ToolCallParser())
+            delta = delta_from(parser.feed(text, final=finish_reason is not None))
+            if finish_reason is not None:
+                finish_reason = parser.finish_reason(finish_reason)
+                del self.parsers[index]
+            elif not delta and logprobs is None and not self.return_token_ids:
+                return None
+            choice = {"index": index, "delta": delta}
         choice.update(logprobs=logprobs, finish_reason=finish_reason)
         if self.return_token_ids:
             choice["token_ids"] = generated_ids

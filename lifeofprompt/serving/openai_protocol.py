@@ -97,6 +97,7 @@ class ChatCompletionRequest(_Body):
     max_completion_tokens: int | None = None
     tools: list | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # false: at most one call (tools.tool_structure)
     functions: list | None = None
     function_call: Any = None
     audio: Any = None
@@ -321,7 +322,9 @@ def completion_prompts(prompt) -> list:
 
 
 def plain_messages(messages: list[ChatMessage]) -> list[dict]:
-    """``{"role", "content"}`` dicts with text content, as a chat template takes them."""
+    """``{"role", "content"}`` dicts with text content, as a chat template takes them; an assistant's
+    ``tool_calls`` and a tool result's ``tool_call_id`` / ``name`` are kept (``tools.tool_conversation``
+    renders them)."""
     plain = []
     for i, message in enumerate(messages):
         content = message.content
@@ -329,7 +332,16 @@ def plain_messages(messages: list[ChatMessage]) -> list[dict]:
             if any(part.get("type") != "text" or not isinstance(part.get("text", ""), str) for part in content):
                 raise InvalidRequestError("only text content parts are supported", param=f"messages.{i}.content")
             content = "".join(part.get("text", "") for part in content)
-        plain.append({"role": message.role, "content": content or ""})
+        entry = {"role": message.role, "content": content or ""}
+        extra = message.model_extra or {}
+        if message.role == "assistant" and extra.get("tool_calls"):
+            if not isinstance(extra["tool_calls"], list) or not all(isinstance(c, dict) for c in extra["tool_calls"]):
+                raise InvalidRequestError("tool_calls must be a list of calls", param=f"messages.{i}.tool_calls")
+            entry["tool_calls"] = extra["tool_calls"]
+        for name in ("tool_call_id", "name") if message.role == "tool" else ():
+            if isinstance(extra.get(name), str):
+                entry[name] = extra[name]
+        plain.append(entry)
     return plain
 
 

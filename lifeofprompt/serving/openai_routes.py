@@ -38,7 +38,7 @@ from .openai_protocol import (
 )
 from .server_metrics import render_metrics
 from .submission import EventStream, Submission, stream_deltas, wait_or_disconnect
-from .tools import check_auto, parse_tools, tool_mode, tool_structure
+from .tools import parse_tools, tool_conversation, tool_mode, tool_structure
 
 POST_ERRORS = error_responses(400, 401, 404, 413, 500, 503)
 
@@ -117,10 +117,8 @@ class Endpoints:
         self.check_model(body.model)
         tools = parse_tools(body.tools)
         mode = tool_mode(tools, body.tool_choice)
-        if mode == "auto":
-            check_auto(self.engine.tokenizer, self.model_name)
-        forced = mode is not None and mode != "auto"
-        structure = tool_structure(tools, mode) if forced else None
+        parallel = body.parallel_tool_calls is not False
+        structure = tool_structure(tools, mode, parallel) if mode is not None else None
         params = sampling_params_from(body, default_max_tokens=None, tool_structure=structure)
         check_text([m.model_dump() for m in body.messages], "messages")
         check_text(body.stop, "stop")
@@ -162,10 +160,11 @@ class Endpoints:
         return [{"prompt": p, "prompt_token_ids": next(encoded)} if isinstance(p, str) else p for p in prompts]
 
     async def chat_input(self, messages, tools: list[dict] | None = None) -> list[int]:
-        plain = plain_messages(messages)
-        chars = sum(len(m["content"]) for m in plain)
+        """The conversation rendered and tokenized; tools and tool turns as ``tools.tool_conversation`` says."""
+        chat, tools = tool_conversation(self.engine.tokenizer, plain_messages(messages), tools)
+        chars = sum(len(m["content"]) for m in chat)  # a lower bound of the rendered prompt's characters
         check_prompt_chars(chars, self.engine.max_model_len, self.chars_per_token, "messages")
-        return await self.prompt_tokenizer.run(lambda tok, chat: render_chat(tok, chat, tools=tools)[1], plain)
+        return await self.prompt_tokenizer.run(lambda tok, chat: render_chat(tok, chat, tools=tools)[1], chat)
 
     def envelope(self, submission: Submission, object_name: str, choices: list) -> dict:
         return dict(

@@ -1,38 +1,50 @@
-"""Tools over HTTP: a tool call is structured output whose grammar is built from the tools' own schemas.
+"""Tools over HTTP, the request's side: the tools parsed, the mode chosen, the grammar built, the prompt rendered.
 
 OpenAI's ``tools`` list the functions a model may call, each with a JSON schema for its arguments;
-``tool_choice`` says whether it must call one. We answer the choices a grammar can guarantee:
+``tool_choice`` says whether it must call one. Every call is written in the **Hermes format**, the
+one vLLM ships a chat template and a parser for (and Qwen 2.5/3 and NousHermes are trained on)::
 
-* a **named** function (``{"type": "function", "function": {"name": "f"}}``): the output is
-  constrained to ``f``'s ``parameters`` schema, and that JSON is the call's ``arguments``;
-* ``"required"``: the output is one JSON object ``{"name": ..., "arguments": ...}``, an ``anyOf``
-  with one branch per tool, each branch pinning ``name`` (``const``) to that tool's name and
-  ``arguments`` to its schema. One call per answer (OpenAI's ``parallel_tool_calls`` would be an
-  array; an unbounded array lets random weights never close it);
-* ``"none"``: the tools are ignored (not shown to the template either), as OpenAI does;
-* ``"auto"`` (OpenAI's default when tools are given): the model decides in its own words, which
-  needs a chat template that knows tools *and* a parser for the model's tool-call format. We have
-  no such parser, so ``auto`` is a 400 unless the template mentions ``tools``; when it does, the
-  tools go to the template and the text comes back as ``content``.
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
 
-The answer comes back as ``tool_calls`` (``id``, ``type: "function"``, ``function: {name,
-arguments}``, the arguments as a JSON string) with ``finish_reason: "tool_calls"``. An answer cut
-short by ``max_tokens`` is not valid JSON yet: it comes back as ``content`` with ``"length"``.
-With random weights the calls still validate, which is how the tests know the grammar did it.
+and xgrammar's structural tags constrain the answer (``tool_structure``), so every call parses and
+its arguments are valid for that tool's ``parameters`` schema:
+
+* ``"auto"`` (OpenAI's default when tools are given): free text, until the model writes the trigger
+  ``<tool_call>``; from there the grammar holds it to a call of one of the tools, then free text
+  again, and so on (``TriggeredTagsFormat``);
+* ``"required"``: one or more calls and nothing else (``TagsWithSeparatorFormat``, a newline between);
+* a **named** function (``{"type": "function", "function": {"name": "f"}}``): one call of ``f``;
+* ``"none"``: the tools are ignored (not shown to the template either), as OpenAI does.
+
+``parallel_tool_calls: false`` allows at most one call (the grammar stops after the first). The
+grammar writes the function's name before its arguments, so a streamed call can name the function
+in its first delta (``tool_calls.py`` parses the answer back).
+
+The prompt (``tool_conversation``): a chat template that reads ``tools`` (Qwen's, Hermes') gets
+them as they are, with the messages in OpenAI's form. Other templates (SmolLM2's) get our default
+tools template: the tools as JSON inside ``<tools></tools>`` in the system prompt with the
+instruction to answer in the format above, an assistant turn's ``tool_calls`` written back as
+``<tool_call>`` blocks, and ``role: "tool"`` results as a user turn of ``<tool_response>`` blocks.
 """
 
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..engine.structured_output import StructuredOutputsParams
+from ..engine.structured_output import MAX_WHITESPACE, StructuredOutputsParams
 from ..errors import InvalidRequestError
 
 ANY_OBJECT = {"type": "object"}
+TRIGGER = "<tool_call>"  # the text that starts a call
+CALL_OPEN = '<tool_call>\n{"name": "'  # ... the name follows
+ARGUMENTS_OPEN = '", "arguments": '  # ... the arguments' JSON follows
+CALL_CLOSE = "}\n</tool_call>"  # ... and this ends the call
+CALL_SEPARATOR = "\n"  # between the calls of a "required" answer
 
 
 class FunctionDefinition(BaseModel):
@@ -110,50 +122,106 @@ def template_supports_tools(tokenizer) -> bool:
     return isinstance(template, str) and "tools" in template
 
 
-def check_auto(tokenizer, model_name: str) -> None:
-    if not template_supports_tools(tokenizer):
-        raise InvalidRequestError(
-            f"tool_choice 'auto' (the default when tools are given) needs a chat template that supports tools, and "
-            f"{model_name}'s does not: pass tool_choice 'required' or "
-            "{'type': 'function', 'function': {'name': ...}} "
-            "(the output is then constrained to the tools' schemas), or 'none'",
-            param="tool_choice",
-        )
+# ----------------------------------------------------------------------------- the grammar
 
 
-def tool_structure(tools: list[ToolDefinition], mode: str) -> StructuredOutputsParams:
-    """The grammar for ``mode`` ("required" or a function's name) as a JSON schema."""
-    schemas = {t.function.name: t.function.parameters or ANY_OBJECT for t in tools}
-    if mode != "required":
-        return StructuredOutputsParams(json=schemas[mode])
-    branches = [
-        {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["name", "arguments"],
-            "properties": {"name": {"const": name}, "arguments": schema},
+def _call_tag(tool: ToolDefinition) -> dict:
+    """One tool's call as a structural tag: the fixed opening with its name, arguments valid for its schema."""
+    return {
+        "type": "tag",
+        "begin": CALL_OPEN + tool.function.name + ARGUMENTS_OPEN,
+        "content": {
+            "type": "json_schema",
+            "json_schema": tool.function.parameters or ANY_OBJECT,
+            "max_whitespace_cnt": MAX_WHITESPACE,  # random weights would pad an unbounded run forever
+        },
+        "end": CALL_CLOSE,
+    }
+
+
+def tool_structure(tools: list[ToolDefinition], mode: str, parallel: bool = True) -> StructuredOutputsParams:
+    """The structural tag for ``mode`` ("auto", "required" or a function's name), as vLLM's ``structural_tag``."""
+    one_call = not parallel
+    if mode == "auto":
+        tags = [_call_tag(t) for t in tools]
+        fmt = {"type": "triggered_tags", "triggers": [TRIGGER], "tags": tags, "stop_after_first": one_call}
+    elif mode == "required":
+        tags = [_call_tag(t) for t in tools]
+        fmt = {
+            "type": "tags_with_separator",
+            "tags": tags,
+            "separator": CALL_SEPARATOR,
+            "at_least_one": True,
+            "stop_after_first": one_call,
         }
-        for name, schema in schemas.items()
-    ]
-    return StructuredOutputsParams(json=branches[0] if len(branches) == 1 else {"anyOf": branches})
-
-
-def tool_calls_from(text: str, mode: str) -> list[dict] | None:
-    """The answer as OpenAI's ``tool_calls``; None if it is not (yet) a complete call (cut by max_tokens)."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    if mode == "required":
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str) or "arguments" not in value:
-            return None
-        name, arguments = value["name"], value["arguments"]
     else:
-        name, arguments = mode, value
-    return [
-        {
-            "id": f"call_{uuid.uuid4().hex[:24]}",
-            "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
-        }
-    ]
+        fmt = _call_tag(next(t for t in tools if t.function.name == mode))
+    return StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": fmt}))
+
+
+# ----------------------------------------------------------------------------- the prompt
+
+SYSTEM_TOOLS = (
+    "You can call functions to help with the user's request. The functions are listed as JSON "
+    "inside <tools></tools>:\n<tools>\n{tools}\n</tools>\n"
+    "Do not guess argument values. To call a function, answer with a JSON object holding its name and "
+    "arguments inside <tool_call></tool_call>, one block per call:\n"
+    '<tool_call>\n{{"name": <function-name>, "arguments": <arguments-object>}}\n</tool_call>'
+)
+
+
+def tools_system_prompt(tools: list[dict]) -> str:
+    """Our default tools template's system text: each tool's function definition as one JSON line."""
+    listed = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
+    return SYSTEM_TOOLS.format(tools=listed)
+
+
+def call_text(call: dict) -> str:
+    """An assistant's earlier call (OpenAI's ``tool_calls`` entry) as the Hermes block the model would write."""
+    function = call.get("function") or {}
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            json.loads(arguments)
+        except ValueError:
+            arguments = json.dumps(arguments)  # not JSON: kept, as a JSON string
+    else:
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return f"{CALL_OPEN}{function.get('name', '')}{ARGUMENTS_OPEN}{arguments}{CALL_CLOSE}"
+
+
+def hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """OpenAI's messages as plain ``{role, content}`` turns in the Hermes form, for a template that knows no tools.
+
+    The tools join the system prompt (a system message is added if there is none); an assistant's
+    ``tool_calls`` follow its text as ``<tool_call>`` blocks; consecutive tool results become one
+    user turn of ``<tool_response>`` blocks (templates without tools know no ``tool`` role)."""
+    out = []
+    for message in messages:
+        role, content = message["role"], message.get("content") or ""
+        if role == "assistant" and message.get("tool_calls"):
+            content = "\n".join([content] * bool(content) + [call_text(c) for c in message["tool_calls"]])
+        elif role == "tool":
+            response = f"<tool_response>\n{content}\n</tool_response>"
+            if out and out[-1].get("tool_results"):
+                out[-1]["content"] += "\n" + response
+                continue
+            out.append({"role": "user", "content": response, "tool_results": True})
+            continue
+        out.append({"role": role, "content": content})
+    out = [{"role": m["role"], "content": m["content"]} for m in out]
+    if tools:
+        system = tools_system_prompt(tools)
+        if out and out[0]["role"] in ("system", "developer"):
+            out[0] = {"role": out[0]["role"], "content": f"{out[0]['content']}\n\n{system}".lstrip()}
+        else:
+            out.insert(0, {"role": "system", "content": system})
+    return out
+
+
+def tool_conversation(tokenizer, messages: list[dict], tools: list[dict] | None) -> tuple[list[dict], list | None]:
+    """The conversation and tools to hand the chat template: as they are if it reads ``tools``, else in
+    our default (Hermes) form with the tools in the system prompt and no ``tools`` variable."""
+    if template_supports_tools(tokenizer):
+        return messages, tools
+    return hermes_messages(messages, tools), None

@@ -25,6 +25,7 @@ from ..engine.llm import render_chat
 from ..errors import InvalidRequestError
 from .http_errors import error_responses
 from .openai_protocol import ChatMessage, check_text, plain_messages
+from .tools import tool_conversation
 
 ROUTE_ERRORS = error_responses(400, 401, 404, 413, 500)
 
@@ -60,7 +61,8 @@ def tokenize(tokenizer, body: TokenizeRequest, plain: list[dict] | None) -> list
     if plain is None:
         special = True if body.add_special_tokens is None else body.add_special_tokens
         return list(tokenizer.encode(body.prompt, add_special_tokens=special))
-    text, ids = render_chat(tokenizer, plain, add_generation_prompt=body.add_generation_prompt)
+    chat, tools = tool_conversation(tokenizer, plain, None)  # tool turns rendered as the chat route renders them
+    text, ids = render_chat(tokenizer, chat, add_generation_prompt=body.add_generation_prompt, tools=tools)
     return list(tokenizer.encode(text, add_special_tokens=True)) if body.add_special_tokens else ids
 
 

@@ -17,11 +17,11 @@ import torch
 pytest.importorskip("fastapi")
 pytest.importorskip("xgrammar")
 from fastapi.testclient import TestClient  # noqa: E402
+from tiny_models import build_tiny_model  # noqa: E402
 
 from lifeofprompt.engine.llm_engine import LLMEngine  # noqa: E402
 from lifeofprompt.lessons.agreement import teacher_forced_logits  # noqa: E402
 from lifeofprompt.serving.server import ServerConfig, build_app  # noqa: E402
-from tiny_models import build_tiny_model  # noqa: E402
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}]}
 ADD = {
@@ -229,6 +229,8 @@ def test_tools_reach_the_prompt_through_our_template_unless_the_chat_template_re
         ({"tools": [{"type": "function", "function": {"name": "has space"}}], "tool_choice": "required"}, "tools.0"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]}, "tools"),
+        ({"tools": TOOLS, "parallel_tool_calls": "maybe"}, "parallel_tool_calls"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": TOOLS + TOOLS[:1], "tool_choice": "required"}, "tools"),
         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),

@@ -38,7 +38,7 @@ from .openai_protocol import (
 )
 from .server_metrics import render_metrics
 from .submission import EventStream, Submission, stream_deltas, wait_or_disconnect
-from .tools import parse_tools, tool_conversation, tool_mode, tool_structure
+from .tools import parse_tools, tool_conversation, tool_mode, tool_structure, tools_error
 
 POST_ERRORS = error_responses(400, 401, 404, 413, 500, 503)
 
@@ -124,7 +124,10 @@ class Endpoints:
         check_text(body.stop, "stop")
         submission = Submission(self.engine_loop, "chatcmpl")
         shown = [t.model_dump(exclude_none=True) for t in tools] if mode is not None else None
-        submission.add([await self.chat_input(body.messages, shown)], params)
+        try:
+            submission.add([await self.chat_input(body.messages, shown)], params)
+        except InvalidRequestError as exc:
+            raise (tools_error(exc) if structure is not None else exc) from None
         choices = Choices(
             self.prompt_tokenizer,
             chat=True,

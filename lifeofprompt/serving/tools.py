@@ -159,6 +159,14 @@ def tool_structure(tools: list[ToolDefinition], mode: str, parallel: bool = True
     return StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": fmt}))
 
 
+def tools_error(exc: InvalidRequestError) -> InvalidRequestError:
+    """The engine's refusal of a tools grammar, as a 400 that names ``tools`` (the schemas the client sent)."""
+    if exc.param != "structured_outputs.structural_tag":
+        return exc
+    detail = str(exc).split("could not be compiled: ", 1)[-1].strip()
+    return InvalidRequestError(f"a tool's parameters schema could not be compiled: {detail}", param="tools")
+
+
 # ----------------------------------------------------------------------------- the prompt
 
 SYSTEM_TOOLS = (

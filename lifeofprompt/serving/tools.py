@@ -27,6 +27,14 @@ them as they are, with the messages in OpenAI's form. Other templates (SmolLM2's
 tools template: the tools as JSON inside ``<tools></tools>`` in the system prompt with the
 instruction to answer in the format above, an assistant turn's ``tool_calls`` written back as
 ``<tool_call>`` blocks, and ``role: "tool"`` results as a user turn of ``<tool_response>`` blocks.
+The grammar is the Hermes one either way: right for Qwen's and Hermes' templates; a model trained on
+another format (Llama 3's bare JSON) answers ``auto`` in its own words as ``content``, and its
+``required`` and named calls are still written, and parsed, in the Hermes form.
+
+The steps, for any route that serves tools (chat completions; the Responses API can reuse them):
+``parse_tools`` → ``tool_mode`` → ``tool_structure`` (the grammar) → ``tool_conversation`` (the
+prompt); the answer back through ``tool_calls.message_from`` (whole) or ``ToolCallParser`` +
+``delta_from`` (streamed).
 """
 
 from __future__ import annotations

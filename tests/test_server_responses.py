@@ -158,8 +158,14 @@ def test_streaming_yields_typed_events_whose_deltas_make_the_text(client):
 def test_an_agents_function_call_round_trip(client, choice):
     """The model calls a tool (its arguments valid for the tool's schema); the agent sends the call and
     its output back as items, and the next response reads them."""
-    first = client.responses.create(
-        model=MODEL, temperature=0, input=ASK, tools=TOOLS, tool_choice=choice, max_output_tokens=60
+    first = client.responses.create(  # one call: "required" allows several, each ~15 tokens of Hermes framing
+        model=MODEL,
+        temperature=0,
+        input=ASK,
+        tools=TOOLS,
+        tool_choice=choice,
+        parallel_tool_calls=False,
+        max_output_tokens=60,
     )
     calls = [item for item in first.output if item.type == "function_call"]
     assert first.status == "completed" and len(calls) == 1, first.output
@@ -176,7 +182,7 @@ def test_an_agents_function_call_round_trip(client, choice):
             {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
             {"type": "function_call_output", "call_id": call.call_id, "output": output},
         ]
-        # tool_choice "none": auto (the agent's default) needs the tool-call template, another change
+        # tool_choice "none": the answer is text (auto, the agent's default: tests/test_tool_calls_auto.py)
         return client.responses.create(
             model=MODEL, temperature=0, input=turn, tools=TOOLS, tool_choice="none", max_output_tokens=16
         )

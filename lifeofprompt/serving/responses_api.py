@@ -15,8 +15,8 @@ events, translated from the chat stream's chunks as they arrive (``ResponseEvent
     → response.completed (or response.incomplete when max_output_tokens cut it)
 
 Each event is ``event: <type>`` and ``data: {"type": ..., "sequence_number": n, ...}``, numbered
-from 0. A tool call streams as the chat stream sends it (whole today; argument by argument once
-chat streams calls as deltas): the translation only follows chat's ``tool_calls`` deltas by index.
+from 0. A tool call streams as the chat stream sends it (its name first, then its arguments piece by
+piece as they are generated): the translation only follows chat's ``tool_calls`` deltas by index.
 """
 
 from __future__ import annotations

@@ -225,6 +225,13 @@ def test_auto_left_to_the_model(smol):
     print("auto left to SmolLM2:", choice.finish_reason, choice.message.content, choice.message.tool_calls)
     for call in choice.message.tool_calls or []:
         assert_valid(call)  # whatever it chose, a call parses
+    # streamed, the same greedy answer: text flows as content (only a possible trigger's start waits)
+    stream = client.chat.completions.create(
+        model="smol", messages=ASK, tools=TOOLS, max_tokens=80, temperature=0, stream=True
+    )
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert "".join(c.delta.content or "" for c in chunks) == (choice.message.content or "")
+    assert sum(bool(c.delta.content) for c in chunks) > 1 or not choice.message.content
 
 
 def test_a_tool_round_trip_renders_and_is_answered(smol, smollm2):

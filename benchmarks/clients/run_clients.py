@@ -62,6 +62,7 @@ class Context:
 
     port: int
     workdir: Path
+    refusals: list[str] = field(default_factory=list)  # the current check's refused requests, as the proxy kept them
 
     @property
     def root_url(self) -> str:
@@ -99,11 +100,13 @@ def error_messages(output: str) -> list[str]:
 
 
 def exit_code_verdict(rc: int, output: str, ctx: Context) -> tuple[bool, str]:
+    """Exit 0 passes (and says the last line printed); else the exit code, and the error unless the proxy kept it."""
+    last = [line for line in output.strip().splitlines() if line.strip()][-1:] or [""]
     if rc == 0:
-        last = [line for line in output.strip().splitlines() if line.strip()][-1:] or [""]
         return True, f"exit 0; {last[0][:300]}"
+    if ctx.refusals:
+        return False, f"exit {rc}"
     messages = error_messages(output)
-    last = [line for line in output.strip().splitlines() if line.strip()][-1:] or ["(no output)"]
     return False, f"exit {rc}: " + ("server said: " + " | ".join(messages[:2]) if messages else last[0][:300])
 
 
@@ -116,12 +119,15 @@ def guidellm_verdict(rc: int, output: str, ctx: Context) -> tuple[bool, str]:
     counts, errors = Counter(), []
     for benchmark in data.get("benchmarks", []):
         for status, requests in (benchmark.get("requests") or {}).items():
+            if status == "total":
+                continue
             counts[status] += len(requests or [])
             errors += [r.get("info", {}).get("error") or r.get("error") for r in requests or [] if status == "errored"]
     errors = [e for e in errors if e]
     summary = ", ".join(f"{n} {status}" for status, n in counts.items()) or "no requests recorded"
     ok = rc == 0 and counts["successful"] > 0 and counts["errored"] == 0
-    return ok, f"exit {rc}; {summary}" + (f"; first error: {str(errors[0])[:300]}" if errors else "")
+    first_error = f"; first error: {str(errors[0])[:300]}" if errors and not ctx.refusals else ""
+    return ok, f"exit {rc}; {summary}{first_error}"
 
 
 def aiperf_verdict(subdir: str) -> Callable[[int, str, Context], tuple[bool, str]]:
@@ -389,6 +395,11 @@ class RecordingProxy(http.server.ThreadingHTTPServer):
 
     daemon_threads = True
 
+    def handle_error(self, request, client_address) -> None:
+        """A client that hangs up (a benchmark ending, a timeout) is not news; anything else is printed."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
     def __init__(self, upstream_port: int):
         super().__init__(("127.0.0.1", 0), ProxyHandler)
         self.upstream_port = upstream_port
@@ -487,10 +498,10 @@ def run_check(check: Check, ctx: Context, server_log: Path, proxy: RecordingProx
     with server_log.open(errors="replace") as log:
         log.seek(log_start)
         statuses = server_statuses(log.read())
-    refusals = summarize_refusals(proxy.take_refusals())
+    refusals = ctx.refusals = summarize_refusals(proxy.take_refusals())
     ok, why = (check.verdict or exit_code_verdict)(rc, output, ctx)
     if not ok and refusals:
-        why += f"; the server said: {refusals[0].split(' (one request sent')[0]}"
+        why += f"; server: {refusals[0].split(' (one request sent')[0]}"
     command = (f"cd {shlex.quote(str(check.cwd))} && " if check.cwd else "") + shlex.join(argv)
     check.result.update(ok=ok, why=why, rc=rc, seconds=seconds, output=clean_output(output), command=command,
                         server=statuses, refusals=refusals)  # fmt: skip
@@ -517,6 +528,7 @@ def write_report(path: Path, checks: list[Check], info: dict) -> None:
         result = check.result
         status = "pass" if result.get("ok") else "**fail**"
         why = str(result.get("why", "not run")).replace("|", "\\|").replace("\n", " ")
+        why = why if len(why) <= 260 else why[:260] + " …"
         lines.append(f"| {check.client} | {result.get('version', '')} | {check.name} | {status} | {why} |")
     for check in checks:
         result = check.result

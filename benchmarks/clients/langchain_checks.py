@@ -23,8 +23,8 @@ def get_weather(city: str) -> str:
     return "sunny"
 
 
-def chat(**kwargs) -> ChatOpenAI:
-    return ChatOpenAI(model=MODEL, base_url=BASE_URL, api_key="x", max_tokens=32, max_retries=0, **kwargs)
+def chat(max_tokens: int = 32, **kwargs) -> ChatOpenAI:
+    return ChatOpenAI(model=MODEL, base_url=BASE_URL, api_key="x", max_tokens=max_tokens, max_retries=0, **kwargs)
 
 
 def invoke() -> None:
@@ -37,7 +37,7 @@ def stream() -> None:
 
 
 def bind_tools() -> None:
-    message = chat().bind_tools([get_weather]).invoke("What's the weather in Paris?")
+    message = chat(max_tokens=96).bind_tools([get_weather]).invoke("What's the weather in Paris?")
     print("content:", repr(message.content), "| tool_calls:", message.tool_calls)
 
 

@@ -42,7 +42,7 @@ def responses_stream(client: OpenAI) -> None:
 
 def chat_stream(client: OpenAI, **tool_choice) -> None:
     stream = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, tools=[WEATHER_TOOL], stream=True, max_tokens=48, **tool_choice
+        model=MODEL, messages=MESSAGES, tools=[WEATHER_TOOL], stream=True, max_tokens=96, **tool_choice
     )
     text, calls, finish = "", {}, None
     for chunk in stream:

@@ -53,7 +53,8 @@ for client in "${ARGS[@]}"; do
   [ "$RELOCK" = 0 ] && [ -f "$lock" ] && constraint=(-c "$lock")
   # shellcheck disable=SC2086
   "$venv/bin/python" -m pip install -q --disable-pip-version-check "${constraint[@]}" $reqs
-  "$venv/bin/python" -m pip freeze --exclude-editable | grep -v '^pip==' >"$lock.new"
+  # A local tag (torch's +cpu) is dropped: ==2.13.0 still matches the CPU build here, and is on every index.
+  "$venv/bin/python" -m pip freeze --exclude-editable | grep -v '^pip==' | sed 's/+[a-z0-9.]*$//' >"$lock.new"
   mv "$lock.new" "$lock"
   size=$(du -sh "$venv" | cut -f1)
   echo "$client: installed in $(($(date +%s) - start)) s, $size, in $venv ($(wc -l <"$lock") packages, lock/$client.txt)"

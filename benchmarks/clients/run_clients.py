@@ -288,11 +288,12 @@ def server_python() -> str:
 
 
 SERVER_PYTHON = server_python()
+SERVER_REPO = REPO  # the checkout whose lifeofprompt is served (--server-repo)
 
 
 def server_env() -> dict:
-    """The server runs from this checkout (``-m`` puts it first on sys.path), so it serves this checkout's code."""
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    """The server runs from SERVER_REPO (``-m`` puts it first on sys.path), so it serves that checkout's code."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1"}
 
 
 def free_port() -> int:
@@ -366,6 +367,18 @@ def cpu_file_slug() -> str:
     code = "from bench_engine import cpu_description, cpu_file_slug; print(cpu_file_slug(cpu_description()))"
     out = subprocess.run([SERVER_PYTHON, "-c", code], cwd=REPO / "benchmarks", capture_output=True, text=True)
     return out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout.strip() else "unknown-cpu"
+
+
+def served_code() -> tuple[str, str]:
+    """Where the served lifeofprompt lives, and its commit (saying so when lifeofprompt/ has uncommitted changes)."""
+    code = "import lifeofprompt, os; print(os.path.dirname(os.path.dirname(lifeofprompt.__file__)))"
+    argv = [SERVER_PYTHON, "-c", code]
+    found = subprocess.run(argv, capture_output=True, text=True, cwd=SERVER_REPO, env=server_env())
+    where = found.stdout.strip() or str(SERVER_REPO)
+    git = ["git", "-C", where]
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run([*git, "status", "--porcelain", "lifeofprompt"], capture_output=True, text=True).stdout
+    return where, (commit or "unknown") + (" with uncommitted changes" if dirty.strip() else "")
 
 
 def package_version(check: Check) -> str:
@@ -559,15 +572,17 @@ def write_report(path: Path, checks: list[Check], info: dict) -> None:
 
 
 def main() -> int:
-    global SERVER_PYTHON
+    global SERVER_PYTHON, SERVER_REPO
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="+", default=None, help="clients to run (guidellm aiperf lm-eval instructor "
                         "langchain-openai openai); default all")  # fmt: skip
     parser.add_argument("--out", default=None, help="the report (default benchmarks/results/clients_<cpu>_<date>.md)")
     parser.add_argument("--server-python", default=None, help=f"python with lifeofprompt (default {SERVER_PYTHON})")
+    parser.add_argument("--server-repo", default=None, help="serve another checkout's lifeofprompt (default: this one)")
     parser.add_argument("--startup-timeout", type=float, default=600)
     args = parser.parse_args()
     SERVER_PYTHON = args.server_python or SERVER_PYTHON
+    SERVER_REPO = Path(args.server_repo).resolve() if args.server_repo else REPO
     checks = [c for c in all_checks() if not args.only or c.client in args.only]
     make_tokenizer_dir()
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -585,7 +600,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the server
     with server_log.open("w") as log:
         server = subprocess.Popen(
-            server_argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True, env=server_env()
+            server_argv, stdout=log, stderr=subprocess.STDOUT, cwd=SERVER_REPO, start_new_session=True, env=server_env()
         )
     try:
         print(f"server: {shlex.join(server_argv)} (log {server_log})", flush=True)
@@ -595,14 +610,10 @@ def main() -> int:
     finally:
         kill_group(server, grace=35)
         proxy.shutdown()
-    code = "import lifeofprompt, os; print(os.path.dirname(os.path.dirname(lifeofprompt.__file__)))"
-    server_code = subprocess.run(
-        [SERVER_PYTHON, "-c", code], capture_output=True, text=True, cwd=REPO, env=server_env()
-    ).stdout.strip()
-    commit = subprocess.run(["git", "-C", server_code, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    server_code, commit = served_code()
     server_command = shlex.join([Path(SERVER_PYTHON).name, "-m", "lifeofprompt", "serve", "--port", "PORT"])
     info = dict(date=f"{now:%Y-%m-%d}", when=f"{now:%Y-%m-%d %H:%M}", cpu=cpu, server_code=server_code,
-                commit=commit.stdout.strip() or "unknown", server_command=server_command)  # fmt: skip
+                commit=commit, server_command=server_command)  # fmt: skip
     write_report(out, checks, info)
     print(f"server log: {server_log}", flush=True)
     failed = [f"{c.client}: {c.name}" for c in checks if not c.result.get("ok")]

@@ -46,6 +46,7 @@ def parallel_tools() -> None:
         model=MODEL,
         messages=[{"role": "user", "content": "What's the weather in Paris and Tokyo, and search for flights?"}],
         response_model=Iterable[Weather | SearchQuery],
+        temperature=0,
         max_tokens=160,  # room for three calls, so a cut answer is not the reason a parse fails
         max_retries=1,
     )
@@ -57,7 +58,8 @@ def tools() -> None:
         model=MODEL,
         messages=[{"role": "user", "content": "Extract: Ada is 36 years old."}],
         response_model=Person,
-        max_tokens=48,
+        max_tokens=96,
+        temperature=0,
         max_retries=1,
     )
     print("extracted:", repr(person))
@@ -68,13 +70,17 @@ def partial() -> None:
         model=MODEL,
         messages=[{"role": "user", "content": "Extract: Ada is 36 years old."}],
         response_model=Person,
-        max_tokens=48,
+        max_tokens=96,
+        temperature=0,
         max_retries=1,
     )
-    seen = [repr(part) for part in stream]
+    parts = list(stream)
+    seen = [repr(part) for part in parts]
     print(f"{len(seen)} partial objects; first: {seen[0] if seen else None}; last: {seen[-1] if seen else None}")
     if len(set(seen)) < 2:  # the call came whole in one chunk: streaming shows no progress
         sys.exit("partial streaming showed no progress: the tool call's arguments came in one piece")
+    if not isinstance(parts[-1], BaseModel):  # the streamed arguments did not concatenate to the object
+        sys.exit(f"the last partial is not a Person but {type(parts[-1]).__name__}: the arguments' deltas lost text")
 
 
 CHECKS = {"parallel_tools": parallel_tools, "tools": tools, "partial": partial}

@@ -24,7 +24,9 @@ def get_weather(city: str) -> str:
 
 
 def chat(max_tokens: int = 32, **kwargs) -> ChatOpenAI:
-    return ChatOpenAI(model=MODEL, base_url=BASE_URL, api_key="x", max_tokens=max_tokens, max_retries=0, **kwargs)
+    return ChatOpenAI(
+        model=MODEL, base_url=BASE_URL, api_key="x", max_tokens=max_tokens, temperature=0, max_retries=0, **kwargs
+    )
 
 
 def invoke() -> None:

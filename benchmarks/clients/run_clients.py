@@ -266,11 +266,15 @@ def all_checks() -> list[Check]:
         script_check("langchain-openai", "langchain-openai", "langchain_checks.py", "responses_api",
                      "ChatOpenAI(use_responses_api=True).invoke (/v1/responses)", "langchain-openai"),
         script_check("openai", None, "openai_checks.py", "responses", "client.responses.create", "openai"),
-        script_check("openai", None, "openai_checks.py", "responses_stream", "client.responses.stream", "openai"),
+        script_check("openai", None, "openai_checks.py", "responses_stream",
+                     "client.responses.create(stream=True): the typed events, from response.created to the end",
+                     "openai"),
         script_check("openai", None, "openai_checks.py", "chat_tools_stream",
                      "streamed chat with tools and no tool_choice (auto)", "openai"),
         script_check("openai", None, "openai_checks.py", "chat_required_stream",
                      "streamed chat with tools, tool_choice required (deltas must concatenate to JSON)", "openai"),
+        script_check("openai", None, "openai_checks.py", "chat_named_stream",
+                     "streamed chat with a named tool_choice (deltas must concatenate to JSON)", "openai"),
     ]  # fmt: skip
 
 
@@ -444,15 +448,21 @@ class ProxyHandler(http.server.BaseHTTPRequestHandler):
                 self.send_header(key, value)
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
-        answer = b""
-        while chunk := response.read1(65536):
-            answer += chunk if response.status >= 400 else b""
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-            self.wfile.flush()
-        self.wfile.write(b"0\r\n\r\n")
-        upstream.close()
-        if response.status >= 400:
+        if response.status >= 400:  # kept before it is sent on: a client may hang up as soon as it reads the status
+            answer = response.read()
             self.record(response.status, body, answer)
+            if answer:
+                self.write_chunk(answer)
+        else:
+            while chunk := response.read1(65536):
+                self.write_chunk(chunk)
+        self.write_chunk(b"")
+        upstream.close()
+
+    def write_chunk(self, data: bytes) -> None:
+        """One piece of a chunked body; the empty piece ends it."""
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
 
     def record(self, status: int, body: bytes | None, answer: bytes) -> None:
         try:

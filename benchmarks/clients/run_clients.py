@@ -382,7 +382,10 @@ def served_code() -> tuple[str, str]:
     git = ["git", "-C", where]
     commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run([*git, "status", "--porcelain", "lifeofprompt"], capture_output=True, text=True).stdout
-    return where, (commit or "unknown") + (" with uncommitted changes" if dirty.strip() else "")
+    last = subprocess.run([*git, "log", "-1", "--format=%h", "--", "lifeofprompt"], capture_output=True, text=True)
+    code = f"lifeofprompt/ last changed in {last.stdout.strip()}" if last.stdout.strip() else ""
+    code += ", with uncommitted changes" if dirty.strip() else ""
+    return where, (commit or "unknown") + (f" ({code})" if code else "")
 
 
 def package_version(check: Check) -> str:

@@ -214,6 +214,34 @@ def test_a_streamed_function_call_has_its_argument_events(client):
     assert (item.type, item.name, item.arguments) == ("function_call", "get_weather", done.arguments)
 
 
+def test_tools_with_no_tool_choice_are_auto_and_an_agents_loop_runs_on_it(client, smollm2):
+    """No tool_choice (the Agents SDK's and LangChain's default) is auto: the trigger forced by logit_bias
+    (``<tool_call>``'s five tokens) makes a call valid for its schema; the loop's second turn, also auto,
+    is answered."""
+    tokenizer = smollm2[1]
+    bias = {str(tokenizer.encode(t, add_special_tokens=False)[0]): 100 for t in ("<", "tool", "_", "call", ">")}
+    first = client.responses.create(
+        model=MODEL,
+        temperature=0,
+        input=ASK,
+        tools=TOOLS,
+        parallel_tool_calls=False,
+        max_output_tokens=80,
+        extra_body={"logit_bias": bias},
+    )
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    if call.name == "get_weather":
+        jsonschema.validate(json.loads(call.arguments), WEATHER)
+    turn = [
+        {"role": "user", "content": ASK},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "21 degrees celsius"},
+    ]
+    second = client.responses.create(model=MODEL, temperature=0, input=turn, tools=TOOLS, max_output_tokens=16)
+    assert second.status in ("completed", "incomplete") and second.output
+    assert second.usage.input_tokens > first.usage.input_tokens  # the call and its output are in the prompt
+
+
 @pytest.mark.parametrize(
     "fields, param",
     [

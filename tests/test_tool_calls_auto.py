@@ -25,7 +25,7 @@ pytest.importorskip("xgrammar")
 from lifeofprompt.engine.llm import render_chat  # noqa: E402
 from lifeofprompt.engine.llm_engine import LLMEngine  # noqa: E402
 from lifeofprompt.serving.server import ServerThread  # noqa: E402
-from lifeofprompt.serving.tool_calls import ToolCallParser, delta_from, message_from  # noqa: E402
+from lifeofprompt.serving.tool_calls import ToolCallParser, deltas_from, message_from  # noqa: E402
 from lifeofprompt.serving.tools import tool_conversation  # noqa: E402
 
 ORDER = {  # nothing like a flat object: nested, enum, pattern, bounded array, required fields
@@ -93,9 +93,11 @@ TEXT = (
 def stream_pieces(text: str, pieces: list[str]):
     """The text fed piece by piece: (content, {index: name}, {index: arguments}, order of first sight)."""
     parser, content, names, arguments, seen = ToolCallParser(), "", {}, {}, []
-    for k, part in enumerate(pieces):
-        delta = delta_from(parser.feed(part, final=k == len(pieces) - 1))
+    deltas = [d for k, part in enumerate(pieces) for d in deltas_from(parser.feed(part, final=k == len(pieces) - 1))]
+    for delta in deltas:
         assert "<tool" not in delta.get("content", "") and not delta.get("content", "").endswith("<")
+        indexes = [entry["index"] for entry in delta.get("tool_calls", [])]
+        assert len(set(indexes)) == len(indexes), delta  # one entry per call in a chunk, as vLLM sends
         content += delta.get("content", "")
         for entry in delta.get("tool_calls", []):
             if "id" in entry:  # a call's first delta: its name, no arguments yet
@@ -131,6 +133,23 @@ def test_text_that_only_looks_like_a_trigger_and_calls_cut_by_max_tokens():
         {"content": '<tool_call>\n{"name": "get_w'},
         "length",
     )
+
+
+def test_what_a_cut_leaves_of_the_framing_is_never_content():
+    """``max_tokens`` inside the next trigger after a call, or (required / named: no text allowed) inside
+    the first call's name: the framing is dropped, not sent as content."""
+    one_call = TEXT[: TEXT.index("<tool_call>", 20)]
+    after, finish = message_from(one_call + "<tool", "length")
+    assert finish == "length" and after["content"] == "Let me check. " and len(after["tool_calls"]) == 1
+    assert message_from('<tool_call>\n{"name": "get_w', "length", text_allowed=False) == ({"content": None}, "length")
+    parser, pieces = ToolCallParser(text_allowed=False), [TEXT[:40], TEXT[40:]]
+    deltas = [delta for k, p in enumerate(pieces) for delta in deltas_from(parser.feed(p, final=k == 1))]
+    assert "".join(delta.get("content", "") for delta in deltas) == ""
+    # "Let me check. " cannot stand outside calls when text is not allowed; the calls still come
+    assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls", []) if "id" in c] == [
+        "get_weather",
+        "place_order",
+    ]
 
 
 def test_the_default_template_renders_tools_calls_and_results(smollm2):

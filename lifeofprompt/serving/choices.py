@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from .openai_logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 from .openai_protocol import openai_finish_reason
-from .tool_calls import ToolCallParser, delta_from, message_from
+from .tool_calls import ToolCallParser, deltas_from, message_from
 
 
 class Choices:
@@ -74,7 +74,7 @@ class Choices:
         """The chat message fields and finish reason: with tools, the calls parsed out of the text."""
         if self.tool_mode is None:
             return {"content": text}, finish_reason
-        return message_from(text, finish_reason)
+        return message_from(text, finish_reason, text_allowed=self.tool_mode == "auto")
 
     # ------------------------------------------------------------------ whole answers
     async def whole(self, finals: dict) -> list[dict]:
@@ -117,8 +117,10 @@ class Choices:
             for i in range(num_prompts * self.n)
         ]
 
-    async def delta(self, index: int, text: str, new_ids: list[int], entries, finish_reason) -> dict | None:
-        """One stream choice for what an answer added; None when it settles nothing to send yet."""
+    async def deltas(self, index: int, text: str, new_ids: list[int], entries, finish_reason) -> list[dict]:
+        """The stream choices for what an answer added: usually one; none when it settles nothing to send yet;
+        two when a tool call opens and its first arguments arrive in the same piece (``tool_calls.deltas_from``).
+        The first carries the logprobs and token ids, the last the finish reason."""
         generated_ids = list(new_ids)
         if index in self.echoes:  # echo: this choice's first chunk carries its prompt
             prompt_text, prompt_ids, prompt_entries = self.echoes.pop(index)
@@ -126,22 +128,26 @@ class Choices:
             entries = None if entries is None or prompt_entries is None else prompt_entries + list(entries)
         logprobs = await self.logprobs(index, new_ids, entries)
         if not self.chat:
-            choice = {"index": index, "text": text}
+            choices = [{"index": index, "text": text}]
         elif self.tool_mode is None:
-            choice = {"index": index, "delta": {"content": text} if text else {}}
+            choices = [{"index": index, "delta": {"content": text} if text else {}}]
         else:
-            parser = self.parsers.setdefault(index, ToolCallParser())
-            delta = delta_from(parser.feed(text, final=finish_reason is not None))
+            parser = self.parsers.setdefault(index, ToolCallParser(text_allowed=self.tool_mode == "auto"))
+            deltas = deltas_from(parser.feed(text, final=finish_reason is not None))
             if finish_reason is not None:
                 finish_reason = parser.finish_reason(finish_reason)
                 del self.parsers[index]
-            elif not delta and logprobs is None and not self.return_token_ids:
-                return None
-            choice = {"index": index, "delta": delta}
-        choice.update(logprobs=logprobs, finish_reason=finish_reason)
+            elif deltas == [{}] and logprobs is None and not self.return_token_ids:
+                return []
+            choices = [{"index": index, "delta": delta} for delta in deltas]
+        for choice in choices:
+            choice.update(logprobs=None, finish_reason=None)
+        choices[0]["logprobs"], choices[-1]["finish_reason"] = logprobs, finish_reason
         if self.return_token_ids:
-            choice["token_ids"] = generated_ids
-        return choice
+            choices[0]["token_ids"] = generated_ids
+            for choice in choices[1:]:
+                choice["token_ids"] = []
+        return choices
 
 
 def _decode(tokenizer, token_ids: list[int]) -> str:

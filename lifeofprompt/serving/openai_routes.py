@@ -215,8 +215,7 @@ class Endpoints:
         async for kind, *piece in stream_deltas(submission, choices.n):
             if kind == "text":
                 generated[piece[0]] = generated.get(piece[0], 0) + len(piece[2])
-                choice = await choices.delta(*piece)
-                if choice is not None:
+                for choice in await choices.deltas(*piece):
                     yield chunk([choice], usage_so_far(piece[0]))
             elif kind == "prompt":
                 await choices.echo_in_stream(*piece)

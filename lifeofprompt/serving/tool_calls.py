@@ -16,7 +16,10 @@ A whole answer is the same parser fed the whole text (``message_from``), so stre
 answers agree. An answer with a call is ``finish_reason: "tool_calls"``, its text outside the calls
 the ``content`` (null if only whitespace). An answer cut by ``max_tokens`` inside a call keeps
 ``"length"``: the complete calls come back, and the cut one with its arguments as far as they got (not
-valid JSON; streamed, they were already sent); a cut before the name was complete is content.
+valid JSON; streamed, they were already sent). What a cut leaves of the framing is never content: with
+``tool_choice`` "required" or a named function (``text_allowed=False``) nothing outside the calls is, and
+in "auto" a trailing start of another trigger after a call (``\n<tool``) is dropped; in "auto" a cut
+before the first call's name was complete stays content (it may have been text).
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ class ParsedPiece:
 class ToolCallParser:
     """One answer's text → content and calls, incrementally. ``feed`` each piece, ``finish`` at the end."""
 
-    def __init__(self):
+    def __init__(self, text_allowed: bool = True):
+        self.text_allowed = text_allowed  # False for "required" and a named function: the grammar writes only calls
         self.state = "text"  # "text", "opening" (name not complete yet) or "arguments"
         self.buffer = ""  # text received but not yet given out
         self.num_calls = 0
@@ -65,8 +69,10 @@ class ToolCallParser:
         if self.state == "text":
             start = self.buffer.find(TRIGGER)
             if start < 0:
-                keep = 0 if final else _held_tail(self.buffer, TRIGGER)
-                self._text(piece, len(self.buffer) - keep, final=final)
+                keep = _held_tail(self.buffer, TRIGGER)
+                self._text(piece, len(self.buffer) - (keep if not final or self.num_calls else 0), final=final)
+                if final:  # a cut after a call, inside the next trigger: framing, not content
+                    self.buffer = ""
                 return False
             self._text(piece, start, before_call=True)
             self.state = "opening"
@@ -78,8 +84,9 @@ class ToolCallParser:
                 self.buffer, self.state = self.buffer[len(TRIGGER) :], "text"
                 return True
             if name_end < 0:
-                if final:  # cut before the name was complete: it stays text
-                    piece.content, self.buffer = piece.content + self.buffer, ""
+                if final:  # cut before the name was complete: text where text may be written
+                    piece.content += self.buffer if self.text_allowed else ""
+                    self.buffer = ""
                 return False
             name = self.buffer[len(CALL_OPEN) : name_end]
             piece.opened.append((self.num_calls, f"call_{uuid.uuid4().hex[:24]}", name))
@@ -103,6 +110,9 @@ class ToolCallParser:
         after the last) that is only whitespace is held, and dropped at the call or the end: the newline
         between two calls is not content (a whole answer's ``content`` is then null)."""
         text = self.buffer[:size]
+        if not self.text_allowed:  # only separators (and cut framing) can stand outside the calls
+            self.buffer = self.buffer[size:]
+            return
         if text.strip() or self.stretch_has_text or (final and not self.num_calls):
             piece.content += text
             self.stretch_has_text = self.stretch_has_text or bool(text.strip())
@@ -122,12 +132,12 @@ class ToolCallParser:
         return engine_reason
 
 
-def message_from(text: str, engine_reason: str | None) -> tuple[dict, str | None]:
+def message_from(text: str, engine_reason: str | None, text_allowed: bool = True) -> tuple[dict, str | None]:
     """A whole answer as OpenAI's assistant message fields (``content``, ``tool_calls``) and finish reason."""
-    parser = ToolCallParser()
+    parser = ToolCallParser(text_allowed)
     piece = parser.feed(text, final=True)
     if not piece.opened:
-        return {"content": piece.content}, engine_reason
+        return {"content": piece.content if text_allowed else None}, engine_reason
     arguments = ["" for _ in piece.opened]
     for index, part in piece.arguments:
         arguments[index] += part
@@ -138,16 +148,26 @@ def message_from(text: str, engine_reason: str | None) -> tuple[dict, str | None
     return {"content": piece.content or None, "tool_calls": calls}, parser.finish_reason(engine_reason)
 
 
-def delta_from(piece: ParsedPiece) -> dict:
-    """One piece as a stream delta: ``content`` and/or ``tool_calls`` entries keyed by ``index``."""
-    delta: dict = {}
-    if piece.content:
-        delta["content"] = piece.content
-    calls = []
+def deltas_from(piece: ParsedPiece) -> list[dict]:
+    """One piece as stream deltas (usually one): ``content`` and ``tool_calls``, one entry per call ``index``
+    in a delta, as vLLM sends them (a client reading ``tool_calls[0]`` of each chunk would lose a second entry
+    of the same call). A call opened by this piece gets a delta of its own with its name and empty
+    ``arguments``, before the delta with its first arguments: the name always comes first."""
+    opened = {index for index, _, _ in piece.opened}
+    first: dict = {"content": piece.content} if piece.content else {}
+    calls = {index: _arguments_entry(index) for index, _ in piece.arguments if index not in opened}
     for index, call_id, name in piece.opened:
-        calls.append({"index": index, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}})
+        calls[index] = {"index": index, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}
+    later = {index: _arguments_entry(index) for index, _ in piece.arguments if index in opened}
     for index, text in piece.arguments:
-        calls.append({"index": index, "function": {"arguments": text}})
+        (later if index in opened else calls)[index]["function"]["arguments"] += text
     if calls:
-        delta["tool_calls"] = calls
-    return delta
+        first["tool_calls"] = [calls[index] for index in sorted(calls)]
+    deltas = [first]
+    if later:
+        deltas.append({"tool_calls": [later[index] for index in sorted(later)]})
+    return deltas
+
+
+def _arguments_entry(index: int) -> dict:
+    return {"index": index, "function": {"arguments": ""}}

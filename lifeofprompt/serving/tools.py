@@ -34,7 +34,7 @@ another format (Llama 3's bare JSON) answers ``auto`` in its own words as ``cont
 The steps, for any route that serves tools (chat completions; the Responses API can reuse them):
 ``parse_tools`` → ``tool_mode`` → ``tool_structure`` (the grammar) → ``tool_conversation`` (the
 prompt); the answer back through ``tool_calls.message_from`` (whole) or ``ToolCallParser`` +
-``delta_from`` (streamed).
+``deltas_from`` (streamed).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Would the clients fit in the project's own venv? pip's dry run says, without installing anything.
 
-    python3 benchmarks/clients/dry_run.py                       # against /work/main/.venv or this checkout's .venv
+    python3 benchmarks/clients/dry_run.py                       # against this checkout's .venv
     python3 benchmarks/clients/dry_run.py --python .venv/bin/python
 
 For each client (pinned as setup.sh pins it) and for all of them together, it asks that venv's pip what

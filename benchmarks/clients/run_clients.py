@@ -6,7 +6,7 @@
 
 Only the standard library is used here, so any python3 runs it. The server is ``PYTHON -m lifeofprompt serve``
 on 127.0.0.1 with a free port, where PYTHON is ``--server-python``, else ``$LIFEOFPROMPT_SERVER_PYTHON``, else
-this checkout's ``.venv/bin/python``, else ``/work/main/.venv/bin/python``. The runner waits for ``/health``, runs
+this checkout's ``.venv/bin/python``, else the Python running it. The runner waits for ``/health``, runs
 each check (a client with its default settings on a small bounded workload) in that client's venv with
 HF_HUB_OFFLINE=1, then stops the server; every process it starts is in its own process group and is killed
 on exit, on a timeout and on Ctrl-C. A check passes when the client's protocol worked (exit 0, and for the
@@ -282,13 +282,11 @@ def all_checks() -> list[Check]:
 
 
 def server_python() -> str:
-    """``--server-python``'s default: the env var, this checkout's .venv, else the lead's."""
+    """``--server-python``'s default: the env var, else this checkout's .venv (scripts/setup.sh makes it)."""
     if os.environ.get("LIFEOFPROMPT_SERVER_PYTHON"):
         return os.environ["LIFEOFPROMPT_SERVER_PYTHON"]
-    for candidate in (REPO / ".venv" / "bin" / "python", Path("/work/main/.venv/bin/python")):
-        if candidate.exists():
-            return str(candidate)
-    return sys.executable
+    candidate = REPO / ".venv" / "bin" / "python"
+    return str(candidate) if candidate.exists() else sys.executable
 
 
 SERVER_PYTHON = server_python()

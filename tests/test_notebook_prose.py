@@ -29,7 +29,7 @@ NOT_YET = {
     "07_scheduler.ipynb": (3213, 389),
     "08_engine.ipynb": (2958, 1697),
     "09_serving.ipynb": (3123, 829),
-    "10_speculative_decoding.ipynb": (1451, 339),
+    "10_speculative_decoding.ipynb": (1595, 339),
     "11_many_devices.ipynb": (2972, 1284),
 }
 

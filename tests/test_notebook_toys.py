@@ -1,0 +1,143 @@
+"""The chapters' toys, run against the package outside the notebooks, so a drift between a toy and the code it
+teaches fails here even though the notebooks run separately (nbval).
+
+Chapters 07, 10 and 11 each write the core of their mechanism in a small visible cell (a toy) and check it in the
+next cell against the package. The cells are found by a marker line (``# toy: ...``, ``# check: ...``) and run in
+one namespace, in order, exactly as the notebook holds them. Each check must be able to fail: the ``broken`` tests
+change one rule of a toy and expect its check to raise.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+import pytest
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+
+SCHEDULER = ("07_scheduler.ipynb", "# toy: scheduler step", "# toy: scheduler loop", "# check: scheduler step")
+SPECULATION = (
+    "10_speculative_decoding.ipynb",
+    "# toy: speculative accept/reject/rollback",
+    "# check: speculative accept/reject/rollback",
+)
+RING = ("11_many_devices.ipynb", "# toy: ring all-reduce", "# check: ring all-reduce")
+PIPELINE = ("11_many_devices.ipynb", "# toy: pipeline loop", "# check: pipeline loop")
+
+
+def cell_sources(notebook: str, *markers: str) -> list[str]:
+    """The code cells holding each marker line, in the order asked."""
+    cells = json.loads((NOTEBOOKS / notebook).read_text())["cells"]
+    found = []
+    for marker in markers:
+        hits = [
+            "".join(c["source"])
+            for c in cells
+            if c["cell_type"] == "code" and marker in (line.strip() for line in "".join(c["source"]).splitlines())
+        ]
+        assert len(hits) == 1, f"{notebook}: {len(hits)} code cells marked {marker!r} (want one)"
+        found.append(hits[0])
+    return found
+
+
+def run_cells(sources: list[str], name: str) -> dict:
+    namespace: dict = {"__name__": name}
+    for i, source in enumerate(sources):
+        exec(compile(source, f"<{name} cell {i}>", "exec"), namespace)
+    return namespace
+
+
+def broken(sources: list[str], old: str, new: str) -> list[str]:
+    """The cells with one rule of the toy changed (``old`` must be in exactly one of them)."""
+    assert sum(s.count(old) for s in sources) == 1, f"the toy no longer holds {old!r}: update this test's change"
+    return [s.replace(old, new) for s in sources]
+
+
+# ----------------------------------------------------------------------------- 07: a scheduler step
+
+
+def test_the_scheduler_toy_takes_the_packages_steps():
+    ns = run_cells(cell_sources(*SCHEDULER), "scheduler")
+    steps = ns["toy_run"](ns["REQUESTS"], num_blocks=5)
+    # what the Markdown before the toy tells the reader to find in its output
+    assert ("C", 3) in steps[0][0] and ("C", 6) in steps[1][0]  # C's prompt in two chunks
+    assert [name for name, _ in steps[2][0]] == ["A", "C", "D"]  # three seats: E waits
+    assert steps[3][1] == ["D"] and ("D", 4) in steps[4][0]  # D preempted, then recomputes its 4 tokens
+
+
+def test_the_scheduler_toy_agrees_on_random_requests_and_limits():
+    ns = run_cells(cell_sources(*SCHEDULER), "scheduler")
+    rng = random.Random(0)
+    for _ in range(40):
+        ns["BLOCK_SIZE"], ns["BUDGET"], ns["MAX_NUM_SEQS"] = rng.choice([2, 4]), rng.randint(4, 16), rng.randint(1, 4)
+        num_blocks = rng.randint(3, 10)
+        limit = num_blocks * ns["BLOCK_SIZE"]
+        requests = []
+        for i in range(rng.randint(1, 6)):
+            prompt = rng.randint(1, limit - 2)
+            requests.append((f"r{i}", prompt, rng.randint(1, limit - prompt)))
+        assert ns["toy_run"](requests, num_blocks) == ns["package_run"](requests, num_blocks), requests
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("victim = running.pop()", "victim = running.pop(0)"),  # preempt the oldest instead of the newest
+        ("while not preempted and waiting", "while waiting"),  # admit even in a step that preempted
+        ('n = min(r["tokens"], budget)', 'n = r["tokens"]'),  # admit a whole prompt past the budget
+    ],
+    ids=["oldest-preempted", "admits-after-preemption", "no-chunks"],
+)
+def test_the_scheduler_check_fails_on_a_broken_toy(old, new):
+    with pytest.raises(AssertionError):
+        run_cells(broken(cell_sources(*SCHEDULER), old, new), "scheduler")
+
+
+# ----------------------------------------------------------------------------- 10: speculative accept/reject
+
+
+def test_the_speculation_toy_gives_the_rejection_samplers_tokens(capsys):
+    run_cells(cell_sources(*SPECULATION), "speculation")
+    printed = capsys.readouterr().out
+    # what the Markdown before the toy tells the reader to find: all four kept plus a bonus, and none kept
+    assert "4 of 4 accepted" in printed and re.search(r"kept \[\d+\]: 0 of [1-9]", printed), printed
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("min(1.0, p[i, x] / q[i, x])", "min(1.0, p[i, x])"),  # accept with p(x), ignoring the drafter
+        ("(p[i] - q[i]).clamp(min=0)", "p[i]"),  # correct from p instead of the residual
+    ],
+    ids=["acceptance-without-q", "correction-from-p"],
+)
+def test_the_speculation_check_fails_on_a_broken_toy(old, new):
+    with pytest.raises(AssertionError):
+        run_cells(broken(cell_sources(*SPECULATION), old, new), "speculation")
+
+
+# ----------------------------------------------------------------------------- 11: ring all-reduce, pipeline
+
+
+def test_the_ring_toy_sums_like_np_sum():
+    ns = run_cells(cell_sources(*RING), "ring")
+    assert ns["hops"] == 6
+
+
+def test_the_ring_check_fails_on_a_broken_toy():
+    old = "chunks[(r + 1) % N][(r - h) % N] += messages[r]"
+    with pytest.raises(AssertionError):  # the receiver overwrites instead of adding
+        run_cells(broken(cell_sources(*RING), old, old.replace("+=", "=")), "ring")
+
+
+def test_the_pipeline_toy_follows_pipeline_schedule():
+    ns = run_cells(cell_sources(*PIPELINE), "pipeline")
+    assert ns["tick"] == ns["M"] + ns["P"] - 1
+
+
+def test_the_pipeline_check_fails_on_a_broken_toy():
+    with pytest.raises(AssertionError):  # micro-batches enter the pipe last first
+        run_cells(broken(cell_sources(*PIPELINE), "queue.pop(0)", "queue.pop()"), "pipeline")

@@ -16,7 +16,7 @@ import numpy as np
 
 # The seed's measured inputs, as it states them.
 WEIGHT_BYTES = 5.38e9  # bytes one decode step reads (4-bit weights, embedding table left out)
-READ_BANDWIDTH = 273e9  # bytes/s from a read benchmark on the same chip
+READ_BANDWIDTH = 273e9  # bytes/s, the laptop's measured read bandwidth
 DECODE_STEP_S = 23.5e-3  # llama.cpp's timed decode step, one sequence
 PREFILL_TOK_S = 1143.0  # prefill of a 1,024-token prompt
 DECODE_TOK_S = 42.6
@@ -32,7 +32,7 @@ HYBRID_LAYERS, HYBRID_KV_LAYERS = 32, 8
 KV_BYTES_PER_TOKEN = 32 * 1024  # the hybrid's whole cache per token (its 8 attention layers)
 STATE_BYTES = 48 * 2**20  # the f32 recurrent state's main part, per sequence
 P99_SAMPLES = 60
-# Its GPU examples: Llama-3.1-8B in bf16 on an H100 SXM.
+# Its GPU examples: Llama-3.1-8B (bf16) on an H100 SXM.
 LLAMA8B_WEIGHT_BYTES, H100_BANDWIDTH = 15e9, 3.35e12  # bytes a decode step reads (no embedding table)
 LLAMA8B_ALL_WEIGHTS = 16e9  # all of its weights, as held in memory
 LLAMA8B_KV = dict(layers=32, kv_heads=8, head_dim=128, dtype_bytes=2)

@@ -123,8 +123,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def emptiest_group(self) -> int:
-        """The micro-batch group with the fewest unfinished requests (the lowest on a tie), as vLLM
-        gives a new request to the virtual engine with the fewest."""
+        """The micro-batch group with the fewest unfinished requests (the lowest on a tie), as vLLM's
+        V0 engine gave a new request to the "virtual engine" with the fewest."""
         counts = [0] * self.config.num_groups
         for seq in self.seqs:
             if seq.group is not None:

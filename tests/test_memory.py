@@ -79,7 +79,7 @@ def test_tinyllama_on_a_16_gib_card():
 def test_llama_8b_on_an_80_gb_card():
     reported = int(85.5e9)
     no_activations = {u: plan_memory(LLAMA_3_1_8B, "bf16", reported, u, activations=0) for u in (0.9, 0.92)}
-    assert no_activations[0.92].max_concurrency(4096) == 116  # the seed's figure, at 92 % and nothing for activations
+    assert no_activations[0.92].max_concurrency(4096) == 116  # the article's figure: 92 %, nothing for activations
     assert no_activations[0.9].max_concurrency(4096) == 113  # vLLM's default 0.9
     estimated = {u: plan_memory(LLAMA_3_1_8B, "bf16", reported, u) for u in (0.9, 0.92)}
     assert estimated[0.92].max_concurrency(4096) == 115

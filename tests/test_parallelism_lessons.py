@@ -1,4 +1,4 @@
-"""Notebook 11's arithmetic: device counts by hand, the α + n/β fit (it recovers known values and a broken
+"""Notebook 11's arithmetic: device counts by hand, the L + n/β fit (it recovers known values and a broken
 fit is caught), ring all-reduce and pipeline-bubble formulas, the figures, and the two measuring helpers."""
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def test_a_broken_fit_is_caught():
     broken = par.CostModel(alpha=1e-12, beta=1 / slope)
     held_out = [1024, 4096]
     assert min(abs(e) for e in par.relative_errors(broken, held_out, synthetic(50e-6, 2e9, held_out, noise=0.0))) > 0.3
-    # times that do not grow with the size, or a single size, give no α and β at all
+    # times that do not grow with the size, or a single size, give no L and β at all
     with pytest.raises(ConfigError, match="positive"):
         par.fit_cost_model(sizes, [1e-3] * len(sizes))
     with pytest.raises(ConfigError, match="positive"):

@@ -81,7 +81,7 @@ def test_decode_weight_bytes_leave_out_the_embedding_table():
 
 
 def test_decode_floor_and_intensity():
-    # the second seed text: Llama-3.1-8B bf16 on an H100 SXM, ~15 GB per token at 3.35 TB/s -> ~4.5 ms
+    # Serving is a memory problem: Llama-3.1-8B bf16 on an H100 SXM, ~15 GB per token at 3.35 TB/s -> ~4.5 ms
     assert decode_floor(LLAMA_3_1_8B, "bf16", H100) == pytest.approx(4.48e-3, rel=1e-3)
     decode = arithmetic_intensity(LLAMA_3_1_8B, "bf16", num_tokens=1, context_tokens=0)
     prefill = arithmetic_intensity(LLAMA_3_1_8B, "bf16", num_tokens=1024, context_tokens=0)

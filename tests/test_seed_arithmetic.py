@@ -1,15 +1,15 @@
-"""The second seed's figures follow from its own inputs (and a wrong input would show)."""
+"""The figures of "Serving is a memory problem" follow from its own inputs (and a wrong input would show)."""
 
 import numpy as np
 
 from lifeofprompt.lessons import seed_arithmetic as seed
 
 
-def test_every_figure_of_the_seed_follows_from_its_inputs():
+def test_every_figure_of_the_article_follows_from_its_inputs():
     rows = seed.checks()
     assert len(rows) == 19
     differ = [row for row in rows if not row.agrees]
-    # one of the seed's figures is itself imprecise: its p99 of 60 is not the second slowest sample
+    # one of the article's figures is itself imprecise: its p99 of 60 is not the second slowest sample
     assert [row.claim for row in differ] == [next(r.claim for r in rows if r.claim.startswith("p99 of 60"))], "\n".join(
         row.line() for row in differ
     )

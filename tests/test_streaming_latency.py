@@ -43,7 +43,7 @@ def test_without_chunking_the_prompt_is_one_step_and_the_streams_get_one_token_a
 
 
 def test_with_chunking_the_streams_get_a_token_every_chunk(model_1k):
-    gaps = run(model_1k, chunked_budget(CHUNK), "chunked")
+    gaps = run(model_1k, chunked_budget(CHUNK, STREAMS), "chunked")
     assert gaps.prefill_chunks == [CHUNK] * (LONG // CHUNK) + [LONG % CHUNK]
     assert len(gaps.during_gaps_s) == math.ceil(LONG / CHUNK)  # a token at the end of every chunk's step
     assert gaps.long_ttft_s > 0 and gaps.worst_gap_s >= gaps.median_gap_s > 0
@@ -63,7 +63,7 @@ def test_the_figure_has_a_panel_per_run_and_a_tick_per_token(model_1k):
 
     runs = [
         run(model_1k, unchunked_budget(LONG, STREAMS), "whole prompt"),
-        run(model_1k, chunked_budget(CHUNK), "chunked"),
+        run(model_1k, chunked_budget(CHUNK, STREAMS), "chunked"),
     ]
     fig = plot_stream_gaps(runs, footer="test machine")
     assert len(fig.axes) == 2

@@ -456,8 +456,8 @@ class ParallelGroup:
                 + "; each step goes stage to stage with its hidden states by send/recv, "
                 + (
                     f"up to {steps_in_flight} steps in flight, one per micro-batch group of requests, so the "
-                    "stages overlap (vLLM's virtual engines); fewer busy groups than stages leave stages idle "
-                    "(the bubble)"
+                    "stages overlap (as vLLM's batch queue keeps steps in flight); fewer busy groups than stages "
+                    "leave stages idle (the bubble)"
                     if steps_in_flight > 1
                     else "one step at a time (no overlap: each stage waits while the others run, the bubble)"
                 ),

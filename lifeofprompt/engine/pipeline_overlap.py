@@ -2,10 +2,11 @@
 
 With P pipeline stages and one step at a time, each stage idles while the others run: (P − 1)/P
 of the time (notebook 11's bubble). A sequence's next step cannot start before its last one has
-sampled (that token is its input), but another sequence's step can. So, as vLLM's virtual
-engines do, the requests are split among P micro-batch groups, each scheduled on its own:
+sampled (that token is its input), but another sequence's step can. So, as vLLM's V0 engine did
+with its "virtual engines" (V1 keeps up to P scheduled batches in a batch queue instead), the
+requests are split among P micro-batch groups, each scheduled on its own:
 
-* ``Scheduler.add`` gives each new request the group with the fewest requests (vLLM gives it to
+* ``Scheduler.add`` gives each new request the group with the fewest requests (vLLM V0 gave it to
   the virtual engine with the fewest unfinished ones); a request keeps its group, preempted or not;
 * ``Scheduler.schedule(group=g)`` builds a step of group g's requests only. A group has at most one
   step in flight, so a sequence is never in two steps in flight, and a group's preemptions only

@@ -7,7 +7,7 @@ and there is no separate "prefill phase" or "decode phase": a step mixes them.
 1. Running requests first, in the order they were admitted. A decoding request costs one
    token; a request still in the middle of its prompt gets its next chunk (chunked prefill),
    as much as the budget allows. Each needs its next tokens' cache slots
-   (``allocate_slots``). When the pool is empty, the most recently admitted running request
+   (``allocate_slots``). When the pool is empty, the running request admitted last
    is *preempted*: its blocks are freed, its computed-token count goes back to zero and it
    returns to the front of the waiting line, to be recomputed later (its prompt's prefix-
    cached blocks are found again if nobody has reused them yet).
@@ -123,8 +123,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def emptiest_group(self) -> int:
-        """The micro-batch group with the fewest unfinished requests (the lowest on a tie), as vLLM
-        gives a new request to the virtual engine with the fewest."""
+        """The micro-batch group with the fewest unfinished requests (the lowest on a tie), as vLLM's
+        V0 engine gave a new request to the "virtual engine" with the fewest."""
         counts = [0] * self.config.num_groups
         for seq in self.seqs:
             if seq.group is not None:

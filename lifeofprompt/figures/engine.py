@@ -165,21 +165,8 @@ def test_rows(results_path: Path) -> list[tuple[str, str]]:
     runs = [folder / "pytest_gpu.txt"] + sorted(folder.glob("rerun-*/pytest_gpu.txt"))
     runs = [r for r in runs if r.exists() and last_count(r)]
     if runs:
-        rows.append(
-            (
-                "tests/gpu/test_engine_gpu.py" + (f" ({rerun_label(runs[-1].parent.name)})" if len(runs) > 1 else ""),
-                last_count(runs[-1]),
-            )
-        )
+        rows.append(("tests/gpu/test_engine_gpu.py", last_count(runs[-1])))
     return rows
-
-
-def rerun_label(folder_name: str) -> str:
-    """``rerun-18h37`` (a results folder's name) as a reader reads it: ``rerun at 18:37``."""
-    import re
-
-    found = re.fullmatch(r"rerun-(\d\d)h(\d\d)", folder_name)
-    return f"rerun at {found[1]}:{found[2]}" if found else folder_name
 
 
 def gap_above_prediction(curve: list[dict]) -> list[tuple[int, float, float, float]]:

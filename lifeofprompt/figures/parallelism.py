@@ -150,7 +150,7 @@ def measured_figure(runs, predicted: dict[str, float], checked=None):
     right.set_xticks(range(len(shown)), [r.label for r in shown])
     right.set_xlim(-0.7, len(shown) - 0.3)
     right.set_ylabel("ms of collectives per step")
-    right.set_title("collectives: measured (orange) against\nα + n/β fitted on other sizes (grey)", fontsize=10)
+    right.set_title("collectives: measured (orange) against\nL + n/β fitted on other sizes (grey)", fontsize=10)
     for ax in (left, right):
         for side in ("top", "right"):
             ax.spines[side].set_visible(False)

@@ -137,7 +137,7 @@ def plot_ttft_against_rate(results, capacity: float, label: str | None = None):
         ylim=(low, high),
         xlabel="achieved arrival rate (requests per second, Poisson)",
         ylabel="time to first token (s, log scale)",
-        title="The queue is where p99 lives",
+        title="Time to first token against the arrival rate: median and p99",
     )
     ax.set_yticks(log_ticks(low, high), [f"{t:g}" for t in log_ticks(low, high)])
     ax.yaxis.set_minor_locator(plt.NullLocator())

@@ -6,7 +6,7 @@ each, a file rendezvous, so no port can clash and the calling process keeps no p
 of its own: a parallel engine may still start in it) and times each of the engine's kinds of
 collective at each message size: the mean of single calls on rank 0, after a warm-up, back to
 back as the engine meets them (its collective time is their sum, stalls included).
-``parallelism.fit_cost_model`` turns those times into α and β.
+``parallelism.fit_cost_model`` turns those times into L and β.
 
 ``measure_engine`` runs ``LLM(tensor_parallel_size=T, pipeline_parallel_size=P)`` on a model,
 and returns its step times and the collectives rank 0 ran (``distributed.collectives``), so
@@ -256,7 +256,7 @@ GRID = (64, 256, 1024, 4096, 16384, 65536, 262144, 2**20, 2**22, 2**24)  # messa
 
 @dataclass
 class CostModelCheck:
-    """``check_cost_model``'s answer: one engine run beside α + n/β fitted on the sizes it never sent."""
+    """``check_cost_model``'s answer: one engine run beside L + n/β fitted on the sizes it never sent."""
 
     run: EngineRun
     fit_sizes: dict  # op -> the grid's sizes outside that op's own messages: the fit's

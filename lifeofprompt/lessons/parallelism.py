@@ -8,8 +8,8 @@ pipeline parallelism move between them, and a cost model of the links that move 
 * **Bytes.** Megatron's split needs one all-reduce of ``[tokens, hidden]`` after ``o_proj`` and one
   after ``down_proj`` in every layer (plus one after a vocab-parallel embedding); a pipeline sends
   ``[tokens, hidden]`` once per stage boundary.
-* **Cost.** A message of ``n`` bytes costs ``α + n / β`` (latency, bandwidth): ``CostModel``.
-  ``fit_cost_model`` fits α and β to measured times by least squares, on sizes the engine never
+* **Cost.** A message of ``n`` bytes costs ``L + n / β`` (latency L, bandwidth β): ``CostModel``.
+  ``fit_cost_model`` fits L and β to measured times by least squares, on sizes the engine never
   sends (``split_sizes``); ``predict_calls`` sets an engine's calls beside it; a ring all-reduce over
   ``T`` ranks takes ``2(T − 1)`` such steps of ``n / T`` bytes (``ring_all_reduce_s``).
 * **Bubbles.** ``pipeline_schedule`` places each step's stages on a timeline: with one request
@@ -160,15 +160,15 @@ class CostModel:
         return calls * self.alpha + nbytes / self.beta
 
     def describe(self) -> str:
-        return f"α = {self.alpha * 1e6:.1f} µs, β = {self.beta / 1e9:.2f} GB/s"
+        return f"L = {self.alpha * 1e6:.1f} µs, β = {self.beta / 1e9:.2f} GB/s"
 
 
 def fit_cost_model(sizes, seconds) -> CostModel:
-    """Least squares of ``seconds = α + sizes / β`` over at least two distinct sizes.
+    """Least squares of ``seconds = L + sizes / β`` over at least two distinct sizes.
 
-    Weighted by 1/seconds (relative errors), so the small messages that pin α count as much
+    Weighted by 1/seconds (relative errors), so the small messages that pin L count as much
     as the large ones that pin β. Raises ``ConfigError`` when the data cannot give a positive
-    α and β (a size that does not grow the time, one size only): a fit that means nothing.
+    L and β (a size that does not grow the time, one size only): a fit that means nothing.
     """
     sizes, seconds = [float(n) for n in sizes], [float(s) for s in seconds]
     if len(sizes) != len(seconds) or len(set(sizes)) < 2:
@@ -182,7 +182,7 @@ def fit_cost_model(sizes, seconds) -> CostModel:
     alpha = my - slope * mx
     if slope <= 0 or alpha <= 0:
         raise ConfigError(
-            f"the times do not fit α + n/β with positive α and β (α = {alpha:.3g} s, 1/β = {slope:.3g} s/byte)"
+            f"the times do not fit L + n/β with positive L and β (L = {alpha:.3g} s, 1/β = {slope:.3g} s/byte)"
         )
     return CostModel(alpha, 1 / slope)
 

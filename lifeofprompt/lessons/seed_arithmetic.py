@@ -1,8 +1,9 @@
-"""The second seed's arithmetic, redone from its own inputs ("Serving is a memory problem").
+"""The arithmetic of Carlos Chinchilla Corbacho's article "Serving is a memory problem: prefill,
+decode and the KV cache", redone from its own inputs.
 
-The seed measured Qwen3.5-9B in 4-bit through llama-server on an Apple M5 Pro and drew its
-conclusions by division. Each function here takes the seed's measured inputs and derives one of
-its figures, so a notebook can print the derivation beside the seed's number and say whether they
+The article measured Qwen3.5-9B in 4-bit through llama-server on an Apple M5 Pro and drew its
+conclusions by division. Each function here takes the article's measured inputs and derives one of
+its figures, so a notebook can print the derivation beside the article's number and say whether they
 agree. ``checks()`` lists them all. Nothing here is our measurement: our own machine's numbers
 come from ``roofline`` and the benchmarks.
 """
@@ -14,9 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# The seed's measured inputs, as it states them.
+# The article's measured inputs, as it states them.
 WEIGHT_BYTES = 5.38e9  # bytes one decode step reads (4-bit weights, embedding table left out)
-READ_BANDWIDTH = 273e9  # bytes/s from a read benchmark on the same chip
+READ_BANDWIDTH = 273e9  # bytes/s, the laptop's measured read bandwidth
 DECODE_STEP_S = 23.5e-3  # llama.cpp's timed decode step, one sequence
 PREFILL_TOK_S = 1143.0  # prefill of a 1,024-token prompt
 DECODE_TOK_S = 42.6
@@ -32,7 +33,7 @@ HYBRID_LAYERS, HYBRID_KV_LAYERS = 32, 8
 KV_BYTES_PER_TOKEN = 32 * 1024  # the hybrid's whole cache per token (its 8 attention layers)
 STATE_BYTES = 48 * 2**20  # the f32 recurrent state's main part, per sequence
 P99_SAMPLES = 60
-# Its GPU examples: Llama-3.1-8B in bf16 on an H100 SXM.
+# Its GPU examples: Llama-3.1-8B (bf16) on an H100 SXM.
 LLAMA8B_WEIGHT_BYTES, H100_BANDWIDTH = 15e9, 3.35e12  # bytes a decode step reads (no embedding table)
 LLAMA8B_ALL_WEIGHTS = 16e9  # all of its weights, as held in memory
 LLAMA8B_KV = dict(layers=32, kv_heads=8, head_dim=128, dtype_bytes=2)
@@ -41,13 +42,13 @@ H100_REPORTED_BYTES, GPU_MEMORY_UTILIZATION, CONTEXT = 85.5e9, 0.92, 4096
 
 @dataclass(frozen=True)
 class Check:
-    """One of the seed's figures: how it follows from the inputs, what we get, what the seed says."""
+    """One of the article's figures: how it follows from the inputs, what we get, what the article says."""
 
     claim: str
     derivation: str
     derived: float
-    seed: float
-    tolerance: float  # relative: the seed rounds its figures
+    seed: float  # the figure as the article states it
+    tolerance: float  # relative: the article rounds its figures
 
     @property
     def agrees(self) -> bool:
@@ -55,11 +56,11 @@ class Check:
 
     def line(self) -> str:
         mark = "agrees" if self.agrees else "DIFFERS"
-        return f"{self.claim}: {self.derivation} = {_number(self.derived)} (seed: {_number(self.seed)}) {mark}"
+        return f"{self.claim}: {self.derivation} = {_number(self.derived)} (article: {_number(self.seed)}) {mark}"
 
 
 def _number(value: float) -> str:
-    """Three significant figures, without an exponent for the seed's four-digit counts."""
+    """Three significant figures, without an exponent for the article's four-digit counts."""
     return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:,.3g}"
 
 
@@ -101,7 +102,7 @@ def p99_position(samples: int = P99_SAMPLES) -> tuple[int, int, float]:
 
 
 def checks() -> list[Check]:
-    """Every figure of the seed that follows from its inputs by arithmetic."""
+    """Every figure of the article that follows from its inputs by arithmetic."""
     floor = decode_floor_s()
     ops_per_byte_decode = operations_per_token() / WEIGHT_BYTES
     low, high, frac = p99_position()
@@ -162,10 +163,10 @@ def checks() -> list[Check]:
         ),
         Check("GB left for cache on an H100", "85.5 GB × 0.92 − 16 GB", cache_left_bytes() / 1e9, 62, 0.02),
         Check("requests of 4,096 tokens in an H100's cache", "62.7 GB / (128 KiB × 4,096)", h100_requests(), 116, 0.01),
-        # The seed says the p99 of 60 samples is "the second slowest" (sorted index 58); numpy's default
+        # The article says the p99 of 60 samples is "the second slowest" (sorted index 58); numpy's default
         # interpolation puts it between that one and the slowest, which this check shows.
         Check(
-            "p99 of 60 samples: sorted index (0-based; the seed's figure: the second slowest)",
+            "p99 of 60 samples: sorted index (0-based; the article's figure: the second slowest)",
             f"0.99 × 59, between {low} and {high}",
             low + frac,
             58,
@@ -178,10 +179,10 @@ def select(*phrases: str) -> list[Check]:
     """The checks whose claim contains one of ``phrases``, in ``checks()`` order (each notebook shows its own)."""
     chosen = [c for c in checks() if any(p in c.claim for p in phrases)]
     if not chosen:
-        raise KeyError(f"no check of the seed's arithmetic matches {phrases}")
+        raise KeyError(f"no check of the article's arithmetic matches {phrases}")
     return chosen
 
 
 def report(*phrases: str) -> str:
-    """The chosen checks, one line each: the claim, its derivation from the seed's inputs, the seed's figure."""
+    """The chosen checks, one line each: the claim, its derivation from the article's inputs, the article's figure."""
     return "\n".join(c.line() for c in select(*phrases))

@@ -4,9 +4,10 @@ prompt arrives.
 A server that is decoding for a few users gives each of them one token per step. When a long prompt
 arrives, its prefill has to go into steps too. Without chunking the whole prompt is one step, and
 every user already streaming waits that whole step for their next token: a stall of seconds in the
-middle of an answer. With chunked prefill the prompt is cut into chunks of at most
-``long_prefill_token_threshold`` tokens; each step carries the decodes *and* one chunk, so the
-streams keep getting a token every step, each gap only one chunk long. The long prompt's own first
+middle of an answer. With chunked prefill the step's token budget (``max_num_batched_tokens``) cuts
+the prompt: the decodes take one token each and the prompt gets what is left, so each step carries
+the decodes *and* one chunk, and the streams keep getting a token every step, each gap only one
+chunk long. The long prompt's own first
 token comes a little later (more steps, each with its fixed cost). ``decode_gaps_beside_prefill``
 measures both on the real engine, from the engine's own token timestamps (``RequestMetrics``).
 
@@ -59,9 +60,11 @@ def unchunked_budget(long_len: int, num_streams: int) -> dict:
     return dict(max_num_batched_tokens=long_len + num_streams, long_prefill_token_threshold=0)
 
 
-def chunked_budget(chunk: int) -> dict:
-    """Engine settings that cut a long prompt into ``chunk``-token pieces while others run."""
-    return dict(max_num_batched_tokens=4 * chunk, long_prefill_token_threshold=chunk)
+def chunked_budget(chunk: int, num_streams: int) -> dict:
+    """Engine settings that cut a long prompt into ``chunk``-token pieces beside ``num_streams`` decodes,
+    as vLLM does by default: by the step's token budget alone (room for the decodes and one chunk),
+    with no extra per-prompt cap."""
+    return dict(max_num_batched_tokens=chunk + num_streams, long_prefill_token_threshold=0)
 
 
 def decode_gaps_beside_prefill(

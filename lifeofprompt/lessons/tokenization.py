@@ -24,8 +24,8 @@ from functools import lru_cache
 
 from ..story import STORY_PROMPTS
 
-# What the story's seed reports for its three prompts in TinyLlama's tokens (SentencePiece, <s>
-# first). load_llama_spm_tokenizer() computes them: 5, 7 and 3 with <s>; the seed's 2 for
+# What the article "Life of a prompt" reports for its three prompts in TinyLlama's tokens (SentencePiece,
+# <s> first). load_llama_spm_tokenizer() computes them: 5, 7 and 3 with <s>; the article's 2 for
 # "hello there" is the count without it.
 STORY_TINYLLAMA_COUNTS = {"hi my name is": 5, "today is a beautiful summer day": 7, "hello there": 2}
 

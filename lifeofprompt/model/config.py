@@ -146,7 +146,7 @@ SMOLLM2_135M = ModelConfig(
     eos_token_ids=(2,),
 )
 
-# meta-llama/Llama-3.1-8B, for the memory arithmetic of the second seed text (no weights needed).
+# meta-llama/Llama-3.1-8B, for the memory arithmetic of the article "Serving is a memory problem" (no weights needed).
 LLAMA_3_1_8B = ModelConfig(
     name="meta-llama/Llama-3.1-8B",
     vocab_size=128256,

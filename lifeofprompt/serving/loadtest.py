@@ -333,8 +333,8 @@ def parse_length(text: str) -> int | tuple[int, int]:
 def waiting_over_time(result: LoadTestResult, step: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
     """How many requests were sent but had no first token yet, sampled every ``step`` seconds.
 
-    Seen from the client this is the queue (plus the prefill in progress): past capacity it
-    grows for as long as arrivals keep coming.
+    Seen from the client this is the queue (plus the prefill in progress): once arrivals outpace
+    the server it keeps growing until they stop.
     """
     t0 = result.start_time
     spans = [

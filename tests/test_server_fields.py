@@ -89,6 +89,15 @@ def test_continuous_usage_stats_puts_each_choices_count_so_far_on_every_chunk(cl
     assert totals.usage.total_tokens == prompt_tokens + 7 * n
 
 
+def test_continuous_usage_stats_without_include_usage_adds_nothing_as_in_vllm(client):
+    chunks = list(
+        client.completions.create(
+            model="tiny", prompt="hi", max_tokens=3, stream=True, stream_options={"continuous_usage_stats": True}
+        )
+    )
+    assert chunks and all(c.usage is None for c in chunks) and all(c.choices for c in chunks)
+
+
 def test_include_usage_alone_leaves_the_other_chunks_without_usage(client):
     chunks = list(
         client.completions.create(

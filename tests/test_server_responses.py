@@ -242,6 +242,27 @@ def test_tools_with_no_tool_choice_are_auto_and_an_agents_loop_runs_on_it(client
     assert second.usage.input_tokens > first.usage.input_tokens  # the call and its output are in the prompt
 
 
+def test_an_output_needs_its_call_in_the_same_input(client):
+    """Nothing is stored between requests: a function_call_output whose call is not in the input is a 400."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(
+            model=MODEL, input=[{"type": "function_call_output", "call_id": "call_x", "output": "1"}]
+        )
+    assert caught.value.body["param"] == "input.0.call_id"
+
+
+def test_a_call_cut_by_max_output_tokens_is_an_incomplete_item():
+    from lifeofprompt.serving.responses_protocol import output_from_message
+
+    whole = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    cut = {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Pa'}}
+    items = output_from_message({"content": None, "tool_calls": [whole, cut]}, "incomplete")
+    assert [(item["type"], item["status"]) for item in items] == [
+        ("function_call", "completed"),
+        ("function_call", "incomplete"),
+    ]
+
+
 @pytest.mark.parametrize(
     "fields, param",
     [

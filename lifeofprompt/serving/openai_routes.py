@@ -190,14 +190,14 @@ class Endpoints:
         (``Choices.delta`` shapes them); chat opens each choice with its role.
 
         ``stream_options.include_usage`` adds a last chunk with the totals (every other chunk says
-        ``"usage": null``); vLLM's ``continuous_usage_stats`` (guidellm, aiperf) also puts usage on
-        every chunk, implying ``include_usage``. As vLLM counts it, a chunk's usage is its own
+        ``"usage": null``); with it, vLLM's ``continuous_usage_stats`` (guidellm, aiperf send both) also puts
+        usage on every chunk (alone it does nothing, as in vLLM). As vLLM counts it, a chunk's usage is its own
         choice's: that choice's prompt, and the tokens that choice has generated so far (with
         ``n > 1`` or several prompts, each choice counts alone; the last chunk has the totals).
         """
         options = body.stream_options or {}
-        continuous = bool(options.get("continuous_usage_stats"))
-        include_usage = continuous or bool(options.get("include_usage"))
+        include_usage = bool(options.get("include_usage"))
+        continuous = include_usage and bool(options.get("continuous_usage_stats"))
         generated: dict[int, int] = {}  # choice -> tokens so far
 
         def chunk(items, usage=None):

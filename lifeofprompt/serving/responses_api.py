@@ -31,6 +31,7 @@ from ..errors import InvalidRequestError
 from .http_errors import error_responses
 from .responses_protocol import (
     ResponsesRequest,
+    call_status,
     chat_request_from,
     function_call_item,
     message_item,
@@ -87,7 +88,7 @@ class ResponseEvents:
             events.append(self.event("response.output_text.done", **where, **text))
             events.append(self.event("response.content_part.done", **where, content_index=0, part=part))
         else:
-            item["status"] = "completed"
+            item["status"] = call_status(item["arguments"])
             arguments = dict(arguments=item["arguments"], name=item["name"])
             events.append(self.event("response.function_call_arguments.done", **where, **arguments))
         events.append(self.event("response.output_item.done", output_index=len(self.output), item=item))

@@ -17,6 +17,7 @@ stateless, as if ``store: false``: nothing is kept after the answer.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any
@@ -133,7 +134,23 @@ def chat_messages_from(body: ResponsesRequest) -> list[dict]:
         return [*messages, {"role": "user", "content": body.input}]
     if not body.input:
         raise InvalidRequestError("input must not be empty", param="input")
-    return messages + [chat_message_from(item, i) for i, item in enumerate(body.input)]
+    turns = [chat_message_from(item, i) for i, item in enumerate(body.input)]
+    check_outputs_follow_calls(turns)
+    return messages + turns
+
+
+def check_outputs_follow_calls(turns: list[dict]) -> None:
+    """Stateless, a tool's output must come after the call it answers, in the same ``input`` (as OpenAI
+    refuses an output whose call it cannot find): a 400 naming the item, not a prompt with a dangling result."""
+    called = set()
+    for i, turn in enumerate(turns):
+        called |= {call["id"] for call in turn.get("tool_calls") or []}
+        if turn["role"] == "tool" and turn["tool_call_id"] not in called:
+            raise InvalidRequestError(
+                f"no function_call item with call_id {turn['tool_call_id']!r} comes before this output: send the "
+                "call too (nothing is stored between requests)",
+                param=f"input.{i}.call_id",
+            )
 
 
 def chat_tools_from(tools: list | None) -> list[dict] | None:
@@ -291,6 +308,16 @@ def response_object(body: ResponsesRequest, response_id: str, model: str, **stat
     }
 
 
+def call_status(arguments: str) -> str:
+    """A function call's item status: "incomplete" when ``max_output_tokens`` cut its arguments short (they do
+    not parse), so an agent can tell the one call it must not run from the finished ones."""
+    try:
+        json.loads(arguments)
+    except ValueError:
+        return "incomplete"
+    return "completed"
+
+
 def output_from_message(message: dict, status: str) -> list[dict]:
     """A chat message as output items: its text (if any, or if nothing else) then each tool call."""
     items = []
@@ -298,7 +325,8 @@ def output_from_message(message: dict, status: str) -> list[dict]:
     if message.get("content") or not calls:
         items.append(message_item(message.get("content") or "", status))
     for call in calls:
-        items.append(function_call_item(call["id"], call["function"]["name"], call["function"]["arguments"]))
+        arguments = call["function"]["arguments"]
+        items.append(function_call_item(call["id"], call["function"]["name"], arguments, call_status(arguments)))
     return items
 
 

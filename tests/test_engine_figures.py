@@ -1,4 +1,4 @@
-"""Notebook 08's figure helpers read the benchmark JSON the scripts write."""
+"""Chapter 10 and the measurements appendix: the figure helpers read the benchmark JSON the scripts write."""
 
 from types import SimpleNamespace
 

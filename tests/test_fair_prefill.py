@@ -100,7 +100,7 @@ def test_the_default_threshold():
 
 
 def test_the_lesson_measures_the_short_request_beside_the_long_one(model_2k):
-    """lessons/fair_prefill.short_beside_long (notebook 09, benchmarks/fair_prefill.py): the same
+    """lessons/fair_prefill.short_beside_long (chapter 09, benchmarks/fair_prefill.py): the same
     step counts as above, each step's tokens per request, and a TTFT inside the steps that gave it."""
     from lifeofprompt.lessons.fair_prefill import short_beside_long, synthetic_ids
 

@@ -1,4 +1,4 @@
-"""Notebook 02's drawings and the figure footer: they draw what they claim, from the toy's own numbers."""
+"""Chapter 02's drawings and the figure footer: they draw what they claim, from the toy's own numbers."""
 
 import matplotlib
 

@@ -1,4 +1,4 @@
-"""Notebook 08's tiles figure draws the launch its check ran: one parameter set, the kernel's own plan.
+"""Chapter 11's tiles figure draws the launch its check ran: one parameter set, the kernel's own plan.
 
 Runs the Triton kernel under the interpreter on ``MIXED_LAUNCH`` (a few seconds), so it is
 skipped where Triton is missing, like ``tests/test_kernels.py``.

@@ -1,4 +1,4 @@
-"""KV-cache arithmetic and the VRAM land (notebook 05): pinned figures, invariants, typed errors."""
+"""KV-cache arithmetic and the VRAM land (chapter 05): pinned figures, invariants, typed errors."""
 
 from __future__ import annotations
 

@@ -18,14 +18,14 @@ import pytest
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
-SCHEDULER = ("07_scheduler.ipynb", "# toy: scheduler step", "# toy: scheduler loop", "# check: scheduler step")
+SCHEDULER = ("08_scheduler.ipynb", "# toy: scheduler step", "# toy: scheduler loop", "# check: scheduler step")
 SPECULATION = (
-    "10_speculative_decoding.ipynb",
+    "14_speculative_decoding.ipynb",
     "# toy: speculative accept/reject/rollback",
     "# check: speculative accept/reject/rollback",
 )
-RING = ("11_many_devices.ipynb", "# toy: ring all-reduce", "# check: ring all-reduce")
-PIPELINE = ("11_many_devices.ipynb", "# toy: pipeline loop", "# check: pipeline loop")
+RING = ("15_many_devices.ipynb", "# toy: ring all-reduce", "# check: ring all-reduce")
+PIPELINE = ("15_many_devices.ipynb", "# toy: pipeline loop", "# check: pipeline loop")
 
 
 def cell_sources(notebook: str, *markers: str) -> list[str]:

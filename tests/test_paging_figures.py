@@ -1,4 +1,4 @@
-"""Notebook 06's arithmetic, figures and widget callback, without the model."""
+"""Chapter 07's arithmetic, figures and widget callback, without the model."""
 
 from __future__ import annotations
 

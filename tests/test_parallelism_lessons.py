@@ -1,4 +1,4 @@
-"""Notebook 11's arithmetic: device counts by hand, the L + n/β fit (it recovers known values and a broken
+"""Chapter 15's arithmetic: device counts by hand, the L + n/β fit (it recovers known values and a broken
 fit is caught), ring all-reduce and pipeline-bubble formulas, the figures, and the two measuring helpers."""
 
 from __future__ import annotations

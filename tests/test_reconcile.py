@@ -1,4 +1,4 @@
-"""Notebook 08's side-by-side numbers: the two batch-1 steps and the memory rates, each with where it came from."""
+"""The measurements appendix's side-by-side numbers: the two batch-1 steps and the memory rates, with sources."""
 
 from __future__ import annotations
 

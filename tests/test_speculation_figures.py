@@ -1,4 +1,4 @@
-"""Notebook 10's figures and widget callback, called directly (the browser test moves the real slider)."""
+"""Chapter 14's figures and widget callback, called directly (the browser test moves the real slider)."""
 
 from __future__ import annotations
 

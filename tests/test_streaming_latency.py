@@ -1,5 +1,5 @@
 """Chunked prefill as the users already streaming see it: counted in steps and tokens, not seconds
-(the seconds are notebook 07's measurement)."""
+(the seconds are chapter 09's measurement)."""
 
 from __future__ import annotations
 

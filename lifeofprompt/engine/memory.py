@@ -1,4 +1,4 @@
-"""What the KV cache costs, and how the GPU's memory is shared out (notebook 05; the engine sizes its pool here).
+"""What the KV cache costs, and how the GPU's memory is shared out (chapter 05; the engine sizes its pool here).
 
 Every token a sequence has seen leaves one key and one value vector per KV head in every layer:
 
@@ -37,7 +37,7 @@ _DTYPE_NAMES = {
 
 
 # meta-llama/Llama-2-13b-hf: 40 layers and no grouped-query attention (40 KV heads of 128), the
-# kind of model whose cache is near a megabyte per token (notebook 05). Shapes from its config.json.
+# kind of model whose cache is near a megabyte per token (chapter 05). Shapes from its config.json.
 LLAMA_2_13B = ModelConfig(
     name="meta-llama/Llama-2-13b-hf",
     vocab_size=32000,

@@ -97,7 +97,7 @@ class ModelRunner:
     def profile_kv_blocks(self, config: EngineConfig, draft_bytes_per_block: int) -> int:
         """KV blocks that fit in ``gpu_memory_utilization`` × the device after the weights and the peak
         workspace of the largest step the scheduler may send (one prefill of the step's token budget over
-        ``max_num_seqs`` sequences, measured over a small scratch pool); notebook 05's ``plan_memory``."""
+        ``max_num_seqs`` sequences, measured over a small scratch pool); chapter 05's ``plan_memory``."""
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         per_block = kv_bytes_per_block(self.model.config, self.model.dtype, config.block_size)

@@ -1,7 +1,7 @@
 """Pipeline overlap: up to P scheduler steps in flight, one per micro-batch group, so P stages work at once.
 
 With P pipeline stages and one step at a time, each stage idles while the others run: (P − 1)/P
-of the time (notebook 11's bubble). A sequence's next step cannot start before its last one has
+of the time (chapter 15's bubble). A sequence's next step cannot start before its last one has
 sampled (that token is its input), but another sequence's step can. So, as vLLM's V0 engine did
 with its "virtual engines" (V1 keeps up to P scheduled batches in a batch queue instead), the
 requests are split among P micro-batch groups, each scheduled on its own:
@@ -30,7 +30,7 @@ that is the bubble, and ``StepRecord.overlapped`` (the steps in flight beside ea
 What it costs: each group's step is a forward of its own, so P groups take about P times the
 steps, each with its fixed costs (scheduling, packing, the sends, sampling; on GPUs, kernels over
 fewer rows). It pays when a stage's compute is larger than those; with the tiny test model on a
-busy 2-core machine it is not, and one step at a time is faster (notebook 11 measures both;
+busy 2-core machine it is not, and one step at a time is faster (chapter 15 measures both;
 ``pipeline_overlap=False`` turns it off).
 
 N-gram speculation overlaps too. A group's verify (its last token and drafts, 1 + k rows per

@@ -1,7 +1,7 @@
 """Speculative decoding: what to draft, and the counts that say how well it went.
 
 A decode step reads every weight to produce one token per request; while that memory traffic
-dominates (notebook 05's roofline), checking k + 1 tokens in the same forward costs about as much
+dominates (chapter 05's roofline), checking k + 1 tokens in the same forward costs about as much
 as producing one. So a cheap *drafter* guesses the next k tokens, the model runs one verify step
 over ``[last token, d1 .. dk]`` (k + 1 query rows over the paged cache, the same attention path as
 a prefill chunk), and the longest prefix it agrees with is kept, plus the model's own next token

@@ -22,7 +22,7 @@ from .structured_output import grammar_bitmask
 
 @dataclass(frozen=True)
 class Launch:
-    """How the runner ran one step (the trace and notebook 08's figures print it)."""
+    """How the runner ran one step (the trace and chapter 10's figures print it)."""
 
     mode: str  # "eager", "CUDA graph replay", "padded eager decode", "pipelined eager", ...
     rows: int  # the step's rows (query tokens)

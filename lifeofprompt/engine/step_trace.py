@@ -3,7 +3,7 @@
 The scheduler hands the runner a ``ScheduledBatch`` (who runs, how many tokens); the engine then
 notes a ``StepRecord`` of it here: each request's share with its kind and block table, who was
 admitted and preempted, and, once the step ran, who finished, how long it took and how it ran.
-``format_steps`` prints them, one line per request, as the demo and notebook 07 show them.
+``format_steps`` prints them, one line per request, as the demo and chapter 08 show them.
 """
 
 from __future__ import annotations

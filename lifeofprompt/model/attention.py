@@ -4,10 +4,10 @@ The model always runs a *flat* batch: ``T`` token rows drawn from ``B`` sequence
 sequence owning the rows ``query_start_loc[b]:query_start_loc[b+1]``. What changes from
 one notebook to the next is only where the keys and values of earlier tokens come from:
 
-* ``NoCacheMetadata`` (notebook 02, 03): nowhere: a sequence attends only to this call's rows;
-* ``ContiguousCacheMetadata`` (notebook 04): one reserved row per sequence of a
+* ``NoCacheMetadata`` (chapters 02, 03): nowhere: a sequence attends only to this call's rows;
+* ``ContiguousCacheMetadata`` (chapter 04): one reserved row per sequence of a
   ``ContiguousKVCache``, written at the token's position;
-* ``PagedCacheMetadata`` (notebook 06 on, the engine): blocks of a ``PagedKVCache`` found
+* ``PagedCacheMetadata`` (chapter 07 on, the engine): blocks of a ``PagedKVCache`` found
   through block tables, new rows written by ``slot_mapping``.
 
 Each kind implements ``attend(layer_idx, q, k, v)``; the layers call nothing else, so the
@@ -102,11 +102,11 @@ class NoCacheMetadata(AttentionMetadata):
 
 
 class ContiguousKVCache:
-    """One reserved stretch of ``max_len`` positions per sequence, per layer: the simple cache of notebook 04.
+    """One reserved stretch of ``max_len`` positions per sequence, per layer: the simple cache of chapter 04.
 
     ``k[layer]`` has shape ``[max_seqs, max_len, kv_heads, head_dim]``; a sequence's keys sit in
     its row at their own positions. Simple, and wasteful: every row is sized for the longest
-    conversation it might ever hold (notebook 06 measures how much that wastes).
+    conversation it might ever hold (chapter 07 measures how much that wastes).
     """
 
     def __init__(
@@ -163,7 +163,7 @@ class PagedKVCache:
     """The KV pool of the engine: per layer, K and V shaped ``[num_blocks, block_size, kv_heads, head_dim]``.
 
     One tensor ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]`` holds it all, so
-    its size is exactly ``num_blocks`` × the bytes of one block (notebook 05's arithmetic).
+    its size is exactly ``num_blocks`` × the bytes of one block (chapter 05's arithmetic).
     """
 
     def __init__(

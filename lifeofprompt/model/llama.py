@@ -3,8 +3,8 @@
 RMSNorm → rotary embeddings → grouped-query attention → SwiGLU, stacked ``num_layers``
 times. The forward runs a *flat* batch (token ids ``[T]``, positions ``[T]``) and asks an
 attention-metadata object (``lifeofprompt.model.attention``) where each sequence's keys and values
-live, so the same layers serve the no-cache forward of notebook 02, the contiguous cache of
-notebook 04 and the paged cache of the engine. Logits are computed only for the rows the
+live, so the same layers serve the no-cache forward of chapter 02, the contiguous cache of
+chapter 04 and the paged cache of the engine. Logits are computed only for the rows the
 metadata asks for: a decode step needs one row per sequence, not one per token.
 
 Weights load from any Hugging Face Llama checkpoint; q/k/v and gate/up are fused into one

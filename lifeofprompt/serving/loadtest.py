@@ -1,6 +1,6 @@
 """A load tester for any OpenAI-compatible endpoint: random arrivals, streamed, timed per chunk.
 
-It answers the serving questions of notebook 09 from the client's side of the wire, the side
+It answers the serving questions of chapter 13 from the client's side of the wire, the side
 a user sees:
 
 * **when** requests are sent comes from ``lifeofprompt.serving.arrivals`` (Poisson at a rate, a closed

@@ -1,4 +1,4 @@
-"""Notebook 01 in a real browser: JupyterLab runs it and the token table appears on the page."""
+"""Chapter 01 in a real browser: JupyterLab runs it and the token table appears on the page."""
 
 from __future__ import annotations
 

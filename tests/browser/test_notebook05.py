@@ -1,4 +1,4 @@
-"""Notebook 05 in a real browser: moving the GPU-memory slider redraws the land and changes the block count."""
+"""Chapter 05 in a real browser: moving the GPU-memory slider redraws the land and changes the block count."""
 
 from __future__ import annotations
 

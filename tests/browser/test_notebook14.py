@@ -1,10 +1,10 @@
-"""Notebook 10 in a real browser: moving the k slider redraws the yield curve and changes the prediction."""
+"""Chapter 14 in a real browser: moving the k slider redraws the yield curve and changes the prediction."""
 
 from __future__ import annotations
 
 import re
 
-NOTEBOOK = "notebooks/10_speculative_decoding.ipynb"
+NOTEBOOK = "notebooks/14_speculative_decoding.ipynb"
 
 
 def _prediction(text: str) -> tuple[int, float]:
@@ -21,7 +21,7 @@ def test_k_slider_changes_the_predicted_yield(lab):
     assert k == 4
     assert panel_output.locator("img").count() == 1
     assert "measured" in panel_output.inner_text()  # the notebook's runs are listed
-    lab.screenshot(page, "notebook10_panel_before", locator=panel_output)
+    lab.screenshot(page, "notebook14_panel_before", locator=panel_output)
 
     slider = page.locator(".widget-hslider", has_text="k")
     handle = slider.first.locator(".noUi-handle")
@@ -39,4 +39,4 @@ def test_k_slider_changes_the_predicted_yield(lab):
     lab.wait_idle(page)
     k, after = _prediction(panel_output.inner_text())
     assert k == 7 and after > before  # more drafts, more expected tokens at α = 0.7
-    lab.screenshot(page, "notebook10_panel_after", locator=panel_output)
+    lab.screenshot(page, "notebook14_panel_after", locator=panel_output)

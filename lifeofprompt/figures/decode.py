@@ -5,11 +5,14 @@ from __future__ import annotations
 from itertools import accumulate
 
 
-def plot_steps_and_total(lengths: list[int], series: dict[str, list[float]], unit: str, title: str, scale: float = 1.0):
+def plot_steps_and_total(
+    lengths: list[int], series: dict[str, list[float]], unit: str, title: str, scale: float = 1.0, log: bool = False
+):
     """Two panels over sequence length: each step's cost, and the running total to that length.
 
     ``series`` maps a label ("without cache", "with cache") to one value per step; values are
-    divided by ``scale`` (e.g. 1e9 for GFLOP) and drawn against ``lengths``.
+    divided by ``scale`` (e.g. 1e9 for GFLOP) and drawn against ``lengths``. ``log`` draws both
+    y axes logarithmic, so that a series hundreds of times smaller than another stays visible.
     """
     import matplotlib.pyplot as plt
 
@@ -21,11 +24,13 @@ def plot_steps_and_total(lengths: list[int], series: dict[str, list[float]], uni
         total.plot(lengths[: len(values)], list(accumulate(values)), marker=marker, label=label)
     per_step.set_title(f"{title}: each step")
     total.set_title(f"{title}: running total")
-    per_step.set_ylabel(unit)
-    total.set_ylabel(f"{unit}, summed")
+    per_step.set_ylabel(f"{unit} (log scale)" if log else unit)
+    total.set_ylabel(f"{unit}, summed (log scale)" if log else f"{unit}, summed")
     for ax in (per_step, total):
         ax.set_xlabel("tokens in the sequence at that step")
-        ax.grid(alpha=0.3)
+        if log:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3, which="both" if log else "major")
         ax.legend()
     fig.tight_layout()
     return fig

@@ -1,4 +1,4 @@
-"""Figures of notebook 06: the block pool as a grid, fragmentation bars, and the block-size / pool-size panel.
+"""Figures of chapter 07: the block pool as a grid, fragmentation bars, and the block-size / pool-size panel.
 
 Every drawing function takes plain data (a ``PoolSnapshot``, rows of ``fragmentation_table``)
 and returns a matplotlib figure, so pytest can call them; the widget's callback

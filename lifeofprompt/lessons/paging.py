@@ -1,13 +1,13 @@
-"""The paged KV cache at work (notebook 06): a traced generation loop, fragmentation arithmetic, prefix sharing.
+"""The paged KV cache at work (chapter 07): a traced generation loop, fragmentation arithmetic, prefix sharing.
 
 ``trace_paged_generation`` runs the real model through ``ModelRunner`` over blocks handed out by
 ``BlockManager`` and records the pool after every step: which sequence owns each block, how many
 of its slots are filled, which blocks are cached or shared. It is a deliberately small loop
 (every request admitted when it arrives, no preemption, no token budget): the scheduler of
-notebook 07 does that job properly; this loop exists to *watch* blocks move.
+chapter 08 does that job properly; this loop exists to *watch* blocks move.
 
 ``fragmentation_table`` compares a contiguous reservation of ``max_len`` slots per request (the
-cache of notebook 04) with paging, for a list of real request lengths: slots wasted, and how many
+cache of chapter 04) with paging, for a list of real request lengths: slots wasted, and how many
 requests fit in the same pool, across block sizes.
 """
 

@@ -1,4 +1,4 @@
-"""What quantizing costs in accuracy: perplexity on a short fixed text, before and after (notebook 05b).
+"""What quantizing costs in accuracy: perplexity on a short fixed text, before and after (chapter 06).
 
 Perplexity is exp(mean negative log-likelihood) of each token given the ones before it: how many
 equally likely choices the model is, on average, torn between. A quantized model that predicts the

@@ -135,3 +135,52 @@ def _step_seconds(label: str, model) -> float:
     if model.quantization is None:
         return fastest_float_step(model)
     return step_seconds(model, ForwardPath.C_STEP)
+
+
+# ------------------------------------------------------- each block format timed the way the machine profile times fp32
+
+BLOCK_FORMATS = {"Q8_0 (at load)": "q8_0", "Q4_1 (at load)": "q4_1", "GGUF as stored": "gguf"}  # label: quantization
+
+
+def steps_beside_profile(profile, labels=tuple(BLOCK_FORMATS)) -> list[FormatStep]:
+    """fp32's row from the machine profile, then each block format's batch-1 step timed the profile's way (chapter 06).
+
+    The profile's step is the engine's fp32 step (``quantization=None``): the fastest decode step of one request
+    with ``PROFILE_CONTEXT`` tokens of context (``machine_profile.measure_decode_step``). Each block format gets a
+    fresh engine with its ``quantization`` and the same timing, at the thread count the caller set. Every row's
+    bytes and perplexity come from the model that row's engine (or, for fp32, ``load_model``) holds.
+    """
+    import torch
+
+    from ..engine.llm_engine import LLMEngine
+    from ..model.loader import load_model
+    from ..model.quantized_linear import weight_bytes
+    from .machine_profile import PROFILE_CONTEXT, PROFILE_DECODE_STEPS
+    from .perplexity import perplexity
+    from .serving_study import time_decode_steps
+
+    model, tokenizer = load_model("smollm2-135m", dtype="float32")
+    nbytes = weight_bytes(model)
+    bandwidth = profile.read_bandwidth
+    rows = [
+        FormatStep(
+            "fp32", nbytes, nbytes / bandwidth, profile.decode_step_s, "machine profile", perplexity(model, tokenizer)
+        )
+    ]
+    for label in labels:
+        engine = LLMEngine(
+            "smollm2-135m",
+            dtype=torch.float32,
+            quantization=BLOCK_FORMATS[label],
+            device="cpu",
+            num_kv_blocks=64,
+            max_num_seqs=1,
+            log_stats=False,
+        )
+        time_decode_steps(engine, 1, prompt_len=16, decode_steps=2)  # warm-up, as the profile does
+        step_s = time_decode_steps(engine, 1, prompt_len=PROFILE_CONTEXT, decode_steps=PROFILE_DECODE_STEPS).step_s
+        nbytes = weight_bytes(engine.model)
+        rows.append(
+            FormatStep(label, nbytes, nbytes / bandwidth, step_s, "engine", perplexity(engine.model, engine.tokenizer))
+        )
+    return rows

@@ -1,4 +1,4 @@
-"""Pictures of a schedule: Gantt timelines (static vs continuous), and the interactive panel of notebook 07.
+"""Pictures of a schedule: Gantt timelines (static vs continuous), and the interactive panel of chapter 08.
 
 Every picture is drawn from the same two things the engine and the simulator both leave
 behind: the ``StepRecord`` of each step (who ran, what kind of work, when) and each request's
@@ -357,7 +357,7 @@ class SchedulePanel:
 
 
 def plot_roofline_check(gap: dict, label: str | None = None):
-    """The simulator's clock checked against the engine (notebook 07, part 4): each real step's time
+    """The simulator's clock checked against the engine (chapter 08, part 4): each real step's time
     beside its roofline prediction, and their ratio by the step's size; a footer names the machine
     and its load, since every measured millisecond belongs to it (``lessons.simulator.compare_steps``)."""
     import matplotlib.pyplot as plt

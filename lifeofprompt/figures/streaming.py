@@ -1,4 +1,4 @@
-"""The streams' tokens while a long prompt prefills, with and without chunking (notebook 07)."""
+"""The streams' tokens while a long prompt prefills, with and without chunking (chapter 09)."""
 
 from __future__ import annotations
 

@@ -9,11 +9,12 @@ runs, and the short request's prefill rides in the next step.
 ``short_beside_long`` drives an ``LLMEngine`` directly (no HTTP): the long prompt prefills alone
 for ``arrive_after`` steps, then the short request arrives. Its time to first token comes from its
 own ``RequestMetrics`` (arrival to first token), and every step from the long prompt's arrival is
-kept with its duration and each request's share, so a figure can draw the timeline. Notebook 09
-draws it; ``benchmarks/fair_prefill.py`` measures it with the mixed workload's throughput.
+kept with its duration and each request's share, so a figure can draw the timeline. Chapter 09
+(``09_chunked_prefill.ipynb``) draws it; ``benchmarks/fair_prefill.py`` measures it with the mixed
+workload's throughput.
 
 ``simulated_short_beside_long`` plays the same scene on the simulator (``lessons.simulator``: the
-same scheduler on the roofline clock), so notebook 07 can put the two side by side, and
+same scheduler on the roofline clock), so chapter 09 can put the two side by side, and
 ``format_runs`` prints them as one table: steps always, seconds when asked (steps depend on the
 scheduler alone; seconds on the machine and its load).
 """

@@ -184,7 +184,7 @@ def read_rates(comparison: StepComparison, cpu: dict, linear: dict, linear_sourc
             f"{roofline.BANDWIDTH_REPEATS} (`roofline.measure_copy_bandwidth`)",
             bench_run,
             bench.threads,
-            f"the roofline of the CPU batching curve: its dotted floor, {cpu['decode_floor_s'] * 1e3:.1f} ms",
+            f"the CPU batching curve's roofline estimate (the weights alone: {cpu['decode_floor_s'] * 1e3:.1f} ms)",
         ),
         Rate(
             "product table's read",

@@ -100,7 +100,7 @@ def test_every_rate_says_what_moved_where_and_what_uses_it():
     assert [r.bytes_per_s / 1e9 for r in rates[:5]] == pytest.approx([32, 24, 22, 28.4, 20.8])
     assert by_name["profile's read"].used_for.startswith(f"the profile's floor, {WEIGHTS / 32e9 * 1e3:.1f} ms")
     assert f"{WEIGHTS / 24e9 * 1e3:.1f} ms" in by_name["benchmark's read"].used_for
-    assert f"dotted floor, {WEIGHTS / 22e9 * 1e3:.1f} ms" in by_name["benchmark's copy"].used_for
+    assert f"the weights alone: {WEIGHTS / 22e9 * 1e3:.1f} ms" in by_name["benchmark's copy"].used_for
     assert by_name["weights through one product row"].measures.endswith("(rowwise), weight bytes ÷ time")
     assert by_name["weights through the profile's step"].bytes_per_s == pytest.approx(WEIGHTS / 0.020)
     assert "14:43" in by_name["profile's read"].run and "cpu_engine_x.json" in by_name["benchmark's read"].run

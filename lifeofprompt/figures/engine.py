@@ -1,4 +1,4 @@
-"""Notebook 08's traces and figures: what each engine step ran, and the benchmark results drawn.
+"""Chapter 10's step trace; chapter 11's and the measurements appendix's benchmark results, drawn.
 
 The benchmark scripts (``benchmarks/bench_engine.py``, ``benchmarks/gpu_check.py``) write JSON;
 these functions read it back, so the notebook shows committed GPU figures on a machine
@@ -211,8 +211,20 @@ def plot_throughput(groups: dict[str, list[dict]], title: str, path: Path | None
     return _finish(fig, path)
 
 
-def plot_batching_curve(rows: list[dict], title: str, floor_s: float | None = None, path: Path | None = None):
-    """Measured decode step time against batch size, with the roofline prediction and the batch-1 floor."""
+def plot_batching_curve(
+    rows: list[dict],
+    title: str,
+    floor_s: float | None = None,
+    path: Path | None = None,
+    *,
+    floor_label: str | None = None,
+    predicted_label: str | None = None,
+):
+    """Measured decode step time against batch size, with the roofline prediction and a floor line.
+
+    ``floor_label`` and ``predicted_label`` say what the two lines are when the defaults would not: a line
+    drawn from a copy rate, say, is an estimate and may lie above a measured step, so it must not be called a floor.
+    """
     import matplotlib.pyplot as plt
 
     rows = [r for r in rows if "step_s" in r]
@@ -223,10 +235,11 @@ def plot_batching_curve(rows: list[dict], title: str, floor_s: float | None = No
             [r["batch"] for r in rows],
             [r["predicted_s"] * 1e3 for r in rows],
             "s--",
-            label="roofline: max(bytes/bandwidth, FLOPs/rate)",
+            label=predicted_label or "roofline: max(bytes/bandwidth, FLOPs/rate)",
         )
     if floor_s:
-        ax.axhline(floor_s * 1e3, color="gray", lw=0.8, ls=":", label="weight bytes ÷ bandwidth (batch-1 floor)")
+        floor_label = floor_label or "weight bytes ÷ bandwidth (batch-1 floor)"
+        ax.axhline(floor_s * 1e3, color="gray", lw=0.8, ls=":", label=floor_label)
     ax.set_xscale("log", base=2)
     ax.set_xticks([r["batch"] for r in rows], [str(r["batch"]) for r in rows])
     ax.set_ylim(bottom=0)

@@ -10,8 +10,8 @@ all fit one block (width 1) runs a different compiled kernel from one with width
 The GPU run warmed up with the three story prompts *together* (the longest holds two 16-token
 blocks: width 2), then timed each prompt *alone*. The first alone prompt was the first launch
 with width 1, and paid the compile; the third, also width 1, found it compiled.
-``compile_events`` replays that sequence on paper. Since then ``benchmarks/gpu_check.py`` warms
-up each prompt alone as well.
+``compile_events`` replays that sequence on paper. A warm-up that runs each prompt alone as well as
+together leaves no compile for a timed prompt.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Notebook 08's one paged-attention launch: the batch and tile sizes that its check runs and its figure draws.
+"""Chapter 11's one paged-attention launch: the batch and tile sizes that its check runs and its figure draws.
 
-The notebook runs the Triton kernel under the interpreter on a small mixed batch, checks it
+The chapter runs the Triton kernel under the interpreter on a small mixed batch, checks it
 against the torch reference, and draws how that launch tiles the keys. Both read the one
 ``MIXED_LAUNCH`` below, so the picture is of the batch that was checked, with the tile sizes it
 ran with. The tile sizes are forced small (16 keys, two KV splits) because the kernel's own

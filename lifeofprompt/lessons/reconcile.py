@@ -1,11 +1,11 @@
-"""One quantity measured in several places, set side by side: the batch-1 step and the read rates of notebook 08.
+"""One quantity measured in several places, set side by side: the batch-1 step and the read rates.
 
-Notebook 08 shows the CPU's batch-1 decode step twice (the shared machine profile's, the
+The measurements appendix shows the CPU's batch-1 decode step twice (the shared machine profile's, the
 committed engine benchmark's) and its memory read rate three times (the profile's, the
 benchmark's, the product-path table's). They are not meant to agree to the digit: each was
 taken by its own function, in its own run, at its own moment on a shared machine. These
 functions gather, for each number, what it measures, which run it came from, at how many
-threads and under what load, and what uses it, so the notebook prints the comparison from the
+threads and under what load, and what uses it, so the appendix prints the comparison from the
 numbers themselves instead of a reader guessing why two of them differ.
 """
 
@@ -138,7 +138,7 @@ def compare_steps(profile: MachineProfile, cpu: dict, source: str) -> StepCompar
 
 @dataclass(frozen=True)
 class Rate:
-    """One bytes-per-second figure of the notebook: what moved, in which run, and what it is used for."""
+    """One bytes-per-second figure of the appendix: what moved, in which run, and what it is used for."""
 
     name: str
     bytes_per_s: float
@@ -149,7 +149,7 @@ class Rate:
 
 
 def read_rates(comparison: StepComparison, cpu: dict, linear: dict, linear_source: str) -> list[Rate]:
-    """Every memory rate notebook 08 shows, bare reads first, then weights read inside products and steps."""
+    """Every memory rate the appendix shows, bare reads first, then weights read inside products and steps."""
     profile, bench = comparison.profile, comparison.benchmark
     read_how = (
         f"`sum()` over {roofline.CPU_READ_BYTES >> 20} MiB in 2 MiB pages, "
@@ -167,7 +167,7 @@ def read_rates(comparison: StepComparison, cpu: dict, linear: dict, linear_sourc
             f"machine profile, {profile.when}, load {_load(profile.load_average)}",
             profile.threads,
             f"the profile's floor, {profile.floor_s * 1e3:.1f} ms (its step {profile.over_floor:.2f}× it); "
-            "the floor notebooks 03, 04, 05 and 09 use",
+            "the floor the chapters quote",
         ),
         Rate(
             "benchmark's read",
@@ -184,7 +184,7 @@ def read_rates(comparison: StepComparison, cpu: dict, linear: dict, linear_sourc
             f"{roofline.BANDWIDTH_REPEATS} (`roofline.measure_copy_bandwidth`)",
             bench_run,
             bench.threads,
-            f"the roofline of the CPU batching curve: its dotted floor, {cpu['decode_floor_s'] * 1e3:.1f} ms",
+            f"the CPU batching curve's roofline estimate (the weights alone: {cpu['decode_floor_s'] * 1e3:.1f} ms)",
         ),
         Rate(
             "product table's read",

@@ -1,4 +1,4 @@
-"""lessons/door.py (notebook 09's production door): raw HTTP answers from a locked server on loopback,
+"""lessons/door.py (chapter 12's production door): raw HTTP answers from a locked server on loopback,
 the tiny random model behind it."""
 
 from __future__ import annotations

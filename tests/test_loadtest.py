@@ -218,7 +218,7 @@ def test_stops_by_itself_at_the_time_limit(server):
     assert_idle_and_clean(server)
 
 
-# ----------------------------------------------------------------------------- notebook 09's study and figures
+# ----------------------------------------------------------------------------- chapter 13's study and figures
 
 
 def test_time_decode_steps_reads_the_engines_step_records(smollm2):
@@ -339,7 +339,7 @@ def test_the_ttft_figure_keeps_nearby_runs_readable():
 
     from lifeofprompt.figures.serving import log_ticks, plot_ttft_against_rate, ttft_rows
 
-    capacity = 4.24  # notebook 09's stored sweep: set factor, achieved rate, p50, p99
+    capacity = 4.24  # chapter 13's (formerly 09's) stored sweep: set factor, achieved rate, p50, p99
     runs = [
         SimpleNamespace(
             config=SimpleNamespace(rate=f * capacity),

@@ -1,4 +1,4 @@
-"""lessons/structured.replay_mask (notebook 09's mask figure): the grammar's allowed set at every step
+"""lessons/structured.replay_mask (chapter 12's mask figure): the grammar's allowed set at every step
 of a finished answer, and what the model wanted there without it."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A load tester for any OpenAI-compatible endpoint: random arrivals, streamed, timed per chunk.
 
-It answers the serving questions of notebook 09 from the client's side of the wire, the side
-a user sees:
+It answers the serving questions of chapter 13 (the load test) from the client's side of the wire,
+the side a user sees:
 
 * **when** requests are sent comes from ``lifeofprompt.serving.arrivals`` (Poisson at a rate, a closed
   loop of N clients, or all at once), seeded;

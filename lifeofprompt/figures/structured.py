@@ -1,4 +1,4 @@
-"""The figure of structured output (notebook 09): the grammar's mask over one answer, and at one step.
+"""The figure of structured output (chapter 12): the grammar's mask over one answer, and at one step.
 
 Takes ``lessons.structured.MaskStep``s and returns a matplotlib ``Figure`` with a footer naming
 the machine (``figures.serving.machine_label``), like every measured figure of the series.

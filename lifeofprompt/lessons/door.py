@@ -1,4 +1,4 @@
-"""The server's door, knocked on (notebook 09): raw HTTP answers, status, headers and OpenAI-shaped errors.
+"""The server's door, knocked on (chapter 12, the server): raw HTTP answers, status, headers and OpenAI-shaped errors.
 
 The ``openai`` client turns errors into exceptions and retries 503s by itself; to *show* what
 the server answers, these helpers send plain HTTP and keep everything: the status, the headers

@@ -1,4 +1,4 @@
-"""The measurements of notebook 09: decode steps, the batching curve, load tests at many rates.
+"""The measurements of chapter 13 (the load test): decode steps, the batching curve, load tests at many rates.
 
 Three questions, each answered on the machine at hand:
 

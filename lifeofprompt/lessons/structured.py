@@ -4,7 +4,7 @@ The engine applies the grammar's mask inside the sampler (``engine/structured_ou
 keeps nothing of it. To draw it, ``replay_mask`` walks a finished answer again: one forward of
 the model over prompt + answer gives the unconstrained logits at every step at once (each row
 predicts the next token), and a fresh matcher of the same grammar, fed the answer token by
-token, gives the allowed set at each of those steps. Notebook 09 draws the result.
+token, gives the allowed set at each of those steps. Chapter 12 draws the result.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ Three ways to load a server, and they answer different questions:
 * **closed loop of N clients** — each client sends its next request the moment its last one
   finishes: at most N in flight, so it measures capacity, never the queue.
 * **Poisson at a rate** — independent users: gaps drawn from an exponential distribution with
-  mean 1 / rate (seeded). Arrivals bunch by chance, a queue forms even below capacity, and
-  that queue is where p99 time to first token lives.
+  mean 1 / rate (seeded). Arrivals bunch by chance, so a queue forms even below capacity,
+  and the slowest first tokens are the ones that waited in it.
 
 A fourth, ``at_times``, sends each request at a time given in advance: a recorded trace, or a
 lesson's scene (a short request that arrives while a long prompt prefills).

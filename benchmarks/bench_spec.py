@@ -1,6 +1,6 @@
 """Speculative decoding against plain decoding, on the CPU: the same engine, the same greedy tokens.
 
-Workloads (fixed, in ``lifeofprompt.lessons.speculation``, shared with notebook 10):
+Workloads (fixed, in ``lifeofprompt.lessons.speculation``, shared with notebook 14):
   * ``code``: repetitive code editing. A function is in the prompt and the answer repeats most of it
     (add type hints, rename a variable, add a docstring, convert a loop). Prompt lookup should fire.
   * ``open``: open-ended text (a story, an explanation). Prompt lookup rarely fires; what speculation
@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from lifeofprompt.lessons.speculation import workloads  # noqa: E402  (the same conversations as notebook 10)
+from lifeofprompt.lessons.speculation import workloads  # noqa: E402  (the same conversations as notebook 14)
 
 
 def make_llm(mode: str, args, model, tokenizer):

@@ -1,4 +1,4 @@
-"""Notebook 10's arithmetic against a simulated drafter whose acceptance is known."""
+"""Chapter 14's arithmetic against a simulated drafter whose acceptance is known."""
 
 import random
 

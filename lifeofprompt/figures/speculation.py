@@ -115,7 +115,7 @@ def verify_figure(steps, token_text, title: str = "", max_steps: int = 12):
     return fig
 
 
-RUN_MARKERS = ("*", "D", "s", "^", "v", "P")
+RUN_MARKERS = ("D", "s", "^", "v", "P", "*")
 
 
 def label_lifts(runs, near: float = 0.5, step_points: int = 24) -> list[int]:
@@ -153,7 +153,7 @@ def yield_figure(max_k: int = 8, alphas=ALPHAS, runs: list[SpeculationRun] = (),
             [run.mean_drafts],
             [run.tokens_per_step],
             marker=shape,
-            markersize=6,
+            markersize=7,
             color="black",
             markeredgecolor="white",
             markeredgewidth=0.8,
@@ -164,7 +164,8 @@ def yield_figure(max_k: int = 8, alphas=ALPHAS, runs: list[SpeculationRun] = (),
             f"{run.label}\n(α ≈ {run.alpha:.2f})",
             (run.mean_drafts, run.tokens_per_step),
             textcoords="offset points",
-            xytext=(8, -4 + lift),
+            xytext=(12, -4 + lift),
+            zorder=3,  # beneath every marker: a label never covers a run's point
             fontsize=8,
             arrowprops=dict(arrowstyle="-", color="grey", lw=0.6) if lift else None,
         )

@@ -1,11 +1,13 @@
-"""Speculative decoding drawn (notebook 10): the verify steps of one request, and the yield curve.
+"""Speculative decoding drawn (notebook 14): the verify steps of one request, and the yield curve.
 
-``verify_figure`` lays out a request's verify steps as rows of k + 1 cells: the drafts the model
-kept (their KV rows stay), the drafts it rejected (their KV rows are rolled back), and the
-model's own token that every step adds. ``yield_figure`` plots the expected tokens per verify
-step against k for several acceptance rates, with measured runs placed on it.
-``update_speculation(k, alpha, runs)`` is the widget's callback as a plain function, so tests call
-it directly; ``speculation_panel(runs)`` wires it to ipywidgets.
+``verify_figure`` lays out a request's verify steps as rows, one column per position the drafts
+guessed: the drafts the model kept (their KV rows stay), the first draft it rejected with the
+model's own token in the same column (the guess and its correction), the drafts guessed after the
+miss (rolled back), and, when every draft was kept, the model's bonus token in the column after
+them. ``yield_figure`` plots the expected tokens per verify step against k for several acceptance
+rates, with measured runs placed on it. ``update_speculation(k, alpha, runs)`` is the widget's
+callback as a plain function, so tests call it directly; ``speculation_panel(runs)`` wires it to
+ipywidgets.
 """
 
 from __future__ import annotations
@@ -15,15 +17,35 @@ import itertools
 from ..lessons.speculation import SpeculationRun, expected_tokens_per_step
 
 KEPT, REJECTED, OWN = "#55a868", "#c44e52", "#4c72b0"
+AFTER_MISS = "#e8a3a5"  # drafts guessed after the first wrong one: computed, never judged, rolled back
 ALPHAS = (0.3, 0.5, 0.7, 0.8, 0.9)
 
 
 def verify_cells(step) -> list[tuple[int, str]]:
-    """``(token_id, state)`` for one verify step: its drafts (kept / rejected), then the model's own token."""
+    """``(token_id, state)`` for one verify step in the order of its query rows: its drafts
+    (kept / rejected), the model's own token after the kept ones."""
     drafts, n = list(step.draft_token_ids), step.num_accepted
     kept = [(t, "kept") for t in drafts[:n]]
     own = [(step.token_ids[n], "own")] if len(step.token_ids) > n else []  # none when a stop ended the run
     return kept + own + [(t, "rejected") for t in drafts[n:]]
+
+
+def verify_columns(step) -> list[list[tuple[int, str]]]:
+    """One verify step by the positions it guessed: column i holds what was drafted for the step's
+    (i + 1)-th new position and, at the first miss, the model's token for that same position.
+
+    States: ``kept``, ``rejected`` (the first wrong draft), ``after_miss`` (drafts after it, rolled
+    back unjudged), ``own`` (the model's token: the correction at the miss, or the bonus token one
+    column past the drafts when all were kept)."""
+    drafts, n = list(step.draft_token_ids), step.num_accepted
+    own = step.token_ids[n] if len(step.token_ids) > n else None  # None when a stop ended the answer
+    columns = [[(t, "kept")] for t in drafts[:n]]
+    if n < len(drafts):
+        columns.append([(drafts[n], "rejected")] + ([(own, "own")] if own is not None else []))
+        columns += [[(t, "after_miss")] for t in drafts[n + 1 :]]
+    elif own is not None:
+        columns.append([(own, "own")])
+    return columns
 
 
 def visible_token(text: str, width: int = 9) -> str:
@@ -33,45 +55,59 @@ def visible_token(text: str, width: int = 9) -> str:
 
 
 def verify_figure(steps, token_text, title: str = "", max_steps: int = 12):
-    """One row per verify step: green drafts kept, red drafts rolled back, blue the model's own token.
+    """One row per verify step, one column per position its drafts guessed.
 
     ``steps``: ``SpecStep`` records (``RequestOutput.metrics.spec_steps``); ``token_text(id)``
-    gives a token's text. The rejected cells sit after the model's token, as they did in the
-    verify's query rows: the model's token replaces the first rejected draft.
+    gives a token's text. A row is labelled with the positions its cells stand for (its first
+    cell is the token after the verify's last verified one). Where the model rejected a draft,
+    the cell is split: the wrong guess on top, the model's own token for that position below.
     """
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
     steps = list(steps)[:max_steps]
     width = max((len(s.draft_token_ids) + 1 for s in steps), default=1)
-    fig, ax = plt.subplots(figsize=(1.25 * width + 2.2, 0.42 * len(steps) + 1.3))
-    colors = {"kept": KEPT, "rejected": REJECTED, "own": OWN}
+    fig, ax = plt.subplots(figsize=(1.25 * width + 2.4, 0.55 * len(steps) + 1.6))
+    colors = {"kept": KEPT, "rejected": REJECTED, "own": OWN, "after_miss": AFTER_MISS}
+
+    def cell(col, top, height, token, state):
+        ax.add_patch(plt.Rectangle((col, top), 0.94, height, color=colors[state], alpha=0.9))
+        text = visible_token(token_text(token))
+        ax.text(
+            col + 0.47,
+            top + height / 2,
+            text,
+            ha="center",
+            va="center",
+            fontsize=8,
+            color="black" if state == "after_miss" else "white",
+        )
+
     for row, step in enumerate(steps):
-        for col, (token, state) in enumerate(verify_cells(step)):
-            ax.add_patch(plt.Rectangle((col, row), 0.94, 0.86, color=colors[state], alpha=0.85))
-            ax.text(
-                col + 0.47,
-                row + 0.43,
-                visible_token(token_text(token)),
-                ha="center",
-                va="center",
-                fontsize=8,
-                color="white",
-            )
-        ax.text(-0.15, row + 0.43, f"pos {step.position}", ha="right", va="center", fontsize=8)
-    ax.set_xlim(-1.6, width)
-    ax.set_ylim(len(steps), -0.2)
+        columns = verify_columns(step)
+        for col, stack in enumerate(columns):
+            height = 0.86 / len(stack)  # a split cell: the wrong guess above, the correction below
+            for j, (token, state) in enumerate(stack):
+                cell(col, row + j * height, height, token, state)
+        first = step.position + 1
+        label = f"pos {first}" if len(columns) == 1 else f"pos {first}–{first + len(columns) - 1}"
+        ax.text(-0.15, row + 0.43, label, ha="right", va="center", fontsize=8)
+    for col in range(width):  # columns count positions after the step's last verified token
+        ax.text(col + 0.47, -0.12, f"+{col + 1}", ha="center", va="bottom", fontsize=8, color="dimgrey")
+    ax.set_xlim(-1.8, width)
+    ax.set_ylim(len(steps), -0.55)
     ax.axis("off")
     ax.set_title(title or "verify steps: what was drafted, kept and rolled back", fontsize=10)
     ax.legend(
         handles=[
             Patch(color=KEPT, label="draft kept (KV row stays)"),
-            Patch(color=REJECTED, label="draft rejected (KV row rolled back)"),
-            Patch(color=OWN, label="the model's own next token"),
+            Patch(color=REJECTED, label="draft rejected (top of a split cell)"),
+            Patch(color=OWN, label="the model's own token (correction or bonus)"),
+            Patch(color=AFTER_MISS, label="guessed after a miss (rolled back)"),
         ],
         loc="upper center",
         bbox_to_anchor=(0.5, 0.0),
-        ncol=3,
+        ncol=2,
         fontsize=8,
         frameon=False,
     )
@@ -79,16 +115,24 @@ def verify_figure(steps, token_text, title: str = "", max_steps: int = 12):
     return fig
 
 
-RUN_MARKERS = ("*", "D", "s", "^", "v", "P")
+RUN_MARKERS = ("D", "s", "^", "v", "P", "*")
 
 
 def label_lifts(runs, near: float = 0.5, step_points: int = 24) -> list[int]:
-    """Points to raise each run's label by, so runs at the same k with close yields (two drafters
-    at α ≈ 0.35 both near 1.5 tokens) do not print their labels on top of each other."""
+    """Points to raise each run's label by, so runs placed close together (two drafters at α ≈ 0.35
+    both near 1.5 tokens, at about 4 drafts a verify) do not print their labels on top of each other."""
+
+    def x(run):
+        return getattr(run, "mean_drafts", run.k)
+
     lifts, placed = [0] * len(runs), []
     for i in sorted(range(len(runs)), key=lambda i: runs[i].tokens_per_step):
         run = runs[i]
-        crowd = [j for j in placed if runs[j].k == run.k and abs(runs[j].tokens_per_step - run.tokens_per_step) < near]
+        crowd = [
+            j
+            for j in placed
+            if abs(x(runs[j]) - x(run)) < near and abs(runs[j].tokens_per_step - run.tokens_per_step) < near
+        ]
         lifts[i] = step_points * len(crowd)
         placed.append(i)
     return lifts
@@ -106,7 +150,7 @@ def yield_figure(max_k: int = 8, alphas=ALPHAS, runs: list[SpeculationRun] = (),
     # One marker shape per run, small enough that two runs at one k a fifth of a token apart stay apart.
     for run, lift, shape in zip(runs, label_lifts(runs), itertools.cycle(RUN_MARKERS)):
         ax.plot(
-            [run.k],
+            [run.mean_drafts],
             [run.tokens_per_step],
             marker=shape,
             markersize=7,
@@ -114,12 +158,14 @@ def yield_figure(max_k: int = 8, alphas=ALPHAS, runs: list[SpeculationRun] = (),
             markeredgecolor="white",
             markeredgewidth=0.8,
             linestyle="none",
+            zorder=5,  # above the curves and the highlight ring
         )
         ax.annotate(
             f"{run.label}\n(α ≈ {run.alpha:.2f})",
-            (run.k, run.tokens_per_step),
+            (run.mean_drafts, run.tokens_per_step),
             textcoords="offset points",
-            xytext=(8, -4 + lift),
+            xytext=(12, -4 + lift),
+            zorder=3,  # beneath every marker: a label never covers a run's point
             fontsize=8,
             arrowprops=dict(arrowstyle="-", color="grey", lw=0.6) if lift else None,
         )
@@ -129,13 +175,15 @@ def yield_figure(max_k: int = 8, alphas=ALPHAS, runs: list[SpeculationRun] = (),
             [k],
             [expected_tokens_per_step(alpha, k)],
             marker="o",
-            markersize=11,
+            markersize=13,
             markerfacecolor="none",
             markeredgecolor="red",
+            markeredgewidth=1.2,
             linestyle="none",
+            zorder=4,  # beneath the measured runs' markers: a run inside the ring stays visible
             label=f"k = {k}, α = {alpha:.2f}",
         )
-    ax.set_xlabel("draft tokens per step, k")
+    ax.set_xlabel("draft tokens per verify step, k (a run: its drafts per verify on average)")
     ax.set_ylabel("tokens per verify step")
     ax.set_title("What one verify step yields: (1 − α^(k+1)) / (1 − α)")
     ax.grid(alpha=0.3)
@@ -150,8 +198,8 @@ def update_speculation(k: int, alpha: float, runs: list[SpeculationRun] = ()):
     lines = [f"predicted at k = {k}, α = {alpha:.2f}: {expected_tokens_per_step(alpha, k):.2f} tokens per verify step"]
     for run in runs:
         lines.append(
-            f"{run.label}: measured {run.tokens_per_step:.2f} at k = {run.k} (α ≈ {run.alpha:.2f}; "
-            f"the formula gives {expected_tokens_per_step(run.alpha, run.k):.2f})"
+            f"{run.label}: measured {run.tokens_per_step:.2f} at k = {run.k}, {run.mean_drafts:.2f} drafts a verify "
+            f"(α ≈ {run.alpha:.2f}; the formula at those drafts gives {run.expected_at_drafts:.2f})"
         )
     return fig, "\n".join(lines)
 

@@ -1,4 +1,4 @@
-"""Speculative decoding in numbers (notebook 10): what a verify step is worth, and how to read the counts.
+"""Speculative decoding in numbers (notebook 14): what a verify step is worth, and how to read the counts.
 
 Model the drafter as a coin: each draft token is accepted with probability α, independently,
 until the first rejection. A verify step of k drafts then yields the accepted run plus the
@@ -25,7 +25,7 @@ folds in what the verify step costs over a plain step and what the drafter costs
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def expected_tokens_per_step(alpha: float, k: int) -> float:
@@ -91,6 +91,7 @@ class SpeculationRun:
     verify_steps: int
     accepted_per_pos: list[int]
     reached_per_pos: list[int]
+    draft_lengths: list[int] = field(default_factory=list)  # drafts each verify step checked, in order
 
     @property
     def alpha(self) -> float:
@@ -105,12 +106,28 @@ class SpeculationRun:
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds
 
+    @property
+    def mean_drafts(self) -> float:
+        """Drafts a verify step checked on average (``k`` where the run did not record its steps)."""
+        return sum(self.draft_lengths) / len(self.draft_lengths) if self.draft_lengths else float(self.k)
+
+    @property
+    def expected_at_drafts(self) -> float:
+        """The formula at this run's α, averaged over the draft counts its verify steps really checked.
+
+        A verify of fewer than k drafts (the end of an answer, a short lookup match, the engine's
+        pricing) can yield at most that many plus one, so this, not the formula at k, is what the
+        measured ``tokens_per_step`` should match."""
+        if not self.draft_lengths:
+            return expected_tokens_per_step(self.alpha, self.k)
+        return sum(expected_tokens_per_step(self.alpha, n) for n in self.draft_lengths) / len(self.draft_lengths)
+
 
 # ----------------------------------------------------------------------------- the workloads
 
 # Repetitive work, where prompt lookup should fire: a function is in the prompt and the answer
 # repeats most of it. And open-ended text, where it rarely does. benchmarks/bench_spec.py and
-# notebook 10 measure these same conversations.
+# notebook 14 measure these same conversations.
 SNIPPETS = (
     "def total_price(items, tax):\n    total = 0\n    for item in items:\n"
     "        total = total + item.price * item.count\n"
@@ -194,12 +211,13 @@ def run_requests(llm, prompts, max_tokens: int, batch: int, label: str, k: int =
     counts = lambda: (stats.num_drafts, list(stats.num_accepted_tokens_per_pos), list(stats.num_reached_per_pos))  # noqa: E731
     before = counts() if stats is not None else None
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    seconds, tokens = 0.0, 0
+    seconds, tokens, lengths = 0.0, 0, []
     for i in range(0, len(prompts), batch):
         start = time.perf_counter()
         outs = llm.generate(prompts[i : i + batch], params, use_tqdm=False)
         seconds += time.perf_counter() - start
         tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+        lengths += [len(s.draft_token_ids) for o in outs for s in (o.metrics.spec_steps or ()) if s.draft_token_ids]
     if stats is None:
         return SpeculationRun(label, 0, tokens, seconds, 0, [], [])
     after = counts()
@@ -211,6 +229,7 @@ def run_requests(llm, prompts, max_tokens: int, batch: int, label: str, k: int =
         after[0] - before[0],
         [a - b for a, b in zip(after[1], before[1])],
         [a - b for a, b in zip(after[2], before[2])],
+        lengths,
     )
 
 

@@ -1,5 +1,5 @@
 """Tiny random Llamas for tests: one with SmolLM2's head layout, for the tensor-parallel tests (and their
-subprocesses; it lives in ``lifeofprompt/lessons/tiny_models.py``, since notebook 11 runs it too), and
+subprocesses; it lives in ``lifeofprompt/lessons/tiny_models.py``, since notebook 15 runs it too), and
 ``build_tiny_model``, for the engine's and the server's plumbing.
 """
 

@@ -1,10 +1,11 @@
-"""Tensor and pipeline parallelism drawn (notebook 11): the matrix split, the pipeline timeline,
+"""Tensor and pipeline parallelism drawn (notebook 15): the matrix split, the pipeline timeline,
 and the measured step beside the cost model.
 
 ``split_figure`` draws one layer's two splits over ``T`` ranks: the column split of q/k/v (each
 rank its heads, no communication) and the row split of ``o_proj`` (each rank a partial sum of
 the whole output, added up by one all-reduce). ``bubble_figure`` draws ``lessons.parallelism``'s
-pipeline schedules, stage by stage in time. ``measured_figure`` sets the engine's step times and
+pipeline schedules, stage by stage in time. ``steps_figure`` draws the engine's step times per
+layout with the share spent in collectives. ``measured_figure`` sets the engine's step times and
 collective times beside what the fitted cost model predicted. ``links_figure`` runs the same
 model for GPU links.
 """
@@ -118,6 +119,31 @@ def bubble_figure(schedules: list[tuple[str, list[StageSlot]]], num_stages: int)
     return fig
 
 
+def _step_bars(ax, runs) -> None:
+    labels = [r.label for r in runs]
+    steps = [r.mean_step_s * 1e3 for r in runs]
+    comm = [min(r.collective_seconds_per_step() * 1e3, s) for r, s in zip(runs, steps)]
+    ax.bar(labels, steps, color="#4c72b0", label="whole step (mean)")
+    ax.bar(labels, comm, color="#dd8452", hatch="//", label="in collectives (rank 0)")
+    for i, s in enumerate(steps):
+        ax.text(i, s, f"{s:.1f} ms", ha="center", va="bottom", fontsize=9)
+    ax.set_ylabel("ms per step")
+    ax.legend(fontsize=8, frameon=False, loc="upper left")
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+
+
+def steps_figure(runs, title: str = "the engine on this CPU, gloo, 1 thread per rank"):
+    """The mean step of each run (``collective_bench.EngineRun``), its collective time hatched."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    _step_bars(ax, runs)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def measured_figure(runs, predicted: dict[str, float], checked=None):
     """Left: decode step time per split, its collective share hatched. Right: collective seconds
     per step, measured on rank 0 against the fitted model (``predicted``: label -> seconds per step).
@@ -128,16 +154,8 @@ def measured_figure(runs, predicted: dict[str, float], checked=None):
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [2, 1]})
-    labels = [r.label for r in runs]
-    steps = [r.mean_step_s * 1e3 for r in runs]
-    comm = [min(r.collective_seconds_per_step() * 1e3, s) for r, s in zip(runs, steps)]
-    left.bar(labels, steps, color="#4c72b0", label="whole step (mean)")
-    left.bar(labels, comm, color="#dd8452", hatch="//", label="in collectives (rank 0)")
-    for i, s in enumerate(steps):
-        left.text(i, s, f"{s:.1f} ms", ha="center", va="bottom", fontsize=9)
-    left.set_ylabel("ms per step")
+    _step_bars(left, runs)
     left.set_title("the engine on this CPU, gloo, 1 thread per rank", fontsize=10)
-    left.legend(fontsize=8, frameon=False, loc="upper left")
     shown = [r for r in (runs if checked is None else checked) if r.label in predicted]
     for i, r in enumerate(shown):
         pair = (
@@ -151,9 +169,8 @@ def measured_figure(runs, predicted: dict[str, float], checked=None):
     right.set_xlim(-0.7, len(shown) - 0.3)
     right.set_ylabel("ms of collectives per step")
     right.set_title("collectives: measured (orange) against\nL + n/β fitted on other sizes (grey)", fontsize=10)
-    for ax in (left, right):
-        for side in ("top", "right"):
-            ax.spines[side].set_visible(False)
+    for side in ("top", "right"):
+        right.spines[side].set_visible(False)
     fig.tight_layout()
     return fig
 

@@ -1,5 +1,5 @@
-"""Timing the links on this machine (notebook 11): gloo collectives between spawned processes, and
-the parallel engine's own steps, with the collectives it ran counted.
+"""Timing the links on this machine (notebook 15; the cost-model fits are in benchmarks/NOTES.md): gloo
+collectives between spawned processes, and the parallel engine's own steps, with the collectives it ran counted.
 
 ``time_collectives(world, sizes)`` starts ``world`` fresh processes (spawn, one torch thread
 each, a file rendezvous, so no port can clash and the calling process keeps no process group

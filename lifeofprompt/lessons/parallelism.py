@@ -1,4 +1,4 @@
-"""When one device is not enough (notebook 11): how many devices a model needs, what tensor and
+"""When one device is not enough (notebook 15): how many devices a model needs, what tensor and
 pipeline parallelism move between them, and a cost model of the links that move it.
 
 * **Devices.** Notebook 05's land (``engine.memory.plan_memory``) shared out on each of ``T``
@@ -8,7 +8,8 @@ pipeline parallelism move between them, and a cost model of the links that move 
 * **Bytes.** Megatron's split needs one all-reduce of ``[tokens, hidden]`` after ``o_proj`` and one
   after ``down_proj`` in every layer (plus one after a vocab-parallel embedding); a pipeline sends
   ``[tokens, hidden]`` once per stage boundary.
-* **Cost.** A message of ``n`` bytes costs ``L + n / β`` (latency L, bandwidth β): ``CostModel``.
+* **Cost.** A message of ``n`` bytes costs ``L + n / β`` (latency L, bandwidth β): ``CostModel``
+  (the latency is *L*, never α: notebook 14 uses α for the acceptance rate).
   ``fit_cost_model`` fits L and β to measured times by least squares, on sizes the engine never
   sends (``split_sizes``); ``predict_calls`` sets an engine's calls beside it; a ring all-reduce over
   ``T`` ranks takes ``2(T − 1)`` such steps of ``n / T`` bytes (``ring_all_reduce_s``).
@@ -25,6 +26,7 @@ from ..distributed.sizes import ShardPlan, valid_tensor_parallel_sizes
 from ..engine.memory import dtype_bytes, estimate_activation_bytes, kv_bytes_per_token, plan_memory, weight_bytes
 from ..errors import ConfigError, OutOfMemoryError
 from ..model.config import ModelConfig
+from .seed_arithmetic import GPU_MEMORY_UTILIZATION, H100_REPORTED_BYTES
 
 # meta-llama/Llama-3.1-70B: shapes from its config.json (no weights needed for the arithmetic).
 LLAMA_3_1_70B = ModelConfig(
@@ -46,16 +48,20 @@ LLAMA_3_1_70B = ModelConfig(
 
 @dataclass(frozen=True)
 class Card:
-    """One accelerator as its maker sells it: memory (bytes), memory bandwidth (bytes/s)."""
+    """One accelerator: the memory software sees on it (bytes), its memory bandwidth (bytes/s)."""
 
     name: str
     memory: float
     bandwidth: float
 
 
-# Advertised capacities and HBM bandwidths (NVIDIA's H100 SXM and H200 data sheets), decimal units.
-H100_SXM = Card("H100 SXM 80 GB", 80e9, 3.35e12)
-H200 = Card("H200 141 GB", 141e9, 4.8e12)
+# Memory as software sees it, as notebook 05 counts it (not the marketed size): an "80 GB" H100
+# reports about 85.5 GB (81,559 MiB; ``seed_arithmetic.H100_REPORTED_BYTES``), and an H200 sold as
+# 141 GB reports 150,109,880,320 bytes (torch.cuda.get_device_properties(0).total_memory on the H200
+# of benchmarks/results/h200-2026-11-30/gpu_results.json, ``env.gpu.total_memory``). HBM bandwidths
+# from NVIDIA's H100 SXM and H200 data sheets.
+H100_SXM = Card("H100 SXM (80 GB)", H100_REPORTED_BYTES, 3.35e12)
+H200 = Card("H200 (141 GB)", 150_109_880_320, 4.8e12)
 
 
 # ----------------------------------------------------------------------------- how many devices
@@ -91,9 +97,17 @@ class DeviceCount:
 
 
 def devices_needed(
-    config: ModelConfig, dtype, card: Card, tokens: int, gpu_memory_utilization: float = 0.9, block_size: int = 16
+    config: ModelConfig,
+    dtype,
+    card: Card,
+    tokens: int,
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
+    block_size: int = 16,
 ) -> DeviceCount:
     """Try each valid ``T`` in turn: each rank runs notebook 05's ``plan_memory`` on its own shard.
+
+    The defaults are notebook 05's: the card's reported memory and current vLLM's 0.92, so at
+    ``T = 1`` this counts exactly the tokens 05's ``plan_memory`` gives the same model and card.
 
     The activation workspace is ``estimate_activation_bytes`` of the shard (2,048 rows); the KV
     pool that is left must hold ``tokens`` tokens of the shard's heads.
@@ -147,20 +161,20 @@ def ring_traffic_per_rank(nbytes: int, ranks: int) -> float:
 
 @dataclass(frozen=True)
 class CostModel:
-    """``seconds(n) = alpha + n / beta``: a fixed latency per message, then bytes at a bandwidth."""
+    """``seconds(n) = latency + n / beta``: a fixed latency *L* per message, then bytes at a bandwidth β."""
 
-    alpha: float  # seconds per message
+    latency: float  # seconds per message (L)
     beta: float  # bytes per second
 
     def seconds(self, nbytes) -> float:
-        return self.alpha + nbytes / self.beta
+        return self.latency + nbytes / self.beta
 
     def total(self, calls: int, nbytes: float) -> float:
         """``calls`` messages carrying ``nbytes`` in all: the model is linear, so sizes need not be known one by one."""
-        return calls * self.alpha + nbytes / self.beta
+        return calls * self.latency + nbytes / self.beta
 
     def describe(self) -> str:
-        return f"L = {self.alpha * 1e6:.1f} µs, β = {self.beta / 1e9:.2f} GB/s"
+        return f"L = {self.latency * 1e6:.1f} µs, β = {self.beta / 1e9:.2f} GB/s"
 
 
 def fit_cost_model(sizes, seconds) -> CostModel:
@@ -179,12 +193,12 @@ def fit_cost_model(sizes, seconds) -> CostModel:
     my = sum(wi * y for wi, y in zip(w, seconds)) / sw
     sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, sizes))
     slope = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, sizes, seconds)) / sxx
-    alpha = my - slope * mx
-    if slope <= 0 or alpha <= 0:
+    latency = my - slope * mx
+    if slope <= 0 or latency <= 0:
         raise ConfigError(
-            f"the times do not fit L + n/β with positive L and β (L = {alpha:.3g} s, 1/β = {slope:.3g} s/byte)"
+            f"the times do not fit L + n/β with positive L and β (L = {latency:.3g} s, 1/β = {slope:.3g} s/byte)"
         )
-    return CostModel(alpha, 1 / slope)
+    return CostModel(latency, 1 / slope)
 
 
 def relative_errors(model: CostModel, sizes, seconds) -> list[float]:
@@ -284,15 +298,15 @@ def total_error(predictions, typical: bool = False) -> float:
 
 @dataclass(frozen=True)
 class Link:
-    """One hop of a collective: ``alpha`` seconds to start, ``bandwidth`` bytes/s each way."""
+    """One hop of a collective: ``latency`` seconds to start (L), ``bandwidth`` bytes/s each way."""
 
     name: str
-    alpha: float
+    latency: float
     bandwidth: float
 
     @property
     def cost(self) -> CostModel:
-        return CostModel(self.alpha, self.bandwidth)
+        return CostModel(self.latency, self.bandwidth)
 
 
 # Published per-GPU bandwidths, each way: NVLink 4 gives an H100/H200 900 GB/s both ways; one NDR

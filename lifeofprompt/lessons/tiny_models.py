@@ -30,7 +30,7 @@ TINY_SMOLLM2_LAYOUT = ModelConfig(
 )
 
 # The same size with even head counts (8 query / 4 KV heads, intermediate 128): it splits T ∈ {1, 2, 4, 8}
-# (at 8, each KV head on two ranks), so notebook 11 can set its cost model against T other than 3.
+# (at 8, each KV head on two ranks), so the cost-model runs of benchmarks/NOTES.md can use T other than 3.
 TINY_EVEN_LAYOUT = ModelConfig(
     name="tiny-random-even-layout",
     vocab_size=320,

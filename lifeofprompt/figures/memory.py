@@ -139,7 +139,7 @@ def memory_panel(
 
 
 def bytes_per_weight_figure(steps, footer: str = ""):
-    """Notebook 05b: for each way of holding the weights, the batch-1 step's floor (bytes ÷ read rate) and the
+    """Chapter 06: for each way of holding the weights, the batch-1 step's floor (bytes ÷ read rate) and the
     step measured, side by side, in milliseconds; each pair labelled with its bits per weight."""
     import matplotlib.pyplot as plt
 

@@ -1,4 +1,5 @@
-"""The figures of notebook 09 (serving): the batching curve and what users wait under load.
+"""The figures of chapters 09 and 13: a short request beside a long prompt, the batching curve, and what users
+wait under load.
 
 Each function takes measured results (``serving_study.BatchPoint``s, ``loadtest.LoadTestResult``s)
 and returns a matplotlib ``Figure``; each figure carries a footer naming the machine it was

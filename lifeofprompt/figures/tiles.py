@@ -1,4 +1,4 @@
-"""How one paged-attention launch cuts a batch into tiles, drawn from the launch itself (notebook 08).
+"""How one paged-attention launch cuts a batch into tiles, drawn from the launch itself (chapter 11).
 
 The figure takes a ``LaunchTiles`` plan (``lifeofprompt.model.kernel_tiles.launch_tiles``),
 which is worked out from the very arguments the kernel ran with, so the picture and the check

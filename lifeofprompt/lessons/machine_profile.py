@@ -1,6 +1,6 @@
 """One measurement of this machine, shared by every notebook that quotes it.
 
-Notebooks 03, 04, 05, 08 and 09 all talk about the same few numbers: how fast this machine reads
+Chapters 03 to 06, 08, 10, 13 and 14 and the appendix all talk about the same few numbers: how fast this machine reads
 memory, how fast it multiplies matrices, and how long the real engine's decode step takes. If
 each measured them itself, at its own moment and under its own load, they would disagree with
 each other. So ``machine_profile()`` measures them once, on first call, and caches the result
@@ -105,7 +105,9 @@ def profile_key(device: str = "cpu") -> dict:
 
 
 def profile_path(key: dict):
-    slug = "".join(c if c.isalnum() else "-" for c in f"{key['device']}-{key['what']}-{key['threads']}t-{key['torch']}")
+    """One file per key, engine digest included: checkouts of different code each keep their own profile."""
+    name = f"{key['device']}-{key['what']}-{key['threads']}t-{key['torch']}-{key['engine'][:8]}"
+    slug = "".join(c if c.isalnum() else "-" for c in name)
     return cache_dir() / "machine" / f"{slug.lower()}-v{key['version']}.json"
 
 
@@ -121,7 +123,7 @@ def measure_decode_step(context: int = PROFILE_CONTEXT) -> float:
     engine = LLMEngine(
         "smollm2-135m",
         dtype=torch.float32,
-        quantization=None,  # the profile's step is fp32's: 05b sets the blocks' beside it
+        quantization=None,  # the profile's step is fp32's: chapter 06 sets the blocks' beside it
         device="cpu",
         num_kv_blocks=64,
         max_num_seqs=1,

@@ -1,4 +1,4 @@
-"""Quantization moves the decode floor: the embedded model's bytes as stored, against fp32 and bf16 (notebook 05).
+"""Quantization moves the decode floor: the embedded model's bytes as stored, against fp32 and bf16 (chapter 06).
 
 A batch-1 decode step reads every weight once, so its floor is weight bytes over read bandwidth.
 The embedded SmolLM2 ships as a Q4_1 GGUF: its projection and MLP matrices hold 4-bit numbers

@@ -49,7 +49,7 @@ class Machine:
         )
 
 
-# What the CPU bandwidth measurements move (notebook 08 prints these beside the rates they give).
+# What the CPU bandwidth measurements move (the measurements appendix prints these beside the rates they give).
 CPU_COPY_BYTES = 64 * 2**20  # a copy: past the caches, quick
 CPU_READ_BYTES = 512 * 2**20  # a read: far past any cache, in the 2 MiB pages the engine's weights live in
 BANDWIDTH_REPEATS = 5  # best of

@@ -43,8 +43,9 @@ def cell_sources(notebook: str, *markers: str) -> list[str]:
     return found
 
 
-def run_cells(sources: list[str], name: str) -> dict:
-    namespace: dict = {"__name__": name}
+def run_cells(sources: list[str], name: str, **names) -> dict:
+    """Run the cells in one namespace, in order, as the notebook does; ``names`` stand for earlier cells' variables."""
+    namespace: dict = {"__name__": name, **names}
     for i, source in enumerate(sources):
         exec(compile(source, f"<{name} cell {i}>", "exec"), namespace)
     return namespace

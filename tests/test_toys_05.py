@@ -7,17 +7,18 @@ namespace, in order; the ``broken`` tests change one rule of a toy and expect it
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from test_notebook_toys import broken
+from test_notebook_toys import cell_sources as notebook_cells
+from test_notebook_toys import run_cells as run_notebook_cells
 
 from lifeofprompt.engine.memory import kv_bytes_per_token
 from lifeofprompt.model.config import LLAMA_3_1_8B, SMOLLM2_135M, TINYLLAMA_1_1B
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "05_memory_and_roofline.ipynb"
+NOTEBOOK = "05_memory_and_roofline.ipynb"
 
 KV = ("# toy: KV bytes per token", "# check: KV bytes per token")
 LAND = ("# toy: the land by hand", "# check: the land by hand")
@@ -28,31 +29,11 @@ PROFILE = SimpleNamespace(name="test machine", read_bandwidth=30e9, matmul_flops
 
 
 def cell_sources(*markers: str) -> list[str]:
-    """The code cells holding each marker line, in the order asked."""
-    cells = json.loads(NOTEBOOK.read_text())["cells"]
-    found = []
-    for marker in markers:
-        hits = [
-            "".join(c["source"])
-            for c in cells
-            if c["cell_type"] == "code" and marker in (line.strip() for line in "".join(c["source"]).splitlines())
-        ]
-        assert len(hits) == 1, f"{NOTEBOOK.name}: {len(hits)} code cells marked {marker!r} (want one)"
-        found.append(hits[0])
-    return found
+    return notebook_cells(NOTEBOOK, *markers)
 
 
 def run_cells(sources: list[str]) -> dict:
-    namespace: dict = {"__name__": "toys05", "torch": torch, "dataclasses": dataclasses, "profile": PROFILE}
-    for i, source in enumerate(sources):
-        exec(compile(source, f"<05 cell {i}>", "exec"), namespace)
-    return namespace
-
-
-def broken(sources: list[str], old: str, new: str) -> list[str]:
-    """The cells with one rule of a toy changed (``old`` must be in exactly one of them)."""
-    assert sum(s.count(old) for s in sources) == 1, f"the toy no longer holds {old!r}: update this test's change"
-    return [s.replace(old, new) for s in sources]
+    return run_notebook_cells(sources, "toys05", torch=torch, dataclasses=dataclasses, profile=PROFILE)
 
 
 # ----------------------------------------------------------------------------- bytes per token

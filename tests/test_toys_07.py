@@ -8,39 +8,20 @@ one rule of the toy and expect the check to fail, so the check can fail.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
+from test_notebook_toys import broken, run_cells
+from test_notebook_toys import cell_sources as notebook_cells
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "07_paged_cache.ipynb"
+NOTEBOOK = "07_paged_cache.ipynb"
 MARKERS = ("# toy: block table", "# check: block table")
 
 
 def cell_sources() -> list[str]:
-    cells = json.loads(NOTEBOOK.read_text())["cells"]
-    found = []
-    for marker in MARKERS:
-        hits = [
-            "".join(c["source"])
-            for c in cells
-            if c["cell_type"] == "code" and marker in (line.strip() for line in "".join(c["source"]).splitlines())
-        ]
-        assert len(hits) == 1, f"{len(hits)} code cells marked {marker!r} (want one)"
-        found.append(hits[0])
-    return found
+    return notebook_cells(NOTEBOOK, *MARKERS)
 
 
 def run(sources: list[str]) -> dict:
-    namespace: dict = {"__name__": "paging_toy"}
-    for i, source in enumerate(sources):
-        exec(compile(source, f"<paging toy cell {i}>", "exec"), namespace)
-    return namespace
-
-
-def broken(sources: list[str], old: str, new: str) -> list[str]:
-    assert sum(s.count(old) for s in sources) == 1, f"the toy no longer holds {old!r}: update this test's change"
-    return [s.replace(old, new) for s in sources]
+    return run_cells(sources, "paging_toy")
 
 
 def test_the_toy_holds_the_packages_tables_and_free_queue():

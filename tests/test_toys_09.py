@@ -8,46 +8,26 @@ able to fail: the ``broken`` tests change one rule of the toy and expect the che
 
 from __future__ import annotations
 
-import json
 import random
-from pathlib import Path
 
 import pytest
+from test_notebook_toys import broken, run_cells
+from test_notebook_toys import cell_sources as notebook_cells
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "09_chunked_prefill.ipynb"
+NOTEBOOK = "09_chunked_prefill.ipynb"
 MARKERS = ("# toy: chunked prefill", "# check: chunked prefill")
 
 
 def cell_sources() -> list[str]:
-    """The code cells holding each marker line, in order."""
-    cells = json.loads(NOTEBOOK.read_text())["cells"]
-    found = []
-    for marker in MARKERS:
-        hits = [
-            "".join(c["source"])
-            for c in cells
-            if c["cell_type"] == "code" and marker in (line.strip() for line in "".join(c["source"]).splitlines())
-        ]
-        assert len(hits) == 1, f"{NOTEBOOK.name}: {len(hits)} code cells marked {marker!r} (want one)"
-        found.append(hits[0])
-    return found
+    return notebook_cells(NOTEBOOK, *MARKERS)
 
 
-def run_cells(sources: list[str]) -> dict:
-    namespace: dict = {"__name__": "chunked_prefill"}
-    for i, source in enumerate(sources):
-        exec(compile(source, f"<chunked prefill cell {i}>", "exec"), namespace)
-    return namespace
-
-
-def broken(sources: list[str], old: str, new: str) -> list[str]:
-    """The cells with one rule of the toy changed (``old`` must be in exactly one of them)."""
-    assert sum(s.count(old) for s in sources) == 1, f"the toy no longer holds {old!r}: update this test's change"
-    return [s.replace(old, new) for s in sources]
+def run(sources: list[str]) -> dict:
+    return run_cells(sources, "chunked_prefill")
 
 
 def test_the_toy_cuts_what_the_markdown_says(capsys):
-    ns = run_cells(cell_sources())
+    ns = run(cell_sources())
     # the first section's two lines: 1,000 tokens beside four decodes, budget 132, without and with the cap
     assert ns["toy_chunks"](1000, 4, 132) == [128] * 7 + [104]
     assert ns["default_cap"](132) == 64 and ns["toy_chunks"](1000, 4, 132, 64) == [64] * 15 + [40]
@@ -55,7 +35,7 @@ def test_the_toy_cuts_what_the_markdown_says(capsys):
 
 
 def test_the_toy_agrees_with_the_scheduler_on_random_prompts_and_budgets():
-    ns = run_cells(cell_sources())
+    ns = run(cell_sources())
     rng = random.Random(0)
     for _ in range(30):
         budget = rng.choice([24, 40, 64, 100, 132, 256, 300, 512])
@@ -78,4 +58,4 @@ def test_the_toy_agrees_with_the_scheduler_on_random_prompts_and_budgets():
 )
 def test_the_check_fails_on_a_broken_toy(old, new):
     with pytest.raises(AssertionError):
-        run_cells(broken(cell_sources(), old, new))
+        run(broken(cell_sources(), old, new))

@@ -108,15 +108,17 @@ def test_yield_curves_rise_with_alpha():
     assert tops == sorted(tops) and len(tops) == 5
 
 
-def test_labels_of_close_runs_at_the_same_k_are_lifted_apart():
-    from types import SimpleNamespace as Run
-
-    from lifeofprompt.figures.speculation import label_lifts
-
+def test_measured_runs_are_named_in_a_legend_of_their_own():
     runs = [
-        Run(k=4, tokens_per_step=1.59),
-        Run(k=4, tokens_per_step=1.50),
-        Run(k=4, tokens_per_step=3.24),
-        Run(k=2, tokens_per_step=1.55),
+        SpeculationRun("26-layer draft", 4, 100, 2.0, 40, [20, 10, 5, 2], [40, 20, 10, 5]),
+        SpeculationRun("prompt lookup", 4, 100, 2.0, 40, [18, 9, 4, 2], [40, 18, 9, 4]),
     ]
-    assert label_lifts(runs) == [24, 0, 0, 0]  # the higher of the two close ones moves; others stay
+    fig = yield_figure(8, runs=runs, highlight=(4, 0.5))
+    ax = fig.axes[0]
+    assert not ax.texts  # no labels written beside the points, where close runs would crowd
+    names = {t.get_text() for legend in fig.legends for t in legend.get_texts()}
+    for run in runs:
+        assert f"{run.label} (α ≈ {run.alpha:.2f})" in names
+    curve_labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "k = 4, α = 0.50" in curve_labels and "α = 0.3" in curve_labels
+    assert not any("prompt lookup" in label for label in curve_labels)

@@ -66,7 +66,8 @@ def verify_figure(steps, token_text, title: str = "", max_steps: int = 12):
     from matplotlib.patches import Patch
 
     steps = list(steps)[:max_steps]
-    width = max((len(s.draft_token_ids) + 1 for s in steps), default=1)
+    rows = [verify_columns(step) for step in steps]
+    width = max((len(columns) for columns in rows), default=1)  # a "+k+1" column only where a bonus was drawn
     fig, ax = plt.subplots(figsize=(1.25 * width + 2.4, 0.55 * len(steps) + 1.6))
     colors = {"kept": KEPT, "rejected": REJECTED, "own": OWN, "after_miss": AFTER_MISS}
 
@@ -79,12 +80,13 @@ def verify_figure(steps, token_text, title: str = "", max_steps: int = 12):
             text,
             ha="center",
             va="center",
-            fontsize=8,
+            fontsize=10,
+            family="monospace",  # "." and "," stay apart at a glance
+            fontweight="bold",
             color="black" if state == "after_miss" else "white",
         )
 
-    for row, step in enumerate(steps):
-        columns = verify_columns(step)
+    for row, (step, columns) in enumerate(zip(steps, rows)):
         for col, stack in enumerate(columns):
             height = 0.86 / len(stack)  # a split cell: the wrong guess above, the correction below
             for j, (token, state) in enumerate(stack):
@@ -118,37 +120,18 @@ def verify_figure(steps, token_text, title: str = "", max_steps: int = 12):
 RUN_MARKERS = ("D", "s", "^", "v", "P", "*")
 
 
-def label_lifts(runs, near: float = 0.5, step_points: int = 24) -> list[int]:
-    """Points to raise each run's label by, so runs placed close together (two drafters at α ≈ 0.35
-    both near 1.5 tokens, at about 4 drafts a verify) do not print their labels on top of each other."""
-
-    def x(run):
-        return getattr(run, "mean_drafts", run.k)
-
-    lifts, placed = [0] * len(runs), []
-    for i in sorted(range(len(runs)), key=lambda i: runs[i].tokens_per_step):
-        run = runs[i]
-        crowd = [
-            j
-            for j in placed
-            if abs(x(runs[j]) - x(run)) < near and abs(runs[j].tokens_per_step - run.tokens_per_step) < near
-        ]
-        lifts[i] = step_points * len(crowd)
-        placed.append(i)
-    return lifts
-
-
 def yield_figure(max_k: int = 8, alphas=ALPHAS, runs: list[SpeculationRun] = (), ax=None, highlight=None):
     """Expected tokens per verify step against k, one curve per α; measured runs as labelled points."""
     import matplotlib.pyplot as plt
 
     if ax is None:
-        _, ax = plt.subplots(figsize=(7.5, 4.2))
+        _, ax = plt.subplots(figsize=(7.5 + 2.5 * bool(runs), 4.2))
     ks = list(range(0, max_k + 1))
     for alpha in alphas:
         ax.plot(ks, [expected_tokens_per_step(alpha, k) for k in ks], marker=".", label=f"α = {alpha:g}")
-    # One marker shape per run, small enough that two runs at one k a fifth of a token apart stay apart.
-    for run, lift, shape in zip(runs, label_lifts(runs), itertools.cycle(RUN_MARKERS)):
+    # Each run is a black marker of its own shape, named in a legend of its own: labels written
+    # beside the points would crowd wherever two runs land close together.
+    run_handles = [
         ax.plot(
             [run.mean_drafts],
             [run.tokens_per_step],
@@ -159,16 +142,10 @@ def yield_figure(max_k: int = 8, alphas=ALPHAS, runs: list[SpeculationRun] = (),
             markeredgewidth=0.8,
             linestyle="none",
             zorder=5,  # above the curves and the highlight ring
-        )
-        ax.annotate(
-            f"{run.label}\n(α ≈ {run.alpha:.2f})",
-            (run.mean_drafts, run.tokens_per_step),
-            textcoords="offset points",
-            xytext=(12, -4 + lift),
-            zorder=3,  # beneath every marker: a label never covers a run's point
-            fontsize=8,
-            arrowprops=dict(arrowstyle="-", color="grey", lw=0.6) if lift else None,
-        )
+            label=f"{run.label} (α ≈ {run.alpha:.2f})",
+        )[0]
+        for run, shape in zip(runs, itertools.cycle(RUN_MARKERS))
+    ]
     if highlight is not None:
         k, alpha = highlight
         ax.plot(
@@ -187,8 +164,20 @@ def yield_figure(max_k: int = 8, alphas=ALPHAS, runs: list[SpeculationRun] = (),
     ax.set_ylabel("tokens per verify step")
     ax.set_title("What one verify step yields: (1 − α^(k+1)) / (1 − α)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
-    ax.figure.tight_layout()
+    ax.legend(handles=[line for line in ax.get_lines() if line not in run_handles], fontsize=8, loc="upper left")
+    if run_handles:  # the runs' names to the right of the axes, in a legend of the figure's own
+        ax.figure.tight_layout(rect=(0, 0, 0.72, 1))
+        ax.figure.legend(
+            handles=run_handles,
+            title="measured runs",
+            title_fontsize=8,
+            fontsize=8,
+            loc="upper left",
+            bbox_to_anchor=(0.73, 0.93),
+            frameon=False,
+        )
+    else:
+        ax.figure.tight_layout()
     return ax.figure
 
 

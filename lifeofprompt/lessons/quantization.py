@@ -133,7 +133,7 @@ def _step_seconds(label: str, model) -> float:
     if label == "bf16":
         return step_seconds(model, ForwardPath.TORCH)
     if model.quantization is None:
-        return fastest_float_step(model)
+        return fastest_float_step(model)[0]
     return step_seconds(model, ForwardPath.C_STEP)
 
 

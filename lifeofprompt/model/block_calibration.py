@@ -3,8 +3,9 @@
 The blocks read about a sixth of fp32's bytes, but each weight must be unpacked before it is
 multiplied: where the CPU reads memory fast and computes slowly the fp32 step can still win. So
 ``quantization="auto"`` does not assume; it times the whole batch-1 decode step of both (the C step
-of every layer and the LM head, over a short paged context), the fp32 one in its faster layout,
-and keeps the answer with the other cached timings (``linear_calibration.cached_answer``).
+of every layer and the LM head, over a short paged context), the fp32 one in its faster layout, the
+three taking turns step by step so that load from elsewhere cannot favour one, and keeps the answer with
+the other cached timings (``linear_calibration.cached_answer``).
 """
 
 from __future__ import annotations
@@ -40,31 +41,44 @@ def one_row_step(model, context: int = TIMING_CONTEXT, block_size: int = TIMING_
 
 
 @torch.no_grad()
-def step_seconds(model, path: ForwardPath) -> float:
-    """The median time of a batch-1 decode step, logits included, the ``path`` way, with the weights in 2 MiB
-    pages where the system has them, as the engine places them (``huge_pages.py``)."""
+def interleaved_step_seconds(runs: list[tuple]) -> list[float]:
+    """The median time of a batch-1 decode step, logits included, of each ``(model, path)`` in ``runs``, with
+    the weights in 2 MiB pages where the system has them, as the engine places them (``huge_pages.py``).
+
+    The runs take turns round by round, so a burst of load from something else on a shared machine slows
+    all of them alike instead of deciding the comparison on its own."""
     from .huge_pages import move_weights_to_huge_pages
 
-    move_weights_to_huge_pages(model)
-    inputs = one_row_step(model)
-    times = []
+    for model, _ in runs:
+        move_weights_to_huge_pages(model)
+    inputs = [one_row_step(model) for model, _ in runs]
+    times = [[] for _ in runs]
     for i in range(ROUNDS + 2):
-        start = time.perf_counter()
-        model(*inputs, path=path)
-        if i >= 2:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for (model, path), step_inputs, kept in zip(runs, inputs, times):
+            start = time.perf_counter()
+            model(*step_inputs, path=path)
+            if i >= 2:
+                kept.append(time.perf_counter() - start)
+    return [statistics.median(kept) for kept in times]
 
 
-def fastest_float_step(model) -> float:
-    """The fp32 model's batch-1 step in the faster of the C step's layouts (packed copies made first)."""
+def step_seconds(model, path: ForwardPath) -> float:
+    """The median time of one model's batch-1 decode step the ``path`` way."""
+    return interleaved_step_seconds([(model, path)])[0]
+
+
+def fastest_float_step(model, others: tuple = ()) -> tuple[float, list[float]]:
+    """The fp32 model's batch-1 step in the faster of the C step's layouts (packed copies made first), and the
+    steps of ``others`` (``(model, path)`` pairs) timed in turn with it."""
     from . import cpu_decode
 
+    layouts = [(model, ForwardPath.C_STEP), (model, ForwardPath.C_STEP_ROW_MAJOR)]
     cpu_decode.pack_all(model)
     try:
-        return min(step_seconds(model, p) for p in (ForwardPath.C_STEP, ForwardPath.C_STEP_ROW_MAJOR))
+        seconds = interleaved_step_seconds(layouts + list(others))
     finally:
         cpu_decode.drop_packed(model)
+    return min(seconds[:2]), seconds[2:]
 
 
 def blocks_decode_faster(load) -> tuple[bool, str]:
@@ -83,8 +97,7 @@ def blocks_decode_faster(load) -> tuple[bool, str]:
     key["source"] = source_digest(SOURCE)  # the C step and the block kernel it includes: changed, timed again
 
     def measure():
-        blocks = step_seconds(load("gguf"), ForwardPath.C_STEP)
-        floats = fastest_float_step(load(None))
+        floats, (blocks,) = fastest_float_step(load(None), others=[(load("gguf"), ForwardPath.C_STEP)])
         why = f"a batch-1 step took {blocks * 1e3:.1f} ms with the GGUF's blocks, {floats * 1e3:.1f} ms in fp32"
         return blocks < floats, why, dict(seconds=dict(blocks=blocks, float32=floats))
 

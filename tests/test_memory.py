@@ -40,7 +40,7 @@ def test_bytes_per_token_pinned():
     assert kv_bytes_per_block(TINYLLAMA_1_1B, "bf16", block_size=32) == 720_896
 
 
-def test_the_seed_megabyte_claim():
+def test_the_articles_megabyte_claim():
     gqa_40_layers = dataclasses.replace(LLAMA_2_13B, num_kv_heads=8)
     assert kv_bytes_per_token(gqa_40_layers, "bf16") == 163_840 == 160 * KiB  # not near a megabyte
     assert kv_bytes_per_token(LLAMA_2_13B, "bf16") == 819_200 == 800 * KiB  # 40 KV heads: near one

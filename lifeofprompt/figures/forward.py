@@ -92,7 +92,7 @@ def plot_decoder_layer(num_layers: int, hidden: int, shapes: dict[str, str] | No
     ax.text(
         x + 0.1,
         0.5,
-        f"to layer 2 … {num_layers},\nthen final RMSNorm\nand the LM head",
+        f"to the other {num_layers - 1} layers,\nthen final RMSNorm\nand the LM head",
         ha="left",
         va="center",
         fontsize=10,

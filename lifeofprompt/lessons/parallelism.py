@@ -26,7 +26,7 @@ from ..distributed.sizes import ShardPlan, valid_tensor_parallel_sizes
 from ..engine.memory import dtype_bytes, estimate_activation_bytes, kv_bytes_per_token, plan_memory, weight_bytes
 from ..errors import ConfigError, OutOfMemoryError
 from ..model.config import ModelConfig
-from .seed_arithmetic import GPU_MEMORY_UTILIZATION, H100_REPORTED_BYTES
+from .article_arithmetic import GPU_MEMORY_UTILIZATION, H100_REPORTED_BYTES
 
 # meta-llama/Llama-3.1-70B: shapes from its config.json (no weights needed for the arithmetic).
 LLAMA_3_1_70B = ModelConfig(
@@ -56,7 +56,7 @@ class Card:
 
 
 # Memory as software sees it, as notebook 05 counts it (not the marketed size): an "80 GB" H100
-# reports about 85.5 GB (81,559 MiB; ``seed_arithmetic.H100_REPORTED_BYTES``), and an H200 sold as
+# reports about 85.5 GB (81,559 MiB; ``article_arithmetic.H100_REPORTED_BYTES``), and an H200 sold as
 # 141 GB reports 150,109,880,320 bytes (torch.cuda.get_device_properties(0).total_memory on the H200
 # of benchmarks/results/h200-2026-11-30/gpu_results.json, ``env.gpu.total_memory``). HBM bandwidths
 # from NVIDIA's H100 SXM and H200 data sheets.

@@ -47,16 +47,16 @@ class Check:
     claim: str
     derivation: str
     derived: float
-    seed: float  # the figure as the article states it
+    stated: float  # the figure as the article states it
     tolerance: float  # relative: the article rounds its figures
 
     @property
     def agrees(self) -> bool:
-        return abs(self.derived - self.seed) <= self.tolerance * abs(self.seed)
+        return abs(self.derived - self.stated) <= self.tolerance * abs(self.stated)
 
     def line(self) -> str:
         mark = "agrees" if self.agrees else "DIFFERS"
-        return f"{self.claim}: {self.derivation} = {_number(self.derived)} (article: {_number(self.seed)}) {mark}"
+        return f"{self.claim}: {self.derivation} = {_number(self.derived)} (article: {_number(self.stated)}) {mark}"
 
 
 def _number(value: float) -> str:

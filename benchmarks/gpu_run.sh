@@ -68,7 +68,7 @@ run_step machine 30  $CHECK machine $DRY
 if [ -n "$DRY" ]; then
   run_step pytest 120 $PY -m pytest tests/gpu -q -p no:cacheprovider --timeout=60 -rs
 else
-  run_step pytest 100 $PY -m pytest ${GPU_TESTS:-tests/gpu} -q -p no:cacheprovider --timeout=100 --maxfail=5 -rfEs
+  run_step pytest "${PYTEST_BUDGET:-200}" $PY -m pytest ${GPU_TESTS:-tests/gpu} -q -p no:cacheprovider --timeout=100 --maxfail=8 -rfEs --durations=8
 fi
 # keep the pytest section on its own too
 awk '/== pytest \(budget/{on=1} on{print} /== pytest (ok|FAILED)/{on=0}' "$LOG" > "$WORK/pytest.txt"

@@ -82,8 +82,8 @@ def bench_paged_attention(
     ``block_m``, ``num_warps``, ``num_stages``. Returns the settings, the KV splits used,
     milliseconds and GB/s. Pass ``case`` to reuse one batch across settings.
     """
-    from . import paged_attention
-    from .paged_attention import launch_plan
+    from lifeofprompt.kernels import paged_attention
+    from lifeofprompt.kernels.paged_attention import launch_plan
 
     case = case or paged_case(
         batch, context_len, query_len, num_heads, num_kv_heads, head_dim, block_size, dtype, device

@@ -6,12 +6,16 @@ answers to the bare name ``kernels``, which belongs to Hugging Face's ``kernels`
 5.25 and later depend on it and import it, and would get this folder instead. When the bare name
 reaches ``kernels/__init__.py``, it calls :func:`load_hugging_face_kernels`, which loads the real
 package from the rest of ``sys.path`` and puts it in this module's place in ``sys.modules`` (an import
-returns whatever the module left there).
+returns whatever the module left there). Where that package is not installed, the name gets an empty
+stand-in instead of an error: transformers before 5.25 finds this folder by name, imports it to read a
+version, and takes a module with neither ``__version__`` nor ``__file__`` for "not installed"; an
+``ImportError`` there would break ``import transformers`` itself.
 """
 
 import importlib.util
 import sys
-from importlib.machinery import PathFinder
+import types
+from importlib.machinery import ModuleSpec, PathFinder
 from pathlib import Path
 
 CHECKOUT = Path(__file__).resolve().parent.parent
@@ -22,10 +26,20 @@ def load_hugging_face_kernels() -> None:
     elsewhere = [entry for entry in sys.path if Path(entry or ".").resolve() != CHECKOUT]
     spec = PathFinder.find_spec("kernels", elsewhere)
     if spec is None:
-        del sys.modules["kernels"]
-        raise ModuleNotFoundError(
-            "No module named 'kernels' (the checkout's kernels/ folder is lifeofprompt.kernels)", name="kernels"
-        )
+        sys.modules["kernels"] = absent_package()
+        return
     module = importlib.util.module_from_spec(spec)
     sys.modules["kernels"] = module
     spec.loader.exec_module(module)
+
+
+def absent_package() -> types.ModuleType:
+    """An empty module shaped like a bare namespace folder: no ``__file__``, no ``__version__``, no names.
+
+    ``from kernels import anything`` still fails with an ``ImportError``, as it would with nothing installed.
+    """
+    module = types.ModuleType("kernels", "Stand-in: Hugging Face's kernels package is not installed.")
+    module.__spec__ = ModuleSpec("kernels", None, is_package=True)
+    module.__file__ = None
+    module.__path__ = []
+    return module

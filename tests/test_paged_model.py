@@ -97,6 +97,29 @@ def test_paged_attention_matches_plain_attention(seed):
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_a_padding_row_comes_out_zero_whatever_sdpa_returns_for_it(monkeypatch):
+    # A padding sequence (length 0) sees no key. SDPA's answer for such a row depends on the kernel that
+    # runs (NaN, zeros, or, in the GPU's half-precision kernels, an average of the values): the
+    # reference must zero it whatever that answer is.
+    from lifeofprompt.kernels.cases import make_case
+
+    from lifeofprompt.model import paged_attention as module
+
+    real_sdpa = module._sdpa
+
+    def sdpa_that_averages_empty_rows(q, k, v, mask, scale):
+        out = real_sdpa(q, k, v, mask, scale)
+        average = v.mean(dim=2, keepdim=True).repeat_interleave(q.shape[1] // k.shape[1], 1)
+        return torch.where(mask.any(-1, keepdim=True), out, average)
+
+    monkeypatch.setattr(module, "_sdpa", sdpa_that_averages_empty_rows)
+    case = make_case([3, 1, 1], [5, 9, 0], 4, num_heads=4, num_kv_heads=2, head_dim=8, seed=1, padding_seqs=1)
+    store_kv(case.key, case.value, case.k_pool, case.v_pool, case.slot_mapping)
+    out = paged_attention(*case.attention_args())
+    assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+    assert out[:-1].abs().sum(dim=(1, 2)).min() > 0
+
+
 # ---------------------------------------------------------------------- the model over blocks
 def shuffled_manager(num_blocks, block_size, seed, **kw):
     """A block manager whose free queue is shuffled, so tables are non-contiguous and interleaved."""

@@ -225,8 +225,9 @@ def attend_groups(query: torch.Tensor, plan: AttentionPlan, fetch, scale: float,
             q = q.reshape(b, q_len, num_heads, head_dim).transpose(1, 2)
             k, v = keys.to(query.dtype).transpose(1, 2), values.to(query.dtype).transpose(1, 2)
             context = _sdpa(q, k, v, group.mask, scale).transpose(1, 2).reshape(b * q_len, num_heads, head_dim)
-        if group.may_be_empty:
-            context = torch.nan_to_num(context)  # no key at all: softmax of nothing
+        if group.may_be_empty:  # no key at all: a softmax of nothing, NaN on the CPU, an average on some GPU kernels
+            sees_a_key = group.mask.any(-1).reshape(b * q_len, 1, 1)
+            context = torch.where(sees_a_key, context, 0.0)
         if group.all_rows:
             return context
         if out is None:

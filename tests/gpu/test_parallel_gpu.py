@@ -47,8 +47,8 @@ def runs():
         )
         try:
             run = measure_llm(llm, PROMPTS, MAX_TOKENS)
+            reference = out["uni"][0].tokens if "uni" in out else run.tokens
             out[name + " last launch"] = llm.engine.step_records[-1].launch.mode  # the last step: a decode
-            reference = out["uni"][0].tokens if out else run.tokens
             out[name] = run, [teacher_forced_logits(llm.engine.model, p, t) for p, t in zip(PROMPTS, reference)]
             graphs = getattr(llm.engine.model, "decode_graphs", None)
             out[name + " graphs"] = sorted(graphs.graphs) if graphs is not None else []

@@ -5,10 +5,10 @@
 #   OUT=/tmp/dry  bash benchmarks/gpu_run.sh --cpu-dry-run  # the same steps on the CPU, tiny sizes
 #
 # Writes into $OUT: gpu_results.json, gpu_log.txt, pytest_gpu.txt, batching_curve.png, throughput.png,
-# block_step.json (at most 8 files). Each step runs in its own process under `timeout`, so a crash or
-# a hang costs only that step. The package is made importable without installing anything: PYTHONPATH points at
-# the repository, and a tiny sitecustomize maps `lifeofprompt.kernels` to kernels/ (what
-# pyproject's package-dir does for an installed copy).
+# block_step.json, kernel_bench_tinyllama_heads.json (at most 8 files). Each step runs in its own process
+# under `timeout`, so a crash or a hang costs only that step. The package is made importable without
+# installing anything: PYTHONPATH points at the repository, and a tiny sitecustomize maps
+# `lifeofprompt.kernels` to kernels/ (what pyproject's package-dir does for an installed copy).
 set -u
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
@@ -76,7 +76,7 @@ cp "$WORK/pytest.txt" "$OUT/pytest_gpu.txt"
 run_step kernel  40  $CHECK kernel $DRY
 if [ -f benchmarks/kernel_bench.py ] && [ -z "$DRY" ] && [[ ",${SKIP_STEPS:-}," != *",kbench,"* ]]; then
   say "== python benchmarks/kernel_bench.py (budget 25s)"
-  timeout -k 5 25 $PY benchmarks/kernel_bench.py > "$WORK/kernels_bench.txt" 2>&1; say "benchmarks/kernel_bench.py rc=$?"
+  timeout -k 5 25 $PY benchmarks/kernel_bench.py --out "$OUT/kernel_bench_tinyllama_heads.json" > "$WORK/kernels_bench.txt" 2>&1; say "benchmarks/kernel_bench.py rc=$?"
   tail -n 30 "$WORK/kernels_bench.txt" >> "$LOG"
 fi
 run_step decode  90  $CHECK decode $DRY

@@ -73,6 +73,10 @@ def test_the_measured_table_has_only_measured_rows_and_the_tests_final_state(tmp
     assert table["tests/gpu/test_kernels_gpu.py"] == "37 passed"
     assert table["tests/gpu/test_engine_gpu.py"] == "4 passed"  # the last run counts
     assert all(v and v != "-" for v in table.values())
+    # A run that came in parts says what each part ran, and that summary replaces the logs' last counts.
+    (tmp_path / "tests_summary.tsv").write_text("tests/gpu, every file\t79 passed, 8 failed\nno tab: ignored\n")
+    table = dict(measured_table(gpu, tmp_path / "gpu_results.json"))
+    assert table["tests/gpu, every file"] == "79 passed, 8 failed" and "tests/gpu/test_engine_gpu.py" not in table
 
 
 def test_the_gap_above_the_roofline_per_batch_and_trace_lines_break_between_words():

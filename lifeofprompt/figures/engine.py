@@ -148,7 +148,8 @@ def measured_table(gpu: dict, results_path: Path) -> list[tuple[str, str]]:
 
 
 def test_rows(results_path: Path) -> list[tuple[str, str]]:
-    """The GPU tests' final state: the kernel tests' log, and the engine tests (their last run)."""
+    """The GPU tests' final state: the folder's ``tests_summary.tsv`` where the run came in parts, else the
+    kernel tests' log and the engine tests (their last run)."""
     import re
 
     def last_count(log: Path) -> str | None:
@@ -160,6 +161,9 @@ def test_rows(results_path: Path) -> list[tuple[str, str]]:
         return found[-1] if found else None
 
     folder, rows = results_path.parent, []
+    summary = folder / "tests_summary.tsv"  # a run in parts: its results folder says what each part ran
+    if summary.exists():
+        return [tuple(line.split("\t", 1)) for line in summary.read_text().splitlines() if "\t" in line]
     if (folder / "kernel_gpu_tests.log").exists():
         rows.append(("tests/gpu/test_kernels_gpu.py", last_count(folder / "kernel_gpu_tests.log")))
     runs = [folder / "pytest_gpu.txt"] + sorted(folder.glob("rerun-*/pytest_gpu.txt"))

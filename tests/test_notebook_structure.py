@@ -66,6 +66,11 @@ def test_every_chapter_ends_with_exercises_that_run_a_check(path):
     after = all_cells[starts[-1] + 1 :]
     code = [c for c in after if c["cell_type"] == "code" and "".join(c["source"]).strip()]
     assert len(code) >= 2, f"{path.name}: the exercises need a cell to edit and a cell that checks it"
+    exercises_cell = "".join(all_cells[starts[-1]]["source"])
+    rest = [exercises_cell[exercises_cell.index("## Exercises") :]]
+    rest += ["".join(c["source"]) for c in after if c["cell_type"] == "markdown"]
+    later = [h for text in rest for h in re.findall(r"^## .*", text, re.M) if h != "## Exercises"]
+    assert not later, f"{path.name}: sections after the exercises (the chapter must end with them): {later}"
 
 
 @pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("*.ipynb")), ids=lambda p: p.stem)

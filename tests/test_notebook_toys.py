@@ -1,7 +1,7 @@
 """The chapters' toys, run against the package outside the notebooks, so a drift between a toy and the code it
 teaches fails here even though the notebooks run separately (nbval).
 
-Chapters 07, 10 and 11 each write the core of their mechanism in a small visible cell (a toy) and check it in the
+Chapters 04, 08, 14 and 15 each write the core of their mechanism in a small visible cell (a toy) and check it in the
 next cell against the package. The cells are found by a marker line (``# toy: ...``, ``# check: ...``) and run in
 one namespace, in order, exactly as the notebook holds them. Each check must be able to fail: the ``broken`` tests
 change one rule of a toy and expect its check to raise.
@@ -55,6 +55,28 @@ def broken(sources: list[str], old: str, new: str) -> list[str]:
     """The cells with one rule of the toy changed (``old`` must be in exactly one of them)."""
     assert sum(s.count(old) for s in sources) == 1, f"the toy no longer holds {old!r}: update this test's change"
     return [s.replace(old, new) for s in sources]
+
+
+# ----------------------------------------------------------------------------- 04: a KV cache
+KV_CACHE = ("04_kv_cache.ipynb", "# toy: kv cache")
+
+
+def cached_equals_recomputed(sources) -> bool:
+    import torch
+
+    namespace = run_cells(sources, "kv_cache", torch=torch)
+    return all(torch.allclose(a, b, atol=1e-5) for a, b in zip(namespace["naive"], namespace["cached_toy"]))
+
+
+def test_the_kv_cache_toy_gives_what_recomputing_gives():
+    assert cached_equals_recomputed(cell_sources(*KV_CACHE))
+
+
+def test_the_kv_cache_toy_differs_when_the_cache_holds_the_wrong_rows():
+    sources = broken(
+        cell_sources(*KV_CACHE), "torch.cat([K_cache, (x @ W_k)[None]])", "torch.cat([K_cache, (x @ W_q)[None]])"
+    )
+    assert not cached_equals_recomputed(sources)
 
 
 # ----------------------------------------------------------------------------- 07: a scheduler step

@@ -1,8 +1,8 @@
 """One measurement of this machine, shared by every notebook that quotes it.
 
-Chapters 03 to 06, 08, 10, 13 and 14 and the appendix all talk about the same few numbers: how fast this machine reads
-memory, how fast it multiplies matrices, and how long the real engine's decode step takes. If
-each measured them itself, at its own moment and under its own load, they would disagree with
+Chapters 03 to 06, 08 to 10, 13 to 15 and the appendix all talk about the same few numbers: how
+fast this machine reads memory, how fast it multiplies matrices, and how long the real engine's
+decode step takes. If each measured them itself, at its own moment and under its own load, they would disagree with
 each other. So ``machine_profile()`` measures them once, on first call, and caches the result
 under ``$LIFEOFPROMPT_CACHE/machine/``, keyed by the CPU (or GPU), the thread count, torch's
 version and a digest of the engine's code (the decode step it times). Every notebook reads the

@@ -1,10 +1,10 @@
 """The chapters' toys, run against the package outside the notebooks, so a drift between a toy and the code it
 teaches fails here even though the notebooks run separately (nbval).
 
-Chapters 04, 08, 14 and 15 each write the core of their mechanism in a small visible cell (a toy) and check it in the
-next cell against the package. The cells are found by a marker line (``# toy: ...``, ``# check: ...``) and run in
-one namespace, in order, exactly as the notebook holds them. Each check must be able to fail: the ``broken`` tests
-change one rule of a toy and expect its check to raise.
+Chapters 01, 04, 08, 14 and 15 each write the core of their mechanism in a small visible cell (a toy) and check
+it against the package or the real thing. The cells are found by a marker line (``# toy: ...``, ``# check: ...``)
+and run in one namespace, in order, exactly as the notebook holds them. Each check must be able to fail: the
+``broken`` tests change one rule of a toy and expect its check to fail.
 """
 
 from __future__ import annotations
@@ -55,6 +55,34 @@ def broken(sources: list[str], old: str, new: str) -> list[str]:
     """The cells with one rule of the toy changed (``old`` must be in exactly one of them)."""
     assert sum(s.count(old) for s in sources) == 1, f"the toy no longer holds {old!r}: update this test's change"
     return [s.replace(old, new) for s in sources]
+
+
+# ----------------------------------------------------------------------------- 01: the BPE merge loop
+BPE = ("01_tokenization.ipynb", "# toy: bpe merge loop")
+
+
+def merge_loop_agrees(sources, tokenizer, words) -> bool:
+    namespace = run_cells(sources, "bpe", tokenizer=tokenizer)
+    merge_loop, ranks, symbols = namespace["merge_loop"], namespace["ranks"], namespace["bytes_as_symbols"]
+    return all(merge_loop(symbols(w), ranks) == tokenizer.convert_ids_to_tokens(tokenizer.encode(w)) for w in words)
+
+
+def random_words(count: int, seed: int = 0) -> list[str]:
+    """Single pre-tokenizer pieces: a space and lowercase letters, so the merge loop alone decides."""
+    rng = random.Random(seed)
+    return [
+        " " + "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 12))) for _ in range(count)
+    ]
+
+
+def test_the_bpe_toy_tokenizes_random_words_as_the_tokenizer_does(smollm2):
+    _, tokenizer = smollm2
+    assert merge_loop_agrees(cell_sources(*BPE), tokenizer, random_words(300))
+
+
+def test_the_bpe_toy_differs_when_it_merges_the_latest_learned_pair_first(smollm2):
+    _, tokenizer = smollm2
+    assert not merge_loop_agrees(broken(cell_sources(*BPE), "min(ranked)", "max(ranked)"), tokenizer, random_words(300))
 
 
 # ----------------------------------------------------------------------------- 04: a KV cache

@@ -1,7 +1,7 @@
 """The chapters' toys, run against the package outside the notebooks, so a drift between a toy and the code it
 teaches fails here even though the notebooks run separately (nbval).
 
-Chapters 01, 04, 08, 14 and 15 each write the core of their mechanism in a small visible cell (a toy) and check
+Chapters 01, 04, 08, 11, 14 and 15 each write the core of their mechanism in a small visible cell (a toy) and check
 it against the package or the real thing. The cells are found by a marker line (``# toy: ...``, ``# check: ...``)
 and run in one namespace, in order, exactly as the notebook holds them. Each check must be able to fail: the
 ``broken`` tests change one rule of a toy and expect its check to fail.
@@ -9,12 +9,17 @@ and run in one namespace, in order, exactly as the notebook holds them. Each che
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 import re
 from pathlib import Path
 
 import pytest
+
+if importlib.util.find_spec("triton") is not None:
+    # Before anything imports triton (transformers may): on a CPU this picks Triton's interpreter for 11's check.
+    import lifeofprompt.kernels  # noqa: F401
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
@@ -105,6 +110,51 @@ def test_the_kv_cache_toy_differs_when_the_cache_holds_the_wrong_rows():
         cell_sources(*KV_CACHE), "torch.cat([K_cache, (x @ W_k)[None]])", "torch.cat([K_cache, (x @ W_q)[None]])"
     )
     assert not cached_equals_recomputed(sources)
+
+
+# ----------------------------------------------------------------------------- 11: the kernel's tiled loop
+TILED = ("11_kernels_and_graphs.ipynb", "# toy: tiled paged attention")
+
+
+def tiled_toy_matches_the_reference(sources, seed: int) -> bool:
+    """The toy on a random mixed batch (GQA, shuffled tables, prompt rows) against the torch reference."""
+    import torch
+    from lifeofprompt.kernels.cases import make_case
+
+    from lifeofprompt.model.paged_attention import paged_attention
+
+    namespace = run_cells(sources, "tiled", torch=torch)
+    rng = random.Random(seed)
+    query_lens = [rng.choice([1, rng.randint(2, 9)]) for _ in range(3)]
+    case = make_case(
+        query_lens, [rng.randint(0, 40) for _ in range(3)], 4, num_heads=6, num_kv_heads=2, head_dim=8, seed=seed
+    )
+    expected, group, rows = paged_attention(*case.attention_args()), 3, []
+    for s in range(3):
+        first, end = case.query_start_loc[s].item(), case.query_start_loc[s + 1].item()
+        for r in range(first, end):
+            visible = case.seq_lens[s].item() - (end - 1 - r)
+            pools = [(case.k_pool[:, :, h // group], case.v_pool[:, :, h // group]) for h in range(6)]
+            tile = rng.choice([1, 4, 16])
+            rows.append(
+                torch.stack(
+                    [
+                        namespace["toy_tiled_attention"](case.query[r, h], k, v, case.block_tables[s], visible, tile)
+                        for h, (k, v) in enumerate(pools)
+                    ]
+                )
+            )
+    return torch.allclose(torch.stack(rows), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_tiled_toy_gives_the_references_attention(seed):
+    assert tiled_toy_matches_the_reference(cell_sources(*TILED), seed)
+
+
+def test_the_tiled_toy_differs_when_it_forgets_to_rescale():
+    sources = broken(cell_sources(*TILED), "acc * shrink + weights @ v", "acc + weights @ v")
+    assert not all(tiled_toy_matches_the_reference(sources, seed) for seed in range(5))
 
 
 # ----------------------------------------------------------------------------- 07: a scheduler step

@@ -236,6 +236,10 @@ def test_time_decode_steps_reads_the_engines_step_records(smollm2):
     narrow = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=16, max_num_seqs=1, log_stats=False)
     with pytest.raises(RuntimeError, match="max_num_seqs"):
         time_decode_steps(narrow, 2, prompt_len=4, decode_steps=1)
+    # A budget too small to prefill both at once (a slow CPU's timed default can be): the first finishes first.
+    tight = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=16, max_num_seqs=4, max_num_batched_tokens=4)
+    with pytest.raises(RuntimeError, match=r"max_num_batched_tokens >= 8 \(it has 4\)"):
+        time_decode_steps(tight, 2, prompt_len=4, decode_steps=1)
 
 
 def test_roofline_bend_and_prediction():

@@ -69,7 +69,13 @@ def time_decode_steps(
     records = list(engine.step_records)[first_step:]
     decodes = [r for r in records if r.num_seqs == batch_size and r.num_batched_tokens == batch_size]
     if not decodes:
-        raise RuntimeError(f"no step decoded all {batch_size} sequences together (is max_num_seqs >= {batch_size}?)")
+        raise RuntimeError(
+            f"no step decoded all {batch_size} sequences together: the engine needs max_num_seqs >= {batch_size} "
+            f"(it has {engine.scheduler.config.max_num_seqs}) and a step budget that prefills them all at once, "
+            f"max_num_batched_tokens >= {batch_size * prompt_len} "
+            f"(it has {engine.scheduler.config.max_num_batched_tokens}); "
+            "with less, the first requests finish before the last are prefilled"
+        )
     middle = prompt_len + 1 + decode_steps // 2
     durations = [r.end_time - r.start_time for r in decodes]
     return BatchPoint(batch_size, min(durations), batch_size * middle, statistics.median(durations))

@@ -120,6 +120,8 @@ class AttentionGroup:
     ):
         self.seq_ids, self.rows, self.num_queries, self.length, self.mask = seq_ids, rows, num_queries, length, mask
         self.all_rows, self.may_be_empty = all_rows, may_be_empty
+        # [b * Q, 1, 1]: which rows see any key, built once per step rather than once per layer
+        self.sees_a_key = mask.any(-1).reshape(-1, 1, 1) if may_be_empty else None
         self.seq_index = torch.tensor(seq_ids, device=rows.device)
         self.blocks = None
 
@@ -226,8 +228,7 @@ def attend_groups(query: torch.Tensor, plan: AttentionPlan, fetch, scale: float,
             k, v = keys.to(query.dtype).transpose(1, 2), values.to(query.dtype).transpose(1, 2)
             context = _sdpa(q, k, v, group.mask, scale).transpose(1, 2).reshape(b * q_len, num_heads, head_dim)
         if group.may_be_empty:  # no key at all: a softmax of nothing, NaN on the CPU, an average on some GPU kernels
-            sees_a_key = group.mask.any(-1).reshape(b * q_len, 1, 1)
-            context = torch.where(sees_a_key, context, 0.0)
+            context = torch.where(group.sees_a_key, context, 0.0)
         if group.all_rows:
             return context
         if out is None:

@@ -113,38 +113,33 @@ def test_the_kv_cache_toy_differs_when_the_cache_holds_the_wrong_rows():
 
 
 # ----------------------------------------------------------------------------- 11: the kernel's tiled loop
-TILED = ("11_kernels_and_graphs.ipynb", "# toy: tiled paged attention")
+TILED = ("11_kernels_and_graphs.ipynb", "# toy: tiled paged attention", "# check: tiled paged attention")
 
 
 def tiled_toy_matches_the_reference(sources, seed: int) -> bool:
-    """The toy on a random mixed batch (GQA, shuffled tables, prompt rows) against the torch reference."""
+    """The toy, through the chapter's own check cell, on a random mixed batch (GQA, shuffled tables, prompt rows)
+    against the torch reference, with tiles of 1, 4 and 16 keys."""
+    import functools
+
     import torch
     from lifeofprompt.kernels.cases import make_case
 
     from lifeofprompt.model.paged_attention import paged_attention
 
-    namespace = run_cells(sources, "tiled", torch=torch)
+    toy, check = sources
     rng = random.Random(seed)
     query_lens = [rng.choice([1, rng.randint(2, 9)]) for _ in range(3)]
     case = make_case(
         query_lens, [rng.randint(0, 40) for _ in range(3)], 4, num_heads=6, num_kv_heads=2, head_dim=8, seed=seed
     )
-    expected, group, rows = paged_attention(*case.attention_args()), 3, []
-    for s in range(3):
-        first, end = case.query_start_loc[s].item(), case.query_start_loc[s + 1].item()
-        for r in range(first, end):
-            visible = case.seq_lens[s].item() - (end - 1 - r)
-            pools = [(case.k_pool[:, :, h // group], case.v_pool[:, :, h // group]) for h in range(6)]
-            tile = rng.choice([1, 4, 16])
-            rows.append(
-                torch.stack(
-                    [
-                        namespace["toy_tiled_attention"](case.query[r, h], k, v, case.block_tables[s], visible, tile)
-                        for h, (k, v) in enumerate(pools)
-                    ]
-                )
-            )
-    return torch.allclose(torch.stack(rows), expected, atol=1e-5)
+    expected = paged_attention(*case.attention_args())
+    agree = []
+    for tile in (1, 4, 16):
+        namespace = run_cells([toy], "tiled", torch=torch)
+        namespace["toy_tiled_attention"] = functools.partial(namespace["toy_tiled_attention"], tile=tile)
+        namespace = run_cells([check], "tiled", **namespace, case=case, ours=expected)  # the check's rows, per head
+        agree.append(torch.allclose(torch.stack(namespace["rows"]), expected, atol=1e-5))
+    return all(agree)
 
 
 @pytest.mark.parametrize("seed", range(5))

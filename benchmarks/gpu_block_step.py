@@ -253,7 +253,7 @@ def forward_row(args, fmt: str, bandwidth: float, start: float) -> dict:
     """One token through the whole model in ``fmt`` ("float": the model as loaded, bf16 on a GPU): eager and
     graphed (the graphs skipped past the deadline)."""
     from lifeofprompt.model.attention import NoCacheMetadata
-    from lifeofprompt.model.forward_path import ForwardPath
+    from lifeofprompt.model.layers import fused_kernels
     from lifeofprompt.model.quantized_linear import quantize_model
 
     model = build_model(args)
@@ -268,14 +268,15 @@ def forward_row(args, fmt: str, bandwidth: float, start: float) -> dict:
         row["eager_s"] = time_calls(
             lambda: model(ids, positions, meta), args.device, calls=5 if args.cpu_dry_run else 10
         )
-        for path in [] if args.cpu_dry_run else [ForwardPath.TORCH, ForwardPath.FUSED]:
+        for mode, name in [] if args.cpu_dry_run else [("off", "torch"), ("auto", "fused")]:
             if time.perf_counter() - start > args.deadline:
-                row[f"graph_{path.value}_error"] = "skipped: past the deadline"
+                row[f"graph_{name}_error"] = "skipped: past the deadline"
                 continue
             try:
-                row[f"graph_{path.value}_s"] = graph_time(lambda p=path: model(ids, positions, meta, p))
+                with fused_kernels(mode):  # the layers' own fused kernels on, or off (model/layers.py)
+                    row[f"graph_{name}_s"] = graph_time(lambda: model(ids, positions, meta))
             except Exception as exc:  # noqa: BLE001 - report it, keep the other numbers
-                row[f"graph_{path.value}_error"] = repr(exc)[:300]
+                row[f"graph_{name}_error"] = repr(exc)[:300]
     for key in [k for k in row if k.endswith("_s") and k != "floor_s"]:
         row[key.removesuffix("_s") + "_over_floor"] = row[key] / row["floor_s"]
     return row  # the model goes with this frame; forwards() empties the cache before the next

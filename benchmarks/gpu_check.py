@@ -284,6 +284,7 @@ def step_decode(args) -> dict:
     from lifeofprompt.engine.sequence import Sequence
     from lifeofprompt.engine.speedups import GpuSpeedups
     from lifeofprompt.lessons.roofline import decode_floor, decode_weight_bytes
+    from lifeofprompt.model.layers import fused_kernels
 
     device = device_of(args)
     model, _, label = build_model(args)
@@ -333,11 +334,10 @@ def step_decode(args) -> dict:
     out["fused_kernels"] = gpu.fused_kernels
     if gpu.fused_kernels:
         # The same step without the fused element-wise kernels: the before/after of NOTES.md's try.
-        gpu.fused_kernels = False
-        if graphs:
-            graphs.capture_graphs()
-        out["engine_step_unfused_s"] = median_step()
-        gpu.fused_kernels = True
+        with fused_kernels("off"):
+            if graphs:
+                graphs.capture_graphs()
+            out["engine_step_unfused_s"] = median_step()
         if graphs:
             graphs.capture_graphs()
     # Breakdown: host prep, the forward (graph replay / eager), sampling.

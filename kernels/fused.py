@@ -15,7 +15,7 @@ norm folded into the next layer's first):
     mlp_out = down(silu_mul(gate_up(normed)))
     normed, residual = add_rms_norm(mlp_out, residual, w_next)  # next layer's input norm, or the final norm
 
-Every kernel rounds exactly where the torch code in ``lifeofprompt.model.llama`` rounds (math in
+Every kernel rounds exactly where the torch code in ``lifeofprompt.model.layers`` rounds (math in
 fp32, a cast to the activation dtype at the same points), so in fp32 the results agree to
 the last bits and in bf16 they differ by at most a rounding step now and then. Each has a
 torch reference (``*_reference`` in ``fused_reference.py``, apart so that this file needs

@@ -1,7 +1,7 @@
 """The torch references of the fused kernels (``fused.py``), built from the model's own modules.
 
 The tests compare every fused kernel with these. They live apart from the kernels because they
-import the model (``lifeofprompt.model.llama``), and the model imports the kernels: kept in
+import the model (``lifeofprompt.model.layers``), and the model imports the kernels: kept in
 ``fused.py`` they would close an import circle.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from lifeofprompt.model.llama import RMSNorm, RotaryEmbedding
+from lifeofprompt.model.layers import RMSNorm, RotaryEmbedding
 
 
 def _rms_norm_module(weight: torch.Tensor, eps: float):
@@ -21,8 +21,9 @@ def _rms_norm_module(weight: torch.Tensor, eps: float):
 
 @torch.no_grad()
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The model's own ``RMSNorm`` module with this weight."""
-    return _rms_norm_module(weight, eps)(x)
+    """The model's own ``RMSNorm`` module with this weight, in its torch form (on a GPU the module itself
+    would call the fused kernel under test)."""
+    return _rms_norm_module(weight, eps).normalise(x)
 
 
 @torch.no_grad()

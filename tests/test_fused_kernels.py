@@ -31,7 +31,7 @@ from lifeofprompt.kernels import fused, fused_reference  # noqa: E402
 
 from lifeofprompt import kernels  # noqa: E402
 from lifeofprompt.lessons.agreement import FP32_TOLERANCE, assert_argmax_agrees  # noqa: E402
-from lifeofprompt.model.llama import RotaryEmbedding  # noqa: E402
+from lifeofprompt.model.layers import RotaryEmbedding, fused_kernels  # noqa: E402
 
 pytestmark = [
     pytest.mark.numerics,
@@ -230,8 +230,9 @@ def test_bad_inputs_are_refused():
 
 
 @torch.no_grad()
-def test_smollm2_forward_with_fused_kernels_matches_the_model(smollm2, story_ids, one_thread):
-    """All 30 SmolLM2 layers on the story's prompts (two sequences, 10 rows) with the fused kernels."""
+def test_smollm2_forward_with_fused_kernels_matches_the_model(smollm2, story_ids, one_thread, monkeypatch):
+    """All 30 SmolLM2 layers on the story's prompts (two sequences, 10 rows) with the fused kernels the
+    layers call themselves (``model/layers.py``), each launched where the decoder loop needs it."""
     from lifeofprompt.model.attention import NoCacheMetadata
 
     model, _ = smollm2
@@ -241,10 +242,41 @@ def test_smollm2_forward_with_fused_kernels_matches_the_model(smollm2, story_ids
     positions = torch.cat([torch.arange(n) for n in lengths])
     meta = NoCacheMetadata.for_lengths(lengths)
     expected = model.hidden_states(input_ids, positions, meta)
-    hidden = model.fused_hidden_states(input_ids, positions, meta)
+    launched = count_launches(monkeypatch)
+    with fused_kernels("on"):  # what a GPU does by itself; here through Triton's interpreter
+        hidden = model.hidden_states(input_ids, positions, meta)
+    layers = model.config.num_layers
+    # one norm in the first layer, two residual norms a layer after it (the last is the final norm)
+    assert launched == dict(rms_norm=1, add_rms_norm=2 * layers, rotary_qk=layers, silu_mul=layers)
     torch.testing.assert_close(hidden, expected, atol=5e-5, rtol=1e-5)  # observed 1.1e-5 at values up to 31
     assert meta.logits_indices is None  # no-cache metadata: every row's next token
     logits = model.lm_head(expected)
     # every row's best token leads by 0.1 or more: far beyond the fused kernels' rounding, or another CPU's
     assert_argmax_agrees(model.lm_head(hidden), logits, FP32_TOLERANCE, min_decided=10)
     assert_argmax_agrees([29, 1038, 28, 2026, 29, 253, 9552, 1183, 281, 281], logits, FP32_TOLERANCE, min_decided=10)
+
+
+def count_launches(monkeypatch) -> dict:
+    """Count each fused kernel's calls from now on (the counts fill the returned dict)."""
+    counts = {}
+    for name in ("rms_norm", "add_rms_norm", "rotary_qk", "silu_mul"):
+        real = getattr(fused, name)
+
+        def counted(*args, _real=real, _name=name):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _real(*args)
+
+        monkeypatch.setattr(fused, name, counted)
+    return counts
+
+
+def test_the_layers_run_torch_unless_asked(smollm2, story_ids, monkeypatch):
+    """On a CPU tensor, with no override, the layers never launch a fused kernel."""
+    from lifeofprompt.model.attention import NoCacheMetadata
+
+    model, _ = smollm2
+    launched = count_launches(monkeypatch)
+    ids = story_ids[0]
+    with torch.no_grad():
+        model.hidden_states(torch.tensor(ids), torch.arange(len(ids)), NoCacheMetadata.for_lengths([len(ids)]))
+    assert launched == {}

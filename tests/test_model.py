@@ -107,7 +107,7 @@ def test_logits_indices_pick_rows(smollm2):
 def test_the_rotary_table_stays_fp32_in_every_dtype():
     """``model.to(bf16)`` rounds the weights, not the angles: the table keeps its fp32 values (the fused
     Triton kernel requires fp32, and every shard of a split model must hold the same table)."""
-    from lifeofprompt.model.llama import RotaryEmbedding
+    from lifeofprompt.model.layers import RotaryEmbedding
 
     rotary = RotaryEmbedding(64, 512, 10000.0)
     exact = rotary.cos.clone(), rotary.sin.clone()

@@ -19,7 +19,7 @@ from lifeofprompt.lessons.toy_attention import (
     rope_scores,
     toy_attention,
 )
-from lifeofprompt.model.llama import RotaryEmbedding
+from lifeofprompt.model.layers import RotaryEmbedding
 
 matplotlib.use("Agg")
 

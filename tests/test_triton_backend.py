@@ -19,6 +19,7 @@ from lifeofprompt.engine.model_runner import ModelRunner
 from lifeofprompt.engine.sampling_params import SamplingParams
 from lifeofprompt.engine.sequence import Sequence
 from lifeofprompt.engine.speedups import GpuSpeedups
+from lifeofprompt.model.layers import fused_kernels
 
 if importlib.util.find_spec("triton") is None:  # find it without importing it: lifeofprompt.kernels
     pytest.skip("Triton is not installed", allow_module_level=True)  # must be first (interpreter mode)
@@ -36,11 +37,12 @@ def make_seqs(story_ids):
     return seqs
 
 
-def step_logits(runner, seqs, num_tokens):
+def step_logits(runner, seqs, num_tokens, fused=False):
     """Logits of every row of one step (not only the sampled ones), then mark the tokens computed."""
     input_ids, positions, meta = runner.prepare(seqs, num_tokens)
     meta.logits_indices = None
-    with torch.no_grad():
+    # the GPU's layers call their fused kernels themselves (model/layers.py); here the interpreter runs them
+    with torch.no_grad(), fused_kernels("on" if fused else "off"):
         logits = runner.run_model(input_ids, positions, meta)
     for seq, n in zip(seqs, num_tokens):
         seq.num_computed_tokens += n
@@ -58,10 +60,9 @@ def test_triton_backend_logits_match_torch(smollm2, story_ids):
     runners = {name: ModelRunner.for_model(model, attention_backend=name, **pool) for name in ("torch", "triton")}
     # the GPU engine's full path: Triton attention and the fused element-wise kernels (the GPU's speed-ups)
     runners["fused"] = ModelRunner.for_model(model, attention_backend="triton", speedups_class=GpuSpeedups, **pool)
-    assert (runners["triton"].resolved.fused_kernels, runners["fused"].resolved.fused_kernels) == (False, True)
     seqs = {name: make_seqs(story_ids) for name in runners}
 
-    first = {name: step_logits(runners[name], seqs[name], [4, 3, 2]) for name in runners}
+    first = {name: step_logits(runners[name], seqs[name], [4, 3, 2], name == "fused") for name in runners}
     assert first["triton"].shape == (9, model.config.vocab_size)
     torch.testing.assert_close(first["triton"], first["torch"], atol=1e-4, rtol=0)
     torch.testing.assert_close(first["fused"], first["torch"], atol=1e-4, rtol=0)
@@ -70,7 +71,7 @@ def test_triton_backend_logits_match_torch(smollm2, story_ids):
     for name in runners:
         for seq, row in ((seqs[name][0], 3), (seqs[name][2], 8)):
             seq.output_token_ids.append(int(first["torch"][row].argmax()))
-    second = {name: step_logits(runners[name], seqs[name], [1, 3, 1]) for name in runners}
+    second = {name: step_logits(runners[name], seqs[name], [1, 3, 1], name == "fused") for name in runners}
     assert second["triton"].shape == (5, model.config.vocab_size)
     torch.testing.assert_close(second["triton"], second["torch"], atol=1e-4, rtol=0)
     torch.testing.assert_close(second["fused"], second["torch"], atol=1e-4, rtol=0)

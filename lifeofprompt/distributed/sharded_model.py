@@ -170,17 +170,14 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
         plan = self.plan
         if plan.num_stages == 1:
             return super().hidden_states(input_ids, positions, meta, path)
-        if plan.is_first_stage:
-            hidden = self.embed_tokens(input_ids)
-        else:
+        hidden = None
+        if not plan.is_first_stage:
             hidden = torch.empty(input_ids.shape[0], plan.full.hidden_size, dtype=self.dtype, device=self.device)
             collectives.recv(hidden, src=plan.peer(plan.stage - 1))
         start = time.monotonic()
-        cos_sin = self.rotary.at(positions)
-        for layer in self.layers:
-            hidden = layer(hidden, cos_sin, meta)
+        hidden = super().hidden_states(input_ids, positions, meta, path, hidden=hidden, last=plan.is_last_stage)
         self.stage_clock.note(start)
-        return self.norm(hidden) if plan.is_last_stage else hidden
+        return hidden
 
     def shard_forward(self, input_ids, positions, meta, path=ForwardPath.TORCH, wire=None):
         """This rank's part of one forward; the full logits on rank 0 with one stage, None elsewhere.

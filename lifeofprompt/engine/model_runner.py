@@ -223,7 +223,10 @@ class ModelRunner:
 
     def launch(self, mode: str, rows: int, padded_to: int | None = None) -> Launch:
         """How a step of ``rows`` rows ran, for its trace."""
-        return Launch(mode, rows, padded_to, self.speedups.backend, self.speedups.path_for(padded_to or rows))
+        path = self.speedups.path_for(padded_to or rows)
+        if self.speedups.fused_kernels and path == "torch":  # the layers' own fused kernels (model/layers.py)
+            path = "fused"
+        return Launch(mode, rows, padded_to, self.speedups.backend, path)
 
     @torch.no_grad()
     def execute(self, seqs: list[Sequence], num_scheduled_tokens: list[int]) -> StepOutput:

@@ -17,6 +17,7 @@ import math
 
 from ..errors import ConfigError
 from ..model.forward_path import ForwardPath
+from ..model.layers import triton_installed
 from .sampling_params import SamplingParams
 from .sequence import Sequence
 
@@ -72,7 +73,7 @@ class Speedups:
         """Nothing to capture."""
 
     def path_for(self, rows: int) -> ForwardPath:
-        return ForwardPath.FUSED if self.fused_kernels else ForwardPath.TORCH
+        return ForwardPath.TORCH
 
     def for_draft(self, draft) -> Speedups:
         """A draft model's speed-ups: none, its forward the plain way."""
@@ -86,8 +87,9 @@ class Speedups:
 
 
 class GpuSpeedups(Speedups):
-    """A GPU's speed: the Triton attention, the element-wise steps as fused Triton kernels
-    (``model.fused_hidden_states``), and decode steps replayed from CUDA graphs (``cuda_graphs.py``).
+    """A GPU's speed: the Triton attention, the element-wise steps as fused Triton kernels (which the
+    layers call themselves on a GPU: ``model/layers.py``), and decode steps replayed from CUDA graphs
+    (``cuda_graphs.py``).
     Graphs need the Triton backend and eager-free steps: a draft model mirrors every forward, and a
     pipeline stage's graph would wait inside on the stage before, so those run eagerly."""
 
@@ -98,8 +100,9 @@ class GpuSpeedups(Speedups):
         from .speculative import SpeculativeConfig
 
         spec = SpeculativeConfig.from_user(config.speculative_config)
-        self.fused_kernels = self.backend == "triton"
-        graphs_possible = model.device.type == "cuda" and self.fused_kernels and config.pipeline_parallel_size == 1
+        self.fused_kernels = model.device.type == "cuda" and triton_installed()  # what the layers will do
+        one_stage = config.pipeline_parallel_size == 1
+        graphs_possible = model.device.type == "cuda" and self.backend == "triton" and one_stage
         self.cuda_graphs = graphs_possible and not config.enforce_eager and not (spec and spec.method != "ngram")
 
     def start(self, runner) -> None:

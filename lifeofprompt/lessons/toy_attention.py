@@ -213,9 +213,8 @@ def layer_walkthrough(model, token_ids: list[int], layer_idx: int = 0) -> dict[s
     layer = model.layers[layer_idx]
     ids = torch.tensor(token_ids, device=model.device)
     positions = torch.arange(len(token_ids), device=model.device)
-    hidden = model.embed_tokens(ids)
-    for earlier in model.layers[:layer_idx]:
-        hidden = earlier(hidden, model.rotary.at(positions), NoCacheMetadata.for_lengths([len(ids)], model.device))
+    meta = NoCacheMetadata.for_lengths([len(ids)], model.device)
+    hidden = layer_input(model, layer_idx, ids, positions, meta)
     out = {"layer_input": hidden}
     attn = layer.self_attn
     out["normed"] = layer.input_layernorm(hidden)
@@ -239,9 +238,33 @@ def layer_walkthrough(model, token_ids: list[int], layer_idx: int = 0) -> dict[s
     out["gate"], out["up"] = gate, up
     out["swiglu"] = torch.nn.functional.silu(gate) * up
     out["layer_output"] = out["after_attention"] + layer.mlp.down_proj(out["swiglu"])
-    meta = NoCacheMetadata.for_lengths([len(ids)], model.device)
-    out["reference_output"] = layer(hidden, model.rotary.at(positions), meta)
+    attended, residual = layer(hidden, None, model.rotary.at(positions), meta)
+    out["reference_output"] = attended + residual  # the layer hands its output over as these two halves
     return out
+
+
+def layer_input(model, layer_idx: int, ids, positions, meta) -> torch.Tensor:
+    """What layer ``layer_idx`` receives in the model's own forward: the residual stream before it (the
+    layers pass it on as a sublayer output and the stream so far, summed here)."""
+    seen = {}
+
+    def keep(layer, args):
+        hidden, residual = args[0], args[1]
+        seen["input"] = hidden if residual is None else hidden + residual
+        raise StopForward
+
+    handle = model.layers[layer_idx].register_forward_pre_hook(keep)
+    try:
+        model.hidden_states(ids, positions, meta)
+    except StopForward:
+        pass
+    finally:
+        handle.remove()
+    return seen["input"]
+
+
+class StopForward(Exception):
+    """Raised by ``layer_input``'s hook: the layers after the one asked for need not run."""
 
 
 def rope_scores(rotary, q: torch.Tensor, k: torch.Tensor, num_positions: int) -> torch.Tensor:

@@ -16,8 +16,7 @@ class ForwardPath(str, enum.Enum):
     """Which forward a step runs. The C step's values keep their first names ("cpu"); the setting that asks
     for it is ``cpu_tuning="c-step"``."""
 
-    TORCH = "torch"  # plain torch ops, each product by its Linear's plan
-    FUSED = "fused"  # the element-wise steps as fused Triton kernels (kernels/fused.py); GPU only
+    TORCH = "torch"  # the decoder layers (on a GPU their small ops run fused Triton kernels: model/layers.py)
     C_STEP = "cpu"  # every layer in one C call, reading packed weight copies (cpu_decode.py); CPU only, few rows
     C_STEP_ROW_MAJOR = "cpu-rowmajor"  # the same, reading the row-major weights only
 

@@ -19,67 +19,10 @@ from torch import nn
 from .attention import AttentionMetadata, NoCacheMetadata
 from .config import ModelConfig
 from .forward_path import ForwardPath
+from .layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from .linear import Linear
 
-# ----------------------------------------------------------------------------- building blocks
-
-
-class RMSNorm(nn.Module):
-    """Scale each row to unit root-mean-square, then by a learned weight (computed in fp32)."""
-
-    def __init__(self, hidden_size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and hasattr(nn.functional, "rms_norm"):
-            # One fused call, the same numbers as the spelled-out form below (torch >= 2.4).
-            return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotate query/key pairs by an angle proportional to the token's position (RoPE, half-split layout).
-
-    The cos/sin table is computed once for every position; a forward looks up its rows once
-    (``at``) and every layer rotates its queries and keys together with them (``rotate``).
-    """
-
-    def __init__(self, head_dim: int, max_positions: int, theta: float):
-        super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        self.register_buffer("cos", angles.cos(), persistent=False)  # [max_positions, head_dim / 2]
-        self.register_buffer("sin", angles.sin(), persistent=False)
-
-    def _apply(self, fn, recurse=True):
-        """``model.to(device)`` moves the table; ``model.to(torch.bfloat16)`` does not round it: the
-        angles stay fp32 in every dtype (``rotate``, the fused Triton kernel and the C step all compute
-        in fp32), so every loader, every shard of a split model and every rank hold the same table."""
-        cos, sin = self.cos, self.sin
-        super()._apply(fn, recurse)
-        if self.cos.dtype != torch.float32:
-            self.cos, self.sin = cos.to(self.cos.device), sin.to(self.sin.device)
-        return self
-
-    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` rows of these positions, shaped ``[T, 1, head_dim / 2]`` to broadcast over heads."""
-        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
-
-    @staticmethod
-    def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """``x``: ``[T, heads, head_dim]``; returns it rotated, same dtype."""
-        cos, sin = cos_sin
-        first, second = x.float().chunk(2, dim=-1)
-        rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
-        return rotated.to(x.dtype)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x [T, heads, head_dim]`` by its rows' ``positions``."""
-        return self.rotate(x, self.at(positions))
+# ----------------------------------------------------------------------------- the decoder layer
 
 
 class LlamaAttention(nn.Module):
@@ -97,7 +40,7 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         # Queries and keys sit side by side in the fused output: rotate them in one go.
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
-        q, k = RotaryEmbedding.rotate(qk, cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = RotaryEmbedding.rotate_qk(qk, cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         context = meta.attend(self.layer_idx, q, k, v)  # [T, heads, head_dim]
         return self.o_proj(context.reshape(-1, self.q_size))
@@ -111,14 +54,15 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = SiluAndMul()
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm residual block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Pre-norm residual block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``, with the residual
+    stream carried beside the output: each add happens inside the next norm (``layers.RMSNorm``)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -127,10 +71,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, hidden, cos_sin, meta):
-        """``cos_sin``: the rotary rows of this forward's positions (``RotaryEmbedding.at``)."""
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden, residual, cos_sin, meta):
+        """``(sublayer output, residual stream)`` after this layer, whose sum is the layer's output;
+        ``residual`` is None in the first layer (``hidden`` is then the stream itself). ``cos_sin``: the
+        rotary rows of this forward's positions (``RotaryEmbedding.at``)."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos_sin, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 # ----------------------------------------------------------------------------- the model
@@ -165,59 +116,35 @@ class LlamaForCausalLM(nn.Module):
         return self.norm.weight.dtype
 
     def hidden_states(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, path=ForwardPath.TORCH
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        path=ForwardPath.TORCH,
+        hidden: torch.Tensor | None = None,
+        last: bool = True,
     ) -> torch.Tensor:
-        """Final normalised hidden state of every row ``[T, hidden]``, computed the ``path`` way
-        (``forward_path.ForwardPath``): the torch layers below; ``FUSED``, the same with fused Triton
-        element-wise kernels (``fused_hidden_states``); ``C_STEP``, a small step of the paged engine in
-        one C call (``cpu_decode.py``: same layers, same weights; ``C_STEP_ROW_MAJOR`` without its
-        packed weight copies)."""
+        """Final normalised hidden state of every row ``[T, hidden]``: the embedding, the decoder layers in
+        order (the package's only loop over them) and the final norm; ``C_STEP``: a small step of the paged
+        engine in one C call (``cpu_decode.py``: same layers, same weights; ``C_STEP_ROW_MAJOR`` without its
+        packed weight copies).
+
+        A pipeline stage runs the same loop over its slice of the layers: ``hidden`` is what the stage
+        before sent (else the embedding of ``input_ids``); ``last=False`` returns the residual stream for
+        the next stage instead of normalising it."""
         path = ForwardPath(path)
-        if path is ForwardPath.FUSED:
-            return self.fused_hidden_states(input_ids, positions, meta)
         if path is not ForwardPath.TORCH:
             from .cpu_decode import decode_hidden_states
 
             return decode_hidden_states(self, input_ids, positions, meta, packed=path is ForwardPath.C_STEP)
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed_tokens(input_ids) if hidden is None else hidden
         cos_sin = self.rotary.at(positions)
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, cos_sin, meta)
-        return self.norm(hidden)
-
-    def fused_hidden_states(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """``hidden_states`` with the element-wise steps as fused Triton kernels (``kernels/fused.py``).
-
-        The same modules, weights and order of operations; only the small steps between the
-        matrix products change. At batch 1 on a GPU the ~55 kernels of a layer cost more than its
-        matrix products (``benchmarks/NOTES.md``), most of them tiny element-wise ones; here a
-        layer's element-wise work is four launches: residual add + RMSNorm twice, the rotary of q
-        and k in place inside the qkv output, and SiLU × up. The residual stream lives in one
-        tensor updated in place, and each layer's last residual add is done by the next layer's input norm (the
-        last one by the final norm).
-        """
-        from ..kernels import fused
-
-        cos_sin = self.rotary.at(positions)
-        residual = self.embed_tokens(input_ids)
-        sublayer_out = None
-        for layer in self.layers:
-            attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
-            if sublayer_out is None:
-                normed = fused.rms_norm(residual, norm.weight, norm.eps)
-            else:
-                normed, residual = fused.add_rms_norm(sublayer_out, residual, norm.weight, norm.eps)
-            qkv = attn.qkv_proj(normed)
-            qk = qkv[:, : attn.q_size + attn.kv_size].view(-1, attn.num_heads + attn.num_kv_heads, attn.head_dim)
-            q, k = fused.rotary_qk(qk, *cos_sin).split([attn.num_heads, attn.num_kv_heads], dim=1)
-            v = qkv[:, attn.q_size + attn.kv_size :].view(-1, attn.num_kv_heads, attn.head_dim)
-            sublayer_out = attn.o_proj(meta.attend(attn.layer_idx, q, k, v).reshape(-1, attn.q_size))
-            post = layer.post_attention_layernorm
-            normed, residual = fused.add_rms_norm(sublayer_out, residual, post.weight, post.eps)
-            sublayer_out = mlp.down_proj(fused.silu_mul(mlp.gate_up_proj(normed)))
-        return fused.add_rms_norm(sublayer_out, residual, self.norm.weight, self.norm.eps)[0]
+            hidden, residual = layer(hidden, residual, cos_sin, meta)
+        if residual is None:  # no layers
+            return self.norm(hidden) if last else hidden
+        return self.norm(hidden, residual)[0] if last else hidden + residual
 
     def forward(
         self,

@@ -119,7 +119,7 @@ def test_rms_norm_and_add_rms_norm(poison_allocations, case, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", ROTARY_CASES, ids=_id)
 def test_rotary_qk_in_place(case, dtype):
-    from lifeofprompt.model.llama import RotaryEmbedding
+    from lifeofprompt.model.layers import RotaryEmbedding
 
     fused, refs = _fused(), _references()
     tokens, hq, hkv, head_dim = case["tokens"], case["heads_q"], case["heads_kv"], case["head_dim"]
@@ -148,7 +148,7 @@ def test_silu_mul(poison_allocations, case, dtype):
 
 def test_bf16_error_against_fp32_is_the_references():
     """TinyLlama decode shapes: each kernel's bf16 output is as close to the fp32 computation as torch's bf16 path."""
-    from lifeofprompt.model.llama import RotaryEmbedding
+    from lifeofprompt.model.layers import RotaryEmbedding
 
     fused, refs = _fused(), _references()
     gen = torch.Generator().manual_seed(0)
@@ -185,7 +185,7 @@ def test_bf16_error_against_fp32_is_the_references():
 
 def test_decode_kernels_replay_in_a_cuda_graph():
     """All four kernels on TinyLlama's decode shapes captured once, replayed on new inputs: no host sync inside."""
-    from lifeofprompt.model.llama import RotaryEmbedding
+    from lifeofprompt.model.layers import RotaryEmbedding
 
     fused, refs = _fused(), _references()
     gen = torch.Generator().manual_seed(5)

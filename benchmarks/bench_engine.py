@@ -409,10 +409,10 @@ def step_beside_floor(runner, weight_bytes: int, context: int, pairs: int = 21) 
     median step set against the best read of another moment mixes that drift into the ratio. Taken
     in pairs, step and floor see the same moment; the median of the pair ratios is the figure.
     """
+    from lifeofprompt.cpu.huge_pages import huge_page_buffer
     from lifeofprompt.engine.model_runner import step as run_step
     from lifeofprompt.engine.sampling_params import SamplingParams
     from lifeofprompt.engine.sequence import Sequence
-    from lifeofprompt.model.huge_pages import huge_page_buffer
 
     rng = random.Random(1)
     seq = Sequence("floor", [rng.randint(3, 9999) for _ in range(context)], SamplingParams(temperature=0))

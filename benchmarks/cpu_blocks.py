@@ -1,8 +1,8 @@
 """How fast the CPU multiplies a few rows by block matrices (Q4_1, Q8_0) against fp32 weights.
 
 For each of SmolLM2-135M's matrix shapes it times ``x [M, in] @ W.T`` with ``W`` kept as blocks
-(``lifeofprompt.model.cpu_blocks``) and with ``W`` as fp32 through the rowwise kernel
-(``lifeofprompt.model.cpu_rows``), and prints milliseconds and the bytes each read per second.
+(``lifeofprompt.cpu.block_kernels``) and with ``W`` as fp32 through the rowwise kernel
+(``lifeofprompt.cpu.row_kernels``), and prints milliseconds and the bytes each read per second.
 A model's worth of copies of each layer matrix (one per layer) is cycled through, so the weights
 come from memory, as in a real step, not from a cache that holds one matrix. The compiled functions
 are called directly, with their inputs and outputs made once, so the times are the kernels' own
@@ -20,11 +20,11 @@ import time
 
 import torch
 
+from lifeofprompt.cpu.block_kernels import FORMAT_CODES, blocks_kernel
+from lifeofprompt.cpu.row_kernels import rows_kernel
 from lifeofprompt.env import cpu_label
 from lifeofprompt.model.block_formats import quantize
 from lifeofprompt.model.config import SMOLLM2_135M
-from lifeofprompt.model.cpu_blocks import FORMAT_CODES, blocks_kernel
-from lifeofprompt.model.cpu_rows import rows_kernel
 
 
 def shapes(config, layer_format: str) -> list[tuple[str, int, int, str, int]]:

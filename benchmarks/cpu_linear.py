@@ -8,7 +8,7 @@ every path of ``lifeofprompt.model.linear`` available on this machine (``linear`
 ``nn.Linear`` and transformers run; ``onednn`` uses weights reordered once; ``rowwise`` is the
 compiled kernel), and, for scale, how fast the threads read memory with ``tensor.sum()``. Shapes
 are random numbers of SmolLM2's sizes. The engine does a shorter version of this at start-up
-(``lifeofprompt.model.linear_calibration``) and keeps the fastest path per shape and row count.
+(``lifeofprompt.cpu.linear_calibration``) and keeps the fastest path per shape and row count.
 
     python benchmarks/cpu_linear.py                # one thread, writes results/cpu_linear_<cpu>_<date>.json and .png
 """

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 # Tests pin one CPU matrix-product path, so their tokens never depend on a start-up timing
-# (lifeofprompt/model/linear_calibration.py); scripts/portability.sh runs them with each path forced.
+# (lifeofprompt/cpu/linear_calibration.py); scripts/portability.sh runs them with each path forced.
 os.environ.setdefault("LIFEOFPROMPT_CPU_TUNING", "linear")
 
 import pytest  # noqa: E402

@@ -1,4 +1,4 @@
-"""The engine keeps a big step's freed memory for the next step (``model/allocator.py``).
+"""The engine keeps a big step's freed memory for the next step (``cpu/allocator.py``).
 
 What it buys is page faults: a 16 MiB tensor whose memory went back to the OS costs 4,096
 first-touch faults to write; with the memory kept, making it again costs none.
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from lifeofprompt.model import allocator
+from lifeofprompt.cpu import allocator
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 

@@ -1,13 +1,14 @@
-"""The compiled block kernel (model/cpu_blocks.c) against the dequantized product, and the layers that call it."""
+"""The compiled block kernel (cpu/block_kernels.c) against the dequantized product, and the layers that call it."""
 
 import itertools
 
 import pytest
 import torch
 
-from lifeofprompt.model import cpu_blocks, quantized_linear
+from lifeofprompt.cpu import block_kernels
+from lifeofprompt.cpu.block_kernels import blocks_kernel_available, blocks_linear, dequantize_rows
+from lifeofprompt.model import quantized_linear
 from lifeofprompt.model.block_formats import BlockWeight, dequantize, quantize
-from lifeofprompt.model.cpu_blocks import blocks_kernel_available, blocks_linear, dequantize_rows
 from lifeofprompt.model.quantized_linear import QuantizedLinear
 
 pytestmark = [
@@ -177,7 +178,7 @@ def test_every_row_count_and_format_agrees_with_one_row_at_a_time():
 @pytest.mark.parametrize("inner", [32, 96, 576, 1536])
 @torch.no_grad()
 def test_each_row_count_up_to_a_tile_is_the_dequantized_product(fmt, inner):
-    """With AVX-512, one row of x and 2 to 8 rows take loops of their own (``cpu_blocks.h``: a lookup of a
+    """With AVX-512, one row of x and 2 to 8 rows take loops of their own (``block_kernels.h``: a lookup of a
     block's sixteen Q4_1 weights by nibble, Q8_0 sign-extended in one instruction), unrolled over pairs
     of blocks for one row: an odd and an even number of blocks, every nibble and byte, each row count."""
     torch.manual_seed(inner)
@@ -254,7 +255,7 @@ def test_the_compiled_dequantized_product_for_many_rows(fmt, m, out, inner, monk
         tiles.append((first, last))
         return dequantize_rows(blocks, first, last, **kwargs)
 
-    monkeypatch.setattr(cpu_blocks, "dequantize_rows", counted)
+    monkeypatch.setattr(block_kernels, "dequantize_rows", counted)
     x = torch.randn(m, inner)
     for blocks in (quantize(torch.randn(out, inner) * 0.1, fmt), random_blocks(fmt, out, inner, seed=m)):
         tiles.clear()
@@ -264,7 +265,7 @@ def test_the_compiled_dequantized_product_for_many_rows(fmt, m, out, inner, monk
         assert got.dtype == torch.float32 and got.shape == (m, out)
         assert ((got.double() - want).abs() <= bound).all()
         with monkeypatch.context() as no_compiler:
-            no_compiler.setattr(cpu_blocks, "dequantize_kernel", lambda: None)
+            no_compiler.setattr(block_kernels, "dequantize_kernel", lambda: None)
             fallback = quantized_linear.dequantized_product(x, blocks, torch.float32)
         assert len(tiles) == -(-out // 64)
         assert ((fallback.double() - want).abs() <= bound).all()

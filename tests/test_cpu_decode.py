@@ -1,4 +1,4 @@
-"""The fused C decode step (model/cpu_decode.c) against the torch forward, and the weights' 2 MiB pages."""
+"""The fused C decode step (cpu/c_step.c) against the torch forward, and the weights' 2 MiB pages."""
 
 import copy
 import itertools
@@ -9,15 +9,16 @@ import torch
 from torch import nn
 
 from lifeofprompt import LLM, SamplingParams
+from lifeofprompt.cpu import c_step, huge_pages
+from lifeofprompt.cpu.block_kernels import blocks_linear
 from lifeofprompt.engine.model_runner import ModelRunner
 from lifeofprompt.engine.sampling_params import SamplingParams as Params
 from lifeofprompt.engine.sequence import Sequence
 from lifeofprompt.errors import ConfigError
 from lifeofprompt.lessons.agreement import FP32_TOLERANCE, assert_greedy_agrees, teacher_forced_logits, top2_margins
-from lifeofprompt.model import cpu_decode, huge_pages, quantized_linear
+from lifeofprompt.model import quantized_linear
 from lifeofprompt.model.block_formats import quantize
 from lifeofprompt.model.config import ModelConfig
-from lifeofprompt.model.cpu_blocks import blocks_linear
 from lifeofprompt.model.forward_path import ForwardPath
 from lifeofprompt.model.linear import RowPlan
 from lifeofprompt.model.llama import LlamaForCausalLM
@@ -26,7 +27,7 @@ from lifeofprompt.story import STORY_PROMPTS
 
 pytestmark = [
     pytest.mark.numerics,
-    pytest.mark.skipif(cpu_decode.step_kernel() is None, reason="no C compiler: the fused step is not offered"),
+    pytest.mark.skipif(c_step.step_kernel() is None, reason="no C compiler: the fused step is not offered"),
 ]
 
 
@@ -117,7 +118,7 @@ def test_the_c_step_computes_the_torch_forward(seed, threads):
     rng = random.Random(seed)
     model = random_model(rng, packable=seed >= 8)
     if seed >= 8:
-        assert cpu_decode.packed_mask(model) == sum(cpu_decode.PACKED_BITS.values())
+        assert c_step.packed_mask(model) == sum(c_step.PACKED_BITS.values())
     assert_c_step_computes_the_torch_forward(model, rng, threads, mixed=seed % 2 == 1)
 
 
@@ -134,7 +135,7 @@ def test_the_c_step_reads_blocks_and_computes_the_dequantized_forward(seed, fmt,
     monkeypatch.setattr(quantized_linear, "cpu_kernel_rows", lambda: 0)
     rng = random.Random(100 + seed)
     model = quantize_model(random_model(rng, packable=seed == 5), fmt)
-    assert cpu_decode.supports(model) and cpu_decode.packed_mask(model) == 0
+    assert c_step.supports(model) and c_step.packed_mask(model) == 0
     assert_c_step_computes_the_torch_forward(model, rng, threads, mixed=seed % 2 == 1)
 
 
@@ -150,20 +151,20 @@ def test_each_matrix_is_read_in_its_own_format(monkeypatch):
     o.weight.data = layer.self_attn.o_proj.blocks.dequantize()
     layer.self_attn.o_proj = o
     layer.mlp.gate_up_proj = QuantizedLinear(quantize(layer.mlp.gate_up_proj.blocks.dequantize(), "q8_0"))
-    formats = [[m.format for m in (p.qkv, p.o, p.gate_up, p.down)] for p in cpu_decode.weight_pointers(model)]
-    codes = cpu_decode.FORMAT_CODES
+    formats = [[m.format for m in (p.qkv, p.o, p.gate_up, p.down)] for p in c_step.weight_pointers(model)]
+    codes = c_step.FORMAT_CODES
     assert formats == [[codes["q4_1"]] * 4, [codes["q4_1"], codes["fp32"], codes["q8_0"], codes["q4_1"]]]
-    assert cpu_decode.matrix_formats(model) == {"qkv": "q4_1", "o": "fp32,q4_1", "gate_up": "q4_1,q8_0", "down": "q4_1"}
+    assert c_step.matrix_formats(model) == {"qkv": "q4_1", "o": "fp32,q4_1", "gate_up": "q4_1,q8_0", "down": "q4_1"}
     assert_c_step_computes_the_torch_forward(model, rng, threads=2, mixed=True)
 
 
 def test_block_matrices_get_no_packed_copy_and_are_read_as_blocks():
     model = quantize_model(random_model(random.Random(9), packable=True), "q8_0")
-    assert cpu_decode.packable(model) == dict.fromkeys(cpu_decode.MATRICES, False)
-    assert cpu_decode.pack_all(model) == cpu_decode.packed_bytes(model) == 0
-    down, described = model.layers[1].mlp.down_proj, cpu_decode.weight_pointers(model)[1].down
+    assert c_step.packable(model) == dict.fromkeys(c_step.MATRICES, False)
+    assert c_step.pack_all(model) == c_step.packed_bytes(model) == 0
+    down, described = model.layers[1].mlp.down_proj, c_step.weight_pointers(model)[1].down
     assert (described.format, described.data, described.scales, described.mins) == (
-        cpu_decode.FORMAT_CODES["q8_0"],
+        c_step.FORMAT_CODES["q8_0"],
         down.quants.data_ptr(),
         down.scales.data_ptr(),
         None,
@@ -174,13 +175,13 @@ def test_a_model_quantized_after_a_c_step_or_copied_is_described_afresh():
     """The step's pointers are kept on the model, stamped with its tensors: a copy of the model, or the
     same model once its matrices became blocks, gets its own."""
     model = random_model(random.Random(9), packable=True)
-    fp32 = cpu_decode.weight_pointers(model)
+    fp32 = c_step.weight_pointers(model)
     twin = copy.deepcopy(model)  # ctypes arrays of pointers do not copy: the copy starts without them
-    assert cpu_decode.weight_pointers(twin)[0].qkv.data != fp32[0].qkv.data
+    assert c_step.weight_pointers(twin)[0].qkv.data != fp32[0].qkv.data
     quantize_model(model, "q4_1")
-    qkv = cpu_decode.weight_pointers(model)[0].qkv
+    qkv = c_step.weight_pointers(model)[0].qkv
     assert (qkv.format, qkv.data) == (
-        cpu_decode.FORMAT_CODES["q4_1"],
+        c_step.FORMAT_CODES["q4_1"],
         model.layers[0].self_attn.qkv_proj.quants.data_ptr(),
     )
 
@@ -190,73 +191,73 @@ def test_the_c_step_timing_is_kept_apart_for_each_format():
     not the fp32 model's."""
     fp32 = random_model(random.Random(2), packable=True)
     blocks = quantize_model(copy.deepcopy(fp32), "q4_1")
-    key = lambda model: cpu_decode.measured_step_key(model, {}, 16, False)
+    key = lambda model: c_step.measured_step_key(model, {}, 16, False)
     assert key(fp32) != key(blocks)
-    assert key(blocks)["formats"] == dict.fromkeys(cpu_decode.MATRICES, "q4_1")
-    assert key(fp32)["formats"] == dict.fromkeys(cpu_decode.MATRICES, "fp32")
-    assert cpu_decode.layer_shapes(blocks) == cpu_decode.layer_shapes(fp32)
+    assert key(blocks)["formats"] == dict.fromkeys(c_step.MATRICES, "q4_1")
+    assert key(fp32)["formats"] == dict.fromkeys(c_step.MATRICES, "fp32")
+    assert c_step.layer_shapes(blocks) == c_step.layer_shapes(fp32)
 
 
 def test_the_packed_layout_stores_panels_of_rows_column_by_column():
     """Element (row, column) of a packed weight sits in its panel of ``panel_rows`` rows, at its
     column within the panel, at its row within that column: checked on every element, and the
     copy made into a given buffer is the same."""
-    panel_rows, _ = cpu_decode.packed_layout()
+    panel_rows, _ = c_step.packed_layout()
     out, inner = 3 * panel_rows, 5
     weight = torch.arange(out * inner, dtype=torch.float32).view(out, inner)
-    packed = cpu_decode.pack(weight).flatten()
+    packed = c_step.pack(weight).flatten()
     rows, cols = torch.meshgrid(torch.arange(out), torch.arange(inner), indexing="ij")
     where = (rows // panel_rows) * panel_rows * inner + cols * panel_rows + rows % panel_rows
     assert torch.equal(packed[where.flatten()], weight.flatten())
     buffer = torch.empty(out * inner)
-    assert torch.equal(cpu_decode.pack(weight, out=buffer).flatten(), packed) and torch.equal(buffer, packed)
+    assert torch.equal(c_step.pack(weight, out=buffer).flatten(), packed) and torch.equal(buffer, packed)
 
 
 def test_all_copies_are_made_at_once_and_read_by_the_step():
     """``pack_all`` packs every packable matrix (in huge pages where the system gives them) and the
     C step's pointers then lead to those copies."""
     model = random_model(random.Random(9), packable=True)
-    assert cpu_decode.pack_all(model) == cpu_decode.packed_bytes(model) > 0
+    assert c_step.pack_all(model) == c_step.packed_bytes(model) > 0
     down = model.layers[1].mlp.down_proj
-    assert torch.equal(cpu_decode.packed_weight(down), cpu_decode.pack(down.weight))
-    assert cpu_decode.weight_pointers(model)[1].down.data == cpu_decode.packed_weight(down).data_ptr()
+    assert torch.equal(c_step.packed_weight(down), c_step.pack(down.weight))
+    assert c_step.weight_pointers(model)[1].down.data == c_step.packed_weight(down).data_ptr()
 
 
 def test_packing_all_again_keeps_current_copies_and_renews_stale_ones():
     """The runner packs before timing the C step and again before serving: the second call makes nothing
     new while every copy is current, and packs afresh once a weight changed."""
     model = random_model(random.Random(9), packable=True)
-    cpu_decode.pack_all(model)
+    c_step.pack_all(model)
     down = model.layers[1].mlp.down_proj
-    copy = cpu_decode.packed_weight(down)
-    assert cpu_decode.pack_all(model) == cpu_decode.packed_bytes(model) and cpu_decode.packed_weight(down) is copy
+    copy = c_step.packed_weight(down)
+    assert c_step.pack_all(model) == c_step.packed_bytes(model) and c_step.packed_weight(down) is copy
     with torch.no_grad():
         down.weight.mul_(2)
-    cpu_decode.pack_all(model)
-    assert cpu_decode.packed_weight(down) is not copy
-    assert torch.equal(cpu_decode.packed_weight(down), cpu_decode.pack(down.weight))
+    c_step.pack_all(model)
+    assert c_step.packed_weight(down) is not copy
+    assert torch.equal(c_step.packed_weight(down), c_step.pack(down.weight))
 
 
 def test_the_packed_copy_follows_the_weights():
     """A weight written in place after the first C step is packed again: the C step never reads stale weights."""
     model = random_model(random.Random(3), packable=True)
-    first = cpu_decode.weight_pointers(model)
-    assert cpu_decode.weight_pointers(model) is first  # unchanged weights: the same copy
+    first = c_step.weight_pointers(model)
+    assert c_step.weight_pointers(model) is first  # unchanged weights: the same copy
     with torch.no_grad():
         model.layers[0].mlp.down_proj.weight.mul_(2)
-    assert cpu_decode.weight_pointers(model) is not first
+    assert c_step.weight_pointers(model) is not first
     down = model.layers[0].mlp.down_proj
-    assert torch.equal(cpu_decode.packed_weight(down), cpu_decode.pack(down.weight))
-    assert cpu_decode.weight_pointers(model)[0].down.data == cpu_decode.packed_weight(down).data_ptr()
+    assert torch.equal(c_step.packed_weight(down), c_step.pack(down.weight))
+    assert c_step.weight_pointers(model)[0].down.data == c_step.packed_weight(down).data_ptr()
 
 
 def test_rows_follow_the_calibrated_choice():
     """The C step runs for as many rows as ``rowwise`` is every layer matrix's choice, and never where it is not."""
     shapes = {(48, 16), (16, 16)}
     two = RowPlan(("rowwise",) * 2 + ("onednn",) * 14, "onednn")
-    assert cpu_decode.usable_rows({(48, 16): two, (16, 16): RowPlan.single("rowwise")}, shapes) == 2
-    assert cpu_decode.usable_rows({(48, 16): RowPlan.single("linear"), (16, 16): two}, shapes) == 0
-    assert cpu_decode.usable_rows(None, shapes) == 0
+    assert c_step.usable_rows({(48, 16): two, (16, 16): RowPlan.single("rowwise")}, shapes) == 2
+    assert c_step.usable_rows({(48, 16): RowPlan.single("linear"), (16, 16): two}, shapes) == 0
+    assert c_step.usable_rows(None, shapes) == 0
 
 
 def test_rowwise_within_noise_of_the_best_still_takes_the_c_step():
@@ -273,9 +274,9 @@ def test_rowwise_within_noise_of_the_best_still_takes_the_c_step():
             "4": {"rowwise": 6.0, "onednn": 3.0},
         }
     }
-    assert cpu_decode.usable_rows(plans, shapes, close) == 3  # 3 rows take 2 rows' measurement
+    assert c_step.usable_rows(plans, shapes, close) == 3  # 3 rows take 2 rows' measurement
     far = {"48x16": {1: {"rowwise": 1.0}, 2: {"rowwise": 3.0, "transposed": 2.0}}}
-    assert cpu_decode.usable_rows(plans, shapes, far) == 1
+    assert c_step.usable_rows(plans, shapes, far) == 1
 
 
 ONE = ("cpu",)  # the C step in one layout only (the row-limit tests)
@@ -284,8 +285,8 @@ ONE = ("cpu",)  # the C step in one layout only (the row-limit tests)
 @pytest.fixture
 def all_rounds(monkeypatch):
     """Every count timed the given number of rounds, however long or short its fake steps."""
-    monkeypatch.setattr(cpu_decode, "LONG_STEP_S", float("inf"))
-    monkeypatch.setattr(cpu_decode, "SHORT_STEP_S", 0.0)
+    monkeypatch.setattr(c_step, "LONG_STEP_S", float("inf"))
+    monkeypatch.setattr(c_step, "SHORT_STEP_S", 0.0)
 
 
 def fake_step_timer(c_ms: dict, torch_ms: dict, calls: list, row_major_ms: dict | None = None):
@@ -310,22 +311,18 @@ def test_whole_steps_decide_the_rows_and_the_timing_stops_at_the_first_loss(all_
     calls = []
     c = {n: 10 * n for n in range(1, 17)}
     eager = {n: 10 * n + (5 if n <= 8 else -5) for n in range(1, 17)}  # C wins up to 8 rows
-    answer, why = cpu_decode.measured_rows(
-        fake_step_timer(c, eager, calls), row_counts=(1, 2, 4, 8, 12, 16), c_paths=ONE
-    )
+    answer, why = c_step.measured_rows(fake_step_timer(c, eager, calls), row_counts=(1, 2, 4, 8, 12, 16), c_paths=ONE)
     assert answer["rows"] == 8
     assert "8 rows: C 80.0 ms, torch 85.0 ms" in why and "12 rows: C 120.0 ms, torch 115.0 ms" in why
     assert {r for r, _ in calls} == {1, 2, 4, 8, 12, 10, 9}  # 16 is above the first loss: never run
     # a loss at a small count ends it there, even where larger counts would win
-    answer, _ = cpu_decode.measured_rows(fake_step_timer({**c, 2: 40}, eager, []), c_paths=ONE)
+    answer, _ = c_step.measured_rows(fake_step_timer({**c, 2: 40}, eager, []), c_paths=ONE)
     assert answer["rows"] == 1
     # each side is its fastest round: one slow round of the C step does not lose the count
     noisy = {
         r: [t * 3] * (2 if r == 1 else 1) + [t] for r, t in c.items()
     }  # (warm-up: first count), round 1 slow; 2 fast
-    answer, _ = cpu_decode.measured_rows(
-        fake_step_timer(noisy, eager, []), row_counts=(1, 2, 4, 8), rounds=2, c_paths=ONE
-    )
+    answer, _ = c_step.measured_rows(fake_step_timer(noisy, eager, []), row_counts=(1, 2, 4, 8), rounds=2, c_paths=ONE)
     assert answer["rows"] == 8
 
 
@@ -334,7 +331,7 @@ def test_the_gap_between_the_last_win_and_the_first_loss_is_halved_until_it_clos
     c = {n: 10 * n for n in range(1, 17)}
     eager = {n: 10 * n + (5 if n <= 6 else -5) for n in range(1, 17)}  # C wins up to 6 rows
     calls = []
-    answer, why = cpu_decode.measured_rows(fake_step_timer(c, eager, calls), row_counts=(1, 2, 4, 8, 16), c_paths=ONE)
+    answer, why = c_step.measured_rows(fake_step_timer(c, eager, calls), row_counts=(1, 2, 4, 8, 16), c_paths=ONE)
     assert answer["rows"] == 6
     assert {r for r, _ in calls} == {1, 2, 4, 8, 6, 7}
     assert why.index("6 rows") < why.index("7 rows") < why.index("8 rows")  # listed by row count
@@ -347,9 +344,7 @@ def test_each_count_takes_its_faster_layout_and_the_c_step_the_faster_of_the_two
     row_major = {n: 10 * n + (2 if n < 8 else -8) for n in range(1, 17)}  # within LAYOUT_SLACK of packed at 1 row
     eager = {n: 10 * n + (2 if n < 12 else -20) for n in range(1, 17)}  # 10 rows: packed 115 loses to 102
     calls = []
-    answer, why = cpu_decode.measured_rows(
-        fake_step_timer(packed, eager, calls, row_major), row_counts=(1, 2, 4, 8, 12)
-    )
+    answer, why = c_step.measured_rows(fake_step_timer(packed, eager, calls, row_major), row_counts=(1, 2, 4, 8, 12))
     assert answer["rows"] == 11  # packed alone would have stopped at 9
     assert answer["layouts"] == {
         1: "cpu",
@@ -366,14 +361,14 @@ def test_each_count_takes_its_faster_layout_and_the_c_step_the_faster_of_the_two
         0.020
     )  # the faster layout's
     # between measured counts, the largest measured count below decides; nothing measured: packed
-    assert [cpu_decode.layout_for(n, answer["layouts"]) for n in (3, 5, 7, 8, 11)] == [
+    assert [c_step.layout_for(n, answer["layouts"]) for n in (3, 5, 7, 8, 11)] == [
         "cpu",
         "cpu",
         "cpu",
         "cpu-rowmajor",
         "cpu-rowmajor",
     ]
-    assert cpu_decode.layout_for(5, None) == "cpu"
+    assert c_step.layout_for(5, None) == "cpu"
 
 
 def test_a_layout_far_behind_is_not_timed_at_larger_counts(all_rounds):
@@ -382,9 +377,7 @@ def test_a_layout_far_behind_is_not_timed_at_larger_counts(all_rounds):
     row_major = {n: 10 * n * (1.1 if n < 4 else 1.3) for n in range(1, 33)}
     eager = {n: 20 * n for n in range(1, 33)}
     calls = []
-    answer, why = cpu_decode.measured_rows(
-        fake_step_timer(packed, eager, calls, row_major), row_counts=(1, 2, 4, 8, 16)
-    )
+    answer, why = c_step.measured_rows(fake_step_timer(packed, eager, calls, row_major), row_counts=(1, 2, 4, 8, 16))
     assert answer["rows"] == 16 and set(answer["layouts"].values()) == {"cpu"}
     assert {r for r, p in calls if p == "cpu-rowmajor"} == {1, 2, 4}
     assert {r for r, p in calls if p == "cpu"} == {1, 2, 4, 8, 16}
@@ -395,7 +388,7 @@ def test_long_steps_are_timed_one_round_fewer_and_short_ones_two_more():
     the first count and those under ``SHORT_STEP_S`` (2 rows) rounds + 2."""
     c = {n: 5 * n for n in range(1, 17)}
     calls = []
-    cpu_decode.measured_rows(
+    c_step.measured_rows(
         fake_step_timer(c, {n: 2 * t for n, t in c.items()}, calls), row_counts=(1, 2, 4, 8, 16), rounds=3, c_paths=ONE
     )
     per_count = {n: sum(1 for r, p in calls if r == n and p == "cpu") for n in (1, 2, 4, 8, 16)}
@@ -406,7 +399,7 @@ def test_the_timing_stops_before_a_count_that_would_overrun_the_budget():
     """The next count's forecast (each path's line through the last two counts) past the budget: not started."""
     slow = {n: 100.0 * n for n in range(1, 65)}  # 0.1 s a row; 8 rows: 2 rounds x (0.8 + 1.6 s) = 4.8 s
     calls = []
-    answer, why = cpu_decode.measured_rows(
+    answer, why = c_step.measured_rows(
         fake_step_timer(slow, {n: 2 * t for n, t in slow.items()}, calls),
         row_counts=(1, 2, 4, 8),
         budget_s=4.0,
@@ -417,9 +410,7 @@ def test_the_timing_stops_before_a_count_that_would_overrun_the_budget():
 
 
 def test_a_spent_budget_stops_the_timing_and_says_so():
-    answer, why = cpu_decode.measured_rows(
-        fake_step_timer({1: 1, 2: 1}, {1: 2, 2: 2}, []), row_counts=(1, 2), budget_s=0
-    )
+    answer, why = c_step.measured_rows(fake_step_timer({1: 1, 2: 1}, {1: 2, 2: 2}, []), row_counts=(1, 2), budget_s=0)
     assert answer["rows"] == 0 and "budget would be spent" in why
 
 
@@ -441,7 +432,7 @@ def test_an_unpinned_runner_times_whole_steps_once_and_reads_the_cache_after(tmp
             "2 rows: C 1.0 ms, torch 2.0 ms",
         )
 
-    monkeypatch.setattr("lifeofprompt.model.cpu_decode.measured_rows", fake_rows)
+    monkeypatch.setattr("lifeofprompt.cpu.c_step.measured_rows", fake_rows)
     first = ModelRunner.for_model(model, num_kv_blocks=512, block_size=4, attention_backend="torch")
     assert first.speedups.linear_choice.pinned is None
     assert (first.speedups.c_step_rows, first.resolved.cpu.notes["c_step"]) == (4, "2 rows: C 1.0 ms, torch 2.0 ms")
@@ -449,7 +440,7 @@ def test_an_unpinned_runner_times_whole_steps_once_and_reads_the_cache_after(tmp
     second = ModelRunner.for_model(model, num_kv_blocks=512, block_size=4, attention_backend="torch")
     assert second.speedups.c_step_rows == 4 and asked == [True]  # from the cache: not timed again
     assert [second.speedups.path_for(n) for n in (1, 2, 3, 4)] == ["cpu", "cpu-rowmajor", "cpu-rowmajor", "cpu"]
-    assert second.speedups.packed_bytes == cpu_decode.packed_bytes(model) > 0  # 4 rows read the packed copies
+    assert second.speedups.packed_bytes == c_step.packed_bytes(model) > 0  # 4 rows read the packed copies
     small = ModelRunner.for_model(
         random_model(random.Random(3)), num_kv_blocks=16, block_size=4, attention_backend="torch"
     )
@@ -465,10 +456,10 @@ def test_the_runner_packs_before_it_times_the_c_step(tmp_path, monkeypatch):
     seen = []
 
     def fake_rows(measure, **_):
-        seen.append([getattr(m, "_c_step_packed", None) is not None for _, m in cpu_decode.layer_tensors(model) if m])
+        seen.append([getattr(m, "_c_step_packed", None) is not None for _, m in c_step.layer_tensors(model) if m])
         return ({"rows": 4, "layouts": {1: "cpu"}, "seconds": {1: 1e-3}, "stopped_before": None}, "1 row: C 1.0 ms")
 
-    monkeypatch.setattr("lifeofprompt.model.cpu_decode.measured_rows", fake_rows)
+    monkeypatch.setattr("lifeofprompt.cpu.c_step.measured_rows", fake_rows)
     ModelRunner.for_model(model, num_kv_blocks=512, block_size=4, attention_backend="torch")
     assert len(seen) == 1 and seen[0] and all(seen[0])
 
@@ -501,7 +492,7 @@ def test_a_measurement_the_budget_cut_short_is_used_but_not_kept(tmp_path, monke
     monkeypatch.delenv("LIFEOFPROMPT_CPU_TUNING", raising=False)
     model = random_model(random.Random(3))
     asked = []
-    monkeypatch.setattr("lifeofprompt.model.cpu_decode.measured_rows", stopped_the_first_time(asked, 2, 1, 8))
+    monkeypatch.setattr("lifeofprompt.cpu.c_step.measured_rows", stopped_the_first_time(asked, 2, 1, 8))
     busy = ModelRunner.for_model(model, num_kv_blocks=512, block_size=4, attention_backend="torch")
     assert busy.speedups.c_step_rows == 1 and "not cached" in busy.resolved.cpu.notes["c_step"]
     again = ModelRunner.for_model(model, num_kv_blocks=512, block_size=4, attention_backend="torch")
@@ -698,7 +689,7 @@ def test_decode_attention_in_c_matches_the_torch_path_in_mixed_steps(seed, threa
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = paged_attention(*args, decode_kernel=cpu_decode.decode_attention)
+        got = paged_attention(*args, decode_kernel=c_step.decode_attention)
     finally:
         torch.set_num_threads(previous)
     torch.testing.assert_close(got, paged_attention(*args), rtol=1e-5, atol=1e-5)
@@ -718,8 +709,8 @@ def test_the_forecast_follows_the_measured_steps_not_the_row_count(monkeypatch):
         clock[0] += seconds  # a fake clock the budget reads
         return seconds
 
-    monkeypatch.setattr(cpu_decode.time, "perf_counter", lambda: clock[0])
-    answer, why = cpu_decode.measured_rows(measure, row_counts=(1, 2, 4, 8, 16), budget_s=3.0)
+    monkeypatch.setattr(c_step.time, "perf_counter", lambda: clock[0])
+    answer, why = c_step.measured_rows(measure, row_counts=(1, 2, 4, 8, 16), budget_s=3.0)
     assert answer["rows"] >= 8 and clock[0] <= 3.0, why
 
 
@@ -737,20 +728,20 @@ def test_the_default_budget_reaches_a_batched_step_on_a_slow_cpu(monkeypatch):
         clock[0] += seconds
         return seconds
 
-    monkeypatch.setattr(cpu_decode.time, "perf_counter", lambda: clock[0])
-    answer, why = cpu_decode.measured_rows(measure)
+    monkeypatch.setattr(c_step.time, "perf_counter", lambda: clock[0])
+    answer, why = c_step.measured_rows(measure)
     assert answer["rows"] >= 32, why
-    assert clock[0] <= cpu_decode.STEP_BUDGET_S
+    assert clock[0] <= c_step.STEP_BUDGET_S
     assert answer["layouts"][32] == "cpu"
     clock[0] = 0.0
-    assert cpu_decode.measured_rows(measure, budget_s=3.0)[0]["rows"] == 8  # what the old budget reached
+    assert c_step.measured_rows(measure, budget_s=3.0)[0]["rows"] == 8  # what the old budget reached
     # the same VM an hour later, a third slower: still 32 rows
     slower = {
         path: {n: t * 1.35 for n, t in times.items()} for path, times in (("cpu", c), ("rm", row_major), ("t", eager))
     }
     c, row_major, eager = slower["cpu"], slower["rm"], slower["t"]
     clock[0] = 0.0
-    assert cpu_decode.measured_rows(measure)[0]["rows"] >= 32
+    assert c_step.measured_rows(measure)[0]["rows"] >= 32
 
 
 def test_a_measurement_stopped_past_8_rows_is_kept_and_measured_once_more(tmp_path, monkeypatch):
@@ -760,7 +751,7 @@ def test_a_measurement_stopped_past_8_rows_is_kept_and_measured_once_more(tmp_pa
     monkeypatch.delenv("LIFEOFPROMPT_CPU_TUNING", raising=False)
     model = random_model(random.Random(3))
     asked = []
-    monkeypatch.setattr("lifeofprompt.model.cpu_decode.measured_rows", stopped_the_first_time(asked, 32, 16, 32))
+    monkeypatch.setattr("lifeofprompt.cpu.c_step.measured_rows", stopped_the_first_time(asked, 32, 16, 32))
     first = ModelRunner.for_model(model, num_kv_blocks=4096, block_size=4, attention_backend="torch")
     assert first.speedups.c_step_rows == 16 and "measured once more" in first.resolved.cpu.notes["c_step"]
     assert (
@@ -780,7 +771,7 @@ def test_a_measurement_stopped_past_8_rows_is_kept_and_measured_once_more(tmp_pa
         asked.append(True)
         return {"rows": 16, "layouts": {1: "cpu"}, "seconds": {1: 1e-3}, "stopped_before": 32}, "stopped before 32 rows"
 
-    monkeypatch.setattr("lifeofprompt.model.cpu_decode.measured_rows", always_stopped)
+    monkeypatch.setattr("lifeofprompt.cpu.c_step.measured_rows", always_stopped)
     other = random_model(random.Random(4))
     for _ in range(3):
         assert (

@@ -6,9 +6,11 @@ import pytest
 import torch
 from torch import nn
 
+from lifeofprompt.cpu import linear_calibration
+from lifeofprompt.cpu.linear_calibration import calibrate, choose_cpu_linear
 from lifeofprompt.engine.config import EngineConfig
 from lifeofprompt.errors import ConfigError
-from lifeofprompt.model import linear, linear_calibration
+from lifeofprompt.model import linear
 from lifeofprompt.model.config import ModelConfig
 from lifeofprompt.model.linear import (
     MAX_PLANNED_ROWS,
@@ -20,7 +22,6 @@ from lifeofprompt.model.linear import (
     run_path,
     transposed_linear,
 )
-from lifeofprompt.model.linear_calibration import calibrate, choose_cpu_linear
 from lifeofprompt.model.llama import LlamaForCausalLM
 
 HERE = available_paths()

@@ -61,7 +61,7 @@ def test_default_device(monkeypatch):
     ],
 )
 def test_auto_dtype_on_the_cpu_reads_the_flags(monkeypatch, flags, declared, expected):
-    from lifeofprompt.model import linear_calibration
+    from lifeofprompt.cpu import linear_calibration
 
     monkeypatch.setattr(
         loader, "cpu_native_bf16", lambda: next((f for f in ("avx512_bf16", "amx_bf16") if f in flags.split()), None)
@@ -75,7 +75,7 @@ def test_auto_dtype_on_the_cpu_reads_the_flags(monkeypatch, flags, declared, exp
 
 def test_native_bf16_that_measures_slower_stays_fp32(monkeypatch):
     """The flag is necessary, not sufficient: where torch's bf16 products are slower, fp32 it is."""
-    from lifeofprompt.model import linear_calibration
+    from lifeofprompt.cpu import linear_calibration
 
     monkeypatch.setattr(loader, "cpu_native_bf16", lambda: "avx512_bf16")
     monkeypatch.setattr(linear_calibration, "bf16_decode_faster", lambda: (False, "a bf16 product took 2.5x"))
@@ -84,7 +84,7 @@ def test_native_bf16_that_measures_slower_stays_fp32(monkeypatch):
 
 
 def test_the_bf16_measurement_is_cached_per_machine(tmp_path, monkeypatch):
-    from lifeofprompt.model import linear_calibration
+    from lifeofprompt.cpu import linear_calibration
 
     monkeypatch.setenv("LIFEOFPROMPT_CACHE", str(tmp_path))
     timed = []
@@ -128,7 +128,7 @@ def test_the_embedded_model_declares_bf16_and_says_why(smollm2, monkeypatch):
     auto, _ = loader.load_model("smollm2-135m", device="cpu")
     assert auto.dtype == torch.float32 and "no native bf16" in auto.dtype_reason
     monkeypatch.setattr(loader, "cpu_native_bf16", lambda: "avx512_bf16")
-    from lifeofprompt.model import linear_calibration
+    from lifeofprompt.cpu import linear_calibration
 
     monkeypatch.setattr(linear_calibration, "bf16_decode_faster", lambda: (True, "bf16 measured 0.6x"))
     auto, _ = loader.load_model("smollm2-135m", device="cpu")

@@ -117,7 +117,7 @@ def test_the_engine_on_blocks_says_so_and_decodes_the_story(one_thread):
 
 @pytest.mark.parametrize("blocks_s, floats_s, chosen", [(0.010, 0.020, "gguf"), (0.030, 0.020, None)])
 def test_auto_keeps_the_blocks_only_where_they_timed_faster(blocks_s, floats_s, chosen, monkeypatch, tmp_path):
-    from lifeofprompt.model import block_calibration
+    from lifeofprompt.cpu import block_calibration
     from lifeofprompt.model.loader import resolve_quantization
 
     monkeypatch.setenv("LIFEOFPROMPT_CACHE", str(tmp_path))  # a fresh cache: measured, not read
@@ -131,7 +131,7 @@ def test_auto_keeps_the_blocks_only_where_they_timed_faster(blocks_s, floats_s, 
 def test_the_calibrations_runs_take_turns_step_by_step(monkeypatch):
     """GGUF blocks against fp32 is decided by medians taken in alternation: a burst of load from elsewhere
     then slows every run alike, where timing one run after the other could hand the verdict to the burst."""
-    from lifeofprompt.model import block_calibration
+    from lifeofprompt.cpu import block_calibration
 
     calls = []
 
@@ -143,7 +143,7 @@ def test_the_calibrations_runs_take_turns_step_by_step(monkeypatch):
             calls.append((self.name, path))
 
     monkeypatch.setattr(block_calibration, "one_row_step", lambda model: ())
-    monkeypatch.setattr("lifeofprompt.model.huge_pages.move_weights_to_huge_pages", lambda model: None)
+    monkeypatch.setattr("lifeofprompt.cpu.huge_pages.move_weights_to_huge_pages", lambda model: None)
     runs = [(Fake("fp32"), "column"), (Fake("fp32"), "row"), (Fake("blocks"), "c_step")]
     seconds = block_calibration.interleaved_step_seconds(runs)
     assert len(seconds) == 3 and all(s >= 0 for s in seconds)

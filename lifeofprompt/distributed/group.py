@@ -375,7 +375,7 @@ class ParallelGroup:
     # ------------------------------------------------------------------ looking inside
 
     def share_plans(self, driver_model, choice) -> None:
-        """Send every worker the CPU product paths to use (``model/linear_calibration.py``), chosen once, here.
+        """Send every worker the CPU product paths to use (``cpu/linear_calibration.py``), chosen once, here.
 
         Ranks timing products against each other on shared cores would measure each other, so
         the driver times its own shard (every tensor-parallel rank's shard has the same shapes)
@@ -384,8 +384,8 @@ class ParallelGroup:
         theirs. A shape only another stage holds (the last stage's LM head) keeps plain products.
         Under torchrun on other machines the plans are the driver's CPU's: right, if not tuned there.
         """
+        from ..cpu.linear_calibration import choose_cpu_linear
         from ..model.linear import apply_plans
-        from ..model.linear_calibration import choose_cpu_linear
 
         plans, self.worker_plans_source = choice.plans, f"the driver's ({choice.source})"
         if choice.pinned is None and self.worker_threads != torch.get_num_threads():

@@ -40,7 +40,7 @@ class EngineConfig:
       budget while others wait or run (``scheduler.fair_prefill_threshold``);
     * ``kv_cache_memory``: vLLM sizes a CPU pool with ``VLLM_CPU_KVCACHE_SPACE``; ours is 2 GiB on a CPU;
     * ``quantization``: vLLM's None loads the checkpoint as it is; our ``"auto"`` keeps the embedded model's
-      GGUF blocks on a CPU where its batch-1 step measured faster with them (``model/block_calibration.py``),
+      GGUF blocks on a CPU where its batch-1 step measured faster with them (``cpu/block_calibration.py``),
       and is None for every other model, on a GPU, and where ``cpu_tuning`` is not ``"auto"``.
     """
 

@@ -4,11 +4,11 @@ On a CPU a decode step reads every weight once and does little else, so what pay
 weights fast and doing nothing between the reads. In start-up order:
 
 1. the weights move into 2 MiB pages and a big step's freed memory stays mapped (``place_weights``:
-   ``model/huge_pages.py``, ``model/allocator.py``);
+   ``cpu/huge_pages.py``, ``cpu/allocator.py``);
 2. each matrix product takes the path measured fastest here for its shape and row count
-   (``model/linear_calibration.py``), with oneDNN's packed copies where it wins;
+   (``cpu/linear_calibration.py``), with oneDNN's packed copies where it wins;
 3. the decode rows' attention runs in C, straight from the pool, where that measured faster, and
-   steps of up to ``c_step_rows`` rows run every layer in one C call (``model/cpu_decode.py``),
+   steps of up to ``c_step_rows`` rows run every layer in one C call (``cpu/c_step.py``),
    from packed copies of the layer matrices at the row counts where those measured faster;
 4. the step's token budget: as many tokens as one step prefills in ``STEP_SECONDS`` here, so a
    short request never waits behind a long prompt's step of several seconds.
@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..model import cpu_decode
-from ..model.allocator import keep_freed_memory
+from ..cpu import c_step
+from ..cpu.allocator import keep_freed_memory
+from ..cpu.huge_pages import move_weights_to_huge_pages
+from ..cpu.linear_calibration import cached_answer, choose_cpu_linear, machine_key
 from ..model.attention import PagedKVCache
 from ..model.forward_path import ForwardPath
-from ..model.huge_pages import move_weights_to_huge_pages
 from ..model.linear import apply_plans, plannable
-from ..model.linear_calibration import cached_answer, choose_cpu_linear, machine_key
 from .config import DEFAULT_STEP_TOKENS, STEP_SECONDS
 from .memory import format_bytes
 from .speedups import Speedups, dummy_inputs
@@ -88,7 +88,7 @@ class CpuSpeedups(Speedups):
             self.linear_choice = choose_cpu_linear(self.model, self.pinned or "auto", prepack=self.prepack)
         self.prepacked_bytes = apply_plans(self.model, self.linear_choice.plans if self.linear_choice else None)
         notes = {}
-        if not self.split and self.backend == "torch" and cpu_decode.supports(self.model):
+        if not self.split and self.backend == "torch" and c_step.supports(self.model):
             self.decode_attention_in_c, notes["attention"] = self.choose_decode_attention()
             notes["c_step"] = self.choose_c_step_rows(runner, num_blocks)
         self.packed_bytes = self.pack_for_c_step()
@@ -101,16 +101,16 @@ class CpuSpeedups(Speedups):
         return self.choices
 
     def choose_decode_attention(self) -> tuple[bool, str]:
-        """Whether decode rows attend in C, straight from the pool (``cpu_decode.decode_attention``): timed
+        """Whether decode rows attend in C, straight from the pool (``c_step.decode_attention``): timed
         once per machine against gather + SDPA; pinned, ``rowwise`` and ``c-step`` mean yes, any other no."""
         if self.pinned is not None:
             return self.tuning in ("rowwise", "c-step"), f"follows the pinned {self.tuning} path"
         c = self.model.config
-        return cpu_decode.decode_attention_faster(c.num_heads, c.num_kv_heads, c.head_dim, self.block_size)
+        return c_step.decode_attention_faster(c.num_heads, c.num_kv_heads, c.head_dim, self.block_size)
 
     def choose_c_step_rows(self, runner, num_blocks: int) -> str:
         """Up to how many rows a step runs as one C call (and, timed, the faster layout and its seconds per
-        row count): pinned, from the products' plans (``cpu_decode.usable_rows``); else whole steps timed."""
+        row count): pinned, from the products' plans (``c_step.usable_rows``); else whole steps timed."""
         if self.tuning == "c-step":
             self.c_step_rows = FORCED_C_STEP_ROWS
             return "asked for"
@@ -118,7 +118,7 @@ class CpuSpeedups(Speedups):
             return ""
         if self.pinned is not None:
             plans, timings = self.linear_choice.plans, self.linear_choice.timings
-            self.c_step_rows = cpu_decode.usable_rows(plans, cpu_decode.layer_shapes(self.model), timings)
+            self.c_step_rows = c_step.usable_rows(plans, c_step.layer_shapes(self.model), timings)
             return f"follows the pinned {self.pinned} path"
         answer, why = self.measure_c_step_rows(runner, num_blocks)
         if isinstance(answer, dict):
@@ -128,15 +128,15 @@ class CpuSpeedups(Speedups):
         return why
 
     def measure_c_step_rows(self, runner, num_blocks: int) -> tuple[dict | int, str]:
-        """``cpu_decode.measured_rows`` on decode steps of this model over as many blocks as the engine's pool
+        """``c_step.measured_rows`` on decode steps of this model over as many blocks as the engine's pool
         will have, cached per machine (0 where that pool is too small to time)."""
         per_block = math.ceil(TIMING_CONTEXT / self.block_size)
-        counts = tuple(n for n in cpu_decode.STEP_ROW_COUNTS if n * per_block <= num_blocks)
+        counts = tuple(n for n in c_step.STEP_ROW_COUNTS if n * per_block <= num_blocks)
         if len(counts) < 4:
-            least = cpu_decode.STEP_ROW_COUNTS[3]
+            least = c_step.STEP_ROW_COUNTS[3]
             return 0, f"not measured: the pool holds fewer than {least} x {TIMING_CONTEXT} tokens"
         plans, in_c = self.linear_choice.plans, self.decode_attention_in_c
-        key = dict(cpu_decode.measured_step_key(self.model, plans, self.block_size, in_c), row_counts=list(counts))
+        key = dict(c_step.measured_step_key(self.model, plans, self.block_size, in_c), row_counts=list(counts))
         key.update(packed=self.prepack)
 
         def measure(rows: int, path: ForwardPath) -> float:
@@ -158,10 +158,10 @@ class CpuSpeedups(Speedups):
             (ForwardPath.C_STEP, ForwardPath.C_STEP_ROW_MAJOR) if self.prepack else (ForwardPath.C_STEP_ROW_MAJOR,)
         )
         if self.prepack:
-            cpu_decode.pack_all(self.model)
-        answer, why = cpu_decode.measured_rows(measure, row_counts=counts, c_paths=layouts)
+            c_step.pack_all(self.model)
+        answer, why = c_step.measured_rows(measure, row_counts=counts, c_paths=layouts)
         stopped = answer["stopped_before"]
-        if stopped is not None and stopped <= cpu_decode.MIN_CACHED_ROWS:
+        if stopped is not None and stopped <= c_step.MIN_CACHED_ROWS:
             why += f"; not cached (the budget ran out before {stopped} rows, a sign of a busy machine)"
             return answer, why + ": measured again at the next start", None
         if stopped is not None:  # a slow machine, or a busy moment: one more look at the next start
@@ -175,11 +175,11 @@ class CpuSpeedups(Speedups):
         wanted = any(self.path_for(n) == ForwardPath.C_STEP for n in range(1, self.c_step_rows + 1))
         if not (wanted and self.prepack):
             if self.c_step_rows:
-                cpu_decode.drop_packed(self.model)
+                c_step.drop_packed(self.model)
             return 0
-        cpu_decode.pack_all(self.model)
-        cpu_decode.weight_pointers(self.model)
-        return cpu_decode.packed_bytes(self.model)
+        c_step.pack_all(self.model)
+        c_step.weight_pointers(self.model)
+        return c_step.packed_bytes(self.model)
 
     def measure_step_tokens(self, runner) -> tuple[int | None, str]:
         """How many tokens one step prefills in ``STEP_SECONDS`` here, with the paths just chosen (a prompt of
@@ -193,10 +193,10 @@ class CpuSpeedups(Speedups):
         key = dict(machine_key(), version=1, what="prefill speed", dtype=str(self.model.dtype), shape=shape)
         key.update(products=products, block_size=self.block_size)
         if self.model.quantization is not None:  # block matrices: their formats and kernels set the speed
-            from ..model.native_build import source_digest
+            from ..cpu.native_build import source_digest
 
-            key.update(formats=cpu_decode.matrix_formats(self.model), head=self.model.lm_head.format)
-            key.update(kernels=source_digest(cpu_decode.SOURCE))
+            key.update(formats=c_step.matrix_formats(self.model), head=self.model.lm_head.format)
+            key.update(kernels=source_digest(c_step.SOURCE))
         cache = self.scratch_pool(math.ceil(PREFILL_PROBE_TOKENS / self.block_size))
 
         def measure():
@@ -225,7 +225,7 @@ class CpuSpeedups(Speedups):
         if not 0 < rows <= self.c_step_rows:
             return ForwardPath.TORCH
         unmeasured = ForwardPath.C_STEP if self.prepack else ForwardPath.C_STEP_ROW_MAJOR
-        return ForwardPath(cpu_decode.layout_for(rows, self.c_step_layouts, unmeasured))
+        return ForwardPath(c_step.layout_for(rows, self.c_step_layouts, unmeasured))
 
     def for_draft(self, draft) -> Speedups:
         """A draft model's own speed-ups. A draft that shares the target's layers shares their plans and C
@@ -241,9 +241,9 @@ class CpuSpeedups(Speedups):
         move_weights_to_huge_pages(draft)  # where the target's weights are, before timing
         theirs.linear_choice = choose_cpu_linear(draft, self.pinned or "auto", prepack=self.prepack)
         apply_plans(draft, theirs.linear_choice.plans)
-        if self.c_step_rows and cpu_decode.supports(draft):
-            shapes, choice = cpu_decode.layer_shapes(draft), theirs.linear_choice
-            theirs.c_step_rows = cpu_decode.usable_rows(choice.plans, shapes, choice.timings)
+        if self.c_step_rows and c_step.supports(draft):
+            shapes, choice = c_step.layer_shapes(draft), theirs.linear_choice
+            theirs.c_step_rows = c_step.usable_rows(choice.plans, shapes, choice.timings)
         return theirs
 
     def share_with(self, parallel, model) -> None:
@@ -264,10 +264,10 @@ class CpuSpeedups(Speedups):
             why = f"; {notes['c_step']}" if notes.get("c_step") else ""
             lines.append(
                 f"steps of {rows} (decodes, verifies, short prompt chunks): all layers in one C call "
-                f"(model/cpu_decode.c){copy if self.packed_bytes else ''}{why}"
+                f"(cpu/c_step.c){copy if self.packed_bytes else ''}{why}"
             )
         elif notes.get("c_step"):  # measured, and turned down: say why
-            lines.append(f"no step runs as one C call (model/cpu_decode.c): {notes['c_step']}")
+            lines.append(f"no step runs as one C call (cpu/c_step.c): {notes['c_step']}")
         if notes.get("attention"):
             how = "in C, from the pool" if self.decode_attention_in_c else "gather + SDPA (torch)"
             lines.append(f"decode attention: {how} ({notes['attention']})")

@@ -25,12 +25,12 @@ from .sequence import Sequence
 # (tests/test_engine_config.py and tests/gpu/test_engine_gpu.py check it in a fresh process).
 CPU_TUNING_MODULES = (
     "lifeofprompt.engine.cpu_speedups",
-    "lifeofprompt.model.cpu_decode",
-    "lifeofprompt.model.cpu_rows",
-    "lifeofprompt.model.linear_calibration",
-    "lifeofprompt.model.huge_pages",
-    "lifeofprompt.model.allocator",
-    "lifeofprompt.model.native_build",
+    "lifeofprompt.cpu.c_step",
+    "lifeofprompt.cpu.row_kernels",
+    "lifeofprompt.cpu.linear_calibration",
+    "lifeofprompt.cpu.huge_pages",
+    "lifeofprompt.cpu.allocator",
+    "lifeofprompt.cpu.native_build",
 )
 
 

@@ -28,7 +28,7 @@ def kernels_of_step(model, launch) -> str:
         how += f" (batch {launch.rows} padded to {launch.padded_to})"
     if launch.path in ("cpu", "cpu-rowmajor"):
         return (
-            f"{model.config.num_layers} layers in one C call (model/cpu_decode.c: RMSNorm, qkv, RoPE, attention from "
+            f"{model.config.num_layers} layers in one C call (cpu/c_step.c: RMSNorm, qkv, RoPE, attention from "
             f"the pool, o_proj, RMSNorm, gate_up, SiLU·up, down) + final norm; lm_head GEMM; {how}"
         )
     if launch.path in (True, "fused"):

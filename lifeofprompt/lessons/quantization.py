@@ -104,7 +104,7 @@ def measure_formats(labels: list[str], read_bandwidth: float, rounds: int = 3) -
 
     The formats take turns, ``rounds`` times, and each keeps its fastest median: a moment of load on a shared
     machine then slows one round of every format rather than all rounds of one. fp32 and blocks run the C
-    step (``model/cpu_decode.py``), which computes in fp32; bf16 runs torch's layers, whose bf16 products use
+    step (``cpu/c_step.py``), which computes in fp32; bf16 runs torch's layers, whose bf16 products use
     the CPU's own bf16 instructions where it has them.
     """
     from ..model.loader import load_model
@@ -127,7 +127,7 @@ def measure_formats(labels: list[str], read_bandwidth: float, rounds: int = 3) -
 
 def _step_seconds(label: str, model) -> float:
     """One timing of a batch-1 step: torch's layers for bf16, else the C step (fp32 in its faster layout)."""
-    from ..model.block_calibration import fastest_float_step, step_seconds
+    from ..cpu.block_calibration import fastest_float_step, step_seconds
     from ..model.forward_path import ForwardPath
 
     if label == "bf16":

@@ -93,8 +93,8 @@ def measure_read_bandwidth(device="cpu", nbytes: int | None = None, repeats: int
     """
     device = torch.device(device)
     nbytes = nbytes or (2**30 if device.type == "cuda" else CPU_READ_BYTES)
-    if device.type == "cpu":  # the pages the engine keeps its weights in (model/huge_pages.py)
-        from ..model.huge_pages import huge_page_buffer
+    if device.type == "cpu":  # the pages the engine keeps its weights in (cpu/huge_pages.py)
+        from ..cpu.huge_pages import huge_page_buffer
 
         data = huge_page_buffer(nbytes // 4 * 4).view(torch.float32).fill_(1.0)
     else:

@@ -221,7 +221,7 @@ class PagedCacheMetadata(AttentionMetadata):
     block_tables: torch.Tensor | None = None  # [B, max_blocks_per_seq] int32, unused entries -1
     slot_mapping: torch.Tensor | None = None  # [T] int64, negative = padding row (not stored)
     backend: str = "torch"
-    decode_in_c: bool = False  # torch backend: decode rows by cpu_decode.decode_attention
+    decode_in_c: bool = False  # torch backend: decode rows by c_step.decode_attention
 
     @cached_property
     def writes(self) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -236,7 +236,7 @@ class PagedCacheMetadata(AttentionMetadata):
             write_rows(k, v, k_pool, v_pool, *self.writes)
             extra["plan"] = self.torch_plan(block_tables=self.block_tables, block_size=self.cache.block_size)
             if self.decode_in_c:
-                from .cpu_decode import decode_attention
+                from ..cpu.c_step import decode_attention
 
                 extra["decode_kernel"] = decode_attention
         else:

@@ -17,7 +17,7 @@ class ForwardPath(str, enum.Enum):
     for it is ``cpu_tuning="c-step"``."""
 
     TORCH = "torch"  # the decoder layers (on a GPU their small ops run fused Triton kernels: model/layers.py)
-    C_STEP = "cpu"  # every layer in one C call, reading packed weight copies (cpu_decode.py); CPU only, few rows
+    C_STEP = "cpu"  # every layer in one C call, reading packed weight copies (c_step.py); CPU only, few rows
     C_STEP_ROW_MAJOR = "cpu-rowmajor"  # the same, reading the row-major weights only
 
     @property

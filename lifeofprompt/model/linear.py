@@ -13,7 +13,7 @@ constant tuned on one CPU. The paths (all give ``x @ W.T`` up to fp32 summation 
   two-column kernel, and two dot products per weight row read no more memory than one);
 * ``onednn``: oneDNN (inside torch) reorders each weight *once* into the blocked layout its
   kernels read fastest; the packed copy costs as much memory again as the weight;
-* ``rowwise``: a small C kernel compiled for this machine (``cpu_rows.py``) that reads each weight
+* ``rowwise``: a small C kernel compiled for this machine (``row_kernels.py``) that reads each weight
   row once, front to back.
 
 The engine's model runner times the candidates on the model's own shapes at start-up
@@ -50,7 +50,7 @@ def onednn_available() -> bool:
 
 def rowwise_available() -> bool:
     """Whether the compiled ``rowwise`` kernel exists on this machine (builds it on first call)."""
-    from .cpu_rows import rows_kernel
+    from ..cpu.row_kernels import rows_kernel
 
     return rows_kernel() is not None
 
@@ -89,7 +89,7 @@ def run_path(path: str, x: torch.Tensor, module: Linear) -> torch.Tensor:
             raise RuntimeError("the onednn path needs a prepacked weight (Linear.prepack)")
         return torch.ops.mkldnn._linear_pointwise(x, module.packed, None, "none", [], "")
     if path == "rowwise":
-        from .cpu_rows import rows_linear
+        from ..cpu.row_kernels import rows_linear
 
         return rows_linear(x, module.weight)
     raise ValueError(f"unknown matrix-product path {path!r}: use one of {', '.join(PATHS)}")

@@ -126,7 +126,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final normalised hidden state of every row ``[T, hidden]``: the embedding, the decoder layers in
         order (the package's only loop over them) and the final norm; ``C_STEP``: a small step of the paged
-        engine in one C call (``cpu_decode.py``: same layers, same weights; ``C_STEP_ROW_MAJOR`` without its
+        engine in one C call (``c_step.py``: same layers, same weights; ``C_STEP_ROW_MAJOR`` without its
         packed weight copies).
 
         A pipeline stage runs the same loop over its slice of the layers: ``hidden`` is what the stage
@@ -134,7 +134,7 @@ class LlamaForCausalLM(nn.Module):
         the next stage instead of normalising it."""
         path = ForwardPath(path)
         if path is not ForwardPath.TORCH:
-            from .cpu_decode import decode_hidden_states
+            from ..cpu.c_step import decode_hidden_states
 
             return decode_hidden_states(self, input_ids, positions, meta, packed=path is ForwardPath.C_STEP)
         hidden = self.embed_tokens(input_ids) if hidden is None else hidden

@@ -67,7 +67,7 @@ def choose_dtype(device: torch.device, dtype=None, declared="bfloat16") -> tuple
             torch.float32,
             f"auto: this CPU has no native bf16 (no {' or '.join(NATIVE_BF16_FLAGS)} flag), so float32",
         )
-    from .linear_calibration import bf16_decode_faster
+    from ..cpu.linear_calibration import bf16_decode_faster
 
     faster, measured = bf16_decode_faster()
     if faster:
@@ -295,7 +295,7 @@ def resolve_quantization(name_or_path, device: torch.device, quantization) -> tu
         return quantization, "as asked"
     if name_or_path != DEFAULT_MODEL or device.type != "cpu":
         return None, "auto: blocks are timed only for the embedded model on a CPU"
-    from .block_calibration import blocks_decode_faster
+    from ..cpu.block_calibration import blocks_decode_faster
 
     faster, why = blocks_decode_faster(lambda q: load_weights(DEFAULT_MODEL, device, "float32", q)[0])
     return ("gguf" if faster else None), f"auto: {why}"

@@ -76,7 +76,7 @@ def paged_attention(
     *last* tokens, so its first ``seq_lens[b] - query_len`` tokens are a cached prefix that
     every one of its queries may see. ``plan`` (optional) carries what every layer of one step
     shares (groups, masks, key slots), so a forward computes it once. ``decode_kernel``: a
-    function like ``cpu_decode.decode_attention`` that takes the decode rows, reading the pool
+    function like ``c_step.decode_attention`` that takes the decode rows, reading the pool
     through the block tables instead of copying each sequence's blocks out first (the engine's
     choice on the CPU; without it this function is the torch reference).
     """

@@ -5,7 +5,7 @@ instead of fp32 (32 bits) cuts the bytes a token costs about six-fold. The block
 numbers only inside the product:
 
 * a few rows on a CPU (decode, verify, a short prompt chunk): the compiled block kernel
-  (``cpu_blocks.py``), which unpacks each block in registers and multiplies it into every row;
+  (``block_kernels.py``), which unpacks each block in registers and multiplies it into every row;
 * a few rows on a GPU: the Triton kernel (``kernels/block_matmul.py``), which does the same per tile;
 * many rows (a long prompt chunk), or where no kernel is built: a tile of output rows is
   dequantized at a time and multiplied by the ordinary float product (``DEQUANTIZE_ROWS`` rows, so
@@ -22,7 +22,7 @@ from torch import nn
 from .block_formats import BlockWeight, weight_tensors
 
 DEQUANTIZE_ROWS = 4096  # output rows dequantized at a time on the fallback path
-CPU_DEQUANTIZE_ROWS = 1024  # the same with the compiled dequantization (cpu_blocks.dequantize_rows)
+CPU_DEQUANTIZE_ROWS = 1024  # the same with the compiled dequantization (block_kernels.dequantize_rows)
 KERNEL_MAX_ROWS = 16  # activation rows up to which the block kernels beat dequantize-and-multiply
 
 
@@ -95,7 +95,7 @@ def block_kernel(x: torch.Tensor, blocks: BlockWeight):
     if torch.is_grad_enabled() or x.shape[0] > (cpu_kernel_rows() if x.is_cpu else KERNEL_MAX_ROWS):
         return None
     if x.is_cpu:
-        from .cpu_blocks import blocks_kernel_available, blocks_linear
+        from ..cpu.block_kernels import blocks_kernel_available, blocks_linear
 
         return blocks_linear if blocks_kernel_available() else None
     if x.is_cuda:
@@ -112,7 +112,7 @@ ROW_COUNTS_TIMED = (16, 64, 256, 1024)  # activation rows at which the CPU's two
 def cpu_kernel_rows() -> int:
     """The most activation rows the CPU's block kernel takes: timed once per machine against dequantizing tiles into
     BLAS (``kernel_row_limit``), since which is faster for a prompt chunk depends on the CPU's vector units."""
-    from .cpu_blocks import blocks_kernel_available
+    from ..cpu.block_kernels import blocks_kernel_available
 
     return kernel_row_limit() if blocks_kernel_available() else KERNEL_MAX_ROWS
 
@@ -121,10 +121,10 @@ def kernel_row_limit() -> int:
     """The largest of ``ROW_COUNTS_TIMED`` up to which the block kernel beat dequantize-then-multiply on a
     3072 x 576 Q4_1 matrix (SmolLM2's gate_up), never below ``KERNEL_MAX_ROWS``; cached per machine.
     (On the AVX-512 EPYC the kernel won at every count, 1,024 rows included, at one thread and two.)"""
+    from ..cpu.block_kernels import SOURCE, blocks_linear
+    from ..cpu.linear_calibration import cached_answer, machine_key
+    from ..cpu.native_build import source_digest
     from .block_formats import quantize
-    from .cpu_blocks import SOURCE, blocks_linear
-    from .linear_calibration import cached_answer, machine_key
-    from .native_build import source_digest
 
     def measure():
         blocks = quantize(torch.randn(3072, 576, generator=torch.Generator().manual_seed(0)) * 0.02, "q4_1")
@@ -161,12 +161,12 @@ def dequantized_product(x: torch.Tensor, blocks: BlockWeight, out_dtype: torch.d
     """The product a tile of output rows at a time: each tile dequantized into ``x``'s dtype, then ``x @ tile.T``.
 
     On a CPU with the compiled kernel and fp32 ``x``, a tile of ``CPU_DEQUANTIZE_ROWS`` rows is
-    dequantized in one pass (``cpu_blocks.dequantize_rows``) into one scratch buffer reused by every
+    dequantized in one pass (``block_kernels.dequantize_rows``) into one scratch buffer reused by every
     tile, and multiplied by BLAS straight into its columns of the result. Elsewhere (a GPU, another
     dtype, no C compiler) torch dequantizes ``DEQUANTIZE_ROWS`` rows at a time.
     """
     if x.is_cpu and blocks.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2:
-        from .cpu_blocks import dequantize_kernel, dequantize_rows
+        from ..cpu.block_kernels import dequantize_kernel, dequantize_rows
 
         if dequantize_kernel() is not None:
             out = torch.empty(x.shape[0], blocks.out_features, dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""The ``rows`` matrix-product path: ``cpu_rows.c`` compiled once per machine, called through ctypes.
+"""The ``rows`` matrix-product path: ``row_kernels.c`` compiled once per machine, called through ctypes.
 
 Why a C file in a torch project: at decode sizes (1-2 rows) the BLAS routines behind
 ``x @ W.T`` read fp32 weights well below the machine's memory read rate on some CPUs (on the
@@ -20,7 +20,7 @@ import torch
 
 from .native_build import c_function
 
-SOURCE = Path(__file__).with_name("cpu_rows.c")
+SOURCE = Path(__file__).with_name("row_kernels.c")
 
 
 @functools.cache

@@ -5,14 +5,14 @@
  * A decode step multiplies one or a few rows by every weight matrix, so the cost is streaming
  * the weights from memory. Walking w row after row makes the whole matrix a sequential
  * stream, which the CPU's prefetcher follows at close to its full read rate; the rows of x
- * stay in the cache. cpu_rows.h holds the inner loop (tiles of two weight rows by four rows
+ * stay in the cache. row_kernels.h holds the inner loop (tiles of two weight rows by four rows
  * of x). Threads split the output rows in chunks (OpenMP; the runtime is torch's own when
  * torch is loaded first).
  *
- * lifeofprompt/model/cpu_rows.py compiles this file once per machine; the engine's calibration
- * (lifeofprompt/model/linear_calibration.py) uses it only for the shapes where it measured fastest.
+ * lifeofprompt/cpu/row_kernels.py compiles this file once per machine; the engine's calibration
+ * (lifeofprompt/cpu/linear_calibration.py) uses it only for the shapes where it measured fastest.
  */
-#include "cpu_rows.h"
+#include "row_kernels.h"
 
 void rows_times_weight(const float *x, const float *w, float *y, long m, long in, long out, int threads) {
     long chunks = (out + CHUNK_ROWS - 1) / CHUNK_ROWS;

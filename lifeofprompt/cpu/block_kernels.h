@@ -1,4 +1,4 @@
-/* Block matrices (GGUF's Q8_0 and Q4_1) times a few rows, shared by cpu_blocks.c and cpu_decode.c.
+/* Block matrices (GGUF's Q8_0 and Q4_1) times a few rows, shared by block_kernels.c and c_step.c.
  *
  * y[r][o] = sum_i x[r][i] * W[o][i]   for the rows r of x and a range of rows o of a block matrix W
  *
@@ -10,7 +10,7 @@
  * The weights are never written out as floats. A block's bytes are loaded once, turned into
  * floats in registers (a mask and a shift split the nibbles, a conversion makes them floats, one
  * multiply-add applies d and m) and multiplied into every row of a tile of x (up to TILE_ROWS
- * rows, as cpu_rows.h tiles rows): the unpacking is paid once per tile, the multiply-adds once
+ * rows, as row_kernels.h tiles rows): the unpacking is paid once per tile, the multiply-adds once
  * per row, as in the fp32 kernel.
  *
  * Two other ways were measured (one thread of the AMD EPYC this was written on, SmolLM2's shapes,
@@ -38,7 +38,7 @@
  * place where its width is whole blocks, and otherwise copied once per product into rows of whole
  * blocks (block_input). The inner loop never checks for a ragged end.
  *
- * The vector types are cpu_rows.h's (the target's own width under -march=native: AVX-512, AVX2,
+ * The vector types are row_kernels.h's (the target's own width under -march=native: AVX-512, AVX2,
  * or what a portable build gives). Sums run in another order than x @ W.T on the dequantized
  * weights, so results agree with it up to fp32 summation order.
  */
@@ -51,14 +51,14 @@
 #include <immintrin.h>
 #endif
 
-#include "cpu_rows.h"
+#include "row_kernels.h"
 
 #define BLOCK 32
 
 /* How a weight matrix is stored: the C step reads each layer matrix in its own format. */
 enum { FORMAT_F32 = 0, FORMAT_F32_PACKED = 1, FORMAT_Q8_0 = 2, FORMAT_Q4_1 = 3 };
 
-/* One matrix [out, n]: fp32 (row-major, or packed as in cpu_rows.h) in `data`; or blocks, with the
+/* One matrix [out, n]: fp32 (row-major, or packed as in row_kernels.h) in `data`; or blocks, with the
  * quants in `data` and the fp16 scales (and Q4_1's minimums) [out, blocks] beside them. */
 typedef struct {
     int64_t format;

@@ -2,16 +2,16 @@
  *
  * y[r][o] = sum_i x[r][i] * W[o][i]  for x [m, n] fp32, W [out, n] as blocks, y [m, out] fp32.
  *
- * The inner loop is cpu_blocks.h's (shared with the C step, cpu_decode.c): each block made floats
+ * The inner loop is block_kernels.h's (shared with the C step, c_step.c): each block made floats
  * in registers and multiplied into a tile of rows of x. The threads split the output rows in
  * chunks (OpenMP; the runtime is torch's own when torch is loaded first).
  *
- * lifeofprompt/model/cpu_blocks.py compiles this file once per machine.
+ * lifeofprompt/cpu/block_kernels.py compiles this file once per machine.
  */
 #include <stdlib.h>
 
-#include "cpu_rows.h"
-#include "cpu_blocks.h"
+#include "row_kernels.h"
+#include "block_kernels.h"
 
 /* Returns 0, or -1 where the copy of x a ragged width needs could not be allocated. */
 int blocks_times_weight(const float *x, long m, long n, long format, const void *quants, const uint16_t *scales,
@@ -42,7 +42,7 @@ int blocks_times_weight(const float *x, long m, long n, long format, const void 
  * plus m, each rounded). A fused multiply-add would give the same floats here (q has at most 8
  * bits and d, an fp16, 11, so d q is exact in fp32), but the functions below are built with
  * fp-contract off all the same, so that the equality rests on no such argument.
- * Q4_1 with AVX-512 takes the table lookup of cpu_blocks.h (vpermps among a block's sixteen
+ * Q4_1 with AVX-512 takes the table lookup of block_kernels.h (vpermps among a block's sixteen
  * possible weights i d + m, made by a multiply and an add: the same floats). */
 #if defined(__clang__)
 #define NO_CONTRACT _Pragma("clang fp contract(off)")

@@ -1,4 +1,4 @@
-"""A whole decode step in one C call (``cpu_decode.c``): the CPU's fused decode path.
+"""A whole decode step in one C call (``c_step.c``): the CPU's fused decode path.
 
 The torch forward (``llama.py``) is the reference and runs every step that is not this one.
 At batch 1 it spends about 0.3 ms a layer outside the matrix products, in dozens of tiny eager
@@ -12,7 +12,7 @@ matrix's plan (``usable_rows``), so no timing moves a token.
 It serves Llama models with fp32 activations on the CPU, the engine's paged KV pool and steps of
 a few rows: one-token decodes, the k + 1 rows of a speculative verify, a short prefill chunk,
 mixed as the scheduler sends them. Larger steps go the torch way. Each layer matrix is read in its
-own format (``cpu_blocks.h``'s ``WeightMatrix``): fp32, from a packed copy or row-major, or GGUF
+own format (``block_kernels.h``'s ``WeightMatrix``): fp32, from a packed copy or row-major, or GGUF
 blocks (``QuantizedLinear``: Q8_0 or Q4_1, unpacked in registers, no float copy made). Its
 numbers equal the torch forward's up to fp32 summation order (tests/test_cpu_decode.py).
 """
@@ -27,14 +27,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .forward_path import ForwardPath
+from ..model.forward_path import ForwardPath
 from .native_build import c_function
 
-SOURCE = Path(__file__).with_name("cpu_decode.c")
+SOURCE = Path(__file__).with_name("c_step.c")
 
 
 class Dims(ctypes.Structure):
-    """The ``Dims`` struct of ``cpu_decode.c``: the model's shape and the step's pool."""
+    """The ``Dims`` struct of ``c_step.c``: the model's shape and the step's pool."""
 
     _fields_ = [
         (name, ctypes.c_long)
@@ -53,7 +53,7 @@ class Dims(ctypes.Structure):
 
 
 class Matrix(ctypes.Structure):
-    """``WeightMatrix`` of ``cpu_blocks.h``: one layer matrix, its format and the planes it is read from."""
+    """``WeightMatrix`` of ``block_kernels.h``: one layer matrix, its format and the planes it is read from."""
 
     _fields_ = [
         ("format", ctypes.c_int64),
@@ -67,12 +67,12 @@ MATRICES = ("qkv", "o", "gate_up", "down")  # a layer's four matrices, in the or
 
 
 class Layer(ctypes.Structure):
-    """``Layer`` of ``cpu_decode.c``: one layer's two norms and four matrices."""
+    """``Layer`` of ``c_step.c``: one layer's two norms and four matrices."""
 
     _fields_ = [("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p)] + [(name, Matrix) for name in MATRICES]
 
 
-# ``cpu_blocks.h``'s formats: fp32 row-major, fp32 packed (panels, ``cpu_rows.h``), GGUF blocks.
+# ``block_kernels.h``'s formats: fp32 row-major, fp32 packed (panels, ``row_kernels.h``), GGUF blocks.
 FORMAT_CODES = {"fp32": 0, "fp32-packed": 1, "q8_0": 2, "q4_1": 3}
 BLOCK_FORMATS = ("q8_0", "q4_1")
 BLOCK = 32  # weights per block (block_formats.BLOCK)
@@ -94,7 +94,7 @@ def step_kernel():
 
 @functools.cache
 def packed_layout() -> tuple[int, int] | None:
-    """``(weight rows per panel, floats per vector)`` of the packed weights this build reads (``cpu_rows.h``)."""
+    """``(weight rows per panel, floats per vector)`` of the packed weights this build reads (``row_kernels.h``)."""
     rows, lanes = (c_function(SOURCE, name, [], ctypes.c_long) for name in ("packed_rows", "packed_lanes"))
     return (rows(), lanes()) if rows is not None and lanes is not None else None
 
@@ -230,7 +230,7 @@ SHORT_STEP_S = 0.03
 
 
 # The C step reads the layer matrices in one of two layouts (``ForwardPath.C_STEP``: its packed
-# copies, panels of ``cpu_rows.h``; ``C_STEP_ROW_MAJOR``: the weights as they are). Which is faster
+# copies, panels of ``row_kernels.h``; ``C_STEP_ROW_MAJOR``: the weights as they are). Which is faster
 # depends on the row count and the machine, so the engine times both (``measured_rows``).
 C_LAYOUTS = (ForwardPath.C_STEP, ForwardPath.C_STEP_ROW_MAJOR)
 TORCH = ForwardPath.TORCH
@@ -391,7 +391,7 @@ def layer_shapes(model) -> set[tuple[int, int]]:
 
 
 def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``weight [out, in]`` in the packed layout of ``cpu_rows.h``: panels of ``panel_rows`` rows,
+    """``weight [out, in]`` in the packed layout of ``row_kernels.h``: panels of ``panel_rows`` rows,
     each stored column by column (one read stream; each weight vector serves a whole tile of x).
     Into ``out`` (the same number of floats) where given, e.g. a view of a huge-page buffer."""
     panel_rows, _ = packed_layout()
@@ -404,7 +404,7 @@ def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
 
 
 def layer_tensors(model) -> list[tuple[torch.Tensor, nn.Module | None]]:
-    """Every tensor of the layers that ``cpu_decode.c`` reads, each with its module where it is an
+    """Every tensor of the layers that ``c_step.c`` reads, each with its module where it is an
     fp32 matrix to be read packed (None otherwise: a norm, a row-major weight, a block plane)."""
     ok = packable(model)
     tensors = []
@@ -486,7 +486,7 @@ def step_tensors(model) -> list[tuple[torch.Tensor, nn.Module | None]]:
 
 
 def matrix_pointers(module: nn.Module, packed: bool, packable_here: bool) -> tuple[Matrix, list[torch.Tensor]]:
-    """One layer matrix as ``cpu_blocks.h`` reads it, and the tensors it points into (kept alive)."""
+    """One layer matrix as ``block_kernels.h`` reads it, and the tensors it points into (kept alive)."""
     if is_blocks(module):
         planes = module.blocks
         mins = planes.mins.data_ptr() if planes.mins is not None else None
@@ -499,7 +499,7 @@ def matrix_pointers(module: nn.Module, packed: bool, packable_here: bool) -> tup
 
 
 def weight_pointers(model, packed: bool = True) -> ctypes.Array:
-    """The per-layer ``Layer`` structs ``cpu_decode.c`` reads: the norms, and each matrix in its format
+    """The per-layer ``Layer`` structs ``c_step.c`` reads: the norms, and each matrix in its format
     (fp32 from its packed copy where the layout holds it, unless ``packed`` is False; else row-major;
     or its blocks).
 
@@ -537,7 +537,7 @@ def packed_bytes(model) -> int:
 
 
 def rows_of_step(meta, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each query row's block table and context length (``[m, max_blocks]``, ``[m]``), as ``cpu_decode.c`` reads them.
+    """Each query row's block table and context length (``[m, max_blocks]``, ``[m]``), as ``c_step.c`` reads them.
 
     A row at position ``p`` of its sequence attends to that sequence's tokens ``0 .. p``: for a
     one-token decode that is the whole sequence, for the rows of a verify or a prefill chunk
@@ -673,8 +673,8 @@ def decode_attention_faster(num_heads: int, num_kv_heads: int, head_dim: int, bl
     Timed on 16 sequences of 256 cached tokens in scattered blocks, alternating the two, best
     of several rounds: the kind of decode group a busy engine step holds.
     """
+    from ..model.paged_attention import AttentionPlan, paged_attention
     from .linear_calibration import cached_verdict, machine_key
-    from .paged_attention import AttentionPlan, paged_attention
 
     key = dict(
         machine_key(),

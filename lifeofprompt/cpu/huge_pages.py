@@ -67,7 +67,7 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
     changing nothing, where the system has no huge pages, the weights are not on the CPU, or
     they were moved already (several runners over one model).
     """
-    from .block_formats import weight_tensors
+    from ..model.block_formats import weight_tensors
 
     params = [p for p in weight_tensors(model) if p.device.type == "cpu"]
     if (

@@ -1,7 +1,7 @@
 """Compiling this project's small C files once per machine, for ctypes.
 
-Three CPU paths are written in C (``cpu_rows.c``: a few rows times a weight; ``cpu_blocks.c``: a
-few rows times a matrix of GGUF blocks; ``cpu_decode.c``: a whole decode step). They are built
+Three CPU paths are written in C (``row_kernels.c``: a few rows times a weight; ``block_kernels.c``: a
+few rows times a matrix of GGUF blocks; ``c_step.c``: a whole decode step). They are built
 with ``-march=native`` for the CPU that runs them, so the library's file name carries a hash of
 the source, the compiler and the CPU's model and flags: another machine sharing the cache folder
 builds its own. The build needs a C compiler (``$CC``, else ``cc``/``gcc``/``clang``); without

@@ -1,4 +1,4 @@
-"""The compiled CPU product for block matrices (``cpu_blocks.c``), called through ctypes.
+"""The compiled CPU product for block matrices (``block_kernels.c``), called through ctypes.
 
 A decode step multiplies a few rows by every weight once, so its cost is reading the weights.
 Kept as GGUF blocks (``block_formats.py``), a weight costs fewer bytes: Q4_1 reads 5 bits a
@@ -9,10 +9,10 @@ dequantizing a matrix to floats first writes and reads the 32 bits a weight agai
 So the kernel unpacks each block in registers: the 16 bytes of a Q4_1 block become two vectors
 of floats (a mask and a shift split the nibbles, a conversion makes them floats, one multiply-add
 per vector applies ``d`` and ``m``), which are multiplied straight into the rows of x. Each
-unpacked block serves a whole tile of rows of x (up to 8), as the fp32 kernel ``cpu_rows.h``
+unpacked block serves a whole tile of rows of x (up to 8), as the fp32 kernel ``row_kernels.h``
 tiles rows, so the unpacking is paid once per tile and the multiply-adds once per row.
 
-Two other ways were measured on SmolLM2's shapes and dropped (``cpu_blocks.h`` says by how much):
+Two other ways were measured on SmolLM2's shapes and dropped (``block_kernels.h`` says by how much):
 the identity ``sum_i x_i (d q_i + m) = d * sum_i x_i q_i + m * sum_i x_i`` (x times the integers,
 each block's sum scaled once) was no faster for one row and slower for more; llama.cpp's int8
 activations were faster for one row but moved SmolLM2's logits three times as far as bf16 does.
@@ -30,11 +30,11 @@ from pathlib import Path
 
 import torch
 
-from .block_formats import BlockWeight
+from ..model.block_formats import BlockWeight
 from .native_build import c_function
 
-SOURCE = Path(__file__).with_name("cpu_blocks.c")
-FORMAT_CODES = {"q8_0": 2, "q4_1": 3}  # cpu_blocks.h's FORMAT_Q8_0, FORMAT_Q4_1
+SOURCE = Path(__file__).with_name("block_kernels.c")
+FORMAT_CODES = {"q8_0": 2, "q4_1": 3}  # block_kernels.h's FORMAT_Q8_0, FORMAT_Q4_1
 
 
 @functools.cache

@@ -33,8 +33,8 @@ from torch import nn
 
 from ..env import cache_dir, cpu_flags, cpu_model
 from ..errors import ConfigError
+from ..model.linear import MAX_PLANNED_ROWS, PATHS, Linear, RowPlan, available_paths, plannable, run_path
 from .huge_pages import huge_pages_setting, move_weights_to_huge_pages
-from .linear import MAX_PLANNED_ROWS, PATHS, Linear, RowPlan, available_paths, plannable, run_path
 
 CALIBRATION_VERSION = 3  # 2: weights timed where the engine keeps them (2 MiB pages, huge_pages.py); 3: tiled rowwise
 LARGE_ROWS = 64  # the row count that stands for "more than MAX_PLANNED_ROWS"
@@ -236,8 +236,8 @@ def cache_key(model: nn.Module, paths: tuple[str, ...]) -> dict:
 
 def rowwise_source_digest() -> str:
     """A digest of the rowwise kernel's C source: a changed kernel is timed again."""
-    from .cpu_rows import SOURCE
     from .native_build import source_digest
+    from .row_kernels import SOURCE
 
     return source_digest(SOURCE)
 

@@ -1,4 +1,4 @@
-/* The inner loop of the rowwise matrix product, shared by cpu_rows.c and cpu_decode.c.
+/* The inner loop of the rowwise matrix product, shared by row_kernels.c and c_step.c.
  *
  * y[r][o] = sum_i x[r][i] * w[o][i]   for the rows r of x and a range of weight rows o.
  *

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from .forward_path import ForwardPath
+from ..model.forward_path import ForwardPath
 
 TIMING_CONTEXT = 64  # tokens already in the sequence the timed step decodes after
 TIMING_BLOCK = 16  # tokens per block of the timing's small pool
@@ -25,7 +25,7 @@ CALIBRATION_VERSION = 1
 
 def one_row_step(model, context: int = TIMING_CONTEXT, block_size: int = TIMING_BLOCK):
     """``(input_ids, positions, meta)`` of one sequence decoding its token at position ``context``."""
-    from .attention import PagedCacheMetadata, PagedKVCache
+    from ..model.attention import PagedCacheMetadata, PagedKVCache
 
     blocks = context // block_size + 1
     cache = PagedKVCache.for_model(model.config, blocks, block_size, model.dtype, "cpu")
@@ -70,14 +70,14 @@ def step_seconds(model, path: ForwardPath) -> float:
 def fastest_float_step(model, others: tuple = ()) -> tuple[float, list[float]]:
     """The fp32 model's batch-1 step in the faster of the C step's layouts (packed copies made first), and the
     steps of ``others`` (``(model, path)`` pairs) timed in turn with it."""
-    from . import cpu_decode
+    from . import c_step
 
     layouts = [(model, ForwardPath.C_STEP), (model, ForwardPath.C_STEP_ROW_MAJOR)]
-    cpu_decode.pack_all(model)
+    c_step.pack_all(model)
     try:
         seconds = interleaved_step_seconds(layouts + list(others))
     finally:
-        cpu_decode.drop_packed(model)
+        c_step.drop_packed(model)
     return min(seconds[:2]), seconds[2:]
 
 
@@ -86,7 +86,7 @@ def blocks_decode_faster(load) -> tuple[bool, str]:
 
     ``load(quantization)`` loads the embedded model with its blocks (``"gguf"``) or in fp32 (None); the
     loader passes it in, so this module does not import the loader that calls it."""
-    from .cpu_decode import SOURCE, step_kernel
+    from .c_step import SOURCE, step_kernel
     from .linear_calibration import cached_verdict, machine_key
     from .native_build import source_digest
 

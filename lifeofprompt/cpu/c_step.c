@@ -26,10 +26,10 @@
  * The products read each weight once, front to back, for all m rows at a time: one sequential
  * stream per thread, which the prefetcher follows at close to the machine's read rate, and each
  * weight vector loaded once for a whole tile of rows. Each layer matrix comes in its own format
- * (WeightMatrix, cpu_blocks.h): fp32 from the C step's own packed copy (panels of output rows
- * stored column by column, cpu_rows.h), or fp32 row-major where the layout cannot hold the shape
+ * (WeightMatrix, block_kernels.h): fp32 from the C step's own packed copy (panels of output rows
+ * stored column by column, row_kernels.h), or fp32 row-major where the layout cannot hold the shape
  * or the caller passes no packed copies (the runner measures both ways per row count); or GGUF
- * blocks (Q8_0, Q4_1), unpacked in registers by cpu_blocks.h, so a quantized model's step reads
+ * blocks (Q8_0, Q4_1), unpacked in registers by block_kernels.h, so a quantized model's step reads
  * 5 or 8.5 bits a weight instead of 32. Threads split the heads of the qkv product (each
  * rotates and stores its own), the (row, head) pairs of attention and chunks of output rows of
  * the other products; SiLU x up is done a chunk of gate and up rows at a time, and each thread
@@ -50,8 +50,8 @@
 static int omp_get_thread_num(void) { return 0; }
 #endif
 
-#include "cpu_rows.h"
-#include "cpu_blocks.h"
+#include "row_kernels.h"
+#include "block_kernels.h"
 
 typedef struct {
     long hidden, num_heads, num_kv_heads, head_dim, intermediate, num_layers;
@@ -359,7 +359,7 @@ void decode_step(const Dims *d, const Layer *layers, const float *final_norm, fl
     rms_norm(hidden, final_norm, hidden, m, H, d->eps);
 }
 
-/* The packed layout's shape (cpu_rows.h), for the caller that packs the weights: weight rows per
+/* The packed layout's shape (row_kernels.h), for the caller that packs the weights: weight rows per
  * panel, and floats per vector (this build's vector width). */
 long packed_rows(void) { return PANEL_WIDTH; }
 long packed_lanes(void) { return LANES; }

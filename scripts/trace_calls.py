@@ -1,7 +1,7 @@
 """Follow calls at run time from an entry point; count the places, files and returns they pass through.
 
-Reading the code tells you where a thing *could* go; this records where it *does* go on one run, so
-"how scattered is this concern?" gets a number that a refactor can be judged by:
+Reading the code says where a thing *could* go; this records where it *does* go on one run, so "how
+scattered is it?" gets numbers a refactor can be judged by:
 
     python scripts/trace_calls.py settings      the serve command's settings through start-up
     python scripts/trace_calls.py first-token   LLM.generate to its first token
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import dataclasses
+import importlib
 import importlib.util
 import inspect
 import json
@@ -52,30 +52,21 @@ def package_dirs() -> list[tuple[str, str]]:
 
 
 def engine_field_names() -> set[str]:
-    from lifeofprompt.engine import config
-
-    cls = getattr(config, "EngineConfig", None)
+    cls = getattr(importlib.import_module("lifeofprompt.engine.config"), "EngineConfig", None)
     return {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
 
 
-def stays_of(walk: list[tuple[str, str]]) -> list[tuple[str, list[str]]]:
-    """The walk cut into stays: (file, the functions called there, in order)."""
-    stays: list[tuple[str, list[str]]] = []
+def stays_of(walk: list[tuple[str, str]]) -> list[tuple[str, list[str], bool]]:
+    """The walk cut into stays: (file, its functions in call order, whether the walk was in that file
+    before: a return, since the stay before is always in another file)."""
+    stays: list[tuple[str, list[str], bool]] = []
+    seen: set[str] = set()
     for file, function in walk:
         if not stays or stays[-1][0] != file:
-            stays.append((file, []))
+            stays.append((file, [], file in seen))
+            seen.add(file)
         stays[-1][1].append(function)
     return stays
-
-
-def return_marks(stays: list[tuple[str, list[str]]]) -> list[bool]:
-    """For each stay, whether its file was visited before (and so left, since stays alternate files)."""
-    seen: set[str] = set()
-    marks = []
-    for file, _ in stays:
-        marks.append(file in seen)
-        seen.add(file)
-    return marks
 
 
 def count_walk(walk: list[tuple[str, str]]) -> dict:
@@ -86,7 +77,7 @@ def count_walk(walk: list[tuple[str, str]]) -> dict:
         "hops": max(len(stays) - 1, 0),
         "places": len(set(walk)),
         "files": len({file for file, _ in walk}),
-        "returns": sum(return_marks(stays)),
+        "returns": sum(back for _, _, back in stays),
     }
 
 
@@ -141,13 +132,12 @@ class Tracer:
         self._places: dict[object, tuple[str, str] | None] = {}  # code object -> place (None: not ours)
 
     def place(self, code) -> tuple[str, str] | None:
+        """``(file, qualified name)`` of a package function, else None (generated code has no real file)."""
         if code not in self._places:
-            self._places[code] = None
             path = os.path.abspath(code.co_filename)
-            for folder, prefix in self.dirs:
-                if code.co_name not in SKIPPED_NAMES and path.startswith(folder + os.sep) and os.path.isfile(path):
-                    qualname = getattr(code, "co_qualname", code.co_name)  # Python 3.11+
-                    self._places[code] = (prefix + os.path.relpath(path, folder), qualname)
+            files = [prefix + os.path.relpath(path, d) for d, prefix in self.dirs if path.startswith(d + os.sep)]
+            ours = files and code.co_name not in SKIPPED_NAMES and os.path.isfile(path)
+            self._places[code] = (files[0], getattr(code, "co_qualname", code.co_name)) if ours else None
         return self._places[code]
 
     def __call__(self, frame, event, arg):
@@ -158,21 +148,13 @@ class Tracer:
         elif event == "return" and self.carriers is not None:
             self.carriers.check(arg)
 
+    def __enter__(self) -> Tracer:
+        self._previous = sys.getprofile()
+        sys.setprofile(self)
+        return self
 
-@contextlib.contextmanager
-def tracing(tracer: Tracer):
-    previous = sys.getprofile()
-    sys.setprofile(tracer)
-    try:
-        yield tracer
-    finally:
-        sys.setprofile(previous)
-
-
-def _start_up(args) -> None:
-    from lifeofprompt import commands
-
-    commands._engine_for_serving(args)
+    def __exit__(self, *exc) -> None:
+        sys.setprofile(self._previous)
 
 
 def settings_walk() -> list[tuple[str, str]]:
@@ -185,11 +167,11 @@ def settings_walk() -> list[tuple[str, str]]:
     args = cli.build_parser().parse_args(["serve"])
     # Once untraced in a child first: a cold start-up would time the CPU's paths under the profiler (slowed
     # per call) and cache those choices for every later run; the traced walk is then a warm-cache start-up.
-    child = multiprocessing.get_context("spawn").Process(target=_start_up, args=(args,))
+    child = multiprocessing.get_context("spawn").Process(target=commands._engine_for_serving, args=(args,))
     child.start()
     child.join()
     carriers = Carriers(engine_field_names())
-    with tracing(Tracer(lambda frame: any(map(carriers.check, arguments(frame))), carriers)) as tracer:
+    with Tracer(lambda frame: any(map(carriers.check, arguments(frame))), carriers) as tracer:
         big = args.max_request_bytes
         limits = ServerLimits() if big is None else ServerLimits(max_request_bytes=big)
         ServerConfig(
@@ -211,7 +193,7 @@ def first_token_walk() -> list[tuple[str, str]]:
 
     llm = LLM(**({"log_stats": False} if "log_stats" in engine_field_names() else {}))
     params = SamplingParams(temperature=0, max_tokens=1)
-    with tracing(Tracer()) as tracer:
+    with Tracer() as tracer:
         llm.generate([PROMPT], params, use_tqdm=False)
     llm.shutdown()
     return tracer.walk
@@ -225,12 +207,12 @@ def functions_text(functions: list[str]) -> str:
 def report(mode: str, walk: list[tuple[str, str]]) -> dict:
     """Print the table of stays and the summary line; return what --json writes."""
     stays, counts = stays_of(walk), count_walk(walk)
-    width = max((len(file) for file, _ in stays), default=4)
+    width = max((len(file) for file, _, _ in stays), default=4)
     print(f"{'stay':>4}  {'file':<{width}}  {'':6}  functions")
-    for number, ((file, functions), back) in enumerate(zip(stays, return_marks(stays)), 1):
+    for number, (file, functions, back) in enumerate(stays, 1):
         print(f"{number:>4}  {file:<{width}}  {'RETURN' if back else '':6}  {functions_text(functions)}")
     print(f"{mode}: {SUMMARIES[mode].format(**counts)}")
-    stay_rows = [{"file": f, "functions": fs, "return": r} for (f, fs), r in zip(stays, return_marks(stays))]
+    stay_rows = [{"file": file, "functions": functions, "return": back} for file, functions, back in stays]
     return {"mode": mode, "counts": counts, "walk": [list(place) for place in walk], "stays": stay_rows}
 
 

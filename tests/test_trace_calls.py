@@ -33,9 +33,9 @@ def test_a_walk_back_and_forth_counts_stays_hops_and_returns():
     counts = trace_calls.count_walk(WALK)
     assert counts == {"stays": 6, "hops": 5, "places": 4, "files": 3, "returns": 3}
     stays = trace_calls.stays_of(WALK)
-    assert [file for file, _ in stays] == ["a.py", "b.py", "a.py", "c.py", "b.py", "a.py"]
+    assert [file for file, _, _ in stays] == ["a.py", "b.py", "a.py", "c.py", "b.py", "a.py"]
     assert stays[0][1] == ["f", "g"] and stays[3][1] == ["x", "x"]
-    assert trace_calls.return_marks(stays) == [False, False, True, False, True, True]
+    assert [back for _, _, back in stays] == [False, False, True, False, True, True]
 
 
 def test_a_walk_that_never_comes_back_has_no_returns():
@@ -105,7 +105,7 @@ def test_the_tracer_records_package_calls_that_get_settings():
     config = EngineConfig()
     carriers = trace_calls.Carriers(trace_calls.engine_field_names())
     tracer = trace_calls.Tracer(lambda frame: _carries(frame, carriers), carriers)
-    with trace_calls.tracing(tracer):
+    with tracer:
         config.replace()
     assert ("engine/config.py", "check") in tracer.walk
     assert ("engine/config.py", "EngineConfig.replace") not in tracer.walk

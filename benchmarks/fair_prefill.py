@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     parser.add_argument("--arrive-after", type=int, default=1, help="steps the long prompt runs alone first")
     parser.add_argument("--num-short", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=1024)
-    parser.add_argument("--cpu-tuning", "--cpu-linear", default=None, dest="cpu_tuning")
+    parser.add_argument("--cpu-tuning", default=None, dest="cpu_tuning")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     model, tokenizer = load_model(args.model, dtype=torch.float32, device="cpu")

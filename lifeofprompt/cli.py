@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 
 from .engine.config import EngineConfig
 from .errors import LifeOfPromptError
@@ -41,11 +40,10 @@ def _model_arg(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--cpu-tuning",
-        "--cpu-linear",  # its old name
         default=None,
         dest="cpu_tuning",
         help="the CPU's speed-ups: auto (each timed at start-up, cached), off, or one path pinned: "
-        f"{', '.join(CPU_TUNINGS[2:])} (default: auto, or $LIFEOFPROMPT_CPU_TUNING; --cpu-linear is its old name)",
+        f"{', '.join(CPU_TUNINGS[2:])} (default: auto, or $LIFEOFPROMPT_CPU_TUNING)",
     )
 
 
@@ -222,11 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    # the old names still work, and say so (a command line has no __main__ frame for Python to show them at)
-    warnings.filterwarnings("default", message=".* is now ", category=DeprecationWarning)
     if any(arg.split("=")[0] == "--cpu-linear" for arg in (sys.argv[1:] if argv is None else argv)):
-        warnings.warn("--cpu-linear is now --cpu-tuning", DeprecationWarning, stacklevel=1)
+        print("error: --cpu-linear is now --cpu-tuning", file=sys.stderr)  # a name never released: its new one
+        return 2
+    args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0

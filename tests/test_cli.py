@@ -72,7 +72,7 @@ def test_generate_rejects_a_bad_max_tokens():
 
 def test_the_old_cpu_linear_flag_says_its_new_name():
     out = run("generate", "hi my name is", "--max-tokens", "0", "--cpu-linear", "linear")
-    assert out.returncode == 2 and "DeprecationWarning: --cpu-linear is now --cpu-tuning" in out.stderr
+    assert out.returncode == 2 and "error: --cpu-linear is now --cpu-tuning" in out.stderr
     assert "is now" not in run("generate", "hi my name is", "--max-tokens", "0", "--cpu-tuning", "linear").stderr
 
 

@@ -511,8 +511,8 @@ def test_the_runner_uses_it_only_where_asked_or_measured():
     assert pinned.speedups.c_step_rows == 0  # a pinned non-rowwise path: the torch forward
     assert ModelRunner.for_model(model, cpu_tuning="rowwise", **pool).speedups.c_step_rows == 16
     assert ModelRunner.for_model(model, cpu_tuning="c-step", **pool).speedups.c_step_rows == 16
-    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="cpu_tuning='linear'"):
-        ModelRunner.for_model(model, cpu_linear="rowwise", cpu_decode=False, **pool)  # the old flags: said how now
+    with pytest.raises(ConfigError, match="cpu_tuning='linear'"):
+        ModelRunner.for_model(model, cpu_decode=False, **pool)  # the old flag: refused, saying how now
     bf16 = random_model(random.Random(0)).to(torch.bfloat16)
     assert ModelRunner.for_model(bf16, cpu_tuning="c-step", **pool).speedups.c_step_rows == 0
 

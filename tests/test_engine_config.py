@@ -9,7 +9,6 @@ prefill speed unless the user gives one.
 from __future__ import annotations
 
 import dataclasses
-import os
 import pickle
 import subprocess
 import sys
@@ -59,32 +58,29 @@ def test_a_misspelt_setting_names_the_closest_and_a_bad_speculative_field_its_ow
         EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 0})
 
 
-def test_the_old_names_still_work_and_say_so(monkeypatch):
+def test_the_old_names_are_refused_naming_the_new_one(monkeypatch):
+    """Names that were never released are errors, not warnings: each names the setting that replaced it."""
     monkeypatch.delenv("LIFEOFPROMPT_CPU_TUNING", raising=False)
-    with pytest.warns(DeprecationWarning, match="cpu_tuning"):
-        assert EngineConfig.from_settings(cpu_linear="transposed").cpu_tuning == "transposed"
-    with pytest.warns(DeprecationWarning):
-        assert EngineConfig.from_settings(cpu_decode=True).cpu_tuning == "c-step"
+    with pytest.raises(ConfigError, match="cpu_linear= is now cpu_tuning=") as error:
+        EngineConfig.from_settings(cpu_linear="transposed")
+    assert error.value.param == "cpu_linear"
+    with pytest.raises(ConfigError, match="cpu_tuning='c-step'") as error:
+        EngineConfig.from_settings(cpu_decode=True)
+    assert error.value.param == "cpu_decode"
     monkeypatch.setenv("LIFEOFPROMPT_CPU_LINEAR", "rowwise")
-    with pytest.warns(DeprecationWarning, match="LIFEOFPROMPT_CPU_TUNING"):
-        assert EngineConfig.from_settings().cpu_tuning == "rowwise"
+    with pytest.raises(ConfigError, match="LIFEOFPROMPT_CPU_LINEAR is now LIFEOFPROMPT_CPU_TUNING"):
+        EngineConfig.from_settings()
+    monkeypatch.delenv("LIFEOFPROMPT_CPU_LINEAR")
+    assert EngineConfig.from_settings(cpu_tuning="rowwise").cpu_tuning == "rowwise"
     assert EngineConfig.from_settings(attention_backend=None).attention_backend == "auto"  # None: the default
 
 
-def test_an_old_name_is_shown_at_the_users_line():
-    """Python shows a DeprecationWarning by default only where it points at ``__main__``: through LLM(...) the
-    warning names the script's line, not the package's."""
-    script = (
-        "from lifeofprompt import LLM, ConfigError\n"
-        "try:\n"
-        "    LLM(cpu_linear='linear', block_size=0)\n"
-        "except ConfigError:\n"
-        "    pass\n"
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHONWARNINGS", "LIFEOFPROMPT_CPU"))}
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "<string>:3: DeprecationWarning: cpu_linear= is now cpu_tuning=" in out.stderr
+def test_an_old_name_through_llm_is_a_config_error():
+    """Through the front door too, before anything loads."""
+    from lifeofprompt import LLM
+
+    with pytest.raises(ConfigError, match="cpu_linear= is now cpu_tuning="):
+        LLM(cpu_linear="linear")
 
 
 def test_each_default_is_written_once_in_the_config():

@@ -285,11 +285,12 @@ def test_a_pinned_path_is_not_timed_and_bad_names_are_named(monkeypatch):
     assert EngineConfig.from_settings().cpu_tuning == "linear"
     assert EngineConfig.from_settings(cpu_tuning="auto").cpu_tuning == "auto"  # a setting given wins
     monkeypatch.delenv("LIFEOFPROMPT_CPU_TUNING")
-    monkeypatch.setenv("LIFEOFPROMPT_CPU_LINEAR", "transposed")  # its old name still works
-    with pytest.warns(DeprecationWarning):
-        assert EngineConfig.from_settings().cpu_tuning == "transposed"
-    with pytest.warns(DeprecationWarning):
-        assert EngineConfig.from_settings(cpu_linear="rowwise").cpu_tuning == "rowwise"
+    monkeypatch.setenv("LIFEOFPROMPT_CPU_LINEAR", "transposed")  # its old name is refused, naming the new one
+    with pytest.raises(ConfigError, match="LIFEOFPROMPT_CPU_TUNING"):
+        EngineConfig.from_settings()
+    monkeypatch.delenv("LIFEOFPROMPT_CPU_LINEAR")
+    with pytest.raises(ConfigError, match="cpu_tuning="):
+        EngineConfig.from_settings(cpu_linear="rowwise")
     with pytest.raises(ConfigError, match="cpu_tuning='fastest'.*auto"):
         EngineConfig(cpu_tuning="fastest")
     with pytest.raises(ConfigError, match="cpu_tuning='fastest'.*auto"):

@@ -14,8 +14,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import sys
-import warnings
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
@@ -78,9 +76,9 @@ class EngineConfig:
     @classmethod
     def from_settings(cls, **settings) -> EngineConfig:
         """The config ``LLM(...)``, ``LLMEngine(...)`` and the CLI build: keywords by name (a misspelt one is a
-        ``ConfigError`` naming the closest), old names taken with a ``DeprecationWarning``, and
-        ``cpu_tuning`` from ``$LIFEOFPROMPT_CPU_TUNING`` when not given."""
-        settings = translate_deprecated(settings)
+        ``ConfigError`` naming the closest, an old name one naming its new one), and ``cpu_tuning`` from
+        ``$LIFEOFPROMPT_CPU_TUNING`` when not given."""
+        refuse_old_names(settings)
         defaults = {f.name: f.default for f in dataclasses.fields(cls)}
         # None stands for the default, as the old keywords took it (``attention_backend=None``: "auto")
         settings = {
@@ -93,9 +91,6 @@ class EngineConfig:
                 hint = f"; did you mean {close[0]!r}?" if close else ""
                 raise ConfigError(f"unknown engine setting {name!r}{hint} (settings: engine/config.py)", param=name)
         tuning = os.environ.get(CPU_TUNING_VARIABLE)
-        if not tuning and os.environ.get("LIFEOFPROMPT_CPU_LINEAR"):
-            warn_deprecated("LIFEOFPROMPT_CPU_LINEAR is now LIFEOFPROMPT_CPU_TUNING")
-            tuning = os.environ["LIFEOFPROMPT_CPU_LINEAR"]
         if tuning and "cpu_tuning" not in settings:
             settings["cpu_tuning"] = tuning
         return cls(**settings)
@@ -104,43 +99,22 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
-DEPRECATED = {"cpu_linear": "cpu_tuning"}
+RENAMED = {  # names that were never released, each refused with the one that replaced it
+    "cpu_linear": "cpu_linear= is now cpu_tuning= (a product path pinned: cpu_tuning='linear', 'rowwise', ...)",
+    "cpu_decode": "cpu_decode= is now part of cpu_tuning=: cpu_tuning='c-step' runs the C step, a pinned "
+    "product path other than 'rowwise' (cpu_tuning='linear') or cpu_tuning='off' keeps it out",
+}
+OLD_VARIABLE = "LIFEOFPROMPT_CPU_LINEAR"
 NONE_IS_A_VALUE = {"quantization"}  # vLLM's None: no quantization (elsewhere None stands for the default)
-PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def warn_deprecated(message: str) -> None:
-    """A ``DeprecationWarning`` attributed to the first caller outside the package: Python shows these only
-    when they point at ``__main__`` (a script, a notebook), so pointed inside the package it would be hidden."""
-    frame, level = sys._getframe(0), 1
-    while frame is not None and frame.f_code.co_filename.startswith(PACKAGE_DIR):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, DeprecationWarning, stacklevel=level)
-
-
-def translate_deprecated(settings: dict) -> dict:
-    """The old keywords, still taken: ``cpu_linear`` is ``cpu_tuning``; ``cpu_decode=True`` asks for the C step
-    (``cpu_tuning="c-step"``), ``cpu_decode=False`` keeps it off, which a pinned product path other than
-    ``rowwise`` already does."""
-    settings = dict(settings)
-    for old, new in DEPRECATED.items():
+def refuse_old_names(settings: dict) -> None:
+    """A setting by a name that was never released is a ``ConfigError`` naming the one that replaced it."""
+    for old, message in RENAMED.items():
         if old in settings:
-            warn_deprecated(f"{old}= is now {new}=")
-            value = settings.pop(old)
-            if value is not None:
-                settings.setdefault(new, value)
-    if "cpu_decode" in settings:
-        warn_deprecated("cpu_decode= is now part of cpu_tuning=")
-        asked, tuning = settings.pop("cpu_decode"), settings.get("cpu_tuning")
-        if asked and tuning in (None, "auto", "linear"):
-            settings["cpu_tuning"] = "c-step"
-        elif asked is False and tuning in (None, "auto", "rowwise", "c-step"):
-            raise ConfigError(
-                "cpu_decode=False is no longer a setting of its own: pin a product path to keep the C step out "
-                "(cpu_tuning='linear'), or turn the CPU tuning off (cpu_tuning='off')",
-                param="cpu_decode",
-            )
-    return settings
+            raise ConfigError(message, param=old)
+    if os.environ.get(OLD_VARIABLE):
+        raise ConfigError(f"{OLD_VARIABLE} is now {CPU_TUNING_VARIABLE}: rename the variable", param="cpu_tuning")
 
 
 def check(config: EngineConfig) -> None:

@@ -11,6 +11,11 @@ os.environ.setdefault("LIFEOFPROMPT_CPU_TUNING", "linear")
 import pytest  # noqa: E402
 import torch
 
+# Triton's mode is fixed when it is first imported, and transformers can import it (through the kernel hub
+# package) before any test reaches lifeofprompt.kernels: fix it first, as lifeofprompt.kernels would.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from lifeofprompt.story import STORY_PROMPTS
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -25,6 +26,7 @@ import json
 import multiprocessing
 import os
 import sys
+import types
 
 import lifeofprompt
 
@@ -106,19 +108,52 @@ class Carriers:
         return True
 
 
-def arguments(frame) -> list:
-    """The values a call got, read from its frame as it starts: named ones (not ``self``/``cls``) and
-    what ``*args`` and ``**kwargs`` hold, besides those containers themselves."""
+def arguments(frame, with_self: bool = False) -> list:
+    """The values a call got, read from its frame as it starts: named ones (``self``/``cls`` only
+    ``with_self``) and what ``*args`` and ``**kwargs`` hold, besides those containers themselves."""
     code, local = frame.f_code, frame.f_locals
     count = code.co_argcount + code.co_kwonlyargcount
     star = code.co_varnames[count] if code.co_flags & inspect.CO_VARARGS else None
     count += bool(star)
     double = code.co_varnames[count] if code.co_flags & inspect.CO_VARKEYWORDS else None
-    names = [name for name in code.co_varnames[: count + bool(double)] if name not in ("self", "cls")]
+    skipped = () if with_self else ("self", "cls")
+    names = [name for name in code.co_varnames[: count + bool(double)] if name not in skipped]
     values = [local[name] for name in names if name in local]
     values += list(local.get(star, ())) if star else []
     values += list(local.get(double, {}).values()) if double else []
     return values
+
+
+@functools.cache
+def slot_members(cls: type) -> tuple:
+    """The ``__slots__`` members of a class and its bases (a slotted dataclass's fields among them)."""
+    slotted = [c for c in cls.__mro__ if "__slots__" in vars(c)]
+    return tuple(m for c in slotted for m in vars(c).values() if isinstance(m, types.MemberDescriptorType))
+
+
+def held_values(value) -> list:
+    """What an object holds one level down: its ``__dict__`` values and its slots, read without running
+    its code (no property is called). A torch module's parameters and buffers sit in dicts of their own
+    inside ``__dict__``: those dicts are looked at, never walked into."""
+    if isinstance(value, type):
+        return []
+    held = list(attributes.values()) if isinstance(attributes := getattr(value, "__dict__", None), dict) else []
+    for member in slot_members(type(value)):
+        try:
+            held.append(member.__get__(value))
+        except AttributeError:  # a slot never set
+            pass
+    return held
+
+
+def settings_in_reach(frame, carriers: Carriers) -> bool:
+    """Whether the settings are in reach of a call: passed to it (an argument other than ``self`` is a
+    carrier), or held by what it got (an argument, ``self`` included, has a carrier as an attribute).
+    Most of start-up reads the settings from ``self.config``/``self.resolved`` or from an object holding
+    them, never getting them as an argument; the first rule alone misses those places."""
+    if any(map(carriers.check, arguments(frame))):
+        return True
+    return any(carriers.check(held) for value in arguments(frame, with_self=True) for held in held_values(value))
 
 
 class Tracer:
@@ -171,7 +206,7 @@ def settings_walk() -> list[tuple[str, str]]:
     child.start()
     child.join()
     carriers = Carriers(engine_field_names())
-    with Tracer(lambda frame: any(map(carriers.check, arguments(frame))), carriers) as tracer:
+    with Tracer(lambda frame: settings_in_reach(frame, carriers), carriers) as tracer:
         big = args.max_request_bytes
         limits = ServerLimits() if big is None else ServerLimits(max_request_bytes=big)
         ServerConfig(

@@ -110,3 +110,47 @@ def test_the_tracer_records_package_calls_that_get_settings():
     assert ("engine/config.py", "check") in tracer.walk
     assert ("engine/config.py", "EngineConfig.replace") not in tracer.walk
     assert all(not name.startswith("<") for _, name in tracer.walk)  # no generated __init__, no <genexpr>
+
+
+class _Holder:
+    def __init__(self, config):
+        self.config = config
+
+    def read(self):
+        return self.config
+
+
+@dataclasses.dataclass(slots=True)
+class _Slotted:
+    config: object
+
+    def read(self):
+        return sys._getframe()
+
+
+def _plain(size, name="x"):
+    return size
+
+
+def test_a_method_whose_self_holds_the_config_is_recorded_and_a_call_without_settings_is_not():
+    """Start-up reads the settings from ``self.config``: such a method gets no carrier as an argument, and
+    counting only those missed it."""
+    carriers = trace_calls.Carriers(trace_calls.engine_field_names())
+    holder, bare = _Holder(EngineConfig()), _Holder(None)
+    tracer = trace_calls.Tracer(lambda frame: trace_calls.settings_in_reach(frame, carriers), carriers)
+    tracer.dirs = [(str(Path(__file__).parent), "tests/")]  # this file's functions count as the package's
+    with tracer:
+        holder.read()
+        bare.read()
+        _plain(holder.config.block_size, name="m")
+    assert tracer.walk == [("tests/test_trace_calls.py", "_Holder.read")]
+
+
+def test_settings_in_reach_looks_one_level_into_every_argument_and_its_slots():
+    config = EngineConfig()
+    carriers = trace_calls.Carriers(trace_calls.engine_field_names())
+    assert trace_calls.settings_in_reach(_Slotted(config).read(), carriers)  # a slotted dataclass's field
+    assert trace_calls.settings_in_reach(_frame(1, holder=_Holder(config)), carriers)  # held by an argument
+    assert trace_calls.settings_in_reach(_keyword("m", config=config), carriers)  # the old rule still holds
+    assert not trace_calls.settings_in_reach(_frame(_Holder(_Holder(config))), carriers)  # two levels down
+    assert not trace_calls.settings_in_reach(_Slotted(None).read(), carriers)

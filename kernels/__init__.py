@@ -1,7 +1,7 @@
 """Triton kernels for the paged KV cache, installed as ``lifeofprompt.kernels``.
 
 ``store_kv`` and ``paged_attention`` have exactly the signatures of the torch reference in
-``lifeofprompt.model.paged_attention``; ``lifeofprompt.model.attention.attention_backend("triton")``
+``lifeofprompt.model.paged_attention``; ``lifeofprompt.model.attention_backends.TritonAttention``
 imports them from here, and ``lifeofprompt.model.layers`` its fused element-wise kernels. Nothing else in
 the package imports this subpackage (``tests/test_layout.py`` checks it), so the CPU torch path
 never needs Triton.

@@ -30,13 +30,8 @@ def one_row_step(model, context: int = TIMING_CONTEXT, block_size: int = TIMING_
     blocks = context // block_size + 1
     cache = PagedKVCache.for_model(model.config, blocks, block_size, model.dtype, "cpu")
     table = torch.arange(blocks, dtype=torch.int32).unsqueeze(0)
-    fields = PagedCacheMetadata.describe_batch([1], [context + 1], "cpu") | dict(logits_indices=torch.tensor([0]))
-    meta = PagedCacheMetadata(
-        **fields,
-        cache=cache,
-        block_tables=table,
-        slot_mapping=torch.tensor([context], dtype=torch.long),
-    )
+    slots = torch.tensor([context], dtype=torch.long)
+    meta = PagedCacheMetadata.for_batch([1], [context + 1], table, slots, cache, "torch", "cpu", torch.tensor([0]))
     return torch.tensor([1]), torch.tensor([context]), meta
 
 

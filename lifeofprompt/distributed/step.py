@@ -25,9 +25,9 @@ from . import collectives
 
 STEP, STOP, REPORT, PLANS, CAPTURE, REPLAY = 1, 2, 3, 4, 5, 6  # commands in header[0]
 NO_CACHE, PAGED = 0, 1  # metadata kinds in header[1]
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "triton", "cpu-hybrid")  # the attention backend travels as its index
 PATHS = tuple(ForwardPath)  # the forward path travels as its index
-HEADER = 11
+HEADER = 10
 
 
 def pack(
@@ -57,8 +57,7 @@ def pack(
             meta.max_query_len,
             meta.max_seq_len,
             PATHS.index(ForwardPath(path)),
-            BACKENDS.index(getattr(meta, "backend", "torch")),
-            int(getattr(meta, "decode_in_c", False)),
+            BACKENDS.index(meta.backend.name if paged else "torch"),
         ],
         dtype=torch.long,
         device=device,
@@ -75,7 +74,7 @@ def payload_size(header: list[int]) -> int:
 
 def unpack(header: list[int], payload: torch.Tensor, cache=None):
     """The inverse of ``pack``: ``(input_ids, positions, meta, path)`` over this rank's ``cache``."""
-    _, kind, tokens, seqs, width, logits, max_query_len, max_seq_len, path, backend, decode_in_c = header
+    _, kind, tokens, seqs, width, logits, max_query_len, max_seq_len, path, backend = header
     sizes = [tokens, tokens, seqs + 1, seqs, max(logits, 0)] + ([tokens, seqs * width] if kind == PAGED else [])
     ids, positions, starts, lens, rows, *paged = payload.split(sizes)
     fields = dict(
@@ -93,7 +92,6 @@ def unpack(header: list[int], payload: torch.Tensor, cache=None):
             block_tables=tables.view(seqs, width).int(),
             slot_mapping=slots,
             backend=BACKENDS[backend],
-            decode_in_c=bool(decode_in_c),
         )
     else:
         meta = NoCacheMetadata(**fields)
@@ -171,7 +169,6 @@ def send_capture(
             BACKENDS.index(backend),
             PATHS.index(ForwardPath(path)),
             int(bool(capture)),
-            0,
             0,
             0,
         ],

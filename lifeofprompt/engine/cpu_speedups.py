@@ -33,6 +33,7 @@ from ..cpu.allocator import keep_freed_memory
 from ..cpu.huge_pages import move_weights_to_huge_pages
 from ..cpu.linear_calibration import cached_answer, choose_cpu_linear, machine_key
 from ..model.attention import PagedKVCache
+from ..model.attention_backends import attention_backend as backend_named
 from ..model.forward_path import ForwardPath
 from ..model.linear import apply_plans, plannable
 from .config import DEFAULT_STEP_TOKENS, STEP_SECONDS
@@ -90,6 +91,8 @@ class CpuSpeedups(Speedups):
         notes = {}
         if not self.split and self.backend == "torch" and c_step.supports(self.model):
             self.decode_attention_in_c, notes["attention"] = self.choose_decode_attention()
+            if self.decode_attention_in_c:  # chosen once: every step's decode rows attend in C
+                self.attention = backend_named("cpu-hybrid")
             notes["c_step"] = self.choose_c_step_rows(runner, num_blocks)
         self.packed_bytes = self.pack_for_c_step()
         self.step_tokens, self.budget_note = self.measure_step_tokens(runner)

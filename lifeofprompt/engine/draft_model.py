@@ -127,17 +127,7 @@ class DraftModelProposer:
     def mirror(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedCacheMetadata) -> None:
         """The target's step over the draft's pool: same rows, same slots, no logits (only its K/V matter)."""
         self.num_forwards += 1
-        own = PagedCacheMetadata(
-            query_start_loc=meta.query_start_loc,
-            seq_lens=meta.seq_lens,
-            max_query_len=meta.max_query_len,
-            max_seq_len=meta.max_seq_len,
-            logits_indices=None,
-            cache=self.kv_cache,
-            block_tables=meta.block_tables,
-            slot_mapping=meta.slot_mapping,
-            backend=meta.backend,
-        )
+        own = meta.over_pool(self.kv_cache, self.backend)  # by name: the draft never attends in C
         self.model.hidden_states(input_ids, positions, own, self.speedups.path_for(input_ids.shape[0]))
 
     # ---------------------------------------------------------------- drafting
@@ -179,13 +169,9 @@ class DraftModelProposer:
         width = max(len(s.block_table) for s in seqs)
         tables = torch.tensor([s.block_table + [-1] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32)
         device = self.model.device
-        fields = PagedCacheMetadata.describe_batch([1] * len(seqs), [p + 1 for p in positions], device)
-        meta = PagedCacheMetadata(
-            **fields,
-            cache=self.kv_cache,
-            block_tables=tables.to(device),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            backend=self.backend,
+        slot_mapping = torch.tensor(slots, dtype=torch.long)
+        meta = PagedCacheMetadata.for_batch(
+            [1] * len(seqs), [p + 1 for p in positions], tables, slot_mapping, self.kv_cache, self.backend, device
         )
         self.num_forwards += 1
         return self.model(

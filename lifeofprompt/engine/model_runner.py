@@ -170,15 +170,9 @@ class ModelRunner:
         rows = torch.tensor(seq_of_row, dtype=torch.long)
         block_size = cache.block_size
         slots = block_tables[rows, pos // block_size].long() * block_size + pos % block_size
-        fields = PagedCacheMetadata.describe_batch(query_lens, seq_lens, self.device)
-        fields["logits_indices"] = torch.tensor(logits_rows, dtype=torch.long).to(self.device, non_blocking=True)
-        meta = PagedCacheMetadata(
-            **fields,
-            cache=cache,
-            block_tables=block_tables.to(self.device, non_blocking=True),
-            slot_mapping=slots.to(self.device, non_blocking=True),
-            backend=self.speedups.backend,
-            decode_in_c=self.speedups.decode_attention_in_c,
+        logits_indices = torch.tensor(logits_rows, dtype=torch.long)
+        meta = PagedCacheMetadata.for_batch(
+            query_lens, seq_lens, block_tables, slots, cache, self.speedups.attention, self.device, logits_indices
         )
         return torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True), pos.to(self.device), meta
 

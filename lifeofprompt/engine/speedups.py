@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 from ..errors import ConfigError
+from ..model.attention_backends import attention_backend as backend_named
 from ..model.forward_path import ForwardPath
 from ..model.layers import triton_installed
 from .sampling_params import SamplingParams
@@ -58,6 +59,7 @@ class Speedups:
         self.model, self.config, self.split = model, config, split  # split: tensor or pipeline parallel
         self.block_size = config.block_size
         self.backend = attention_backend(config.attention_backend, model.device)
+        self.attention = backend_named(self.backend)  # what every step's metadata carries (the CPU may refine it)
         self.choices = None  # what ``choose`` settled on, for the resolved config
         self.step_tokens: int | None = None  # a measured token budget (None: the default)
         self.budget_note = ""  # how it was measured, for the log

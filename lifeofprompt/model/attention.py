@@ -18,19 +18,18 @@ that only size padded buffers and kernel grids.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 
+from .attention_backends import attention_backend
 from .paged_attention import (
     AttentionPlan,
     attend_groups,
-    paged_attention,
     row_coordinates,
-    store_kv,
     valid_writes,
-    write_rows,
 )
 
 
@@ -58,6 +57,10 @@ class AttentionMetadata:
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def scale_for(self, q: torch.Tensor) -> float:
+        """The softmax scale: as set, else ``1 / sqrt(head_dim)``."""
+        return self.scale if self.scale is not None else q.shape[-1] ** -0.5
+
     @staticmethod
     def describe_batch(query_lens: list[int], seq_lens: list[int], device, last_rows_only: bool = True) -> dict:
         """The fields every kind shares, built from per-sequence query and total lengths."""
@@ -73,10 +76,6 @@ class AttentionMetadata:
             max_seq_len=max(seq_lens),
             logits_indices=logits_indices,
         )
-
-
-def _scale(meta: AttentionMetadata, q: torch.Tensor) -> float:
-    return meta.scale if meta.scale is not None else q.shape[-1] ** -0.5
 
 
 @dataclass
@@ -97,7 +96,7 @@ class NoCacheMetadata(AttentionMetadata):
                 k[g.rows].view(len(g.seq_ids), g.length, *k.shape[1:]),
                 v[g.rows].view(len(g.seq_ids), g.length, *v.shape[1:]),
             ),
-            _scale(self, q),
+            self.scale_for(q),
         )
 
 
@@ -156,7 +155,7 @@ class ContiguousCacheMetadata(AttentionMetadata):
             own = self.cache_rows[group.seq_index]
             return k_cache[own, : group.length], v_cache[own, : group.length]
 
-        return attend_groups(q, self.torch_plan(), fetch, _scale(self, q))
+        return attend_groups(q, self.torch_plan(), fetch, self.scale_for(q))
 
 
 class PagedKVCache:
@@ -195,24 +194,6 @@ class PagedKVCache:
         return self.kv.numel() * self.kv.element_size()
 
 
-def attention_backend(name: str):
-    """``(store_kv, paged_attention)`` for a backend name: ``"torch"`` or ``"triton"``."""
-    if name == "torch":
-        return store_kv, paged_attention
-    if name == "triton":
-        from ..kernels import paged_attention as triton_attention
-        from ..kernels import store_kv as triton_store
-
-        return triton_store, triton_attention
-    from ..errors import ConfigError
-
-    raise ConfigError(
-        f"unknown attention backend {name!r}: use 'torch' (any device) or 'triton' (GPU, or CPU under "
-        "TRITON_INTERPRET=1)",
-        param="attention_backend",
-    )
-
-
 @dataclass
 class PagedCacheMetadata(AttentionMetadata):
     """The engine's metadata: block tables ``[B, max_blocks]`` and one slot per new row."""
@@ -220,8 +201,33 @@ class PagedCacheMetadata(AttentionMetadata):
     cache: PagedKVCache | None = None
     block_tables: torch.Tensor | None = None  # [B, max_blocks_per_seq] int32, unused entries -1
     slot_mapping: torch.Tensor | None = None  # [T] int64, negative = padding row (not stored)
-    backend: str = "torch"
-    decode_in_c: bool = False  # torch backend: decode rows by c_step.decode_attention
+    backend: object = "torch"  # the attention backend (attention_backends.py), or its name
+
+    def __post_init__(self):
+        if isinstance(self.backend, str):
+            self.backend = attention_backend(self.backend)
+
+    @classmethod
+    def for_batch(
+        cls, query_lens: list[int], seq_lens: list[int], block_tables, slot_mapping, cache, backend, device,
+        logits_indices=None,
+    ) -> PagedCacheMetadata:  # fmt: skip
+        """One step's metadata from each sequence's query and total lengths, its block tables and new rows'
+        slots (host tensors, copied to ``device`` once); ``logits_indices`` None: each sequence's last row."""
+        fields = cls.describe_batch(query_lens, seq_lens, device)
+        if logits_indices is not None:
+            fields["logits_indices"] = logits_indices.to(device, non_blocking=True)
+        return cls(
+            **fields,
+            cache=cache,
+            block_tables=block_tables.to(device, non_blocking=True),
+            slot_mapping=slot_mapping.to(device, non_blocking=True),
+            backend=backend,
+        )
+
+    def over_pool(self, cache: PagedKVCache, backend) -> PagedCacheMetadata:
+        """The same step's rows, slots and tables over another pool (the draft model's, which mirrors them)."""
+        return dataclasses.replace(self, cache=cache, backend=backend, logits_indices=None)
 
     @cached_property
     def writes(self) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -229,27 +235,4 @@ class PagedCacheMetadata(AttentionMetadata):
         return valid_writes(self.slot_mapping)
 
     def attend(self, layer_idx, q, k, v):
-        store, attention = attention_backend(self.backend)
-        k_pool, v_pool = self.cache.k(layer_idx), self.cache.v(layer_idx)
-        extra = {}
-        if self.backend == "torch":  # what every layer shares is worked out once per step
-            write_rows(k, v, k_pool, v_pool, *self.writes)
-            extra["plan"] = self.torch_plan(block_tables=self.block_tables, block_size=self.cache.block_size)
-            if self.decode_in_c:
-                from ..cpu.c_step import decode_attention
-
-                extra["decode_kernel"] = decode_attention
-        else:
-            store(k, v, k_pool, v_pool, self.slot_mapping)
-        return attention(
-            q,
-            k_pool,
-            v_pool,
-            self.block_tables,
-            self.seq_lens,
-            self.query_start_loc,
-            self.max_query_len,
-            self.max_seq_len,
-            _scale(self, q),
-            **extra,
-        )
+        return self.backend.attend(self, layer_idx, q, k, v)

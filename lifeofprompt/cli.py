@@ -11,9 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .engine.config import EngineConfig
+from .engine.config import CPU_TUNINGS, EngineConfig
 from .errors import LifeOfPromptError
-from .model.forward_path import CPU_TUNINGS
 from .model.loader import DEFAULT_MODEL, MODEL_NAMES
 
 

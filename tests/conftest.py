@@ -11,12 +11,15 @@ os.environ.setdefault("LIFEOFPROMPT_CPU_TUNING", "linear")
 import pytest  # noqa: E402
 import torch
 
+from lifeofprompt.story import STORY_PROMPTS
+
 # Triton's mode is fixed when it is first imported, and transformers can import it (through the kernel hub
 # package) before any test reaches lifeofprompt.kernels: fix it first, as lifeofprompt.kernels would.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from lifeofprompt.story import STORY_PROMPTS
+
+SHARED_MODELS = []  # the session's models, which many tests run
 
 
 @pytest.fixture(scope="session")
@@ -25,7 +28,18 @@ def smollm2():
     from lifeofprompt import load_model
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    return load_model("smollm2-135m", dtype=torch.float32, device="cpu")
+    model, tokenizer = load_model("smollm2-135m", dtype=torch.float32, device="cpu")
+    SHARED_MODELS.append(model)
+    return model, tokenizer
+
+
+@pytest.fixture(autouse=True)
+def the_shared_models_run_their_torch_layers():
+    """A runner started on a shared model gives it the C step it chose (``model.cpu_step``); the next test
+    gets the model back with its torch layers, as loaded, whatever the last one started on it."""
+    yield
+    for model in SHARED_MODELS:
+        model.cpu_step = None
 
 
 @pytest.fixture(scope="session")
@@ -79,4 +93,6 @@ def tiny_model():
     """``(model, tokenizer)``: see ``build_tiny_model``."""
     from tiny_models import build_tiny_model
 
-    return build_tiny_model()
+    model, tokenizer = build_tiny_model()
+    SHARED_MODELS.append(model)
+    return model, tokenizer

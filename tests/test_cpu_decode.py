@@ -19,7 +19,6 @@ from lifeofprompt.lessons.agreement import FP32_TOLERANCE, assert_greedy_agrees,
 from lifeofprompt.model import quantized_linear
 from lifeofprompt.model.block_formats import quantize
 from lifeofprompt.model.config import ModelConfig
-from lifeofprompt.model.forward_path import ForwardPath
 from lifeofprompt.model.linear import RowPlan
 from lifeofprompt.model.llama import LlamaForCausalLM
 from lifeofprompt.model.quantized_linear import QuantizedLinear, quantize_model
@@ -95,10 +94,13 @@ def assert_c_step_computes_the_torch_forward(model, rng: random.Random, threads:
     torch.set_num_threads(threads)
     try:
         before = runner.kv_cache.kv.clone()
-        want = model.hidden_states(*runner.prepare(seqs, scheduled))
+        with c_step.running(model, None):  # the torch layers
+            want = model.hidden_states(*runner.prepare(seqs, scheduled))
         want_kv = runner.kv_cache.kv.clone()
         runner.kv_cache.kv.copy_(before)
-        got = model.hidden_states(*runner.prepare(seqs, scheduled), path=ForwardPath.C_STEP)
+        assert model.cpu_step is not None  # the runner gave the model its C step
+        with c_step.running(model, c_step.CStep.only(c_step.PACKED)):
+            got = model.hidden_states(*runner.prepare(seqs, scheduled))
     finally:
         torch.set_num_threads(previous)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -279,7 +281,7 @@ def test_rowwise_within_noise_of_the_best_still_takes_the_c_step():
     assert c_step.usable_rows(plans, shapes, far) == 1
 
 
-ONE = ("cpu",)  # the C step in one layout only (the row-limit tests)
+ONE = ("packed",)  # the C step in one layout only (the row-limit tests)
 
 
 @pytest.fixture
@@ -294,7 +296,7 @@ def fake_step_timer(c_ms: dict, torch_ms: dict, calls: list, row_major_ms: dict 
 
     def measure(rows, fused):
         calls.append((rows, fused))
-        times = {"cpu": c_ms, "cpu-rowmajor": row_major_ms, "torch": torch_ms}[fused]
+        times = {"packed": c_ms, "row-major": row_major_ms, "torch": torch_ms}[fused]
         value = times[rows]
         return (
             value.pop(0)
@@ -347,28 +349,28 @@ def test_each_count_takes_its_faster_layout_and_the_c_step_the_faster_of_the_two
     answer, why = c_step.measured_rows(fake_step_timer(packed, eager, calls, row_major), row_counts=(1, 2, 4, 8, 12))
     assert answer["rows"] == 11  # packed alone would have stopped at 9
     assert answer["layouts"] == {
-        1: "cpu",
-        2: "cpu",
-        4: "cpu",
-        8: "cpu-rowmajor",
-        12: "cpu-rowmajor",
-        10: "cpu-rowmajor",
-        11: "cpu-rowmajor",
+        1: "packed",
+        2: "packed",
+        4: "packed",
+        8: "row-major",
+        12: "row-major",
+        10: "row-major",
+        11: "row-major",
     }
-    assert (1, "cpu-rowmajor") in calls and (2, "cpu-rowmajor") in calls
+    assert (1, "row-major") in calls and (2, "row-major") in calls
     assert "8 rows: C 80.0 ms (row-major 72.0), torch 82.0 ms" in why
     assert answer["seconds"][8] == pytest.approx(0.072) and answer["seconds"][2] == pytest.approx(
         0.020
     )  # the faster layout's
     # between measured counts, the largest measured count below decides; nothing measured: packed
-    assert [c_step.layout_for(n, answer["layouts"]) for n in (3, 5, 7, 8, 11)] == [
-        "cpu",
-        "cpu",
-        "cpu",
-        "cpu-rowmajor",
-        "cpu-rowmajor",
+    assert [c_step.CStep(16, answer["layouts"]).layout_for(n) for n in (3, 5, 7, 8, 11)] == [
+        "packed",
+        "packed",
+        "packed",
+        "row-major",
+        "row-major",
     ]
-    assert c_step.layout_for(5, None) == "cpu"
+    assert c_step.CStep(16).layout_for(5) == "packed"
 
 
 def test_a_layout_far_behind_is_not_timed_at_larger_counts(all_rounds):
@@ -378,9 +380,9 @@ def test_a_layout_far_behind_is_not_timed_at_larger_counts(all_rounds):
     eager = {n: 20 * n for n in range(1, 33)}
     calls = []
     answer, why = c_step.measured_rows(fake_step_timer(packed, eager, calls, row_major), row_counts=(1, 2, 4, 8, 16))
-    assert answer["rows"] == 16 and set(answer["layouts"].values()) == {"cpu"}
-    assert {r for r, p in calls if p == "cpu-rowmajor"} == {1, 2, 4}
-    assert {r for r, p in calls if p == "cpu"} == {1, 2, 4, 8, 16}
+    assert answer["rows"] == 16 and set(answer["layouts"].values()) == {"packed"}
+    assert {r for r, p in calls if p == "row-major"} == {1, 2, 4}
+    assert {r for r, p in calls if p == "packed"} == {1, 2, 4, 8, 16}
 
 
 def test_long_steps_are_timed_one_round_fewer_and_short_ones_two_more():
@@ -391,7 +393,7 @@ def test_long_steps_are_timed_one_round_fewer_and_short_ones_two_more():
     c_step.measured_rows(
         fake_step_timer(c, {n: 2 * t for n, t in c.items()}, calls), row_counts=(1, 2, 4, 8, 16), rounds=3, c_paths=ONE
     )
-    per_count = {n: sum(1 for r, p in calls if r == n and p == "cpu") for n in (1, 2, 4, 8, 16)}
+    per_count = {n: sum(1 for r, p in calls if r == n and p == "packed") for n in (1, 2, 4, 8, 16)}
     assert per_count == {1: 6, 2: 5, 4: 3, 8: 2, 16: 2}  # 1 row: a warm-up and 5 rounds
 
 
@@ -421,11 +423,11 @@ def test_an_unpinned_runner_times_whole_steps_once_and_reads_the_cache_after(tmp
     asked = []
 
     def fake_rows(measure, **_):
-        asked.append(all(measure(2, path) > 0 for path in ("cpu", "cpu-rowmajor", "torch")))  # the real step, each way
+        asked.append(all(measure(2, way) > 0 for way in ("packed", "row-major", "torch")))  # the real step, each way
         return (
             {
                 "rows": 4,
-                "layouts": {1: "cpu", 2: "cpu-rowmajor", 4: "cpu"},
+                "layouts": {1: "packed", 2: "row-major", 4: "packed"},
                 "seconds": {1: 1e-3, 2: 1e-3, 4: 2e-3},
                 "stopped_before": None,
             },
@@ -439,7 +441,8 @@ def test_an_unpinned_runner_times_whole_steps_once_and_reads_the_cache_after(tmp
     assert asked == [True]
     second = ModelRunner.for_model(model, num_kv_blocks=512, block_size=4, attention_backend="torch")
     assert second.speedups.c_step_rows == 4 and asked == [True]  # from the cache: not timed again
-    assert [second.speedups.path_for(n) for n in (1, 2, 3, 4)] == ["cpu", "cpu-rowmajor", "cpu-rowmajor", "cpu"]
+    assert model.cpu_step.max_rows == 4  # the runner gives the model its C step, which steps of 5 rows skip
+    assert [model.cpu_step.layout_for(n) for n in (1, 2, 3, 4)] == ["packed", "row-major", "row-major", "packed"]
     assert second.speedups.packed_bytes == c_step.packed_bytes(model) > 0  # 4 rows read the packed copies
     small = ModelRunner.for_model(
         random_model(random.Random(3)), num_kv_blocks=16, block_size=4, attention_backend="torch"
@@ -457,7 +460,7 @@ def test_the_runner_packs_before_it_times_the_c_step(tmp_path, monkeypatch):
 
     def fake_rows(measure, **_):
         seen.append([getattr(m, "_c_step_packed", None) is not None for _, m in c_step.layer_tensors(model) if m])
-        return ({"rows": 4, "layouts": {1: "cpu"}, "seconds": {1: 1e-3}, "stopped_before": None}, "1 row: C 1.0 ms")
+        return ({"rows": 4, "layouts": {1: "packed"}, "seconds": {1: 1e-3}, "stopped_before": None}, "1 row: C 1.0 ms")
 
     monkeypatch.setattr("lifeofprompt.cpu.c_step.measured_rows", fake_rows)
     ModelRunner.for_model(model, num_kv_blocks=512, block_size=4, attention_backend="torch")
@@ -474,7 +477,7 @@ def stopped_the_first_time(asked: list, stopped_before: int, rows_then: int, row
         return (
             {
                 "rows": rows_then if stopped else rows_after,
-                "layouts": {1: "cpu"},
+                "layouts": {1: "packed"},
                 "seconds": {1: 1e-3},
                 "stopped_before": stopped,
             },
@@ -533,7 +536,7 @@ def story_greedy():
 def test_the_engine_gives_the_same_greedy_tokens_with_the_c_step(story_greedy, smollm2):
     prompts, want, _ = story_greedy[False]
     _, got, llm = story_greedy[True]
-    assert llm.engine.step_records[-1].launch.path == "cpu"
+    assert llm.engine.step_records[-1].launch.path == "c-step (packed)"
     layers = llm.engine.model.layers
     matrices = [
         m.weight
@@ -577,7 +580,7 @@ def test_speculative_verifies_run_in_the_c_step_and_keep_the_greedy_tokens(story
     assert out.metrics.spec_decode.num_accepted_tokens > 5 and verifies, (
         "prompt lookup should have fired on the code prompt"
     )
-    assert spec.engine.step_records[-1].launch.path == "cpu"
+    assert spec.engine.step_records[-1].launch.path == "c-step (packed)"
     first = LLM(
         "smollm2-135m",
         dtype="float32",
@@ -626,9 +629,10 @@ def test_a_quantized_smollm2_runs_its_steps_in_c(smollm2_q4_1, rows, monkeypatch
     step.num_computed_tokens, step.block_table = len(prefix), [3, 9, 5]
     cache = runner.kv_cache.kv.clone()
     monkeypatch.setattr(quantized_linear, "cpu_kernel_rows", lambda: 0)  # the reference dequantizes every matrix
-    want = model.hidden_states(*runner.prepare([step], [rows]))
+    with c_step.running(model, None):  # the torch layers
+        want = model.hidden_states(*runner.prepare([step], [rows]))
     runner.kv_cache.kv.copy_(cache)
-    got = model.hidden_states(*runner.prepare([step], [rows]), path=ForwardPath.C_STEP)
+    got = model.hidden_states(*runner.prepare([step], [rows]))  # the C step the runner gave the model
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     logits = model.lm_head(want)  # dequantized
     assert (model.lm_head(got) - logits).abs().max() < FP32_TOLERANCE
@@ -705,7 +709,7 @@ def test_the_forecast_follows_the_measured_steps_not_the_row_count(monkeypatch):
     clock = [0.0]
 
     def measure(rows, fused):
-        seconds = {"cpu": c, "cpu-rowmajor": row_major, "torch": eager}[fused][rows] / 1e3
+        seconds = {"packed": c, "row-major": row_major, "torch": eager}[fused][rows] / 1e3
         clock[0] += seconds  # a fake clock the budget reads
         return seconds
 
@@ -724,7 +728,7 @@ def test_the_default_budget_reaches_a_batched_step_on_a_slow_cpu(monkeypatch):
     clock = [0.0]
 
     def measure(rows, fused):
-        seconds = {"cpu": c, "cpu-rowmajor": row_major, "torch": eager}[fused][rows] / 1e3
+        seconds = {"packed": c, "row-major": row_major, "torch": eager}[fused][rows] / 1e3
         clock[0] += seconds
         return seconds
 
@@ -732,14 +736,14 @@ def test_the_default_budget_reaches_a_batched_step_on_a_slow_cpu(monkeypatch):
     answer, why = c_step.measured_rows(measure)
     assert answer["rows"] >= 32, why
     assert clock[0] <= c_step.STEP_BUDGET_S
-    assert answer["layouts"][32] == "cpu"
+    assert answer["layouts"][32] == "packed"
     clock[0] = 0.0
     assert c_step.measured_rows(measure, budget_s=3.0)[0]["rows"] == 8  # what the old budget reached
     # the same VM an hour later, a third slower: still 32 rows
     slower = {
-        path: {n: t * 1.35 for n, t in times.items()} for path, times in (("cpu", c), ("rm", row_major), ("t", eager))
+        way: {n: t * 1.35 for n, t in times.items()} for way, times in (("packed", c), ("rm", row_major), ("t", eager))
     }
-    c, row_major, eager = slower["cpu"], slower["rm"], slower["t"]
+    c, row_major, eager = slower["packed"], slower["rm"], slower["t"]
     clock[0] = 0.0
     assert c_step.measured_rows(measure)[0]["rows"] >= 32
 
@@ -769,7 +773,8 @@ def test_a_measurement_stopped_past_8_rows_is_kept_and_measured_once_more(tmp_pa
 
     def always_stopped(measure, **_):
         asked.append(True)
-        return {"rows": 16, "layouts": {1: "cpu"}, "seconds": {1: 1e-3}, "stopped_before": 32}, "stopped before 32 rows"
+        answer = {"rows": 16, "layouts": {1: "packed"}, "seconds": {1: 1e-3}, "stopped_before": 32}
+        return answer, "stopped before 32 rows"
 
     monkeypatch.setattr("lifeofprompt.cpu.c_step.measured_rows", always_stopped)
     other = random_model(random.Random(4))

@@ -13,11 +13,11 @@ MODEL = SimpleNamespace(config=SimpleNamespace(num_layers=22))
 
 
 def test_kernels_of_step_names_the_fused_kernels_only_when_used():
-    plain = kernels_of_step(MODEL, Launch("eager", 5, None, "torch", False))
-    fused = kernels_of_step(MODEL, Launch("CUDA graph replay", 3, 4, "triton", True))
+    plain = kernels_of_step(MODEL, Launch("eager", 5, None, "torch", "torch"))
+    fused = kernels_of_step(MODEL, Launch("CUDA graph replay", 3, 4, "triton", "fused"))
     assert plain.startswith("22 × [RMSNorm, qkv GEMM, RoPE, torch store_kv") and "fused" not in plain
     assert "fused add+RMSNorm" in fused and "fused SiLU·up" in fused and fused.endswith("(batch 3 padded to 4)")
-    c_step = kernels_of_step(MODEL, Launch("eager", 2, None, "torch", "cpu"))
+    c_step = kernels_of_step(MODEL, Launch("eager", 2, None, "torch", "c-step (packed)"))
     assert c_step.startswith("22 layers in one C call") and "fused add" not in c_step
 
 

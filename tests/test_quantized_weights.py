@@ -136,19 +136,21 @@ def test_the_calibrations_runs_take_turns_step_by_step(monkeypatch):
     calls = []
 
     class Fake:
+        cpu_step = None
+
         def __init__(self, name):
             self.name = name
 
-        def __call__(self, *inputs, path):
-            calls.append((self.name, path))
+        def __call__(self, *inputs):  # the way it runs: its C step's layout while timed, else the torch layers
+            calls.append((self.name, self.cpu_step.unmeasured if self.cpu_step else "torch"))
 
     monkeypatch.setattr(block_calibration, "one_row_step", lambda model: ())
     monkeypatch.setattr("lifeofprompt.cpu.huge_pages.move_weights_to_huge_pages", lambda model: None)
-    runs = [(Fake("fp32"), "column"), (Fake("fp32"), "row"), (Fake("blocks"), "c_step")]
+    runs = [(Fake("fp32"), "packed"), (Fake("fp32"), "torch"), (Fake("blocks"), "row-major")]
     seconds = block_calibration.interleaved_step_seconds(runs)
     assert len(seconds) == 3 and all(s >= 0 for s in seconds)
     rounds = block_calibration.ROUNDS + 2
-    assert calls == [("fp32", "column"), ("fp32", "row"), ("blocks", "c_step")] * rounds
+    assert calls == [("fp32", "packed"), ("fp32", "torch"), ("blocks", "row-major")] * rounds
 
 
 def dequantized_twin(model):

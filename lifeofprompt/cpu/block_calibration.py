@@ -15,8 +15,6 @@ import time
 
 import torch
 
-from ..model.forward_path import ForwardPath
-
 TIMING_CONTEXT = 64  # tokens already in the sequence the timed step decodes after
 TIMING_BLOCK = 16  # tokens per block of the timing's small pool
 ROUNDS = 15  # timed steps per model (after two warm-ups); the median is kept
@@ -37,11 +35,13 @@ def one_row_step(model, context: int = TIMING_CONTEXT, block_size: int = TIMING_
 
 @torch.no_grad()
 def interleaved_step_seconds(runs: list[tuple]) -> list[float]:
-    """The median time of a batch-1 decode step, logits included, of each ``(model, path)`` in ``runs``, with
+    """The median time of a batch-1 decode step, logits included, of each ``(model, way)`` in ``runs`` (way: a
+    C step layout, or ``c_step.TORCH`` for the torch layers), with
     the weights in 2 MiB pages where the system has them, as the engine places them (``huge_pages.py``).
 
     The runs take turns round by round, so a burst of load from something else on a shared machine slows
     all of them alike instead of deciding the comparison on its own."""
+    from .c_step import CStep, running
     from .huge_pages import move_weights_to_huge_pages
 
     for model, _ in runs:
@@ -49,25 +49,26 @@ def interleaved_step_seconds(runs: list[tuple]) -> list[float]:
     inputs = [one_row_step(model) for model, _ in runs]
     times = [[] for _ in runs]
     for i in range(ROUNDS + 2):
-        for (model, path), step_inputs, kept in zip(runs, inputs, times):
+        for (model, way), step_inputs, kept in zip(runs, inputs, times):
             start = time.perf_counter()
-            model(*step_inputs, path=path)
+            with running(model, CStep.only(way)):
+                model(*step_inputs)
             if i >= 2:
                 kept.append(time.perf_counter() - start)
     return [statistics.median(kept) for kept in times]
 
 
-def step_seconds(model, path: ForwardPath) -> float:
-    """The median time of one model's batch-1 decode step the ``path`` way."""
-    return interleaved_step_seconds([(model, path)])[0]
+def step_seconds(model, way: str) -> float:
+    """The median time of one model's batch-1 decode step the ``way`` way (a C layout, or "torch")."""
+    return interleaved_step_seconds([(model, way)])[0]
 
 
 def fastest_float_step(model, others: tuple = ()) -> tuple[float, list[float]]:
     """The fp32 model's batch-1 step in the faster of the C step's layouts (packed copies made first), and the
-    steps of ``others`` (``(model, path)`` pairs) timed in turn with it."""
+    steps of ``others`` (``(model, way)`` pairs) timed in turn with it."""
     from . import c_step
 
-    layouts = [(model, ForwardPath.C_STEP), (model, ForwardPath.C_STEP_ROW_MAJOR)]
+    layouts = [(model, layout) for layout in c_step.C_LAYOUTS]
     c_step.pack_all(model)
     try:
         seconds = interleaved_step_seconds(layouts + list(others))
@@ -81,7 +82,7 @@ def blocks_decode_faster(load) -> tuple[bool, str]:
 
     ``load(quantization)`` loads the embedded model with its blocks (``"gguf"``) or in fp32 (None); the
     loader passes it in, so this module does not import the loader that calls it."""
-    from .c_step import SOURCE, step_kernel
+    from .c_step import PACKED, SOURCE, step_kernel
     from .linear_calibration import cached_verdict, machine_key
     from .native_build import source_digest
 
@@ -92,7 +93,7 @@ def blocks_decode_faster(load) -> tuple[bool, str]:
     key["source"] = source_digest(SOURCE)  # the C step and the block kernel it includes: changed, timed again
 
     def measure():
-        floats, (blocks,) = fastest_float_step(load(None), others=[(load("gguf"), ForwardPath.C_STEP)])
+        floats, (blocks,) = fastest_float_step(load(None), others=[(load("gguf"), PACKED)])
         why = f"a batch-1 step took {blocks * 1e3:.1f} ms with the GGUF's blocks, {floats * 1e3:.1f} ms in fp32"
         return blocks < floats, why, dict(seconds=dict(blocks=blocks, float32=floats))
 

@@ -22,12 +22,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..model.forward_path import ForwardPath
 from .native_build import c_function
 
 SOURCE = Path(__file__).with_name("c_step.c")
@@ -229,11 +229,54 @@ LONG_STEP_S = 0.05
 SHORT_STEP_S = 0.03
 
 
-# The C step reads the layer matrices in one of two layouts (``ForwardPath.C_STEP``: its packed
-# copies, panels of ``row_kernels.h``; ``C_STEP_ROW_MAJOR``: the weights as they are). Which is faster
-# depends on the row count and the machine, so the engine times both (``measured_rows``).
-C_LAYOUTS = (ForwardPath.C_STEP, ForwardPath.C_STEP_ROW_MAJOR)
-TORCH = ForwardPath.TORCH
+# The C step reads the layer matrices in one of two layouts (``PACKED``: its packed copies, panels of
+# ``row_kernels.h``; ``ROW_MAJOR``: the weights as they are). Which is faster depends on the row count
+# and the machine, so the engine times both (``measured_rows``) against the torch layers (``TORCH``).
+PACKED, ROW_MAJOR, TORCH = "packed", "row-major", "torch"
+C_LAYOUTS = (PACKED, ROW_MAJOR)
+
+
+class CStep:
+    """The model's layers in one C call, for steps of up to ``max_rows`` rows; the model holds it as
+    ``model.cpu_step`` (None: every step runs the torch layers), and its ``hidden_states`` asks it first.
+
+    ``layouts`` maps a measured row count to the layout measured faster there; a step takes that of the
+    largest measured count at or below its rows (``unmeasured`` below every measured count)."""
+
+    def __init__(self, max_rows: int, layouts: dict | None = None, unmeasured: str = PACKED):
+        self.max_rows, self.unmeasured = max_rows, unmeasured
+        self.layouts = {int(n): layout for n, layout in (layouts or {}).items()}
+
+    @classmethod
+    def only(cls, layout: str, max_rows: int = 1 << 30) -> CStep | None:
+        """Every step one way (``TORCH``: None, no C step), as the start-up's timings run them."""
+        return None if layout == TORCH else cls(max_rows, unmeasured=layout)
+
+    def takes(self, rows: int, meta=None) -> bool:
+        """A step of ``rows`` over the paged pool (one without a cache, e.g. a whole text scored at once,
+        runs the torch layers)."""
+        return 0 < rows <= self.max_rows and (meta is None or getattr(meta, "cache", None) is not None)
+
+    def layout_for(self, rows: int) -> str:
+        measured = [n for n in self.layouts if n <= rows]
+        return self.layouts[max(measured)] if measured else self.unmeasured
+
+    def hidden_states(self, model, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        return decode_hidden_states(model, input_ids, positions, meta, self.layout_for(input_ids.shape[0]) == PACKED)
+
+    def __repr__(self) -> str:
+        return f"CStep(max_rows={self.max_rows}, layouts={self.layouts}, unmeasured={self.unmeasured!r})"
+
+
+@contextmanager
+def running(model, step: CStep | None):
+    """Run ``model`` with ``step`` as its C step for a while (timings, tests), then put its own back."""
+    own = model.cpu_step
+    model.cpu_step = step
+    try:
+        yield model
+    finally:
+        model.cpu_step = own
 
 
 def measured_rows(
@@ -245,8 +288,8 @@ def measured_rows(
     A product measured alone does not decide it: at 8 rows oneDNN multiplies faster than the
     rowwise loop, yet the C step also skips the ~40 eager ops a layer around the products, and
     on the AMD EPYC this was written on that won whole steps of up to 4-8 rows. So each row
-    count runs ``measure(rows, path) -> seconds`` (one forward; ``path`` is one of ``c_paths``
-    or ``ForwardPath.TORCH``) alternately, fastest of ``rounds`` (``RowTiming``). Counts go up
+    count runs ``measure(rows, way) -> seconds`` (one forward; ``way`` is one of ``c_paths``
+    or ``TORCH``) alternately, fastest of ``rounds`` (``RowTiming``). Counts go up
     ``row_counts`` until the C step loses; the gap between the last win and that loss is then
     halved until it closes (a verify of k = 4 drafts is 5 rows: it should not go eager because 4
     won and 8 lost). Timing stops before a count whose forecast would overrun ``budget_s``.
@@ -345,20 +388,13 @@ class RowTiming:
 
 def describe_count(rows: int, times: dict) -> str:
     """One count's timings for the start-up log, e.g. ``4 rows: C 35.0 ms (row-major 37.5), torch 81.0 ms``."""
-    c = times[ForwardPath.C_STEP] if ForwardPath.C_STEP in times else min(t for p, t in times.items() if p != TORCH)
-    other = times.get(ForwardPath.C_STEP_ROW_MAJOR)
+    c = times[PACKED] if PACKED in times else min(t for p, t in times.items() if p != TORCH)
+    other = times.get(ROW_MAJOR)
     return (
         f"{rows} row{'s' if rows > 1 else ''}: C {c * 1e3:.1f} ms"
         + (f" (row-major {other * 1e3:.1f})" if other is not None else "")
         + f", torch {times[TORCH] * 1e3:.1f} ms"
     )
-
-
-def layout_for(rows: int, layouts: dict | None, unmeasured: ForwardPath = ForwardPath.C_STEP) -> ForwardPath:
-    """The C step's layout for a step of ``rows``: that of the largest measured count at or below
-    it (``unmeasured`` where nothing was measured, e.g. with pinned products)."""
-    measured = [n for n in (layouts or {}) if int(n) <= rows]
-    return ForwardPath(layouts[max(measured, key=int)]) if measured else unmeasured
 
 
 def measured_step_key(model, plans: dict, block_size: int, decode_attention_in_c: bool) -> dict:
@@ -371,7 +407,7 @@ def measured_step_key(model, plans: dict, block_size: int, decode_attention_in_c
     config = model.config
     return dict(
         machine_key(),
-        version=8,
+        version=9,
         what="whole decode steps: the C step (panels and row-major) against the torch forward",
         dtype=str(model.dtype),
         formats=matrix_formats(model),

@@ -43,12 +43,11 @@ class RankDecodeGraphs(GraphCapture):
         max_blocks: int,
         max_model_len: int,
         backend: str,
-        path,
         capture: bool,
     ):
         self.model, self.kv_cache, self.device = model, cache, model.device
         self.graph_sizes, self.max_num_seqs, self.max_blocks_per_seq = list(sizes), max_num_seqs, max_blocks
-        self.max_model_len, self.backend, self.path = max_model_len, backend, path
+        self.max_model_len, self.backend = max_model_len, backend
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._alloc_static_buffers()
         if capture:
@@ -56,7 +55,7 @@ class RankDecodeGraphs(GraphCapture):
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """What a graph holds (``GraphCapture.capture_graphs``): the shard's ``[rows, vocab / T]`` logits."""
-        return self.model.local_logits(input_ids, positions, meta, self.path)
+        return self.model.local_logits(input_ids, positions, meta)
 
     def load(self, size: int, payload: torch.Tensor) -> None:
         """Copy one step's padded inputs (``payload``) into the first ``size`` rows of the static buffers."""

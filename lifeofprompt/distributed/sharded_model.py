@@ -36,7 +36,6 @@ import time
 import torch
 from torch import nn
 
-from ..model.forward_path import ForwardPath
 from ..model.linear import Linear
 from ..model.llama import LlamaForCausalLM
 from . import collectives, pipeline, step
@@ -130,19 +129,19 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
     def is_driver(self) -> bool:
         return self.plan.world_rank == 0
 
-    def forward(self, input_ids, positions=None, meta=None, path=ForwardPath.TORCH):
+    def forward(self, input_ids, positions=None, meta=None):
         if input_ids.dim() == 2 and meta is None:  # the convenience form: flattened, then below
-            return super().forward(input_ids, positions, meta, path)
+            return super().forward(input_ids, positions, meta)
         if not self.is_driver:
-            return self.shard_forward(input_ids, positions, meta, path)
+            return self.shard_forward(input_ids, positions, meta)
         if self.plan.num_stages > 1:
-            return self.submit(input_ids, positions, meta, path).wait()
+            return self.submit(input_ids, positions, meta).wait()
         guard = self.collective_guard
         with guard() if guard is not None else contextlib.nullcontext():
-            step.broadcast_step(input_ids, positions, meta, path)
-            return self.shard_forward(input_ids, positions, meta, path)
+            step.broadcast_step(input_ids, positions, meta)
+            return self.shard_forward(input_ids, positions, meta)
 
-    def submit(self, input_ids, positions, meta, path=ForwardPath.TORCH) -> pipeline.PendingLogits:
+    def submit(self, input_ids, positions, meta) -> pipeline.PendingLogits:
         """Rank 0 with P > 1: stage 0's part of one step, sent down the pipe; its logits come back later.
 
         The receive of the logits is posted first, so the last stage can always send them, whatever
@@ -151,7 +150,7 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
         plan = self.plan
         guard = self.collective_guard or contextlib.nullcontext
         with guard():
-            header, payload = step.pack(input_ids, positions, meta, path)
+            header, payload = step.pack(input_ids, positions, meta)
             pipeline.first_hop(plan, header, payload, self.tp_group)
             rows = input_ids.shape[0] if meta.logits_indices is None else meta.logits_indices.shape[0]
             pending = pipeline.PendingLogits(
@@ -162,24 +161,24 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
                 self.device,
                 guard,
             )
-            self.shard_forward(input_ids, positions, meta, path, wire=(header, payload))
+            self.shard_forward(input_ids, positions, meta, wire=(header, payload))
         return pending
 
-    def hidden_states(self, input_ids, positions, meta, path=ForwardPath.TORCH):
+    def hidden_states(self, input_ids, positions, meta):
         """This stage's layers: from the embedding or the previous stage, to the final norm (last stage) or not."""
         plan = self.plan
         if plan.num_stages == 1:
-            return super().hidden_states(input_ids, positions, meta, path)
+            return super().hidden_states(input_ids, positions, meta)
         hidden = None
         if not plan.is_first_stage:
             hidden = torch.empty(input_ids.shape[0], plan.full.hidden_size, dtype=self.dtype, device=self.device)
             collectives.recv(hidden, src=plan.peer(plan.stage - 1))
         start = time.monotonic()
-        hidden = super().hidden_states(input_ids, positions, meta, path, hidden=hidden, last=plan.is_last_stage)
+        hidden = super().hidden_states(input_ids, positions, meta, hidden=hidden, last=plan.is_last_stage)
         self.stage_clock.note(start)
         return hidden
 
-    def shard_forward(self, input_ids, positions, meta, path=ForwardPath.TORCH, wire=None):
+    def shard_forward(self, input_ids, positions, meta, wire=None):
         """This rank's part of one forward; the full logits on rank 0 with one stage, None elsewhere.
 
         ``wire`` (P > 1): the step's header and payload as rank 0 packed them, sent on to the next
@@ -187,7 +186,7 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
         """
         self.last_block_tables = getattr(meta, "block_tables", None)
         plan = self.plan
-        hidden = self.hidden_states(input_ids, positions, meta, path)
+        hidden = self.hidden_states(input_ids, positions, meta)
         if not plan.is_last_stage:
             pipeline.send_on(plan, *wire, hidden)
             return None
@@ -211,10 +210,10 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
 
     # ------------------------------------------------------------------ decode graphs, one per rank (P = 1)
 
-    def local_logits(self, input_ids, positions, meta, path=ForwardPath.TORCH) -> torch.Tensor:
+    def local_logits(self, input_ids, positions, meta) -> torch.Tensor:
         """One stage's whole step up to its slice of the logits: no broadcast before, no gather after.
         What each rank's CUDA graph holds (``rank_graphs.py``)."""
-        return self.logits_of(self.hidden_states(input_ids, positions, meta, path), meta)
+        return self.logits_of(self.hidden_states(input_ids, positions, meta), meta)
 
     def start_decode_graphs(self, runner, capture: bool = True) -> None:
         """Rank 0: every rank, this one too, sets up its static decode buffers and captures its graphs
@@ -231,7 +230,6 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
             max_blocks=r.max_blocks_per_seq,
             max_model_len=r.max_model_len,
             backend=r.attention_backend,
-            path=runner.speedups.path_for(1),
             capture=capture,
         )
         with guard():

@@ -20,19 +20,15 @@ import torch
 import torch.distributed as dist
 
 from ..model.attention import NoCacheMetadata, PagedCacheMetadata
-from ..model.forward_path import ForwardPath
 from . import collectives
 
 STEP, STOP, REPORT, PLANS, CAPTURE, REPLAY = 1, 2, 3, 4, 5, 6  # commands in header[0]
 NO_CACHE, PAGED = 0, 1  # metadata kinds in header[1]
 BACKENDS = ("torch", "triton", "cpu-hybrid")  # the attention backend travels as its index
-PATHS = tuple(ForwardPath)  # the forward path travels as its index
-HEADER = 10
+HEADER = 9
 
 
-def pack(
-    input_ids: torch.Tensor, positions: torch.Tensor, meta, path: ForwardPath
-) -> tuple[torch.Tensor, torch.Tensor]:
+def pack(input_ids: torch.Tensor, positions: torch.Tensor, meta) -> tuple[torch.Tensor, torch.Tensor]:
     """``(header, payload)`` of one forward: every per-step tensor end to end, as int64."""
     paged = isinstance(meta, PagedCacheMetadata)
     if not paged and not isinstance(meta, NoCacheMetadata):
@@ -56,7 +52,6 @@ def pack(
             -1 if logits is None else logits.shape[0],
             meta.max_query_len,
             meta.max_seq_len,
-            PATHS.index(ForwardPath(path)),
             BACKENDS.index(meta.backend.name if paged else "torch"),
         ],
         dtype=torch.long,
@@ -73,8 +68,8 @@ def payload_size(header: list[int]) -> int:
 
 
 def unpack(header: list[int], payload: torch.Tensor, cache=None):
-    """The inverse of ``pack``: ``(input_ids, positions, meta, path)`` over this rank's ``cache``."""
-    _, kind, tokens, seqs, width, logits, max_query_len, max_seq_len, path, backend = header
+    """The inverse of ``pack``: ``(input_ids, positions, meta)`` over this rank's ``cache``."""
+    _, kind, tokens, seqs, width, logits, max_query_len, max_seq_len, backend = header
     sizes = [tokens, tokens, seqs + 1, seqs, max(logits, 0)] + ([tokens, seqs * width] if kind == PAGED else [])
     ids, positions, starts, lens, rows, *paged = payload.split(sizes)
     fields = dict(
@@ -95,7 +90,7 @@ def unpack(header: list[int], payload: torch.Tensor, cache=None):
         )
     else:
         meta = NoCacheMetadata(**fields)
-    return ids, positions, meta, PATHS[path]
+    return ids, positions, meta
 
 
 def send_command(command: int, device) -> None:
@@ -105,9 +100,9 @@ def send_command(command: int, device) -> None:
     collectives.broadcast(header, src=0)
 
 
-def broadcast_step(input_ids, positions, meta, path) -> None:
+def broadcast_step(input_ids, positions, meta) -> None:
     """Rank 0: send one forward's inputs to every other rank."""
-    header, payload = pack(input_ids, positions, meta, path)
+    header, payload = pack(input_ids, positions, meta)
     collectives.broadcast(header, src=0)
     collectives.broadcast(payload, src=0)
 
@@ -153,7 +148,6 @@ def send_capture(
     max_blocks: int,
     max_model_len: int,
     backend: str,
-    path: ForwardPath,
     capture: bool,
     device,
 ) -> None:
@@ -167,7 +161,6 @@ def send_capture(
             max_blocks,
             max_model_len,
             BACKENDS.index(backend),
-            PATHS.index(ForwardPath(path)),
             int(bool(capture)),
             0,
             0,
@@ -181,7 +174,7 @@ def send_capture(
 
 def receive_capture(header: list[int], device) -> dict:
     """Ranks > 0: the rest of ``send_capture`` (its sizes), as keyword arguments for ``RankDecodeGraphs``."""
-    _, count, max_num_seqs, max_blocks, max_model_len, backend, path, capture = header[:8]
+    _, count, max_num_seqs, max_blocks, max_model_len, backend, capture = header[:7]
     sizes = torch.empty(count, dtype=torch.long, device=device)
     collectives.broadcast(sizes, src=0)
     return dict(
@@ -190,7 +183,6 @@ def receive_capture(header: list[int], device) -> dict:
         max_blocks=max_blocks,
         max_model_len=max_model_len,
         backend=BACKENDS[backend],
-        path=PATHS[path],
         capture=bool(capture),
     )
 

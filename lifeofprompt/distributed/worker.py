@@ -163,8 +163,8 @@ def serve(model, cache, device) -> None:
         if header[0] == step.REPLAY:
             graphs.run(*step.receive_replay(header, graphs.max_blocks_per_seq, device))
             continue
-        input_ids, positions, meta, path = step.unpack(header, payload, cache)
-        model.shard_forward(input_ids, positions, meta, path, wire=(wire, payload) if staged else None)
+        input_ids, positions, meta = step.unpack(header, payload, cache)
+        model.shard_forward(input_ids, positions, meta, wire=(wire, payload) if staged else None)
 
 
 def shard_report(model, cache) -> dict:

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
-from ..model.forward_path import CPU_TUNINGS
+from ..model.linear import PATHS as PRODUCT_PATHS
 from ..model.loader import DEFAULT_MODEL
 
 STEP_SECONDS = 0.25  # a CPU's step: as many tokens as it prefills in this long (cpu_speedups.py)
@@ -25,6 +25,12 @@ DEFAULT_STEP_TOKENS = 2048  # the step's token budget where nothing measured it 
 CPU_KV_CACHE_MEMORY = 2 << 30  # bytes of KV pool on a CPU when kv_cache_memory is not given
 CPU_TUNING_VARIABLE = "LIFEOFPROMPT_CPU_TUNING"  # the default of ``cpu_tuning`` (tests pin a path with it)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# ``cpu_tuning``: "auto" measures every CPU path on this machine once (cached); "off" runs the plain torch
+# layers and measures nothing; a product path pins every matrix product to it, and "rowwise" brings the
+# C step and the C decode attention (they read weights the same way); "c-step" runs the C step for every
+# step of up to 16 rows with the products pinned to "linear" (its tests). Pinned, nothing is timed, so no
+# timing can move a token (engine/cpu_speedups.py).
+CPU_TUNINGS = ("auto", "off", *PRODUCT_PATHS, "c-step")
 
 
 @dataclass(frozen=True)
@@ -59,7 +65,7 @@ class EngineConfig:
     max_waiting: int | None = None  # waiting requests beyond which add_request raises QueueFullError
     attention_backend: str = "auto"  # "auto": Triton on a GPU, torch elsewhere
     enforce_eager: bool = False  # True: never replay decode steps from CUDA graphs
-    cpu_tuning: str = "auto"  # "auto" (measured, cached), "off", or a path name (model/forward_path.py)
+    cpu_tuning: str = "auto"  # one of CPU_TUNINGS (above): "auto" measures, cached; "off" or a pinned path
     prepack_cpu_weights: bool = True  # the CPU paths may keep second, re-laid-out copies of weights
     speculative_config: dict | None = None  # vLLM's dict: {"method": "ngram", ...} or {"model": ...}
     tensor_parallel_size: int = 1

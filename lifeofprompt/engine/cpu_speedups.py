@@ -34,7 +34,6 @@ from ..cpu.huge_pages import move_weights_to_huge_pages
 from ..cpu.linear_calibration import cached_answer, choose_cpu_linear, machine_key
 from ..model.attention import PagedKVCache
 from ..model.attention_backends import attention_backend as backend_named
-from ..model.forward_path import ForwardPath
 from ..model.linear import apply_plans, plannable
 from .config import DEFAULT_STEP_TOKENS, STEP_SECONDS
 from .memory import format_bytes
@@ -85,6 +84,7 @@ class CpuSpeedups(Speedups):
     def choose(self, runner, num_blocks: int) -> CpuChoices:
         """The products' paths; then the C attention and the C step's row limit, timed with those products;
         then the step's token budget, timed with all of them."""
+        self.model.cpu_step = None  # the torch layers while the products are timed
         if self.model.dtype == torch.float32:
             self.linear_choice = choose_cpu_linear(self.model, self.pinned or "auto", prepack=self.prepack)
         self.prepacked_bytes = apply_plans(self.model, self.linear_choice.plans if self.linear_choice else None)
@@ -94,6 +94,7 @@ class CpuSpeedups(Speedups):
             if self.decode_attention_in_c:  # chosen once: every step's decode rows attend in C
                 self.attention = backend_named("cpu-hybrid")
             notes["c_step"] = self.choose_c_step_rows(runner, num_blocks)
+        self.model.cpu_step = self.chosen_c_step()
         self.packed_bytes = self.pack_for_c_step()
         self.step_tokens, self.budget_note = self.measure_step_tokens(runner)
         notes["budget"] = self.budget_note
@@ -126,7 +127,7 @@ class CpuSpeedups(Speedups):
         answer, why = self.measure_c_step_rows(runner, num_blocks)
         if isinstance(answer, dict):
             self.c_step_rows = answer["rows"]
-            self.c_step_layouts = {int(n): ForwardPath(p) for n, p in answer["layouts"].items()}
+            self.c_step_layouts = {int(n): layout for n, layout in answer["layouts"].items()}
             self.step_seconds = {int(n): s for n, s in answer["seconds"].items() if int(n) <= answer["rows"]}
         return why
 
@@ -142,11 +143,11 @@ class CpuSpeedups(Speedups):
         key = dict(c_step.measured_step_key(self.model, plans, self.block_size, in_c), row_counts=list(counts))
         key.update(packed=self.prepack)
 
-        def measure(rows: int, path: ForwardPath) -> float:
+        def measure(rows: int, way: str) -> float:  # way: a C layout, or c_step.TORCH
             input_ids, positions, meta = dummy_inputs(runner, cache, [TIMING_CONTEXT] * rows, decode=True)
             start = time.perf_counter()
-            with torch.no_grad():
-                self.model(input_ids, positions, meta, path=path)
+            with torch.no_grad(), c_step.running(self.model, c_step.CStep.only(way)):
+                self.model(input_ids, positions, meta)
             return time.perf_counter() - start
 
         cache = self.scratch_pool(counts[-1] * per_block)
@@ -157,9 +158,7 @@ class CpuSpeedups(Speedups):
         (a busy moment) is used but not cached; one cut short later is kept but measured once more."""
         # The packed copies first, where the engine keeps them, outside the budget: made by the first packed
         # step instead, they cost 1.4 s of a slow CPU's 3 s, and were timed from ordinary pages.
-        layouts = (
-            (ForwardPath.C_STEP, ForwardPath.C_STEP_ROW_MAJOR) if self.prepack else (ForwardPath.C_STEP_ROW_MAJOR,)
-        )
+        layouts = c_step.C_LAYOUTS if self.prepack else (c_step.ROW_MAJOR,)
         if self.prepack:
             c_step.pack_all(self.model)
         answer, why = c_step.measured_rows(measure, row_counts=counts, c_paths=layouts)
@@ -175,7 +174,8 @@ class CpuSpeedups(Speedups):
     def pack_for_c_step(self) -> int:
         """Make the C step's packed copies now, not on the first step that needs them, or free them where no
         step will read them (or the memory setting forbids them); returns their bytes, for the log."""
-        wanted = any(self.path_for(n) == ForwardPath.C_STEP for n in range(1, self.c_step_rows + 1))
+        step = self.model.cpu_step
+        wanted = step is not None and any(step.layout_for(n) == c_step.PACKED for n in range(1, step.max_rows + 1))
         if not (wanted and self.prepack):
             if self.c_step_rows:
                 c_step.drop_packed(self.model)
@@ -207,8 +207,8 @@ class CpuSpeedups(Speedups):
             for _ in range(3):  # the first warms up
                 input_ids, positions, meta = dummy_inputs(runner, cache, [PREFILL_PROBE_TOKENS])
                 start = time.perf_counter()
-                with torch.no_grad():
-                    self.model(input_ids, positions, meta, path=ForwardPath.TORCH)
+                with torch.no_grad(), c_step.running(self.model, None):
+                    self.model(input_ids, positions, meta)
                 seconds.append(time.perf_counter() - start)
             rate = PREFILL_PROBE_TOKENS / min(seconds[1:])
             return rate, f"prefill measured at {rate:,.0f} tokens/s", {}
@@ -222,17 +222,22 @@ class CpuSpeedups(Speedups):
         """A small KV pool for timing, before the engine's own is allocated."""
         return PagedKVCache.for_model(self.model.config, num_blocks, self.block_size, self.model.dtype, "cpu")
 
-    # ------------------------------------------------------------------ every step
-    def path_for(self, rows: int) -> ForwardPath:
-        """The C step (in its measured layout) for steps of up to ``c_step_rows`` rows, else the torch forward."""
-        if not 0 < rows <= self.c_step_rows:
-            return ForwardPath.TORCH
-        unmeasured = ForwardPath.C_STEP if self.prepack else ForwardPath.C_STEP_ROW_MAJOR
-        return ForwardPath(c_step.layout_for(rows, self.c_step_layouts, unmeasured))
+    def chosen_c_step(self) -> c_step.CStep | None:
+        """What the model runs its small steps with: the C step up to ``c_step_rows`` rows (None: never)."""
+        if not self.c_step_rows:
+            return None
+        unmeasured = c_step.PACKED if self.prepack else c_step.ROW_MAJOR
+        return c_step.CStep(self.c_step_rows, self.c_step_layouts, unmeasured)
 
     def for_draft(self, draft) -> Speedups:
-        """A draft model's own speed-ups. A draft that shares the target's layers shares their plans and C
-        step; one with weights of its own gets its own products (pinned if the target's were) and C rows."""
+        """A draft model's own speed-ups, its C step given to it as the target's is (``draft_speedups``)."""
+        theirs = self.draft_speedups(draft)
+        draft.cpu_step = theirs.chosen_c_step()
+        return theirs
+
+    def draft_speedups(self, draft) -> CpuSpeedups:
+        """A draft that shares the target's layers shares their plans and C step; one with weights of its
+        own gets its own products (pinned if the target's were) and C rows."""
         theirs = CpuSpeedups(draft, self.config, self.split)
         if self.linear_choice is None or draft.dtype != torch.float32:
             return theirs

@@ -128,7 +128,7 @@ class DraftModelProposer:
         """The target's step over the draft's pool: same rows, same slots, no logits (only its K/V matter)."""
         self.num_forwards += 1
         own = meta.over_pool(self.kv_cache, self.backend)  # by name: the draft never attends in C
-        self.model.hidden_states(input_ids, positions, own, self.speedups.path_for(input_ids.shape[0]))
+        self.model.hidden_states(input_ids, positions, own)
 
     # ---------------------------------------------------------------- drafting
     def placeholders(self, seq: Sequence, max_draft: int) -> list[int]:
@@ -178,7 +178,6 @@ class DraftModelProposer:
             torch.tensor(ids, device=device),
             torch.tensor(positions, device=device),
             meta,
-            path=self.speedups.path_for(len(ids)),
         )
 
     @staticmethod

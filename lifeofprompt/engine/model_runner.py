@@ -178,7 +178,7 @@ class ModelRunner:
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """The model's forward, the way the speed-ups pick for this many rows."""
-        return self.model(input_ids, positions, meta, path=self.speedups.path_for(input_ids.shape[0]))
+        return self.model(input_ids, positions, meta)
 
     @staticmethod
     def is_decode(seqs: list[Sequence], num_scheduled_tokens: list[int]) -> bool:
@@ -217,10 +217,15 @@ class ModelRunner:
 
     def launch(self, mode: str, rows: int, padded_to: int | None = None) -> Launch:
         """How a step of ``rows`` rows ran, for its trace."""
-        path = self.speedups.path_for(padded_to or rows)
-        if self.speedups.fused_kernels and path == "torch":  # the layers' own fused kernels (model/layers.py)
-            path = "fused"
-        return Launch(mode, rows, padded_to, self.speedups.backend, path)
+        return Launch(mode, rows, padded_to, self.speedups.backend, self.forward_taken(padded_to or rows))
+
+    def forward_taken(self, rows: int) -> str:
+        """Which way the model's layers ran a step of ``rows``: its C step (and the layout), the layers'
+        fused kernels (a GPU: ``model/layers.py``) or the torch layers."""
+        c_step = getattr(self.model, "cpu_step", None)
+        if c_step is not None and c_step.takes(rows):
+            return f"c-step ({c_step.layout_for(rows)})"
+        return "fused" if self.speedups.fused_kernels else "torch"
 
     @torch.no_grad()
     def execute(self, seqs: list[Sequence], num_scheduled_tokens: list[int]) -> StepOutput:
@@ -240,7 +245,7 @@ class ModelRunner:
             raise RequestFailedError("prompt_logprobs needs the whole model in one process")
         input_ids, positions, meta = self.prepare(seqs, num_scheduled_tokens)
         rows = input_ids.shape[0]
-        hidden = self.model.hidden_states(input_ids, positions, meta, self.speedups.path_for(rows))
+        hidden = self.model.hidden_states(input_ids, positions, meta)
         if self.draft is not None:
             self.draft.mirror(input_ids, positions, meta)
         logits = self.model.lm_head(hidden[meta.logits_indices]).float()
@@ -257,8 +262,7 @@ class ModelRunner:
         static buffer, so another step can be prepared while it runs.
         """
         input_ids, positions, meta = self.prepare(seqs, num_scheduled_tokens)
-        path = self.speedups.path_for(input_ids.shape[0])
-        return self.model.submit(input_ids, positions, meta, path), self.launch("pipelined eager", input_ids.shape[0])
+        return self.model.submit(input_ids, positions, meta), self.launch("pipelined eager", input_ids.shape[0])
 
     @torch.no_grad()
     def collect(self, pending, seqs: list[Sequence], num_scheduled_tokens: list[int]) -> StepOutput:

@@ -1,8 +1,8 @@
 """The device's speed-ups: everything that makes steps fast on one kind of device, in one object chosen at start-up.
 
 The runner asks it, in start-up order, to place the weights, to choose its paths (measured or
-pinned) and, last, to start (a GPU captures its decode graphs); then, every step, which forward a
-step of n rows takes (``path_for``). Three kinds:
+pinned) and, last, to start (a GPU captures its decode graphs). What it chooses goes into the model
+and the attention backend, so a step asks it nothing. Three kinds:
 
 * ``Speedups`` (here): none, the torch forward as written, nothing measured (``cpu_tuning="off"``);
 * ``GpuSpeedups`` (here): the Triton attention, the fused element-wise kernels and CUDA graphs;
@@ -17,7 +17,6 @@ import math
 
 from ..errors import ConfigError
 from ..model.attention_backends import attention_backend as backend_named
-from ..model.forward_path import ForwardPath
 from ..model.layers import triton_installed
 from .sampling_params import SamplingParams
 from .sequence import Sequence
@@ -69,16 +68,15 @@ class Speedups:
         """Where the weights live: as loaded."""
 
     def choose(self, runner, num_blocks: int):
-        """Nothing to measure."""
+        """Nothing to measure: the model runs its torch layers (a CPU start-up before may have left a C step)."""
+        self.model.cpu_step = None
 
     def start(self, runner) -> None:
         """Nothing to capture."""
 
-    def path_for(self, rows: int) -> ForwardPath:
-        return ForwardPath.TORCH
-
     def for_draft(self, draft) -> Speedups:
         """A draft model's speed-ups: none, its forward the plain way."""
+        draft.cpu_step = None
         return Speedups(draft, self.config, self.split)
 
     def share_with(self, parallel, model) -> None:

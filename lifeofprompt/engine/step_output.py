@@ -28,7 +28,7 @@ class Launch:
     rows: int  # the step's rows (query tokens)
     padded_to: int | None  # a replayed or padded decode: the graph's batch size
     backend: str  # the attention backend: "torch" or "triton"
-    path: object = None  # the model's forward path (model.forward_path.ForwardPath)
+    path: str = "torch"  # how the layers ran: "torch", "fused" or "c-step (packed)" / "c-step (row-major)"
 
 
 @dataclass

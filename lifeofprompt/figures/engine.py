@@ -26,12 +26,12 @@ def kernels_of_step(model, launch) -> str:
     how = launch.mode
     if launch.padded_to:
         how += f" (batch {launch.rows} padded to {launch.padded_to})"
-    if launch.path in ("cpu", "cpu-rowmajor"):
+    if str(launch.path).startswith("c-step"):
         return (
             f"{model.config.num_layers} layers in one C call (cpu/c_step.c: RMSNorm, qkv, RoPE, attention from "
             f"the pool, o_proj, RMSNorm, gate_up, SiLU·up, down) + final norm; lm_head GEMM; {how}"
         )
-    if launch.path in (True, "fused"):
+    if launch.path == "fused":
         return (
             f"{model.config.num_layers} × [fused add+RMSNorm, qkv GEMM, fused RoPE, {attention}, o_proj GEMM, "
             f"fused add+RMSNorm, gate_up GEMM, fused SiLU·up, down GEMM] + lm_head; {how}"

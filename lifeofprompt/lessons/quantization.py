@@ -128,13 +128,13 @@ def measure_formats(labels: list[str], read_bandwidth: float, rounds: int = 3) -
 def _step_seconds(label: str, model) -> float:
     """One timing of a batch-1 step: torch's layers for bf16, else the C step (fp32 in its faster layout)."""
     from ..cpu.block_calibration import fastest_float_step, step_seconds
-    from ..model.forward_path import ForwardPath
+    from ..cpu.c_step import PACKED, TORCH
 
     if label == "bf16":
-        return step_seconds(model, ForwardPath.TORCH)
+        return step_seconds(model, TORCH)
     if model.quantization is None:
         return fastest_float_step(model)[0]
-    return step_seconds(model, ForwardPath.C_STEP)
+    return step_seconds(model, PACKED)
 
 
 # ------------------------------------------------------- each block format timed the way the machine profile times fp32

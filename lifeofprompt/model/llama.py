@@ -18,7 +18,6 @@ from torch import nn
 
 from .attention import AttentionMetadata, NoCacheMetadata
 from .config import ModelConfig
-from .forward_path import ForwardPath
 from .layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from .linear import Linear
 
@@ -105,6 +104,7 @@ class LlamaForCausalLM(nn.Module):
         self.dtype_reason = ""  # how load_model chose the dtype (for the start-up log)
         self.quantization: str | None = None  # "gguf", "q8_0" or "q4_1" once matrices are blocks (quantized_linear.py)
         self.quantization_reason = ""  # how load_model chose it (for the start-up log)
+        self.cpu_step = None  # on a CPU, the layers in one C call for small steps (cpu/c_step.py: CStep)
 
     @property
     def device(self) -> torch.device:
@@ -120,23 +120,20 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        path=ForwardPath.TORCH,
         hidden: torch.Tensor | None = None,
         last: bool = True,
     ) -> torch.Tensor:
         """Final normalised hidden state of every row ``[T, hidden]``: the embedding, the decoder layers in
-        order (the package's only loop over them) and the final norm; ``C_STEP``: a small step of the paged
-        engine in one C call (``c_step.py``: same layers, same weights; ``C_STEP_ROW_MAJOR`` without its
-        packed weight copies).
+        order (the package's only loop over them) and the final norm.
+
+        On a CPU the start-up may give the model a C step (``self.cpu_step``, ``cpu/c_step.py``): the
+        same layers and weights in one C call, for the small steps it measured faster there.
 
         A pipeline stage runs the same loop over its slice of the layers: ``hidden`` is what the stage
         before sent (else the embedding of ``input_ids``); ``last=False`` returns the residual stream for
         the next stage instead of normalising it."""
-        path = ForwardPath(path)
-        if path is not ForwardPath.TORCH:
-            from ..cpu.c_step import decode_hidden_states
-
-            return decode_hidden_states(self, input_ids, positions, meta, packed=path is ForwardPath.C_STEP)
+        if self.cpu_step is not None and hidden is None and last and self.cpu_step.takes(input_ids.shape[0], meta):
+            return self.cpu_step.hidden_states(self, input_ids, positions, meta)
         hidden = self.embed_tokens(input_ids) if hidden is None else hidden
         cos_sin = self.rotary.at(positions)
         residual = None
@@ -151,10 +148,8 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor | None = None,
         meta: AttentionMetadata | None = None,
-        path: ForwardPath = ForwardPath.TORCH,
     ) -> torch.Tensor:
-        """Flat form: logits ``[len(meta.logits_indices), vocab]`` (all rows when it is None), the
-        layers run the ``path`` way (``hidden_states``).
+        """Flat form: logits ``[len(meta.logits_indices), vocab]`` (all rows when it is None).
 
         Convenience form (``input_ids`` is ``[batch, seq]``, no metadata): logits ``[batch, seq, vocab]``.
         """
@@ -163,7 +158,7 @@ class LlamaForCausalLM(nn.Module):
             meta = NoCacheMetadata.for_lengths([seq] * batch, device=input_ids.device)
             positions = torch.arange(seq, device=input_ids.device).repeat(batch)
             return self.forward(input_ids.reshape(-1), positions, meta).view(batch, seq, -1)
-        hidden = self.hidden_states(input_ids, positions, meta, path)
+        hidden = self.hidden_states(input_ids, positions, meta)
         if meta.logits_indices is not None:
             hidden = hidden[meta.logits_indices]
         return self.lm_head(hidden).float()

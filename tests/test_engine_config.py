@@ -18,7 +18,8 @@ import pytest
 from tiny_models import tiny_model
 
 from lifeofprompt import LLM, ConfigError, SpeculativeConfigError
-from lifeofprompt.engine.config import DEFAULT_STEP_TOKENS, STEP_SECONDS, EngineConfig
+from lifeofprompt.cpu.speedups import STEP_SECONDS
+from lifeofprompt.engine.config import DEFAULT_STEP_TOKENS, EngineConfig
 from lifeofprompt.engine.speedups import CPU_TUNING_MODULES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -168,4 +169,4 @@ LLM(model, tokenizer=tokenizer, num_kv_blocks=16, cpu_tuning="linear", log_stats
 print(" ".join(m for m in {list(CPU_TUNING_MODULES)!r} if m in sys.modules))
 """
     out = subprocess.run([sys.executable, "-c", tuned], capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert out.returncode == 0 and "lifeofprompt.engine.cpu_speedups" in out.stdout.split(), out.stderr[-3000:]
+    assert out.returncode == 0 and "lifeofprompt.cpu.speedups" in out.stdout.split(), out.stderr[-3000:]

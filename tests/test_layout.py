@@ -23,7 +23,16 @@ KERNELS = REPO / "kernels"  # installed as lifeofprompt.kernels
 
 # From the bottom up. A module may import its own layer and the layers below it, nothing above.
 LAYERS = [
-    ("base", {"lifeofprompt.errors", "lifeofprompt.env", "lifeofprompt.story", "lifeofprompt._version"}),
+    (
+        "base",
+        {
+            "lifeofprompt.errors",
+            "lifeofprompt.env",
+            "lifeofprompt.story",
+            "lifeofprompt.units",
+            "lifeofprompt._version",
+        },
+    ),
     ("model", {"lifeofprompt.model", "lifeofprompt.cpu", "lifeofprompt.kernels"}),  # cpu/: the CPU's speed work
     ("distributed", {"lifeofprompt.distributed"}),  # the model over processes
     ("engine", {"lifeofprompt.engine"}),

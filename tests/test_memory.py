@@ -11,9 +11,6 @@ from hypothesis import strategies as st
 
 from lifeofprompt.engine.memory import (
     LLAMA_2_13B,
-    GiB,
-    KiB,
-    MiB,
     blocks_for_tokens,
     dtype_bytes,
     estimate_activation_bytes,
@@ -27,6 +24,7 @@ from lifeofprompt.engine.memory import (
 )
 from lifeofprompt.errors import ConfigError, OutOfMemoryError
 from lifeofprompt.model.config import LLAMA_3_1_8B, SMOLLM2_135M, TINYLLAMA_1_1B
+from lifeofprompt.units import GiB, KiB, MiB
 
 
 def test_bytes_per_token_pinned():

@@ -6,9 +6,10 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-from lifeofprompt.engine.memory import GiB, plan_memory  # noqa: E402
+from lifeofprompt.engine.memory import plan_memory  # noqa: E402
 from lifeofprompt.figures.memory import land_figure, land_report, memory_panel, update_land  # noqa: E402
 from lifeofprompt.model.config import TINYLLAMA_1_1B  # noqa: E402
+from lifeofprompt.units import GiB  # noqa: E402
 
 
 def test_update_gives_figure_and_the_logged_numbers():

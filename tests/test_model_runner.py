@@ -12,8 +12,8 @@ from lifeofprompt.engine.memory import kv_bytes_per_block
 from lifeofprompt.engine.model_runner import ModelRunner, run_greedy_loop
 from lifeofprompt.engine.sampling_params import SamplingParams
 from lifeofprompt.engine.sequence import Sequence
-from lifeofprompt.engine.speedups import attention_backend
 from lifeofprompt.errors import ConfigError
+from lifeofprompt.model.attention_backends import resolve_backend as attention_backend
 from lifeofprompt.model.linear import onednn_available
 
 # generate_cached_batch's greedy tokens for the three story prompts (pinned here too); every step decided far

@@ -23,14 +23,10 @@ CALIBRATION_VERSION = 1
 
 def one_row_step(model, context: int = TIMING_CONTEXT, block_size: int = TIMING_BLOCK):
     """``(input_ids, positions, meta)`` of one sequence decoding its token at position ``context``."""
-    from ..model.attention import PagedCacheMetadata, PagedKVCache
+    from ..model.attention import PagedKVCache, synthetic_step
 
-    blocks = context // block_size + 1
-    cache = PagedKVCache.for_model(model.config, blocks, block_size, model.dtype, "cpu")
-    table = torch.arange(blocks, dtype=torch.int32).unsqueeze(0)
-    slots = torch.tensor([context], dtype=torch.long)
-    meta = PagedCacheMetadata.for_batch([1], [context + 1], table, slots, cache, "torch", "cpu", torch.tensor([0]))
-    return torch.tensor([1]), torch.tensor([context]), meta
+    cache = PagedKVCache.for_model(model.config, context // block_size + 1, block_size, model.dtype, "cpu")
+    return synthetic_step(model, cache, [context + 1], decode=True)
 
 
 @torch.no_grad()

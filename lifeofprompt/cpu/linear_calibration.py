@@ -306,7 +306,7 @@ def write_cached(path: Path, key: dict, plans: dict, timings: dict, seconds: flo
 
 
 def choose_cpu_linear(model: nn.Module, path: str = "auto", prepack: bool = True) -> LinearChoice:
-    """The CPU speed-ups' entry point (``engine/cpu_speedups.py``): a pinned path, the cached choice, or a
+    """The CPU speed-ups' entry point (``cpu/speedups.py``): a pinned path, the cached choice, or a
     fresh calibration. ``path``: ``"auto"`` or a product path's name (``PATHS``)."""
     shapes = list(weights_by_shape(model))
     if path != "auto":

@@ -374,30 +374,11 @@ class ParallelGroup:
 
     # ------------------------------------------------------------------ looking inside
 
-    def share_plans(self, driver_model, choice) -> None:
-        """Send every worker the CPU product paths to use (``cpu/linear_calibration.py``), chosen once, here.
-
-        Ranks timing products against each other on shared cores would measure each other, so
-        the driver times its own shard (every tensor-parallel rank's shard has the same shapes)
-        while the workers wait, and sends the plans. The driver's choice is for its thread count;
-        where the workers run fewer threads, it times (or reads from the cache) the choice for
-        theirs. A shape only another stage holds (the last stage's LM head) keeps plain products.
-        Under torchrun on other machines the plans are the driver's CPU's: right, if not tuned there.
-        """
-        from ..cpu.linear_calibration import choose_cpu_linear
-        from ..model.linear import apply_plans
-
-        plans, self.worker_plans_source = choice.plans, f"the driver's ({choice.source})"
-        if choice.pinned is None and self.worker_threads != torch.get_num_threads():
-            previous = torch.get_num_threads()
-            torch.set_num_threads(self.worker_threads)
-            try:
-                theirs = choose_cpu_linear(driver_model, "auto")
-            finally:
-                torch.set_num_threads(previous)
-                apply_plans(driver_model, choice.plans)  # timing drops packed copies: restore the driver's
-            plans = theirs.plans
-            self.worker_plans_source = f"for {self.worker_threads} thread(s) a rank ({theirs.source})"
+    def share_plans(self, plans: dict, source: str) -> None:
+        """Send every worker the CPU product paths to use, chosen once by the driver's speed-ups
+        (``CpuSpeedups.share_with``: timed for the workers' thread count where it differs); ``source``
+        says where they came from, for the start-up log."""
+        self.worker_plans_source = source
         with self.guard():
             self._command(step.PLANS)
             dist.broadcast_object_list([plans], src=0, group=collectives.WORLD)

@@ -20,7 +20,6 @@ from ..errors import ConfigError
 from ..model.linear import PATHS as PRODUCT_PATHS
 from ..model.loader import DEFAULT_MODEL
 
-STEP_SECONDS = 0.25  # a CPU's step: as many tokens as it prefills in this long (cpu_speedups.py)
 DEFAULT_STEP_TOKENS = 2048  # the step's token budget where nothing measured it (a GPU, pinned CPU paths)
 CPU_KV_CACHE_MEMORY = 2 << 30  # bytes of KV pool on a CPU when kv_cache_memory is not given
 CPU_TUNING_VARIABLE = "LIFEOFPROMPT_CPU_TUNING"  # the default of ``cpu_tuning`` (tests pin a path with it)
@@ -29,7 +28,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # layers and measures nothing; a product path pins every matrix product to it, and "rowwise" brings the
 # C step and the C decode attention (they read weights the same way); "c-step" runs the C step for every
 # step of up to 16 rows with the products pinned to "linear" (its tests). Pinned, nothing is timed, so no
-# timing can move a token (engine/cpu_speedups.py).
+# timing can move a token (cpu/speedups.py).
 CPU_TUNINGS = ("auto", "off", *PRODUCT_PATHS, "c-step")
 
 
@@ -39,7 +38,7 @@ class EngineConfig:
 
     * ``gpu_memory_utilization``: vLLM claims 0.92 of the device (0.9 up to its v0.10 line); we keep 0.9;
     * ``max_num_batched_tokens``: vLLM picks it by device and entry point (2,048 to 16,384 on GPUs); we
-      take 2,048 on a GPU and, on a CPU, as many tokens as one step prefills in ``STEP_SECONDS``;
+      take 2,048 on a GPU and, on a CPU, as many tokens as one step prefills in ``cpu/speedups.py: STEP_SECONDS``;
     * ``long_prefill_token_threshold``: off in vLLM; ours caps one prompt's chunk at a quarter of the
       budget while others wait or run (``scheduler.fair_prefill_threshold``);
     * ``kv_cache_memory``: vLLM sizes a CPU pool with ``VLLM_CPU_KVCACHE_SPACE``; ours is 2 GiB on a CPU;
@@ -255,7 +254,7 @@ class ResolvedConfig:
     pipeline_parallel_size: int
     speedups: str  # what makes this device fast (speedups.py): its name
     quantization: str | None = None  # the weights' form as loaded: None (floats), "gguf", "q8_0" or "q4_1"
-    cpu: object = None  # the CPU paths chosen (cpu_speedups.CpuChoices), None elsewhere
+    cpu: object = None  # the CPU paths chosen (cpu/speedups.py: CpuChoices), None elsewhere
     why: dict = field(default_factory=dict)  # why an automatic choice fell as it did (the log)
 
     @property
@@ -282,10 +281,10 @@ def resolve(config: EngineConfig, model, num_kv_blocks: int, speedups) -> Resolv
     * the longest request: ``max_model_len`` if given, else the model's context, never more than the
       model's context nor more than the whole pool holds;
     * the step's token budget: ``max_num_batched_tokens`` if given, else what the speed-ups measured (a CPU:
-      ``STEP_SECONDS`` of prefill), else 2,048; and the fair-prefill cap from it;
+      ``STEP_SECONDS`` of prefill, at most 2,048), else 2,048; and the fair-prefill cap from it;
     * one micro-batch group per pipeline stage when stages overlap.
     """
-    budget = config.max_num_batched_tokens or speedups.step_tokens or DEFAULT_STEP_TOKENS
+    budget = config.max_num_batched_tokens or min(speedups.step_tokens or DEFAULT_STEP_TOKENS, DEFAULT_STEP_TOKENS)
     stages = config.pipeline_parallel_size
     scheduler = SchedulerConfig(
         config.max_num_seqs,

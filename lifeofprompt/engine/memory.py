@@ -20,11 +20,8 @@ import torch
 
 from ..errors import ConfigError, OutOfMemoryError
 from ..model.config import ModelConfig
+from ..units import GiB, KiB, MiB, format_bytes  # noqa: F401 (the chapters read them here, beside the arithmetic)
 from .config import DEFAULT_STEP_TOKENS, EngineConfig
-
-GiB = 1024**3
-MiB = 1024**2
-KiB = 1024
 
 _DTYPE_NAMES = {
     "bf16": torch.bfloat16,
@@ -259,11 +256,3 @@ def plan_memory(
         block_size=block_size,
         bytes_per_token=kv_bytes_per_token(config, dtype),
     )
-
-
-def format_bytes(n: float) -> str:
-    """Binary units, as memory is sold to programs: ``22.0 KiB``, ``88.0 MiB``, ``14.40 GiB``."""
-    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}" if unit == "GiB" else f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"

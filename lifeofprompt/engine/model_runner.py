@@ -20,14 +20,14 @@ import math
 import torch
 
 from ..errors import OutOfMemoryError, RequestFailedError
-from ..model.attention import PagedCacheMetadata, PagedKVCache
+from ..model.attention import PagedCacheMetadata, PagedKVCache, synthetic_step
 from .config import CPU_KV_CACHE_MEMORY, DEFAULT_STEP_TOKENS, EngineConfig, context_len, resolve
 from .cuda_graphs import DecodeGraphs, padded_batch_size
 from .memory import kv_bytes_per_block, plan_memory
 from .prompt_logprobs import plan_prompt_rows, score_prompt_rows
 from .sampler import Sampler
 from .sequence import Sequence
-from .speedups import GpuSpeedups, Speedups, dummy_inputs
+from .speedups import GpuSpeedups, Speedups
 from .step_output import Launch, StepOutput, sample_step
 
 
@@ -36,7 +36,7 @@ def speedups_for(model, config, split: bool = False) -> Speedups:
     if model.device.type == "cuda":
         return GpuSpeedups(model, config, split)
     if model.device.type == "cpu" and config.cpu_tuning != "off":
-        from .cpu_speedups import CpuSpeedups
+        from ..cpu.speedups import CpuSpeedups
 
         return CpuSpeedups(model, config, split)
     return Speedups(model, config, split)
@@ -81,7 +81,7 @@ class ModelRunner:
         num_blocks = plan_kv_blocks(model, config, draft_kv_bytes_per_block) or self.profile_kv_blocks(
             config, draft_kv_bytes_per_block
         )
-        self.speedups.choose(self, num_blocks)
+        self.speedups.choose(num_blocks)
         self.resolved = resolve(config, model, num_blocks, self.speedups)
         self.kv_cache = self.allocate_kv_cache()
         self.speedups.start(self)
@@ -110,7 +110,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats()
         seqs = max(1, min(seqs, tokens))
         lengths = [tokens // seqs + (1 if i < tokens % seqs else 0) for i in range(seqs)]
-        self.run_model(*dummy_inputs(self, scratch, lengths))
+        self.run_model(*synthetic_step(self.model, scratch, lengths, backend=self.speedups.attention))
         torch.cuda.synchronize()
         activations = torch.cuda.max_memory_allocated() - weights - scratch.nbytes
         del scratch
@@ -148,7 +148,7 @@ class ModelRunner:
             self.model.start_decode_graphs(self, capture)
 
     # ------------------------------------------------------------------ one step
-    def prepare(self, seqs: list[Sequence], num_scheduled_tokens: list[int], cache: PagedKVCache | None = None):
+    def prepare(self, seqs: list[Sequence], num_scheduled_tokens: list[int]):
         """Flat ``input_ids``, ``positions`` and the paged metadata of one step (built on the host, copied once)."""
         ids, positions, query_lens, seq_lens, logits_rows, seq_of_row = [], [], [], [], [], []
         for b, (seq, n) in enumerate(zip(seqs, num_scheduled_tokens)):
@@ -161,7 +161,7 @@ class ModelRunner:
             seq_lens.append(start + n)
             if start + n == len(tokens):  # a verify wants every row it checks: the last 1 + k
                 logits_rows.extend(range(len(ids) - 1 - len(seq.spec_token_ids), len(ids)))
-        cache = cache or self.kv_cache
+        cache = self.kv_cache
         width = max(len(s.block_table) for s in seqs)
         block_tables = torch.tensor(
             [s.block_table + [-1] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32

@@ -123,7 +123,7 @@ class SpecDecoder:
 
     # ---------------------------------------------------------------- looking inside
     def startup_lines(self, target_kv_bytes: int, num_blocks: int) -> list[str]:
-        from .memory import format_bytes
+        from ..units import format_bytes
 
         lines = [self.config.describe() + "; verify steps run eagerly (no CUDA graph)"]
         if self.row_budget:

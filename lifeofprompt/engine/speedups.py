@@ -6,25 +6,21 @@ and the attention backend, so a step asks it nothing. Three kinds:
 
 * ``Speedups`` (here): none, the torch forward as written, nothing measured (``cpu_tuning="off"``);
 * ``GpuSpeedups`` (here): the Triton attention, the fused element-wise kernels and CUDA graphs;
-* ``CpuSpeedups`` (``cpu_speedups.py``): everything that exists only to make a CPU fast.
+* ``CpuSpeedups`` (``cpu/speedups.py``): everything that exists only to make a CPU fast.
 
 ``model_runner.speedups_for`` picks one by the model's device; a GPU engine never imports the CPU's modules.
 """
 
 from __future__ import annotations
 
-import math
-
-from ..errors import ConfigError
 from ..model.attention_backends import attention_backend as backend_named
+from ..model.attention_backends import resolve_backend
 from ..model.layers import triton_installed
-from .sampling_params import SamplingParams
-from .sequence import Sequence
 
 # The modules that exist only to make a CPU fast: CpuSpeedups imports them, nothing on a GPU's path does
 # (tests/test_engine_config.py and tests/gpu/test_engine_gpu.py check it in a fresh process).
 CPU_TUNING_MODULES = (
-    "lifeofprompt.engine.cpu_speedups",
+    "lifeofprompt.cpu.speedups",
     "lifeofprompt.cpu.c_step",
     "lifeofprompt.cpu.row_kernels",
     "lifeofprompt.cpu.linear_calibration",
@@ -32,17 +28,6 @@ CPU_TUNING_MODULES = (
     "lifeofprompt.cpu.allocator",
     "lifeofprompt.cpu.native_build",
 )
-
-
-def attention_backend(asked: str, device) -> str:
-    """``"auto"``: Triton on CUDA, torch elsewhere; a name is taken as asked."""
-    if asked == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if asked not in ("torch", "triton"):
-        raise ConfigError(
-            f"unknown attention backend {asked!r}: use 'auto', 'torch' or 'triton'", param="attention_backend"
-        )
-    return asked
 
 
 class Speedups:
@@ -57,7 +42,7 @@ class Speedups:
     def __init__(self, model, config, split: bool = False):
         self.model, self.config, self.split = model, config, split  # split: tensor or pipeline parallel
         self.block_size = config.block_size
-        self.backend = attention_backend(config.attention_backend, model.device)
+        self.backend = resolve_backend(config.attention_backend, model.device)
         self.attention = backend_named(self.backend)  # what every step's metadata carries (the CPU may refine it)
         self.choices = None  # what ``choose`` settled on, for the resolved config
         self.step_tokens: int | None = None  # a measured token budget (None: the default)
@@ -67,7 +52,7 @@ class Speedups:
     def place_weights(self) -> None:
         """Where the weights live: as loaded."""
 
-    def choose(self, runner, num_blocks: int):
+    def choose(self, num_blocks: int):
         """Nothing to measure: the model runs its torch layers (a CPU start-up before may have left a C step)."""
         self.model.cpu_step = None
 
@@ -109,18 +94,3 @@ class GpuSpeedups(Speedups):
         """Capture the decode graphs, once the KV pool they read exists."""
         if self.cuda_graphs:
             runner.start_decode_graphs()
-
-
-def dummy_inputs(runner, cache, lengths: list[int], decode: bool = False):
-    """Inputs of one step over ``cache`` (timing, profiling): a sequence per length, in consecutive blocks;
-    each prefills its whole length, or (``decode``) only its last token after the rest."""
-    seqs, next_block = [], 0
-    vocab = runner.model.config.vocab_size
-    for i, n in enumerate(lengths):
-        seq = Sequence(f"dummy-{i}", [i % vocab] * n, SamplingParams(temperature=0))
-        blocks = math.ceil(n / cache.block_size)
-        seq.block_table = [(next_block + b) % cache.num_blocks for b in range(blocks)]
-        seq.num_computed_tokens = n - 1 if decode else 0
-        next_block += blocks
-        seqs.append(seq)
-    return runner.prepare(seqs, [1 if decode else n for n in lengths], cache=cache)

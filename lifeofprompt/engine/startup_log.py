@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from ..model.quantized_linear import describe_weights, weight_bytes
-from .memory import format_bytes
+from ..units import format_bytes
 
 
 def startup_lines(engine) -> list[str]:

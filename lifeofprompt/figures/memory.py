@@ -9,9 +9,10 @@ it directly; ``memory_panel()`` wires it to ipywidgets.
 
 from __future__ import annotations
 
-from ..engine.memory import GiB, MemoryPlan, format_bytes, plan_memory
+from ..engine.memory import MemoryPlan, plan_memory
 from ..errors import LifeOfPromptError
 from ..model.config import KNOWN_CONFIGS
+from ..units import GiB, format_bytes
 
 LAND_COLORS = {"unusable": "#d9d9d9", "weights": "#4c72b0", "activations": "#dd8452", "KV pool": "#55a868"}
 

@@ -233,7 +233,7 @@ def paging_panel(
 
     Returns ``(figure, summary_text)``. Requests are admitted in order until the pool is full.
     """
-    from ..engine.memory import format_bytes
+    from ..units import format_bytes
 
     num_blocks = max(1, pool_tokens // block_size)
     bm, seqs, fit_paged = place_requests(lengths, num_blocks, block_size)

@@ -236,3 +236,25 @@ class PagedCacheMetadata(AttentionMetadata):
 
     def attend(self, layer_idx, q, k, v):
         return self.backend.attend(self, layer_idx, q, k, v)
+
+
+def synthetic_step(model, cache: PagedKVCache, lengths: list[int], decode: bool = False, backend="torch"):
+    """``(input_ids, positions, meta)`` of a made-up step over ``cache``, for what start-up times or profiles:
+    a sequence per length, in consecutive blocks (wrapping round the pool); each prefills its whole
+    length, or (``decode``) only its last token after the rest. No scheduler or sequence is involved."""
+    size = cache.block_size
+    width = max(-(-n // size) for n in lengths)
+    ids, positions, slots, query_lens, tables, next_block = [], [], [], [], [], 0
+    for i, n in enumerate(lengths):
+        blocks = [(next_block + b) % cache.num_blocks for b in range(-(-n // size))]
+        next_block += len(blocks)
+        tables.append(blocks + [-1] * (width - len(blocks)))
+        first = n - 1 if decode else 0
+        ids += [i % model.config.vocab_size] * (n - first)
+        positions += range(first, n)
+        slots += [blocks[p // size] * size + p % size for p in range(first, n)]
+        query_lens.append(n - first)
+    table = torch.tensor(tables, dtype=torch.int32)
+    slot_mapping = torch.tensor(slots, dtype=torch.long)
+    meta = PagedCacheMetadata.for_batch(query_lens, list(lengths), table, slot_mapping, cache, backend, model.device)
+    return torch.tensor(ids, device=model.device), torch.tensor(positions, device=model.device), meta

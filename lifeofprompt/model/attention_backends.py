@@ -66,6 +66,17 @@ class TritonAttention:
 BACKENDS = {backend.name: backend() for backend in (TorchAttention, TritonAttention, CpuHybridAttention)}
 
 
+def resolve_backend(asked: str, device) -> str:
+    """The backend a setting names: ``"auto"`` is Triton on CUDA and torch elsewhere; a name is taken as asked."""
+    if asked == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if asked not in ("torch", "triton"):
+        raise ConfigError(
+            f"unknown attention backend {asked!r}: use 'auto', 'torch' or 'triton'", param="attention_backend"
+        )
+    return asked
+
+
 def attention_backend(name: str):
     """The backend of this name (one shared object each: they hold no state)."""
     if name not in BACKENDS:

@@ -28,17 +28,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cpu import c_step
-from ..cpu.allocator import keep_freed_memory
-from ..cpu.huge_pages import move_weights_to_huge_pages
-from ..cpu.linear_calibration import cached_answer, choose_cpu_linear, machine_key
-from ..model.attention import PagedKVCache
+from ..model.attention import PagedKVCache, synthetic_step
 from ..model.attention_backends import attention_backend as backend_named
+from ..model.attention_backends import resolve_backend
 from ..model.linear import apply_plans, plannable
-from .config import DEFAULT_STEP_TOKENS, STEP_SECONDS
-from .memory import format_bytes
-from .speedups import Speedups, dummy_inputs
+from ..units import format_bytes
+from . import c_step
+from .allocator import keep_freed_memory
+from .huge_pages import move_weights_to_huge_pages
+from .linear_calibration import cached_answer, choose_cpu_linear, machine_key
 
+STEP_SECONDS = 0.25  # a step's token budget: as many tokens as this CPU prefills in this long
 FORCED_C_STEP_ROWS = 16  # "c-step": every step of up to this many rows in C
 TIMING_CONTEXT = 64  # cached tokens per sequence in the C step's timed decode steps
 PREFILL_PROBE_TOKENS = 256  # the prompt that times the prefill speed
@@ -58,11 +58,19 @@ class CpuChoices:
     notes: dict = field(default_factory=dict)  # why each answer fell as it did, for the log
 
 
-class CpuSpeedups(Speedups):
+class CpuSpeedups:
+    """The CPU's speed-ups, with the interface of the engine's others (``engine/speedups.py``), which the
+    runner picks for a CPU; nothing in the engine imports this module by name but the runner's choice."""
+
     name = "CPU tuning"
+    fused_kernels = False
+    cuda_graphs = False
 
     def __init__(self, model, config, split: bool = False):
-        super().__init__(model, config, split)
+        self.model, self.config, self.split = model, config, split  # split: tensor or pipeline parallel
+        self.block_size = config.block_size
+        self.backend = resolve_backend(config.attention_backend, model.device)
+        self.attention = backend_named(self.backend)  # becomes cpu-hybrid where decode attention in C wins
         self.tuning, self.prepack = config.cpu_tuning, config.prepack_cpu_weights
         self.pinned = None if self.tuning == "auto" else "linear" if self.tuning == "c-step" else self.tuning
         self.linear_choice = None
@@ -70,6 +78,12 @@ class CpuSpeedups(Speedups):
         self.c_step_rows, self.c_step_layouts, self.step_seconds = 0, {}, {}
         self.placement: list[str] = []  # what place_weights did, for the log
         self.prepacked_bytes = self.packed_bytes = 0
+        self.choices: CpuChoices | None = None
+        self.step_tokens: int | None = None  # the measured token budget (None: the default)
+        self.budget_note = ""  # how it was measured, for the log
+
+    def start(self, runner) -> None:
+        """Nothing to capture on a CPU."""
 
     # ------------------------------------------------------------------ start-up
     def place_weights(self) -> None:
@@ -81,7 +95,7 @@ class CpuSpeedups(Speedups):
         if note:
             self.placement.append(note)
 
-    def choose(self, runner, num_blocks: int) -> CpuChoices:
+    def choose(self, num_blocks: int) -> CpuChoices:
         """The products' paths; then the C attention and the C step's row limit, timed with those products;
         then the step's token budget, timed with all of them."""
         self.model.cpu_step = None  # the torch layers while the products are timed
@@ -93,10 +107,10 @@ class CpuSpeedups(Speedups):
             self.decode_attention_in_c, notes["attention"] = self.choose_decode_attention()
             if self.decode_attention_in_c:  # chosen once: every step's decode rows attend in C
                 self.attention = backend_named("cpu-hybrid")
-            notes["c_step"] = self.choose_c_step_rows(runner, num_blocks)
+            notes["c_step"] = self.choose_c_step_rows(num_blocks)
         self.model.cpu_step = self.chosen_c_step()
         self.packed_bytes = self.pack_for_c_step()
-        self.step_tokens, self.budget_note = self.measure_step_tokens(runner)
+        self.step_tokens, self.budget_note = self.measure_step_tokens()
         notes["budget"] = self.budget_note
         products = self.linear_choice.source if self.linear_choice else "torch's own (not fp32)"
         layouts, seconds = dict(self.c_step_layouts), dict(self.step_seconds)
@@ -112,7 +126,7 @@ class CpuSpeedups(Speedups):
         c = self.model.config
         return c_step.decode_attention_faster(c.num_heads, c.num_kv_heads, c.head_dim, self.block_size)
 
-    def choose_c_step_rows(self, runner, num_blocks: int) -> str:
+    def choose_c_step_rows(self, num_blocks: int) -> str:
         """Up to how many rows a step runs as one C call (and, timed, the faster layout and its seconds per
         row count): pinned, from the products' plans (``c_step.usable_rows``); else whole steps timed."""
         if self.tuning == "c-step":
@@ -124,14 +138,14 @@ class CpuSpeedups(Speedups):
             plans, timings = self.linear_choice.plans, self.linear_choice.timings
             self.c_step_rows = c_step.usable_rows(plans, c_step.layer_shapes(self.model), timings)
             return f"follows the pinned {self.pinned} path"
-        answer, why = self.measure_c_step_rows(runner, num_blocks)
+        answer, why = self.measure_c_step_rows(num_blocks)
         if isinstance(answer, dict):
             self.c_step_rows = answer["rows"]
             self.c_step_layouts = {int(n): layout for n, layout in answer["layouts"].items()}
             self.step_seconds = {int(n): s for n, s in answer["seconds"].items() if int(n) <= answer["rows"]}
         return why
 
-    def measure_c_step_rows(self, runner, num_blocks: int) -> tuple[dict | int, str]:
+    def measure_c_step_rows(self, num_blocks: int) -> tuple[dict | int, str]:
         """``c_step.measured_rows`` on decode steps of this model over as many blocks as the engine's pool
         will have, cached per machine (0 where that pool is too small to time)."""
         per_block = math.ceil(TIMING_CONTEXT / self.block_size)
@@ -144,10 +158,10 @@ class CpuSpeedups(Speedups):
         key.update(packed=self.prepack)
 
         def measure(rows: int, way: str) -> float:  # way: a C layout, or c_step.TORCH
-            input_ids, positions, meta = dummy_inputs(runner, cache, [TIMING_CONTEXT] * rows, decode=True)
+            step = synthetic_step(self.model, cache, [TIMING_CONTEXT] * rows, decode=True, backend=self.attention)
             start = time.perf_counter()
             with torch.no_grad(), c_step.running(self.model, c_step.CStep.only(way)):
-                self.model(input_ids, positions, meta)
+                self.model(*step)
             return time.perf_counter() - start
 
         cache = self.scratch_pool(counts[-1] * per_block)
@@ -184,7 +198,7 @@ class CpuSpeedups(Speedups):
         c_step.weight_pointers(self.model)
         return c_step.packed_bytes(self.model)
 
-    def measure_step_tokens(self, runner) -> tuple[int | None, str]:
+    def measure_step_tokens(self) -> tuple[int | None, str]:
         """How many tokens one step prefills in ``STEP_SECONDS`` here, with the paths just chosen (a prompt of
         ``PREFILL_PROBE_TOKENS`` tokens, best of two after a warm-up, cached); pinned or split: not timed."""
         if self.pinned is not None or self.split:
@@ -205,17 +219,17 @@ class CpuSpeedups(Speedups):
         def measure():
             seconds = []
             for _ in range(3):  # the first warms up
-                input_ids, positions, meta = dummy_inputs(runner, cache, [PREFILL_PROBE_TOKENS])
+                step = synthetic_step(self.model, cache, [PREFILL_PROBE_TOKENS], backend=self.attention)
                 start = time.perf_counter()
                 with torch.no_grad(), c_step.running(self.model, None):
-                    self.model(input_ids, positions, meta)
+                    self.model(*step)
                 seconds.append(time.perf_counter() - start)
             rate = PREFILL_PROBE_TOKENS / min(seconds[1:])
             return rate, f"prefill measured at {rate:,.0f} tokens/s", {}
 
         rate, why = cached_answer(key, measure)
         tokens = int(rate * STEP_SECONDS) // self.block_size * self.block_size
-        tokens = min(max(tokens, self.block_size), DEFAULT_STEP_TOKENS)
+        tokens = max(tokens, self.block_size)  # the engine caps it at its default (engine/config.py: resolve)
         return tokens, f"{why}, {STEP_SECONDS:g} s a step in whole blocks"
 
     def scratch_pool(self, num_blocks: int) -> PagedKVCache:
@@ -229,7 +243,7 @@ class CpuSpeedups(Speedups):
         unmeasured = c_step.PACKED if self.prepack else c_step.ROW_MAJOR
         return c_step.CStep(self.c_step_rows, self.c_step_layouts, unmeasured)
 
-    def for_draft(self, draft) -> Speedups:
+    def for_draft(self, draft) -> CpuSpeedups:
         """A draft model's own speed-ups, its C step given to it as the target's is (``draft_speedups``)."""
         theirs = self.draft_speedups(draft)
         draft.cpu_step = theirs.chosen_c_step()
@@ -255,9 +269,29 @@ class CpuSpeedups(Speedups):
         return theirs
 
     def share_with(self, parallel, model) -> None:
-        """A split model: the products' plans the driver chose go to every rank (``ParallelGroup.share_plans``)."""
-        if self.linear_choice is not None:
-            parallel.share_plans(model, self.linear_choice)
+        """A split model: the products' plans go to every rank (``ParallelGroup.share_plans``).
+
+        Ranks timing products against each other on shared cores would measure each other, so the driver
+        times its own shard (every tensor-parallel rank's shard has the same shapes) while the workers
+        wait. Its choice is for its thread count; where the workers run fewer threads, it times (or reads
+        from the cache) the choice for theirs. A shape only another stage holds (the last stage's LM head)
+        keeps plain products. Under torchrun on other machines the plans are the driver's CPU's: right, if
+        not tuned there."""
+        choice = self.linear_choice
+        if choice is None:
+            return
+        plans, source = choice.plans, f"the driver's ({choice.source})"
+        threads = parallel.worker_threads
+        if choice.pinned is None and threads != torch.get_num_threads():
+            previous = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                theirs = choose_cpu_linear(model, "auto")
+            finally:
+                torch.set_num_threads(previous)
+                apply_plans(model, choice.plans)  # timing drops packed copies: restore the driver's
+            plans, source = theirs.plans, f"for {threads} thread(s) a rank ({theirs.source})"
+        parallel.share_plans(plans, source)
 
     def describe(self) -> list[str]:
         """The start-up log's lines for what was chosen here."""

@@ -81,9 +81,7 @@ class CpuSpeedups:
         self.choices: CpuChoices | None = None
         self.step_tokens: int | None = None  # the measured token budget (None: the default)
         self.budget_note = ""  # how it was measured, for the log
-
-    def start(self, runner) -> None:
-        """Nothing to capture on a CPU."""
+        self.log_lines: list[str] = []  # what was chosen and why, for the start-up log (``describe``)
 
     # ------------------------------------------------------------------ start-up
     def place_weights(self) -> None:
@@ -116,6 +114,7 @@ class CpuSpeedups:
         layouts, seconds = dict(self.c_step_layouts), dict(self.step_seconds)
         args = (self.decode_attention_in_c, self.c_step_rows, layouts, seconds, self.step_tokens, notes)
         self.choices = CpuChoices(self.tuning, products, *args)
+        self.log_lines = self.describe()
         return self.choices
 
     def choose_decode_attention(self) -> tuple[bool, str]:

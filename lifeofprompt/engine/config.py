@@ -74,9 +74,12 @@ class EngineConfig:
     log_stats: bool = True  # log the start-up lines
     check_invariants: bool = False  # check the block manager after every step (tests)
     max_step_records: int = 10_000  # steps of trace kept (``LLMEngine.step_records``)
+    # what ``load_model`` is asked for, decided with the settings (``quantization_to_load``), not a setting
+    load_quantization: str | None = field(init=False, default=None)
 
     def __post_init__(self):
         check(self)
+        object.__setattr__(self, "load_quantization", quantization_to_load(self))
 
     @classmethod
     def from_settings(cls, **settings) -> EngineConfig:
@@ -84,7 +87,7 @@ class EngineConfig:
         ``ConfigError`` naming the closest, an old name one naming its new one), and ``cpu_tuning`` from
         ``$LIFEOFPROMPT_CPU_TUNING`` when not given."""
         refuse_old_names(settings)
-        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.init}
         # None stands for the default, as the old keywords took it (``attention_backend=None``: "auto")
         settings = {
             k: v for k, v in settings.items() if v is not None or defaults.get(k) is None or k in NONE_IS_A_VALUE

@@ -49,7 +49,7 @@ from ..errors import (
 from ..model.loader import DEFAULT_MODEL, load_model
 from .block_manager import BlockManager
 from .completions import CompletionUpdates
-from .config import EngineConfig, quantization_to_load
+from .config import EngineConfig
 from .logs import log_to_stderr
 from .model_runner import ModelRunner, plan_kv_blocks
 from .outputs import RequestMetrics, RequestOutput
@@ -116,7 +116,7 @@ class LLMEngine(CompletionUpdates):
         """The model and its tokenizer: loaded by name or folder (``model/loader.py``), or given loaded."""
         c = self.config
         if isinstance(c.model, str):
-            return load_model(c.model, dtype=c.dtype, device=c.device, quantization=quantization_to_load(c))
+            return load_model(c.model, dtype=c.dtype, device=c.device, quantization=c.load_quantization)
         if c.tokenizer is None:
             raise ConfigError("pass tokenizer= together with a loaded model", param="tokenizer")
         return c.model, c.tokenizer

@@ -84,7 +84,8 @@ class ModelRunner:
         self.speedups.choose(num_blocks)
         self.resolved = resolve(config, model, num_blocks, self.speedups)
         self.kv_cache = self.allocate_kv_cache()
-        self.speedups.start(self)
+        if self.speedups.cuda_graphs:  # once the pool the graphs read exists
+            self.start_decode_graphs()
 
     @classmethod
     def for_model(cls, model, speedups_class=None, **settings) -> ModelRunner:

@@ -1,8 +1,8 @@
 """The device's speed-ups: everything that makes steps fast on one kind of device, in one object chosen at start-up.
 
-The runner asks it, in start-up order, to place the weights, to choose its paths (measured or
-pinned) and, last, to start (a GPU captures its decode graphs). What it chooses goes into the model
-and the attention backend, so a step asks it nothing. Three kinds:
+The runner asks it, in start-up order, to place the weights and to choose its paths (measured or
+pinned); a GPU's says whether the runner captures decode graphs once the pool exists. What it
+chooses goes into the model and the attention backend, so a step asks it nothing. Three kinds:
 
 * ``Speedups`` (here): none, the torch forward as written, nothing measured (``cpu_tuning="off"``);
 * ``GpuSpeedups`` (here): the Triton attention, the fused element-wise kernels and CUDA graphs;
@@ -56,9 +56,6 @@ class Speedups:
         """Nothing to measure: the model runs its torch layers (a CPU start-up before may have left a C step)."""
         self.model.cpu_step = None
 
-    def start(self, runner) -> None:
-        """Nothing to capture."""
-
     def for_draft(self, draft) -> Speedups:
         """A draft model's speed-ups: none, its forward the plain way."""
         draft.cpu_step = None
@@ -67,8 +64,7 @@ class Speedups:
     def share_with(self, parallel, model) -> None:
         """Nothing to send to other ranks."""
 
-    def describe(self) -> list[str]:
-        return []
+    log_lines: list[str] = []  # what was chosen, for the start-up log (none here)
 
 
 class GpuSpeedups(Speedups):
@@ -89,8 +85,3 @@ class GpuSpeedups(Speedups):
         one_stage = config.pipeline_parallel_size == 1
         graphs_possible = model.device.type == "cuda" and self.backend == "triton" and one_stage
         self.cuda_graphs = graphs_possible and not config.enforce_eager and not (spec and spec.method != "ngram")
-
-    def start(self, runner) -> None:
-        """Capture the decode graphs, once the KV pool they read exists."""
-        if self.cuda_graphs:
-            runner.start_decode_graphs()

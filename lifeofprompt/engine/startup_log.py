@@ -17,6 +17,7 @@ def startup_lines(engine) -> list[str]:
     kv = engine.runner.kv_cache.nbytes
     tokens = r.num_kv_blocks * r.block_size
     dtype_why = f" ({model.dtype_reason})" if model.dtype_reason else ""
+    limits = r.scheduler  # the longest request and the step's budgets
     lines = [
         f"model {model.source}",
         f"{model.dtype} on {model.device}{dtype_why}; weights take {format_bytes(weights)}",
@@ -24,9 +25,9 @@ def startup_lines(engine) -> list[str]:
         f"KV cache: {format_bytes(kv)} = {r.num_kv_blocks} blocks × {r.block_size} tokens = {tokens} tokens "
         f"({format_bytes(kv / max(tokens, 1))} per token)",
         # vLLM's line: the pool over the longest allowed request
-        f"maximum concurrency for {r.max_model_len} tokens per request: {tokens / r.max_model_len:.2f}x",
-        f"scheduler: up to {r.max_num_seqs} sequences and {r.max_num_batched_tokens} tokens per step "
-        f"({r.why['budget']}); requests up to {r.max_model_len} tokens; prefix caching "
+        f"maximum concurrency for {limits.max_model_len} tokens per request: {tokens / limits.max_model_len:.2f}x",
+        f"scheduler: up to {limits.max_num_seqs} sequences and {limits.max_num_batched_tokens} tokens per step "
+        f"({r.why['budget']}); requests up to {limits.max_model_len} tokens; prefix caching "
         f"{'on' if r.enable_prefix_caching else 'off'}",
         f"speed-ups: {r.speedups}; attention backend {r.attention_backend}; "
         + ("decode steps replayed from CUDA graphs" if r.cuda_graphs else "no CUDA graphs"),
@@ -37,7 +38,7 @@ def startup_lines(engine) -> list[str]:
             f"memory: {format_bytes(plan.usable)} usable - {format_bytes(plan.weights)} weights - "
             f"{format_bytes(plan.activations)} activations = {format_bytes(plan.kv_pool)} for the KV cache"
         )
-    lines += engine.runner.speedups.describe()
+    lines += engine.runner.speedups.log_lines
     if engine.spec is not None:
         lines += engine.spec.startup_lines(kv, r.num_kv_blocks)
     if engine.parallel is not None:

@@ -171,6 +171,17 @@ def kernel_violations(imports: list[Import]) -> list[str]:
     ]
 
 
+def cpu_violations(imports: list[Import]) -> list[str]:
+    """The CPU's speed work (``cpu/``) is entered through the model loader only: engine/ and distributed/
+    import nothing from it, so their seams are not shaped by it."""
+    return [
+        f"{imp}: engine/ and distributed/ reach cpu/ through model/loader.py: prepare_for_cpu"
+        for imp in imports
+        if (imp.target == "lifeofprompt.cpu" or imp.target.startswith("lifeofprompt.cpu."))
+        and imp.importer.startswith(("lifeofprompt.engine.", "lifeofprompt.distributed."))
+    ]
+
+
 def find_cycle(imports: list[Import]) -> list[Import] | None:
     """One circle of imports (each edge with its line), or None.
 
@@ -237,6 +248,17 @@ def test_no_import_circles():
 def test_only_model_imports_the_kernels():
     problems = kernel_violations(package_imports())
     assert not problems, "\n".join(problems)
+
+
+def test_engine_and_distributed_import_nothing_from_cpu():
+    problems = cpu_violations(package_imports())
+    assert not problems, "\n".join(problems)
+    fake_import = fake("def f():\n    from ..cpu import c_step\n", "lifeofprompt.engine.fake")
+    assert cpu_violations(fake_import) == [
+        "lifeofprompt/engine/fake.py:2 `from ..cpu import c_step` imports lifeofprompt.cpu.c_step: "
+        "engine/ and distributed/ reach cpu/ through model/loader.py: prepare_for_cpu"
+    ]
+    assert cpu_violations(fake("from ..cpu import c_step\n", "lifeofprompt.model.fake")) == []
 
 
 def test_import_lifeofprompt_loads_no_heavy_library():

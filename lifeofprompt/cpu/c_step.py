@@ -650,17 +650,6 @@ def attention_kernel():
     )
 
 
-def attention_supports(query: torch.Tensor, k_pool: torch.Tensor) -> bool:
-    """Whether ``decode_attention`` can serve these tensors: fp32 on the CPU, a contiguous pool, the kernel built."""
-    return (
-        query.device.type == "cpu"
-        and query.dtype == torch.float32
-        and k_pool.dtype == torch.float32
-        and k_pool.is_contiguous()
-        and attention_kernel() is not None
-    )
-
-
 def decode_attention(
     query: torch.Tensor,
     k_pool: torch.Tensor,

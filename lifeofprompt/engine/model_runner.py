@@ -21,6 +21,7 @@ import torch
 
 from ..errors import OutOfMemoryError, RequestFailedError
 from ..model.attention import PagedCacheMetadata, PagedKVCache, synthetic_step
+from ..model.loader import prepare_for_cpu
 from .config import CPU_KV_CACHE_MEMORY, DEFAULT_STEP_TOKENS, EngineConfig, context_len, resolve
 from .cuda_graphs import DecodeGraphs, padded_batch_size
 from .memory import kv_bytes_per_block, plan_memory
@@ -32,14 +33,11 @@ from .step_output import Launch, StepOutput, sample_step
 
 
 def speedups_for(model, config, split: bool = False) -> Speedups:
-    """What makes the model's device fast: the GPU's speed-ups, the CPU's (unless ``cpu_tuning="off"``), or none."""
+    """What makes the model's device fast: the GPU's speed-ups, the CPU's (``model/loader.py: prepare_for_cpu``,
+    unless ``cpu_tuning="off"``), or none."""
     if model.device.type == "cuda":
         return GpuSpeedups(model, config, split)
-    if model.device.type == "cpu" and config.cpu_tuning != "off":
-        from ..cpu.speedups import CpuSpeedups
-
-        return CpuSpeedups(model, config, split)
-    return Speedups(model, config, split)
+    return prepare_for_cpu(model, config, split) or Speedups(model, config, split)
 
 
 def plan_kv_blocks(model, config: EngineConfig, draft_bytes_per_block: int = 0) -> int | None:

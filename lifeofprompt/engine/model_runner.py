@@ -1,14 +1,16 @@
 """``ModelRunner``: the engine's start-up, then one scheduled step at a time: a flat batch, the model, samples.
 
-Start-up is the runner's construction, one named step after another (``__init__``): choose the
-device's speed-ups (``speedups.py``), place the weights, plan the KV pool's blocks, choose the fast
-paths, freeze every choice in the ``ResolvedConfig``, allocate the pool, start (CUDA graphs).
+Start-up is the runner's construction, one named step after another (``__init__``): the device's
+speed-ups (``speedups.py``; a CPU's from ``cpu/`` through ``model/loader.py: prepare_for_cpu``), place
+the weights, plan the KV pool's blocks, choose the fast paths, freeze every choice in the
+``ResolvedConfig``, allocate the pool, capture the decode graphs (a GPU).
 
 Then each step: the scheduler decides *which* tokens run (``num_scheduled_tokens`` per sequence,
 from ``seq.num_computed_tokens``); the runner decides *how*: token ids and positions in one flat
 tensor, each new token's cache slot from its sequence's block table, logits only for the rows
-that sample (a prompt chunk short of its prompt's end samples nothing), the forward its speed-ups
-pick for that many rows, or a decode replayed from a CUDA graph (``cuda_graphs.py``). Sampling
+that sample (a prompt chunk short of its prompt's end samples nothing), then the model's forward
+(which runs its own C step where the CPU's start-up gave it one), or a decode replayed from a CUDA
+graph (``cuda_graphs.py``). Sampling
 runs on the device (``step_output.py``); reading the chosen ids back is the step's main host
 synchronisation (logprobs and verifies read theirs too), and the step returns a ``StepOutput``.
 """
@@ -176,7 +178,7 @@ class ModelRunner:
         return torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True), pos.to(self.device), meta
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        """The model's forward, the way the speed-ups pick for this many rows."""
+        """The model's forward (on a CPU, its own C step takes a small step: ``model/llama.py: hidden_states``)."""
         return self.model(input_ids, positions, meta)
 
     @staticmethod

@@ -282,7 +282,6 @@ def step_decode(args) -> dict:
     from lifeofprompt.engine.sampler import Sampler
     from lifeofprompt.engine.sampling_params import SamplingParams
     from lifeofprompt.engine.sequence import Sequence
-    from lifeofprompt.engine.speedups import GpuSpeedups
     from lifeofprompt.lessons.roofline import decode_floor, decode_weight_bytes
     from lifeofprompt.model.layers import fused_kernels
 
@@ -295,7 +294,7 @@ def step_decode(args) -> dict:
     # A dry run takes the GPU's code path too: Triton kernels (interpreted) and the fused ones.
     runner = ModelRunner.for_model(
         model,
-        speedups_class=GpuSpeedups,  # a dry run too: Triton (interpreted on the CPU), fused kernels, eager
+        cpu_tuning="off",  # a dry run on a CPU: Triton (interpreted), no CPU speed work, eager
         num_kv_blocks=2048 if dry(args) else 8192,
         attention_backend="triton",
         max_num_seqs=ladder_max,

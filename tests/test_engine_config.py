@@ -20,7 +20,7 @@ from tiny_models import tiny_model
 from lifeofprompt import LLM, ConfigError, SpeculativeConfigError
 from lifeofprompt.cpu.speedups import STEP_SECONDS
 from lifeofprompt.engine.config import DEFAULT_STEP_TOKENS, EngineConfig
-from lifeofprompt.engine.speedups import CPU_TUNING_MODULES
+from lifeofprompt.model.device import CPU_TUNING_MODULES
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -146,10 +146,9 @@ from tiny_models import tiny_model
 import lifeofprompt.engine.llm_engine, lifeofprompt.serving.server
 from lifeofprompt import LLM, SamplingParams
 from lifeofprompt.engine.config import EngineConfig
-from lifeofprompt.engine.speedups import GpuSpeedups
-from lifeofprompt.engine.model_runner import speedups_for
+from lifeofprompt.model.device import prepare_for_device
 cuda = types.SimpleNamespace(device=torch.device("cuda"), config=None)
-assert type(speedups_for(cuda, EngineConfig())) is GpuSpeedups
+assert prepare_for_device(cuda, EngineConfig()).name.startswith("GPU")
 model, tokenizer = tiny_model()
 llm = LLM(model, tokenizer=tokenizer, num_kv_blocks=16, cpu_tuning="off", log_stats=False)
 assert llm.engine.resolved.speedups == "plain torch"

@@ -18,7 +18,6 @@ import torch
 from lifeofprompt.engine.model_runner import ModelRunner
 from lifeofprompt.engine.sampling_params import SamplingParams
 from lifeofprompt.engine.sequence import Sequence
-from lifeofprompt.engine.speedups import GpuSpeedups
 from lifeofprompt.model.layers import fused_kernels
 
 if importlib.util.find_spec("triton") is None:  # find it without importing it: lifeofprompt.kernels
@@ -59,7 +58,7 @@ def test_triton_backend_logits_match_torch(smollm2, story_ids):
     pool = dict(num_kv_blocks=16, block_size=4)
     runners = {name: ModelRunner.for_model(model, attention_backend=name, **pool) for name in ("torch", "triton")}
     # the GPU engine's full path: Triton attention and the fused element-wise kernels (the GPU's speed-ups)
-    runners["fused"] = ModelRunner.for_model(model, attention_backend="triton", speedups_class=GpuSpeedups, **pool)
+    runners["fused"] = ModelRunner.for_model(model, attention_backend="triton", cpu_tuning="off", **pool)
     seqs = {name: make_seqs(story_ids) for name in runners}
 
     first = {name: step_logits(runners[name], seqs[name], [4, 3, 2], name == "fused") for name in runners}

@@ -59,8 +59,8 @@ class CpuChoices:
 
 
 class CpuSpeedups:
-    """The CPU's speed-ups, with the interface of the engine's others (``engine/speedups.py``), which the
-    runner picks for a CPU; nothing in the engine imports this module by name but the runner's choice."""
+    """The CPU's speed-ups, answering the runner as ``model/device.py: DeviceDefaults`` does; the engine
+    reaches them only through ``model/device.py: prepare_for_device``."""
 
     name = "CPU tuning"
     fused_kernels = False

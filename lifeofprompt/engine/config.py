@@ -255,7 +255,7 @@ class ResolvedConfig:
     max_waiting: int | None
     tensor_parallel_size: int
     pipeline_parallel_size: int
-    speedups: str  # what makes this device fast (speedups.py): its name
+    speedups: str  # what makes this device fast (model/device.py): its name
     quantization: str | None = None  # the weights' form as loaded: None (floats), "gguf", "q8_0" or "q4_1"
     cpu: object = None  # the CPU paths chosen (cpu/speedups.py: CpuChoices), None elsewhere
     why: dict = field(default_factory=dict)  # why an automatic choice fell as it did (the log)
@@ -277,7 +277,7 @@ class ResolvedConfig:
         return -(-self.max_model_len // self.block_size)
 
 
-def resolve(config: EngineConfig, model, num_kv_blocks: int, speedups) -> ResolvedConfig:
+def resolve(config: EngineConfig, model, num_kv_blocks: int, speedups, cuda_graphs: bool) -> ResolvedConfig:
     """Every remaining automatic choice, in one place, from what start-up found (the model, the planned
     block count, the device's speed-ups and what they chose):
 
@@ -304,7 +304,7 @@ def resolve(config: EngineConfig, model, num_kv_blocks: int, speedups) -> Resolv
         device=str(model.device),
         dtype=str(model.dtype).removeprefix("torch."),
         attention_backend=speedups.backend,
-        cuda_graphs=speedups.cuda_graphs,
+        cuda_graphs=cuda_graphs,
         fused_kernels=speedups.fused_kernels,
         block_size=config.block_size,
         num_kv_blocks=num_kv_blocks,

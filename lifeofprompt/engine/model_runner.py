@@ -1,7 +1,7 @@
 """``ModelRunner``: the engine's start-up, then one scheduled step at a time: a flat batch, the model, samples.
 
 Start-up is the runner's construction, one named step after another (``__init__``): the device's
-speed-ups (``speedups.py``; a CPU's from ``cpu/`` through ``model/loader.py: prepare_for_cpu``), place
+speed-ups (``model/device.py: prepare_for_device``; a CPU's from ``cpu/``), place
 the weights, plan the KV pool's blocks, choose the fast paths, freeze every choice in the
 ``ResolvedConfig``, allocate the pool, capture the decode graphs (a GPU).
 
@@ -23,23 +23,14 @@ import torch
 
 from ..errors import OutOfMemoryError, RequestFailedError
 from ..model.attention import PagedCacheMetadata, PagedKVCache, synthetic_step
-from ..model.loader import prepare_for_cpu
+from ..model.device import prepare_for_device
 from .config import CPU_KV_CACHE_MEMORY, DEFAULT_STEP_TOKENS, EngineConfig, context_len, resolve
 from .cuda_graphs import DecodeGraphs, padded_batch_size
 from .memory import kv_bytes_per_block, plan_memory
 from .prompt_logprobs import plan_prompt_rows, score_prompt_rows
 from .sampler import Sampler
 from .sequence import Sequence
-from .speedups import GpuSpeedups, Speedups
 from .step_output import Launch, StepOutput, sample_step
-
-
-def speedups_for(model, config, split: bool = False) -> Speedups:
-    """What makes the model's device fast: the GPU's speed-ups, the CPU's (``model/loader.py: prepare_for_cpu``,
-    unless ``cpu_tuning="off"``), or none."""
-    if model.device.type == "cuda":
-        return GpuSpeedups(model, config, split)
-    return prepare_for_cpu(model, config, split) or Speedups(model, config, split)
 
 
 def plan_kv_blocks(model, config: EngineConfig, draft_bytes_per_block: int = 0) -> int | None:
@@ -76,15 +67,16 @@ class ModelRunner:
         self.draft = None  # a DraftModelProposer mirrors every eager forward
         self.graphs: DecodeGraphs | None = None  # decode steps through static buffers (CUDA graphs)
         self.memory_plan = None  # a GPU's plan of its memory (memory.MemoryPlan)
-        self.speedups = (speedups_class or speedups_for)(model, config, split)
+        self.speedups = (speedups_class or prepare_for_device)(model, config, split)
         self.speedups.place_weights()
         num_blocks = plan_kv_blocks(model, config, draft_kv_bytes_per_block) or self.profile_kv_blocks(
             config, draft_kv_bytes_per_block
         )
         self.speedups.choose(num_blocks)
-        self.resolved = resolve(config, model, num_blocks, self.speedups)
+        cuda_graphs = self.speedups.cuda_graphs and not draft_kv_bytes_per_block  # a draft mirrors eager steps
+        self.resolved = resolve(config, model, num_blocks, self.speedups, cuda_graphs)
         self.kv_cache = self.allocate_kv_cache()
-        if self.speedups.cuda_graphs:  # once the pool the graphs read exists
+        if cuda_graphs:  # once the pool the graphs read exists
             self.start_decode_graphs()
 
     @classmethod

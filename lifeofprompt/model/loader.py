@@ -396,15 +396,3 @@ def load_smollm2_blocks(device: torch.device, dtype) -> tuple[LlamaForCausalLM, 
     model.source = "smollm2-135m: SmolLM2-135M-Instruct, the GGUF's own blocks (Q4_1 layers, Q8_0 embedding/LM head)"
     model.dtype_reason = reason
     return model, AutoTokenizer.from_pretrained(folder)
-
-
-def prepare_for_cpu(model, config, split: bool = False):
-    """The one door to the CPU's speed work (``cpu/``): its speed-ups for ``model``, which the engine's
-    start-up asks to place the weights and to choose (``cpu/speedups.py: CpuSpeedups``); None where there
-    is none to do (another device, or ``cpu_tuning="off"``). ``config`` is the engine's settings, read only;
-    ``split``: the model is one rank's shard."""
-    if model.device.type != "cpu" or config.cpu_tuning == "off":
-        return None
-    from ..cpu.speedups import CpuSpeedups
-
-    return CpuSpeedups(model, config, split)

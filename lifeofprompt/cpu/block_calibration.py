@@ -3,8 +3,9 @@
 The blocks read about a sixth of fp32's bytes, but each weight must be unpacked before it is
 multiplied: where the CPU reads memory fast and computes slowly the fp32 step can still win. So
 ``quantization="auto"`` does not assume; it times the whole batch-1 decode step of both (the C step
-of every layer and the LM head, over a short paged context), the fp32 one in its faster layout, the
-three taking turns step by step so that load from elsewhere cannot favour one, and keeps the answer with
+of every layer and the LM head, over a short paged context), the fp32 one in its faster layout: three
+runs (fp32 packed, fp32 row-major, the blocks) taking turns step by step so that load from elsewhere
+cannot favour one, and keeps the answer with
 the other cached timings (``linear_calibration.cached_answer``).
 """
 

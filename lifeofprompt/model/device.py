@@ -1,8 +1,9 @@
 """What a model's device needs before it serves, chosen once at start-up: ``prepare_for_device``.
 
 On a CPU that is the speed work of ``cpu/`` (``cpu/speedups.py: CpuSpeedups``: products, C attention,
-the C step, the step's budget; timed once per machine, cached), entered here and nowhere else in the
-engine. Elsewhere, or with ``cpu_tuning="off"``, nothing is timed (``DeviceDefaults``): on a GPU the
+the C step, the step's budget; timed once per machine, cached): the engine reaches ``cpu/`` here and
+nowhere else (the loader's timed dtype and blocks choices and the products' C kernels reach it from
+within ``model/``). Elsewhere, or with ``cpu_tuning="off"``, nothing is timed (``DeviceDefaults``): on a GPU the
 Triton attention, the layers' fused kernels (they call them themselves: ``layers.py``) and decode steps
 the runner may replay from CUDA graphs. Either object answers the runner the same way: place the
 weights, choose with the pool's size, then what was chosen (the backend, the budget, the log's lines).

@@ -129,7 +129,8 @@ def test_a_cpu_step_is_bounded_in_time_unless_a_budget_is_given(monkeypatch, tmp
     budget, note = measured.resolved.max_num_batched_tokens, measured.resolved.why["budget"]
     assert budget % 4 == 0 and 4 <= budget <= DEFAULT_STEP_TOKENS and "tokens/s" in note, note
     rate = float(note.split(" tokens/s")[0].rsplit(" ", 1)[1].replace(",", ""))
-    assert budget == min(DEFAULT_STEP_TOKENS, max(4, int(rate * STEP_SECONDS) // 4 * 4))
+    # the note rounds the rate to whole tokens/s, which can move the budget across one block boundary
+    assert abs(budget - min(DEFAULT_STEP_TOKENS, max(4, int(rate * STEP_SECONDS) // 4 * 4))) <= 4
     pinned = LLM(model, cpu_tuning="linear", **settings).engine
     assert pinned.resolved.max_num_batched_tokens == DEFAULT_STEP_TOKENS
     asked = LLM(model, cpu_tuning="auto", max_num_batched_tokens=40, **settings).engine
@@ -146,7 +147,7 @@ from tiny_models import tiny_model
 import lifeofprompt.engine.llm_engine, lifeofprompt.serving.server
 from lifeofprompt import LLM, SamplingParams
 from lifeofprompt.engine.config import EngineConfig
-from lifeofprompt.model.device import prepare_for_device
+from lifeofprompt.model.loader import prepare_for_device
 cuda = types.SimpleNamespace(device=torch.device("cuda"), config=None)
 assert prepare_for_device(cuda, EngineConfig()).name.startswith("GPU")
 model, tokenizer = tiny_model()

@@ -172,10 +172,10 @@ def kernel_violations(imports: list[Import]) -> list[str]:
 
 
 def cpu_violations(imports: list[Import]) -> list[str]:
-    """The CPU's speed work (``cpu/``) is entered through ``model/device.py`` only: engine/ and distributed/
-    import nothing from it, so their seams are not shaped by it."""
+    """The CPU's speed work (``cpu/``) is entered through ``model/loader.py: prepare_for_device`` only:
+    engine/ and distributed/ import nothing from it, so their seams are not shaped by it."""
     return [
-        f"{imp}: engine/ and distributed/ reach cpu/ through model/device.py: prepare_for_device"
+        f"{imp}: engine/ and distributed/ reach cpu/ through model/loader.py: prepare_for_device"
         for imp in imports
         if (imp.target == "lifeofprompt.cpu" or imp.target.startswith("lifeofprompt.cpu."))
         and imp.importer.startswith(("lifeofprompt.engine.", "lifeofprompt.distributed."))
@@ -256,7 +256,7 @@ def test_engine_and_distributed_import_nothing_from_cpu():
     fake_import = fake("def f():\n    from ..cpu import c_step\n", "lifeofprompt.engine.fake")
     assert cpu_violations(fake_import) == [
         "lifeofprompt/engine/fake.py:2 `from ..cpu import c_step` imports lifeofprompt.cpu.c_step: "
-        "engine/ and distributed/ reach cpu/ through model/device.py: prepare_for_device"
+        "engine/ and distributed/ reach cpu/ through model/loader.py: prepare_for_device"
     ]
     assert cpu_violations(fake("from ..cpu import c_step\n", "lifeofprompt.model.fake")) == []
 

@@ -30,7 +30,7 @@ import torch
 
 from ..model.attention import PagedKVCache, synthetic_step
 from ..model.attention_backends import attention_backend as backend_named
-from ..model.attention_backends import resolve_backend
+from ..model.device import DeviceDefaults
 from ..model.linear import apply_plans, plannable
 from ..units import format_bytes
 from . import c_step
@@ -58,30 +58,20 @@ class CpuChoices:
     notes: dict = field(default_factory=dict)  # why each answer fell as it did, for the log
 
 
-class CpuSpeedups:
-    """The CPU's speed-ups, answering the runner as ``model/device.py: DeviceDefaults`` does; the engine
-    reaches them only through ``model/device.py: prepare_for_device``."""
-
-    name = "CPU tuning"
-    fused_kernels = False
-    cuda_graphs = False
+class CpuSpeedups(DeviceDefaults):
+    """The CPU's speed-ups, answering the runner as ``model/device.py: DeviceDefaults`` does (which sets what
+    they share: the model, the settings, the attention backend); the engine reaches them only through
+    ``model/loader.py: prepare_for_device``."""
 
     def __init__(self, model, config, split: bool = False):
-        self.model, self.config, self.split = model, config, split  # split: tensor or pipeline parallel
-        self.block_size = config.block_size
-        self.backend = resolve_backend(config.attention_backend, model.device)
-        self.attention = backend_named(self.backend)  # becomes cpu-hybrid where decode attention in C wins
+        super().__init__(model, config, split)  # split: tensor or pipeline parallel
+        self.name = "CPU tuning"  # the attention backend becomes cpu-hybrid where decode attention in C wins
         self.tuning, self.prepack = config.cpu_tuning, config.prepack_cpu_weights
         self.pinned = None if self.tuning == "auto" else "linear" if self.tuning == "c-step" else self.tuning
         self.linear_choice = None
-        self.decode_attention_in_c = False
-        self.c_step_rows, self.c_step_layouts, self.step_seconds = 0, {}, {}
+        self.c_step_layouts: dict = {}
         self.placement: list[str] = []  # what place_weights did, for the log
         self.prepacked_bytes = self.packed_bytes = 0
-        self.choices: CpuChoices | None = None
-        self.step_tokens: int | None = None  # the measured token budget (None: the default)
-        self.budget_note = ""  # how it was measured, for the log
-        self.log_lines: list[str] = []  # what was chosen and why, for the start-up log (``describe``)
 
     # ------------------------------------------------------------------ start-up
     def place_weights(self) -> None:

@@ -1,7 +1,7 @@
 """``ModelRunner``: the engine's start-up, then one scheduled step at a time: a flat batch, the model, samples.
 
 Start-up is the runner's construction, one named step after another (``__init__``): the device's
-speed-ups (``model/device.py: prepare_for_device``; a CPU's from ``cpu/``), place
+speed-ups (``model/loader.py: prepare_for_device``; a CPU's from ``cpu/``), place
 the weights, plan the KV pool's blocks, choose the fast paths, freeze every choice in the
 ``ResolvedConfig``, allocate the pool, capture the decode graphs (a GPU).
 
@@ -23,7 +23,7 @@ import torch
 
 from ..errors import OutOfMemoryError, RequestFailedError
 from ..model.attention import PagedCacheMetadata, PagedKVCache, synthetic_step
-from ..model.device import prepare_for_device
+from ..model.loader import prepare_for_device
 from .config import CPU_KV_CACHE_MEMORY, DEFAULT_STEP_TOKENS, EngineConfig, context_len, resolve
 from .cuda_graphs import DecodeGraphs, padded_batch_size
 from .memory import kv_bytes_per_block, plan_memory

@@ -12,7 +12,8 @@ import time
 import torch
 
 from ..errors import InvalidRequestError
-from ..model.attention import ContiguousCacheMetadata, ContiguousKVCache, NoCacheMetadata
+from ..model.attention import NoCacheMetadata
+from .contiguous_cache import ContiguousCacheMetadata, ContiguousKVCache
 
 
 def _check(token_ids, max_new_tokens: int, vocab_size: int) -> list[int]:

@@ -5,8 +5,8 @@ sequence owning the rows ``query_start_loc[b]:query_start_loc[b+1]``. What chang
 one notebook to the next is only where the keys and values of earlier tokens come from:
 
 * ``NoCacheMetadata`` (chapters 02, 03): nowhere: a sequence attends only to this call's rows;
-* ``ContiguousCacheMetadata`` (chapter 04): one reserved row per sequence of a
-  ``ContiguousKVCache``, written at the token's position;
+* ``ContiguousCacheMetadata`` (chapter 04, ``lessons/contiguous_cache.py``): one reserved row per
+  sequence of a ``ContiguousKVCache``, written at the token's position;
 * ``PagedCacheMetadata`` (chapter 07 on, the engine): blocks of a ``PagedKVCache`` found
   through block tables, new rows written by ``slot_mapping``.
 
@@ -28,7 +28,6 @@ from .attention_backends import attention_backend
 from .paged_attention import (
     AttentionPlan,
     attend_groups,
-    row_coordinates,
     valid_writes,
 )
 
@@ -98,64 +97,6 @@ class NoCacheMetadata(AttentionMetadata):
             ),
             self.scale_for(q),
         )
-
-
-class ContiguousKVCache:
-    """One reserved stretch of ``max_len`` positions per sequence, per layer: the simple cache of chapter 04.
-
-    ``k[layer]`` has shape ``[max_seqs, max_len, kv_heads, head_dim]``; a sequence's keys sit in
-    its row at their own positions. Simple, and wasteful: every row is sized for the longest
-    conversation it might ever hold (chapter 07 measures how much that wastes).
-    """
-
-    def __init__(
-        self,
-        num_layers: int,
-        max_seqs: int,
-        max_len: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype=torch.float32,
-        device="cpu",
-    ):
-        shape = (num_layers, max_seqs, max_len, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_len = max_len
-
-    @classmethod
-    def for_model(cls, config, max_seqs: int, max_len: int, dtype=torch.float32, device="cpu"):
-        return cls(config.num_layers, max_seqs, max_len, config.num_kv_heads, config.head_dim, dtype, device)
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
-
-
-@dataclass
-class ContiguousCacheMetadata(AttentionMetadata):
-    """Sequence ``b`` keeps its keys/values in row ``cache_rows[b]`` of a ``ContiguousKVCache``."""
-
-    cache: ContiguousKVCache | None = None
-    cache_rows: torch.Tensor | None = None  # [B] long
-    positions: torch.Tensor | None = None  # [T] long: where each new row is written
-
-    @cached_property
-    def write_rows(self) -> torch.Tensor:
-        """The cache row of every new token (the same in every layer, so computed once)."""
-        seq_index, _ = row_coordinates(self.query_start_loc, self.positions.shape[0])
-        return self.cache_rows[seq_index]
-
-    def attend(self, layer_idx, q, k, v):
-        k_cache, v_cache = self.cache.k[layer_idx], self.cache.v[layer_idx]
-        k_cache[self.write_rows, self.positions] = k.to(k_cache.dtype)
-        v_cache[self.write_rows, self.positions] = v.to(v_cache.dtype)
-
-        def fetch(group):  # each sequence's own row, up to its length
-            own = self.cache_rows[group.seq_index]
-            return k_cache[own, : group.length], v_cache[own, : group.length]
-
-        return attend_groups(q, self.torch_plan(), fetch, self.scale_for(q))
 
 
 class PagedKVCache:

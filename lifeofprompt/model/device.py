@@ -1,4 +1,4 @@
-"""What a model's device needs before it serves, chosen once at start-up: ``prepare_for_device``.
+"""What a model's device needs before it serves, chosen once at start-up (``loader.py: prepare_for_device``).
 
 On a CPU that is the speed work of ``cpu/`` (``cpu/speedups.py: CpuSpeedups``: products, C attention,
 the C step, the step's budget; timed once per machine, cached): the engine reaches ``cpu/`` here and
@@ -25,16 +25,6 @@ CPU_TUNING_MODULES = (
     "lifeofprompt.cpu.allocator",
     "lifeofprompt.cpu.native_build",
 )
-
-
-def prepare_for_device(model, config, split: bool = False):
-    """The speed-ups of ``model``'s device. ``config`` is the engine's settings, read only; ``split``: the
-    model is one rank's shard (tensor or pipeline parallel)."""
-    if model.device.type == "cpu" and config.cpu_tuning != "off":
-        from ..cpu.speedups import CpuSpeedups
-
-        return CpuSpeedups(model, config, split)
-    return DeviceDefaults(model, config, split)
 
 
 class DeviceDefaults:

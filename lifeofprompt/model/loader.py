@@ -396,3 +396,15 @@ def load_smollm2_blocks(device: torch.device, dtype) -> tuple[LlamaForCausalLM, 
     model.source = "smollm2-135m: SmolLM2-135M-Instruct, the GGUF's own blocks (Q4_1 layers, Q8_0 embedding/LM head)"
     model.dtype_reason = reason
     return model, AutoTokenizer.from_pretrained(folder)
+
+
+def prepare_for_device(model, config, split: bool = False):
+    """The speed-ups of ``model``'s device. ``config`` is the engine's settings, read only; ``split``: the
+    model is one rank's shard (tensor or pipeline parallel)."""
+    if model.device.type == "cpu" and config.cpu_tuning != "off":
+        from ..cpu.speedups import CpuSpeedups
+
+        return CpuSpeedups(model, config, split)
+    from .device import DeviceDefaults
+
+    return DeviceDefaults(model, config, split)

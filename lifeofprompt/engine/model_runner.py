@@ -1,9 +1,9 @@
 """``ModelRunner``: the engine's start-up, then one scheduled step at a time: a flat batch, the model, samples.
 
-Start-up is the runner's construction, one named step after another (``__init__``): the device's
-speed-ups (``model/loader.py: prepare_for_device``; a CPU's from ``cpu/``), place
-the weights, plan the KV pool's blocks, choose the fast paths, freeze every choice in the
-``ResolvedConfig``, allocate the pool, capture the decode graphs (a GPU).
+Start-up is the runner's construction, one named step after another (``__init__``): plan the KV
+pool's blocks from the settings, take the device's speed-ups (``model/loader.py: prepare_for_device``;
+a CPU's from ``cpu/``), place the weights, profile the pool's size (a GPU), choose the fast paths,
+freeze every choice in the ``ResolvedConfig``, allocate the pool, capture the decode graphs (a GPU).
 
 Then each step: the scheduler decides *which* tokens run (``num_scheduled_tokens`` per sequence,
 from ``seq.num_computed_tokens``); the runner decides *how*: token ids and positions in one flat
@@ -67,11 +67,10 @@ class ModelRunner:
         self.draft = None  # a DraftModelProposer mirrors every eager forward
         self.graphs: DecodeGraphs | None = None  # decode steps through static buffers (CUDA graphs)
         self.memory_plan = None  # a GPU's plan of its memory (memory.MemoryPlan)
+        num_blocks = plan_kv_blocks(model, config, draft_kv_bytes_per_block)  # None on a GPU: profiled below
         self.speedups = (speedups_class or prepare_for_device)(model, config, split)
         self.speedups.place_weights()
-        num_blocks = plan_kv_blocks(model, config, draft_kv_bytes_per_block) or self.profile_kv_blocks(
-            config, draft_kv_bytes_per_block
-        )
+        num_blocks = num_blocks or self.profile_kv_blocks(config, draft_kv_bytes_per_block)
         self.speedups.choose(num_blocks)
         cuda_graphs = self.speedups.cuda_graphs and not draft_kv_bytes_per_block  # a draft mirrors eager steps
         self.resolved = resolve(config, model, num_blocks, self.speedups, cuda_graphs)

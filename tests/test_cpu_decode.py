@@ -786,3 +786,16 @@ def test_a_measurement_stopped_past_8_rows_is_kept_and_measured_once_more(tmp_pa
             == 16
         )
     assert len(asked) == 2
+
+
+@torch.no_grad()
+def test_a_model_with_a_c_step_still_decodes_with_chapter_04s_contiguous_cache():
+    """The C step reads the engine's paged pool only: a model the engine gave one (``model.cpu_step``) still
+    runs chapter 04's contiguous cache through its torch layers, to the same greedy tokens."""
+    from lifeofprompt.lessons.generate import generate_cached
+
+    model = random_model(random.Random(5))
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    want = generate_cached(model, prompt, 6)
+    with c_step.running(model, c_step.CStep.only(c_step.PACKED)):
+        assert generate_cached(model, prompt, 6) == want

@@ -252,10 +252,8 @@ class CStep:
         """Every step one way (``TORCH``: None, no C step), as the start-up's timings run them."""
         return None if layout == TORCH else cls(max_rows, unmeasured=layout)
 
-    def takes(self, rows: int, meta=None) -> bool:
-        """A step of ``rows`` over the paged pool (one without a cache, e.g. a whole text scored at once,
-        runs the torch layers)."""
-        return 0 < rows <= self.max_rows and (meta is None or getattr(meta, "cache", None) is not None)
+    def takes(self, rows: int) -> bool:
+        return 0 < rows <= self.max_rows
 
     def layout_for(self, rows: int) -> str:
         measured = [n for n in self.layouts if n <= rows]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import AttentionMetadata, NoCacheMetadata
+from .attention import AttentionMetadata, NoCacheMetadata, PagedCacheMetadata
 from .config import ModelConfig
 from .layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from .linear import Linear
@@ -127,12 +127,14 @@ class LlamaForCausalLM(nn.Module):
         order (the package's only loop over them) and the final norm.
 
         On a CPU the start-up may give the model a C step (``self.cpu_step``, ``cpu/c_step.py``): the
-        same layers and weights in one C call, for the small steps it measured faster there.
+        same layers and weights in one C call, for the small steps over the engine's paged pool it
+        measured faster there (any other metadata, e.g. chapter 04's contiguous cache, runs the loop).
 
         A pipeline stage runs the same loop over its slice of the layers: ``hidden`` is what the stage
         before sent (else the embedding of ``input_ids``); ``last=False`` returns the residual stream for
         the next stage instead of normalising it."""
-        if self.cpu_step is not None and hidden is None and last and self.cpu_step.takes(input_ids.shape[0], meta):
+        whole_step = hidden is None and last and isinstance(meta, PagedCacheMetadata)  # the C step reads the pool
+        if self.cpu_step is not None and whole_step and self.cpu_step.takes(input_ids.shape[0]):
             return self.cpu_step.hidden_states(self, input_ids, positions, meta)
         hidden = self.embed_tokens(input_ids) if hidden is None else hidden
         cos_sin = self.rotary.at(positions)

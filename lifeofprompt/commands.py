@@ -27,12 +27,12 @@ def _load(args, say_dtype_reason: bool = True):
 
 
 def _quantization(args):
-    """``--quantization`` as the engine reads it (``config.quantization_to_load``: "auto" with a pinned path: none)."""
-    from .engine.config import EngineConfig, quantization_to_load
+    """``--quantization`` as the engine loads it (``EngineConfig.load_quantization``: "auto" pinned: none)."""
+    from .engine.config import EngineConfig
 
     asked = getattr(args, "quantization", "auto")
     settings = engine_settings(args, model=args.model, quantization=asked)
-    return quantization_to_load(EngineConfig.from_settings(**settings))
+    return EngineConfig.from_settings(**settings).load_quantization
 
 
 def demo(args) -> int:

@@ -20,11 +20,12 @@ import torch
 import torch.distributed as dist
 
 from ..model.attention import NoCacheMetadata, PagedCacheMetadata
+from ..model.attention_backends import BACKENDS as BACKENDS_BY_NAME
 from . import collectives
 
 STEP, STOP, REPORT, PLANS, CAPTURE, REPLAY = 1, 2, 3, 4, 5, 6  # commands in header[0]
 NO_CACHE, PAGED = 0, 1  # metadata kinds in header[1]
-BACKENDS = ("torch", "triton", "cpu-hybrid")  # the attention backend travels as its index
+BACKENDS = tuple(BACKENDS_BY_NAME)  # the attention backend travels as its index among the backends' names
 HEADER = 9
 
 

@@ -139,7 +139,7 @@ def loadtest(args) -> int:
     """Run a load test against an OpenAI-compatible endpoint; print the summary, optionally write JSON."""
     import os
 
-    from .serving.loadtest import LoadTestConfig, parse_length, run_loadtest
+    from .loadtest.client import LoadTestConfig, parse_length, run_loadtest
 
     arrival = "poisson" if args.rate is not None else "closed_loop" if args.clients is not None else "all_at_once"
     config = LoadTestConfig(

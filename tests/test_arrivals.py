@@ -6,7 +6,15 @@ import numpy as np
 import pytest
 
 from lifeofprompt.errors import InvalidRequestError
-from lifeofprompt.serving.arrivals import Dispatcher, all_at_once, at_times, closed_loop, drive, poisson, sample_lengths
+from lifeofprompt.loadtest.arrivals import (
+    Dispatcher,
+    all_at_once,
+    at_times,
+    closed_loop,
+    drive,
+    poisson,
+    sample_lengths,
+)
 
 
 def test_poisson_is_seeded_and_has_the_rate():

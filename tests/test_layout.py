@@ -37,6 +37,7 @@ LAYERS = [
     ("distributed", {"lifeofprompt.distributed"}),  # the model over processes
     ("engine", {"lifeofprompt.engine"}),
     ("serving", {"lifeofprompt.serving"}),
+    ("loadtest", {"lifeofprompt.loadtest"}),  # the server's client side: arrivals, latency, the load tester
     ("lessons", {"lifeofprompt.lessons"}),
     ("figures", {"lifeofprompt.figures"}),
     ("front doors", {"lifeofprompt", "lifeofprompt.__main__", "lifeofprompt.cli", "lifeofprompt.commands"}),

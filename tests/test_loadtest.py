@@ -14,8 +14,9 @@ pytest.importorskip("fastapi")
 from lifeofprompt.cli import main  # noqa: E402
 from lifeofprompt.engine.llm_engine import LLMEngine  # noqa: E402
 from lifeofprompt.errors import InvalidRequestError  # noqa: E402
-from lifeofprompt.serving import arrivals, metrics  # noqa: E402
-from lifeofprompt.serving.loadtest import LoadTestConfig, make_prompts, parse_length, run_loadtest, waiting_over_time  # noqa: E402
+from lifeofprompt.loadtest import arrivals  # noqa: E402
+from lifeofprompt.loadtest.client import LoadTestConfig, make_prompts, parse_length, run_loadtest, waiting_over_time  # noqa: E402
+from lifeofprompt.serving import metrics  # noqa: E402
 from lifeofprompt.serving.server import ServerThread  # noqa: E402
 
 
@@ -263,7 +264,7 @@ def test_roofline_bend_and_prediction():
 
 
 def _fake_result(rate, seed, ttfts):
-    from lifeofprompt.serving.loadtest import LoadTestResult, RequestRecord
+    from lifeofprompt.loadtest.client import LoadTestResult, RequestRecord
 
     config = LoadTestConfig(arrival="poisson", rate=rate, num_requests=len(ttfts), seed=seed)
     records = [
@@ -378,7 +379,7 @@ def test_the_ttft_figure_keeps_nearby_runs_readable():
 
 def test_the_sweep_sets_each_rate_so_its_schedule_offers_the_target():
     from lifeofprompt.lessons.serving_study import rate_offering
-    from lifeofprompt.serving.arrivals import poisson
+    from lifeofprompt.loadtest.arrivals import poisson
     from lifeofprompt.serving.metrics import achieved_arrival_rate
 
     for seed in (0, 1, 7):

@@ -249,7 +249,7 @@ class SchedulePanel:
         max_rows: int = 30,
     ):
         from ..lessons.simulator import Simulator, random_workload
-        from ..serving.arrivals import closed_loop
+        from ..loadtest.arrivals import closed_loop
 
         self.machine = machine
         self.workload = random_workload(num_requests, prompt_lens, output_lens, seed)
@@ -269,7 +269,7 @@ class SchedulePanel:
 
     def _simulate(self, max_num_seqs: int, rate: float, num_blocks: int, budget: int):
         from ..lessons.simulator import Simulator
-        from ..serving.arrivals import poisson
+        from ..loadtest.arrivals import poisson
 
         sim = Simulator(
             machine=self.machine, num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget

@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from ..serving.loadtest import waiting_over_time
+from ..loadtest.client import waiting_over_time
 
 
 def machine_label() -> str:

@@ -159,7 +159,7 @@ def simulated_short_beside_long(sim, long_len: int, short_len: int, short_max_to
     ``short_beside_long(arrive_after=1)`` does on the engine. Both run to the end (simulated time
     costs nothing). Fresh: a simulator that has served these prompts before would find them cached.
     """
-    from ..serving.arrivals import at_times
+    from ..loadtest.arrivals import at_times
     from .simulator import SimRequest
 
     result = sim.run([SimRequest(long_len, 1), SimRequest(short_len, short_max_tokens)], at_times([0.0, 1e-9]))

@@ -6,7 +6,7 @@ Three questions, each answered on the machine at hand:
 * how does the step time grow with sequences in flight, against the roofline's prediction?
   ``batching_curve`` and ``predicted_curve``;
 * what does a user wait at a given load? ``poisson_sweep`` and ``repeat_runs`` run the load
-  tester (``lifeofprompt.serving.loadtest``) against a server at several rates or seeds.
+  tester (``lifeofprompt.loadtest.client``) against a server at several rates or seeds.
 
 Every number comes from the engine's own step records or from the load tester's records; this
 module only drives them. The plots are in ``lifeofprompt/figures/serving.py``.
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..engine.sampling_params import SamplingParams
-from ..serving import arrivals
-from ..serving.loadtest import LoadTestConfig, LoadTestResult, run_loadtest
+from ..loadtest import arrivals
+from ..loadtest.client import LoadTestConfig, LoadTestResult, run_loadtest
 from ..serving.metrics import achieved_arrival_rate
 from . import roofline
 

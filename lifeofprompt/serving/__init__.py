@@ -1,4 +1,4 @@
 """Serving: an OpenAI-compatible HTTP server around ``LLMEngine`` (``server.ServerThread``, ``server.serve``).
 
-And the client side: ``loadtest.run_loadtest`` with its ``arrivals`` and latency ``metrics`` (TTFT, TPOT).
+Latency from timestamps (``metrics``), which the load tester (``lifeofprompt.loadtest``) reads too.
 """

@@ -3,7 +3,7 @@
 It answers the serving questions of chapter 13 from the client's side of the wire, the side
 a user sees:
 
-* **when** requests are sent comes from ``lifeofprompt.serving.arrivals`` (Poisson at a rate, a closed
+* **when** requests are sent comes from ``lifeofprompt.loadtest.arrivals`` (Poisson at a rate, a closed
   loop of N clients, or all at once), seeded;
 * **what** is sent: prompts of fixed or sampled length, as random token ids (exact lengths;
   OpenAI's ``prompt`` may be a list of ints) or random words, asking for fixed or sampled
@@ -30,7 +30,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..errors import InvalidRequestError
-from . import arrivals, metrics
+from ..serving import metrics
+from . import arrivals
 
 SCHEMA = "lifeofprompt.loadtest/1"
 WORDS = (

@@ -19,7 +19,8 @@ import argparse
 import json
 
 import torch
-from lifeofprompt.kernels.cases import make_case
+
+from lifeofprompt.lessons.paged_cases import make_case
 
 
 def _bytes_moved(

@@ -2,9 +2,9 @@
 
 ``store_kv`` and ``paged_attention`` have exactly the signatures of the torch reference in
 ``lifeofprompt.model.paged_attention``; ``lifeofprompt.model.attention_backends.TritonAttention``
-imports them from here, and ``lifeofprompt.model.layers`` its fused element-wise kernels. Nothing else in
-the package imports this subpackage (``tests/test_layout.py`` checks it), so the CPU torch path
-never needs Triton.
+imports them from here, and ``lifeofprompt.model.layers`` its fused element-wise kernels. Outside
+``model/`` only chapter 11's ``lessons/`` import this subpackage (``tests/test_layout.py`` checks it),
+so the engine's CPU torch path never needs Triton.
 
 Without CUDA they run in Triton's interpreter: ``triton_mode`` decides which before any kernel
 module is imported. Run from a checkout, this folder also answers to the bare name ``kernels``,

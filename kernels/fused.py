@@ -18,7 +18,7 @@ norm folded into the next layer's first):
 Every kernel rounds exactly where the torch code in ``lifeofprompt.model.layers`` rounds (math in
 fp32, a cast to the activation dtype at the same points), so in fp32 the results agree to
 the last bits and in bf16 they differ by at most a rounding step now and then. Each has a
-torch reference (``*_reference`` in ``fused_reference.py``, apart so that this file needs
+torch reference (``*_reference`` in ``tests/fused_reference.py``, apart so that this file needs
 nothing from the model that imports it), built from the model's own code where there is any.
 All of them read no tensor values on the host, so they can be captured in a CUDA graph.
 """

@@ -1,4 +1,4 @@
-"""How the paged-attention kernel cuts its work into tiles, and a picture of it.
+"""How the paged-attention kernel cuts its work into tiles.
 
 The kernel (``kernels/paged_attention.py``) gives each program one *query tile* and walks
 the keys in *KV tiles*:
@@ -13,8 +13,8 @@ the keys in *KV tiles*:
 * with flash-decoding (``num_kv_splits > 1``) the KV tiles of a sequence are shared out
   between several programs, whose partial softmax states are merged by a reduce kernel.
 
-This module holds that arithmetic (no Triton needed, so the wrapper, the tests and the
-notebook figure all use the same numbers) and ``plot_kernel_tiles``/``tiles_figure``.
+This module holds that arithmetic (no Triton needed, so the wrapper, the tests and chapter 11's
+figure, ``lifeofprompt/figures/tiles.py``, all use the same numbers).
 """
 
 from __future__ import annotations
@@ -129,131 +129,3 @@ def kernel_tiles(
                 blocks = tuple(dict.fromkeys(block_table[k // block_size] for k in keys))
                 tiles.append(Tile(program, split, range(first, last + 1), keys, blocks))
     return tiles
-
-
-def plot_kernel_tiles(
-    ax,
-    block_table: list[int],
-    block_size: int,
-    seq_len: int,
-    query_len: int,
-    config: TileConfig,
-    num_kv_splits: int = 1,
-    title: str | None = None,
-):
-    """Query tokens (rows) × key positions (columns) of one sequence, the kernel's tiles on top.
-
-    Grey cells are the (query, key) pairs the causal mask lets through; the physical block of
-    every stretch of ``block_size`` keys is written under the axis; each coloured rectangle is
-    one KV tile of one program (colour = program, hatching = split).
-    """
-    import matplotlib.patches as patches
-    import numpy as np
-
-    context_len = seq_len - query_len
-    visible = np.array([[k <= context_len + q for k in range(seq_len)] for q in range(query_len)], dtype=float)
-    ax.imshow(
-        visible,
-        cmap="Greys",
-        vmin=0,
-        vmax=3,
-        aspect="auto",
-        origin="upper",
-        extent=(0, seq_len, query_len, 0),
-        interpolation="nearest",
-    )
-    colours = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
-    hatches = ["", "//", "\\\\", "xx", "..", "oo"]
-    for tile in kernel_tiles(block_table, block_size, seq_len, query_len, config, num_kv_splits):
-        q0, q1 = tile.query_rows.start, tile.query_rows.stop
-        k0, k1 = tile.keys.start, tile.keys.stop
-        ax.add_patch(
-            patches.Rectangle(
-                (k0 + 0.08, q0 + 0.08),
-                k1 - k0 - 0.16,
-                q1 - q0 - 0.16,
-                fill=False,
-                edgecolor=colours[tile.program % len(colours)],
-                linewidth=2,
-                hatch=hatches[tile.split % len(hatches)],
-            )
-        )
-    for b in range(cdiv(seq_len, block_size)):
-        start, end = b * block_size, min(seq_len, (b + 1) * block_size)
-        if b:
-            ax.axvline(start, color="black", linewidth=0.6, linestyle=":")
-        label = f"block {block_table[b]}" if end - start >= 3 else f"#{block_table[b]}"  # a block with 1-2 keys here
-        ax.text(
-            (start + end) / 2,
-            query_len + 0.15,
-            label,
-            ha="center",
-            va="top",
-            fontsize=8,
-            rotation=90 if block_size < 3 else 0,
-        )
-    ax.set_xlim(0, seq_len)
-    ax.set_ylim(query_len + (1.6 if block_size < 4 else 0.9), 0)
-    ax.set_xlabel("key position in the sequence (physical block below; #n: block n, too narrow to spell out)")
-    ax.set_ylabel("query token of this step")
-    ax.set_yticks([q + 0.5 for q in range(query_len)], [str(context_len + q) for q in range(query_len)])
-    ax.set_title(
-        title
-        or f"{query_len} query tokens after {context_len} cached, tiles of "
-        f"{config.block_q} tokens × {config.group} heads and {config.tile_n} keys"
-    )
-    return ax
-
-
-# Two sequences' block tables in one shuffled pool (as the block manager hands blocks out after some churn).
-DECODE_TABLE = [7, 2, 11, 4, 9, 0, 5, 13, 1, 8, 19, 22, 18, 25, 20, 23, 27, 26, 28, 29]
-PREFILL_TABLE = [3, 12, 6, 10, 21, 15, 24, 17, 14, 16, 30, 31]
-
-
-def tiles_figure(
-    block_size: int = 4,
-    tile_n: int = 16,
-    num_heads: int = 9,
-    num_kv_heads: int = 3,
-    decode_len: int = 61,
-    prefill_prefix: int = 20,
-    prefill_len: int = 12,
-    num_kv_splits: int = 2,
-):
-    """Two panels: a decode row with flash-decoding splits, and a chunked-prefill row after a cached prefix.
-
-    The defaults are SmolLM2's heads (9 query heads over 3 KV heads, so 3 share each KV tile)
-    with a small block size and a shuffled block table, so tiles visibly cross blocks.
-    """
-    import matplotlib.pyplot as plt
-
-    decode_table = DECODE_TABLE[: cdiv(decode_len, block_size)]
-    prefill_table = PREFILL_TABLE[: cdiv(prefill_prefix + prefill_len, block_size)]
-    decode = choose_tiles(num_heads, num_kv_heads, 64, 1, tile_n=tile_n)
-    prefill = choose_tiles(num_heads, num_kv_heads, 64, prefill_len, tile_n=tile_n, block_m=16)
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 6.5), gridspec_kw={"height_ratios": [1, 3]})
-    plot_kernel_tiles(
-        top,
-        decode_table,
-        block_size,
-        decode_len,
-        1,
-        decode,
-        num_kv_splits,
-        f"decode row: 1 token × {decode.group} heads = {decode.group} of {decode.block_m} tile rows; "
-        f"{decode_len} keys in tiles of {tile_n}, split over {num_kv_splits} programs (hatching)",
-    )
-    plot_kernel_tiles(
-        bottom,
-        prefill_table,
-        block_size,
-        prefill_prefix + prefill_len,
-        prefill_len,
-        prefill,
-        1,
-        f"prefill row: {prefill_len} new tokens after {prefill_prefix} cached; each program takes "
-        f"{prefill.block_q} tokens × {prefill.group} heads ({prefill.block_m} rows) and stops at its causal edge",
-    )
-    fig.suptitle(f"One paged-attention launch: KV tiles of {tile_n} keys over blocks of {block_size}")
-    fig.tight_layout()
-    return fig

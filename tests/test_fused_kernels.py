@@ -27,7 +27,8 @@ import torch
 
 if importlib.util.find_spec("triton") is None:  # find it without importing it: lifeofprompt.kernels must be first
     pytest.skip("Triton is not installed", allow_module_level=True)
-from lifeofprompt.kernels import fused, fused_reference  # noqa: E402
+import fused_reference  # noqa: E402  (tests/fused_reference.py)
+from lifeofprompt.kernels import fused  # noqa: E402
 
 from lifeofprompt import kernels  # noqa: E402
 from lifeofprompt.lessons.agreement import FP32_TOLERANCE, assert_argmax_agrees  # noqa: E402

@@ -13,12 +13,12 @@ import torch
 
 if importlib.util.find_spec("triton") is None:  # find it without importing it: lifeofprompt.kernels
     pytest.skip("Triton is not installed", allow_module_level=True)  # must be first (interpreter mode)
-from lifeofprompt.kernels.cases import make_case  # noqa: E402
 from lifeofprompt.kernels.paged_attention import launch_plan  # noqa: E402
 
 from lifeofprompt import kernels  # noqa: E402
 from lifeofprompt.lessons.kernel_launch import MIXED_LAUNCH  # noqa: E402
-from lifeofprompt.model.kernel_tiles import launch_tiles  # noqa: E402
+from lifeofprompt.lessons.kernel_tiles import launch_tiles  # noqa: E402
+from lifeofprompt.lessons.paged_cases import make_case  # noqa: E402
 from lifeofprompt.model.paged_attention import paged_attention as reference  # noqa: E402
 
 pytestmark = pytest.mark.skipif(

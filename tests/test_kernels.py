@@ -22,7 +22,15 @@ from lifeofprompt.model import paged_attention as reference
 
 if importlib.util.find_spec("triton") is None:  # find it without importing it: lifeofprompt.kernels
     pytest.skip("Triton is not installed", allow_module_level=True)  # must be first (interpreter mode)
-from lifeofprompt.kernels.cases import (
+from lifeofprompt.kernels.tiles import (
+    TileConfig,
+    choose_num_kv_splits,  # noqa: E402
+    choose_tiles,
+    kernel_tiles,
+)
+
+from lifeofprompt import kernels  # noqa: E402
+from lifeofprompt.lessons.paged_cases import (
     compare_with_reference,
     covering_cases,
     errors_against_fp32,
@@ -30,17 +38,6 @@ from lifeofprompt.kernels.cases import (
     run_step,  # noqa: E402
     used_slots,
 )
-from lifeofprompt.kernels.tiles import (
-    DECODE_TABLE,
-    PREFILL_TABLE,
-    TileConfig,
-    choose_num_kv_splits,  # noqa: E402
-    choose_tiles,
-    kernel_tiles,
-    tiles_figure,
-)
-
-from lifeofprompt import kernels  # noqa: E402
 
 pytestmark = [
     pytest.mark.numerics,
@@ -159,16 +156,22 @@ def test_kernel_tiles_cover_exactly_the_visible_keys(block_size, seq_len, query_
     assert {t.split for t in tiles} == set(range(splits))
 
 
-def test_tiles_figure_draws_one_rectangle_per_tile():
+def test_launch_figure_draws_one_rectangle_per_tile():
+    """Chapter 11's figure: one panel per sequence, one rectangle per (query tile, KV tile), each block named."""
     import matplotlib
 
+    from lifeofprompt.figures.tiles import launch_figure
+    from lifeofprompt.lessons.kernel_tiles import LaunchTiles, SequenceTiles
+
     matplotlib.use("Agg")
-    fig = tiles_figure()
+    decode_table = [7, 2, 11, 4, 9, 0, 5, 13, 1, 8, 19, 22, 18, 25, 20, 23]  # shuffled, as after some churn
+    prefill_table = [3, 12, 6, 10, 21, 15, 24, 17]
+    config = choose_tiles(9, 3, 64, 12, tile_n=16, block_m=16)
+    plan = LaunchTiles(config, 2, 4, [SequenceTiles(decode_table, 61, 1), SequenceTiles(prefill_table, 32, 12)])
+    fig = launch_figure(plan)
     top, bottom = fig.axes
-    decode = choose_tiles(9, 3, 64, 1, tile_n=16)
-    prefill = choose_tiles(9, 3, 64, 12, tile_n=16, block_m=16)
-    assert len(top.patches) == len(kernel_tiles(DECODE_TABLE, 4, 61, 1, decode, 2)) == 4  # 61 keys / 16
-    assert len(bottom.patches) == len(kernel_tiles(PREFILL_TABLE, 4, 32, 12, prefill, 1)) == 2 + 2 + 2
+    assert len(top.patches) == len(kernel_tiles(decode_table, 4, 61, 1, config, 2)) == 4  # 61 keys / 16
+    assert len(bottom.patches) == len(kernel_tiles(prefill_table, 4, 32, 12, config, 2)) == len(plan.tiles(1)) > 2
     texts = [t.get_text() for t in top.texts]
     assert texts[:3] == ["block 7", "block 2", "block 11"] and len(texts) == 16
     assert "decode" in top.get_title() and "prefill" in bottom.get_title()
@@ -209,7 +212,7 @@ def test_import_order_interpreter_mode_in_fresh_processes():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     after_report = (
         "from lifeofprompt import env_report; env_report(); import lifeofprompt.kernels as k; "
-        "from lifeofprompt.kernels.cases import make_case, compare_with_reference; "
+        "from lifeofprompt.lessons.paged_cases import make_case, compare_with_reference; "
         "print(k.INTERPRETED, compare_with_reference(make_case([1], [20], 8, 2, 1, 64))['pools_equal'])"
     )
     run = subprocess.run([sys.executable, "-c", after_report], env=env, capture_output=True, text=True, timeout=300)

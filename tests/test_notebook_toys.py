@@ -122,8 +122,8 @@ def tiled_toy_matches_the_reference(sources, seed: int) -> bool:
     import functools
 
     import torch
-    from lifeofprompt.kernels.cases import make_case
 
+    from lifeofprompt.lessons.paged_cases import make_case
     from lifeofprompt.model.paged_attention import paged_attention
 
     toy, check = sources

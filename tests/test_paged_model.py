@@ -101,8 +101,7 @@ def test_a_padding_row_comes_out_zero_whatever_sdpa_returns_for_it(monkeypatch):
     # A padding sequence (length 0) sees no key. SDPA's answer for such a row depends on the kernel that
     # runs (NaN, zeros, or, in the GPU's half-precision kernels, an average of the values): the
     # reference must zero it whatever that answer is.
-    from lifeofprompt.kernels.cases import make_case
-
+    from lifeofprompt.lessons.paged_cases import make_case
     from lifeofprompt.model import paged_attention as module
 
     real_sdpa = module._sdpa

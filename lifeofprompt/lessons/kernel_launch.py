@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class KernelLaunch:
-    """A batch for ``kernels.cases.make_case`` and the tile overrides ``kernels.paged_attention`` takes."""
+    """A batch for ``lessons.paged_cases.make_case`` and the tile overrides ``kernels.paged_attention`` takes."""
 
     query_lens: tuple[int, ...]  # new rows of each sequence this step: 1 is a decode row
     context_lens: tuple[int, ...]  # tokens of each already in the pool

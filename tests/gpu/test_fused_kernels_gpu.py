@@ -52,7 +52,7 @@ def _fused():
 
 
 def _references():
-    from lifeofprompt.kernels import fused_reference
+    import fused_reference  # tests/fused_reference.py
 
     return fused_reference
 

@@ -47,14 +47,14 @@ def _kernels():
 def _covering():
     if importlib.util.find_spec("triton") is None:
         return []
-    from lifeofprompt.kernels.cases import covering_cases
+    from lifeofprompt.lessons.paged_cases import covering_cases
 
     return covering_cases(24, [torch.bfloat16, torch.float16, torch.float32], max_len=300)
 
 
 def check_step(case, num_kv_splits=None, tile_n=None, poison=True):
     """Triton store + attention (NaN-poisoned pools and output) against the torch reference."""
-    from lifeofprompt.kernels.cases import run_step
+    from lifeofprompt.lessons.paged_cases import run_step
 
     out, expected, _ = run_step(case, num_kv_splits, tile_n, poison)
     assert not out.isnan().any(), "output elements left unwritten or NaN read from an unused slot"
@@ -64,7 +64,7 @@ def check_step(case, num_kv_splits=None, tile_n=None, poison=True):
 
 @pytest.mark.parametrize("params", _covering(), ids=lambda c: c["id"])
 def test_random_cases(poison_allocations, params):
-    from lifeofprompt.kernels.cases import make_case
+    from lifeofprompt.lessons.paged_cases import make_case
 
     params = dict(params)
     num_kv_splits, tile_n, _ = params.pop("num_kv_splits"), params.pop("tile_n"), params.pop("id")
@@ -76,7 +76,7 @@ def test_random_cases(poison_allocations, params):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("num_kv_splits", [1, 3])
 def test_decode_batch_64_of_4096(poison_allocations, dtype, num_kv_splits):
-    from lifeofprompt.kernels.cases import make_case
+    from lifeofprompt.lessons.paged_cases import make_case
 
     case = make_case([1] * 64, [4095 - 7 * i for i in range(64)], 16, **TINYLLAMA_HEADS, dtype=dtype, device="cuda")
     check_step(case, num_kv_splits)
@@ -84,8 +84,9 @@ def test_decode_batch_64_of_4096(poison_allocations, dtype, num_kv_splits):
 
 @pytest.mark.parametrize("num_kv_splits", [1, None, 7])
 def test_decode_one_sequence_of_32k(poison_allocations, num_kv_splits):
-    from lifeofprompt.kernels.cases import make_case
     from lifeofprompt.kernels.paged_attention import launch_plan
+
+    from lifeofprompt.lessons.paged_cases import make_case
 
     case = make_case([1], [32767], 16, **LLAMA_8B_HEADS, dtype=torch.bfloat16, device="cuda")
     _, _, splits = launch_plan(case.query, 8, 1, 1, case.max_seq_len, num_kv_splits)
@@ -96,7 +97,7 @@ def test_decode_one_sequence_of_32k(poison_allocations, num_kv_splits):
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 def test_mixed_long_prefill_chunks_and_decodes(poison_allocations, block_size):
     """Chunked prefills of 300-512 tokens after long prefixes next to 24 decode rows, one launch."""
-    from lifeofprompt.kernels.cases import make_case
+    from lifeofprompt.lessons.paged_cases import make_case
 
     query_lens = [512, 1] * 2 + [1] * 20 + [300, 64]
     context_lens = [1500, 3000, 0, 2047] + [37 * i for i in range(20)] + [0, 4000]
@@ -107,7 +108,7 @@ def test_mixed_long_prefill_chunks_and_decodes(poison_allocations, block_size):
 
 
 def test_fp16_and_fp32_long_prefill_without_prefix():
-    from lifeofprompt.kernels.cases import make_case
+    from lifeofprompt.lessons.paged_cases import make_case
 
     for dtype in (torch.float16, torch.float32):
         check_step(make_case([1024, 333], [0, 0], 16, **TINYLLAMA_HEADS, dtype=dtype, device="cuda"))
@@ -116,7 +117,7 @@ def test_fp16_and_fp32_long_prefill_without_prefix():
 @pytest.mark.parametrize("num_kv_splits", [1, 4])
 def test_decode_step_replays_in_a_cuda_graph(num_kv_splits):
     """Store + attention captured once, replayed with new lengths, slots and queries: no host sync inside."""
-    from lifeofprompt.kernels.cases import make_case
+    from lifeofprompt.lessons.paged_cases import make_case
 
     kernels = _kernels()
     case = make_case(
@@ -185,7 +186,7 @@ def test_decode_step_replays_in_a_cuda_graph(num_kv_splits):
 def test_low_precision_kernel_is_as_precise_as_the_reference(dtype, num_kv_splits):
     """Against fp32 attention on the same inputs, the kernel's error is about the torch reference's own
     (its bf16/fp16 output rounding): the Triton backend adds no error of its own to the engine."""
-    from lifeofprompt.kernels.cases import errors_against_fp32, make_case
+    from lifeofprompt.lessons.paged_cases import errors_against_fp32, make_case
 
     case = make_case(
         [1] * 16 + [200, 57],

@@ -1,8 +1,7 @@
 """The torch references of the fused kernels (``fused.py``), built from the model's own modules.
 
-The tests compare every fused kernel with these. They live apart from the kernels because they
-import the model (``lifeofprompt.model.layers``), and the model imports the kernels: kept in
-``fused.py`` they would close an import circle.
+The tests (``test_fused_kernels.py``, ``gpu/test_fused_kernels_gpu.py``) compare every fused kernel
+with these: the model's own modules are the reference, so the package itself needs no second copy.
 """
 
 from __future__ import annotations

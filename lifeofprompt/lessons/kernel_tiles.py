@@ -4,8 +4,7 @@ A picture of "how the kernel tiles this batch" is only true if it is drawn from 
 kernel ran and with the tile sizes it chose. ``launch_tiles`` takes exactly the arguments of
 ``lifeofprompt.kernels.paged_attention`` (the same ``tile_n``/``block_m``/``num_kv_splits``
 overrides included) and asks the kernel's own ``launch_plan`` and ``kernel_tiles``, so a
-notebook can run the kernel and draw it from one set of arguments. It lives in ``model/``
-because only this layer imports the kernels (``tests/test_layout.py``); the figure above it
+notebook can run the kernel and draw it from one set of arguments; the figure
 (``lifeofprompt.figures.tiles``) reads the plan. Importing the kernels imports Triton, so the
 import waits until a plan is asked for.
 """
@@ -75,13 +74,3 @@ def launch_tiles(
     for b, (table, seq_len) in enumerate(zip(block_tables.tolist(), seq_lens.tolist())):
         sequences.append(SequenceTiles([t for t in table if t >= 0], seq_len, starts[b + 1] - starts[b]))
     return LaunchTiles(config, splits, k_pool.shape[1], sequences)
-
-
-def plot_sequence_tiles(ax, plan: LaunchTiles, index: int, title: str | None = None):
-    """One sequence of the plan drawn by the kernels' own ``plot_kernel_tiles`` (the figure layer may not import it)."""
-    from ..kernels.tiles import plot_kernel_tiles
-
-    seq = plan.sequences[index]
-    return plot_kernel_tiles(
-        ax, seq.block_table, plan.block_size, seq.seq_len, seq.query_len, plan.config, plan.num_kv_splits, title
-    )

@@ -1,4 +1,4 @@
-"""Random paged-attention batches for the kernel tests (CPU and GPU) and the benchmark.
+"""Random paged-attention batches: chapter 11's checked launch, the kernel tests (CPU and GPU), the benchmark.
 
 A case is a batch of sequences, each with a cached prefix (``context_len`` tokens already in
 the pool) and ``query_len`` new tokens this step: ``query_len == 1`` is a decode row, more is
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tiles import cdiv
+from ..kernels.tiles import cdiv
 
 
 @dataclass
@@ -108,7 +108,7 @@ def make_case(
 
 def used_slots(case: PagedCase) -> torch.Tensor:
     """Flat slots that hold a token of some sequence (its prefix or this step's rows)."""
-    from lifeofprompt.model.paged_attention import gather_slots
+    from ..model.paged_attention import gather_slots
 
     slots = gather_slots(case.block_tables, max(1, case.max_seq_len), case.k_pool.shape[1])
     positions = torch.arange(slots.shape[1], device=slots.device)
@@ -182,9 +182,8 @@ def run_step(case: PagedCase, num_kv_splits: int | None = None, tile_n: int | No
     Returns ``(out, expected, (k_pool, v_pool))``: the kernel's output, the reference's, and the
     pools the kernels wrote, for the CPU interpreter tests and the GPU tests alike.
     """
-    from lifeofprompt.model import paged_attention as reference
-
-    from . import paged_attention, store_kv
+    from ..kernels import paged_attention, store_kv
+    from ..model import paged_attention as reference
 
     k_pool, v_pool = poisoned_pools(case) if poison else (case.k_pool.clone(), case.v_pool.clone())
     store_kv(case.key, case.value, k_pool, v_pool, case.slot_mapping)
@@ -211,9 +210,8 @@ def compare_with_reference(case: PagedCase, num_kv_splits: int | None = None, **
     For the notebook and quick checks: the largest output difference, whether the two pools
     hold the same rows afterwards, and the rows and heads compared.
     """
-    from lifeofprompt.model import paged_attention as reference
-
-    from . import paged_attention, store_kv
+    from ..kernels import paged_attention, store_kv
+    from ..model import paged_attention as reference
 
     pools = {name: (case.k_pool.clone(), case.v_pool.clone()) for name in ("triton", "torch")}
     store_kv(case.key, case.value, *pools["triton"], case.slot_mapping)
@@ -236,9 +234,8 @@ def errors_against_fp32(case: PagedCase, num_kv_splits: int | None = None, **tun
     exact values in fp32. A kernel as precise as the reference has about the reference's
     error (its own output rounding); a bug or a sloppy accumulation shows up as a larger one.
     """
-    from lifeofprompt.model import paged_attention as reference
-
-    from . import paged_attention
+    from ..kernels import paged_attention
+    from ..model import paged_attention as reference
 
     rest = (case.block_tables, case.seq_lens, case.query_start_loc, case.max_query_len, case.max_seq_len, case.scale)
     truth = reference.paged_attention(case.query.float(), case.k_pool.float(), case.v_pool.float(), *rest)

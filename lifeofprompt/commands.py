@@ -39,6 +39,7 @@ def demo(args) -> int:
     """The story's three prompts through the engine: token ids, each scheduler step and its blocks, completions."""
     from .engine.llm_engine import LLMEngine
     from .engine.sampling_params import SamplingParams
+    from .figures.schedule import format_steps
 
     if args.max_tokens < 1:
         raise InvalidRequestError("--max-tokens must be at least 1", param="max_tokens")
@@ -62,7 +63,7 @@ def demo(args) -> int:
     started = time.perf_counter()
     finished = {out.request_id: out for out in engine.run_until_done()}
     elapsed = time.perf_counter() - started
-    print("   " + engine.format_trace(fold_quiet=True).replace("\n", "\n   "))
+    print("   " + format_steps(engine.step_records, fold_quiet=True).replace("\n", "\n   "))
     print("\n4. completions")
     for i, text in enumerate(STORY_PROMPTS):
         out = finished[f"prompt-{i}"].outputs[0]

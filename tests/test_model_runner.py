@@ -9,10 +9,11 @@ import torch
 
 from lifeofprompt.engine.cuda_graphs import graph_batch_sizes, padded_batch_size
 from lifeofprompt.engine.memory import kv_bytes_per_block
-from lifeofprompt.engine.model_runner import ModelRunner, run_greedy_loop
+from lifeofprompt.engine.model_runner import ModelRunner
 from lifeofprompt.engine.sampling_params import SamplingParams
 from lifeofprompt.engine.sequence import Sequence
 from lifeofprompt.errors import ConfigError
+from lifeofprompt.lessons.greedy_loop import run_greedy_loop
 from lifeofprompt.model.attention_backends import resolve_backend as attention_backend
 from lifeofprompt.model.linear import onednn_available
 

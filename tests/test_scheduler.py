@@ -154,7 +154,7 @@ def test_every_workload_finishes_with_the_same_tokens(requests, num_blocks, budg
 
 
 def test_the_printed_schedule_folds_quiet_steps():
-    from lifeofprompt.engine.step_trace import format_steps
+    from lifeofprompt.figures.schedule import format_steps
 
     sched = make_scheduler(8, 4, 8, 100)
     sched.add(seq("a", 3, 4))

@@ -14,6 +14,7 @@ from lifeofprompt.engine.sampling_params import SamplingParams
 from lifeofprompt.engine.sequence import Sequence
 from lifeofprompt.engine.speculative import NgramProposer, SpeculativeConfig
 from lifeofprompt.errors import SpeculativeConfigError
+from lifeofprompt.figures.schedule import format_steps
 from lifeofprompt.lessons.agreement import FP32_TOLERANCE, assert_greedy_agrees, teacher_forced_logits, top2_margins
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -481,7 +482,7 @@ def test_the_trace_shows_drafts_kept_and_rolled_back(smollm2, story_ids):
     engine = make_engine(smollm2, NGRAM, block_size=4)
     engine.proposer = OracleProposer({tuple(day): DAY_GREEDY}, wrong_at=1)
     run(engine, [("d", day, SamplingParams(temperature=0, max_tokens=9))])
-    trace = engine.format_trace()
+    trace = format_steps(engine.step_records)
     assert "d verify        tokens   6..10  (5, 4 drafts, 1 kept)  blocks [0, 1, 2]" in trace, trace
     # the rollback kept 8 verified tokens (2 blocks) and gave block 2 back; the next verify takes it again
     assert "d verify        tokens   8..12  (5, 4 drafts, 1 kept)  blocks [0, 1, 2, 3]" in trace, trace

@@ -61,7 +61,7 @@ from .sequence import Sequence, SequenceStatus
 from .spec_decode import SpecDecoder
 from .startup_log import startup_lines
 from .step_output import StepOutput
-from .step_trace import StepRecord, format_steps, record_step
+from .step_trace import StepRecord, record_step
 
 logger = logging.getLogger("lifeofprompt.engine")
 log_to_stderr(logger, "engine", defer_to_root=False)  # like vLLM: the start-up lines show without any set-up
@@ -555,10 +555,6 @@ class LLMEngine(CompletionUpdates):
             num_steps=self.scheduler.num_steps,
             spec_decode=self.spec_stats.as_dict() if self.spec_stats is not None else None,
         )
-
-    def format_trace(self, records=None, fold_quiet: bool = False) -> str:
-        """The step-by-step schedule: who ran, how many tokens, which blocks (``step_trace.format_steps``)."""
-        return format_steps(self.step_records if records is None else records, fold_quiet)
 
     @torch.no_grad()
     def run_until_done(self) -> list[RequestOutput]:

@@ -3,7 +3,8 @@
 The scheduler hands the runner a ``ScheduledBatch`` (who runs, how many tokens); the engine then
 notes a ``StepRecord`` of it here: each request's share with its kind and block table, who was
 admitted and preempted, and, once the step ran, who finished, how long it took and how it ran.
-``format_steps`` prints them, one line per request, as the demo and chapter 08 show them.
+``lifeofprompt.figures.schedule.format_steps`` prints them, one line per request, as the demo and
+chapter 08 show them.
 """
 
 from __future__ import annotations
@@ -56,30 +57,6 @@ class StepRecord:
     def num_seqs(self) -> int:
         return len(self.scheduled)
 
-    def format(self) -> str:
-        """One line per scheduled request: kind, token positions, blocks."""
-        head = (
-            f"step {self.step:3d}: {self.num_batched_tokens:4d} tokens, {self.num_seqs} running, "
-            f"{self.num_waiting} waiting, {self.num_free_blocks} blocks free"
-        )
-        if self.group is not None:
-            beside = f", beside step {', '.join(map(str, self.overlapped))}" if self.overlapped else ""
-            head += f"; group {self.group}{beside}"
-        lines = [head]
-        for r in self.scheduled:
-            cached = f", {r.num_cached_tokens} cached" if r.num_cached_tokens else ""
-            cached += f", {r.num_draft_tokens} drafts" if r.num_draft_tokens else ""
-            cached += f", {r.num_accepted_tokens} kept" if r.num_accepted_tokens is not None else ""
-            lines.append(
-                f"    {r.request_id:>10} {r.kind:13} tokens {r.start:3d}..{r.end - 1:<3d} "
-                f"({r.num_tokens}{cached})  blocks {r.block_table}"
-            )
-        for rid in self.preempted:
-            lines.append(f"    {rid:>10} PREEMPTED: blocks freed, back to the front of the queue")
-        for rid in self.finished:
-            lines.append(f"    {rid:>10} finished: its blocks go back to the pool after this step")
-        return "\n".join(lines)
-
 
 def kind_of(seq, num_tokens: int) -> str:
     """What a scheduled share is, from the sequence as the step found it."""
@@ -118,33 +95,3 @@ def record_step(batch, scheduler) -> StepRecord:
         num_free_blocks=scheduler.block_manager.num_free_blocks,
         group=batch.group,
     )
-
-
-def format_steps(records, fold_quiet: bool = False) -> str:
-    """The schedule as text, step by step. ``fold_quiet`` folds runs of steps in which every
-    request only decoded one token into its existing blocks (nothing admitted, grown, freed)."""
-    lines, folded, previous = [], [], {}
-
-    def flush():
-        if folded:
-            span = f"step {folded[0]}" if len(folded) == 1 else f"steps {folded[0]}..{folded[-1]}"
-            lines.append(f"{span}: one decode token per running request, no new block")
-            folded.clear()
-
-    for record in records:
-        tables = {r.request_id: r.block_table for r in record.scheduled}
-        quiet = (
-            fold_quiet
-            and not record.admitted
-            and not record.finished
-            and not record.preempted
-            and all(r.kind == "decode" and previous.get(r.request_id) == r.block_table for r in record.scheduled)
-        )
-        previous = tables
-        if quiet:
-            folded.append(record.step)
-            continue
-        flush()
-        lines.append(record.format())
-    flush()
-    return "\n".join(lines)

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from ..env import cpu_label
+from .schedule import format_step
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
@@ -64,7 +65,7 @@ def live_trace(llm, prompts, params, out=print) -> list:
             if o.finished:
                 done[o.request_id] = o
         record = engine.step_records[-1]
-        out(record.format())
+        out(format_step(record))
         out(wrap_line("    kernels: " + kernels_of_step(engine.model, record.launch)))
     return [done[i] for i in ids]
 

@@ -1,4 +1,4 @@
-"""Pictures of a schedule: Gantt timelines (static vs continuous), and the interactive panel of chapter 08.
+"""Pictures of a schedule: the trace as text, Gantt timelines (static vs continuous), chapter 08's panel.
 
 Every picture is drawn from the same two things the engine and the simulator both leave
 behind: the ``StepRecord`` of each step (who ran, what kind of work, when) and each request's
@@ -17,6 +17,62 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from ..serving.metrics import summarize
+
+
+def format_step(record) -> str:
+    """One line per scheduled request: kind, token positions, blocks."""
+    head = (
+        f"step {record.step:3d}: {record.num_batched_tokens:4d} tokens, {record.num_seqs} running, "
+        f"{record.num_waiting} waiting, {record.num_free_blocks} blocks free"
+    )
+    if record.group is not None:
+        beside = f", beside step {', '.join(map(str, record.overlapped))}" if record.overlapped else ""
+        head += f"; group {record.group}{beside}"
+    lines = [head]
+    for r in record.scheduled:
+        cached = f", {r.num_cached_tokens} cached" if r.num_cached_tokens else ""
+        cached += f", {r.num_draft_tokens} drafts" if r.num_draft_tokens else ""
+        cached += f", {r.num_accepted_tokens} kept" if r.num_accepted_tokens is not None else ""
+        lines.append(
+            f"    {r.request_id:>10} {r.kind:13} tokens {r.start:3d}..{r.end - 1:<3d} "
+            f"({r.num_tokens}{cached})  blocks {r.block_table}"
+        )
+    for rid in record.preempted:
+        lines.append(f"    {rid:>10} PREEMPTED: blocks freed, back to the front of the queue")
+    for rid in record.finished:
+        lines.append(f"    {rid:>10} finished: its blocks go back to the pool after this step")
+    return "\n".join(lines)
+
+
+def format_steps(records, fold_quiet: bool = False) -> str:
+    """The schedule as text, step by step. ``fold_quiet`` folds runs of steps in which every
+    request only decoded one token into its existing blocks (nothing admitted, grown, freed)."""
+    lines, folded, previous = [], [], {}
+
+    def flush():
+        if folded:
+            span = f"step {folded[0]}" if len(folded) == 1 else f"steps {folded[0]}..{folded[-1]}"
+            lines.append(f"{span}: one decode token per running request, no new block")
+            folded.clear()
+
+    for record in records:
+        tables = {r.request_id: r.block_table for r in record.scheduled}
+        quiet = (
+            fold_quiet
+            and not record.admitted
+            and not record.finished
+            and not record.preempted
+            and all(r.kind == "decode" and previous.get(r.request_id) == r.block_table for r in record.scheduled)
+        )
+        previous = tables
+        if quiet:
+            folded.append(record.step)
+            continue
+        flush()
+        lines.append(format_step(record))
+    flush()
+    return "\n".join(lines)
+
 
 COLORS = {
     "prefill": "tab:orange",

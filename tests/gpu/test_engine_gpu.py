@@ -117,7 +117,7 @@ def test_triton_matches_torch_teacher_forced(tinyllama):
 
 
 def greedy_tokens(runner, prompts, n):
-    from lifeofprompt.engine.model_runner import run_greedy_loop
+    from lifeofprompt.lessons.greedy_loop import run_greedy_loop
 
     return run_greedy_loop(runner, prompts, n)
 
@@ -163,8 +163,9 @@ def test_profiled_pool_fits(tinyllama):
 
 
 def test_seeded_sampling_repeats_on_gpu(tinyllama):
-    from lifeofprompt.engine.model_runner import ModelRunner, run_greedy_loop
+    from lifeofprompt.engine.model_runner import ModelRunner
     from lifeofprompt.engine.sampling_params import SamplingParams
+    from lifeofprompt.lessons.greedy_loop import run_greedy_loop
 
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7, max_tokens=16)
     runs = []

@@ -218,7 +218,7 @@ def test_a_group_preempts_only_its_own_requests():
     first = scheduler.schedule(group=0)
     in_flight = scheduler.schedule(group=1)
     assert first.seqs == [a, c] and in_flight.seqs == [b, d] and scheduler.block_manager.num_free_blocks == 0
-    scheduler.update(first, [7, 7])
+    scheduler.update_from_output(first, [7, 7])
     tables = {s.request_id: list(s.block_table) for s in (b, d)}
     again = scheduler.schedule(group=0)  # a needs a third block: the pool is empty
     assert again.preempted == ["c"] and again.seqs == [a]

@@ -40,10 +40,8 @@ def run_step(scheduler):
         (s.token_ids[-1] + 1) % 100 if s.num_computed_tokens + n == len(s) else None
         for s, n in zip(batch.seqs, batch.num_scheduled_tokens)
     ]
-    for s in scheduler.update(batch, sampled):
-        if len(s.output_token_ids) >= s.sampling_params.max_tokens:
-            scheduler.finish(s, "length")
-            record.finished.append(s.request_id)
+    update = scheduler.update_from_output(batch, sampled)  # a request ends at its max_tokens there
+    record.finished.extend(s.request_id for s in update.finished)
     scheduler.block_manager.check_invariants(scheduler.seqs)
     return record
 
@@ -113,11 +111,12 @@ def test_preemption_evicts_the_newest_and_it_returns_first():
     assert sched.block_manager.num_used_blocks == 0 and sched.num_preemptions == 1
 
 
-def test_a_request_that_can_never_fit_is_rejected_at_add():
+def test_a_request_that_can_never_fit_is_named_before_it_is_added():
     sched = make_scheduler(4, 4, 8, 100)
     with pytest.raises(RequestTooLargeError, match="16 tokens"):
-        sched.add(seq("huge", 10, 7))  # 17 tokens > 4 blocks × 4
-    sched.add(seq("fits", 10, 6))  # exactly 16: fine
+        sched.check_fits(seq("huge", 10, 7))  # 17 tokens > 4 blocks × 4
+    sched.check_fits(seq("fits", 10, 6))  # exactly 16: fine
+    sched.add(seq("fits", 10, 6))
     assert len(sched.waiting) == 1
 
 
@@ -138,6 +137,7 @@ def test_every_workload_finishes_with_the_same_tokens(requests, num_blocks, budg
     for step in range(2000):
         for _, s in [x for x in pending if x[0] == step]:
             try:
+                sched.check_fits(s)
                 sched.add(s)
                 added.append(s)
             except RequestTooLargeError:

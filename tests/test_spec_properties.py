@@ -139,14 +139,14 @@ def test_random_accept_reject_stops_aborts_and_preemption_keep_the_books(
     )
     engine.proposer = ScriptedProposer(refs, script)
     verified: list[list[int]] = []
-    update = engine.scheduler.update
+    update = engine.scheduler.update_from_output
 
     def recording_update(batch, sampled):
-        grown = update(batch, sampled)
+        changes = update(batch, sampled)
         verified.extend(list(s.token_ids) for s in batch.seqs)
-        return grown
+        return changes
 
-    engine.scheduler.update = recording_update
+    engine.scheduler.update_from_output = recording_update
     stops, aborts = {}, {}
     for i, (prompt, max_tokens, stop_at, abort_at) in enumerate(requests):
         ref = refs[prompt]

@@ -213,10 +213,9 @@ class BlockManager:
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         if num_full <= len(state.block_hashes):
             return  # the usual decode step: no block filled up
-        tokens = seq.token_ids
         for i in range(len(state.block_hashes), num_full):
             parent = state.block_hashes[-1] if state.block_hashes else None
-            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+            chunk = tuple(seq.tokens_in(i * self.block_size, (i + 1) * self.block_size))
             h = hash_block(parent, chunk)
             state.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
@@ -242,6 +241,8 @@ class BlockManager:
             self.free_queue[block_id] = None
             self.free_queue.move_to_end(block_id, last=False)
         del seq.block_table[keep:]
+        seq.block_table_changed_from = min(seq.block_table_changed_from, keep)
+        seq.block_table_version += 1
         state.num_tokens = min(state.num_tokens, num_tokens)
         return len(released)
 
@@ -261,6 +262,8 @@ class BlockManager:
                 if block.hash is None:
                     self.free_queue.move_to_end(block_id, last=False)
         seq.block_table.clear()
+        seq.block_table_changed_from = 0
+        seq.block_table_version += 1
         self._seqs.pop(seq.seq_id, None)
 
     # ---------------------------------------------------------------- checks

@@ -63,7 +63,7 @@ class DecodeGraphs(GraphCapture):
         pad = size - len(seqs)
         width = self.max_blocks_per_seq
         last = [len(seq) - 1 for seq in seqs]
-        ids = torch.tensor([seq.token_ids[-1] for seq in seqs] + [0] * pad, dtype=torch.long)
+        ids = torch.tensor([seq.last_token for seq in seqs] + [0] * pad, dtype=torch.long)
         positions = torch.tensor(last + [0] * pad, dtype=torch.long)
         slots = torch.tensor(
             [

@@ -163,7 +163,7 @@ class DraftModelProposer:
         ids, positions, slots = [], [], []
         for s, d in zip(seqs, drafted):
             pos = len(s) - 1 + len(d)
-            ids.append(d[-1] if d else s.token_ids[-1])
+            ids.append(d[-1] if d else s.last_token)
             positions.append(pos)
             slots.append(s.block_table[pos // self.block_size] * self.block_size + pos % self.block_size)
         width = max(len(s.block_table) for s in seqs)

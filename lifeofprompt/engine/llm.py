@@ -70,7 +70,9 @@ class LLM:
             )
         return list(prompts)
 
-    def _validated(self, prompts, sampling_params) -> list[tuple]:
+    def _requests(self, prompts, sampling_params) -> list:
+        """Every prompt checked and made a request (``LLMEngine.make_request``) before any is queued, so a
+        bad one raises, naming its index, with nothing left behind."""
         prompts = self._as_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -83,26 +85,22 @@ class LLM:
                     f"{len(params)} sampling_params for {len(prompts)} prompts: give one, or one per prompt",
                     param="sampling_params",
                 )
-        requests = []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            text, ids = self.engine.validate(prompt, p, index=i)
-            requests.append(({"prompt": text, "prompt_token_ids": ids}, p))  # not tokenized again when added
-        return requests
+        return [
+            self.engine.make_request(str(next(self._ids)), prompt, p, index=i)
+            for i, (prompt, p) in enumerate(zip(prompts, params))
+        ]
 
     def _add(self, requests) -> list[str]:
-        ids = []
-        for prompt, params in requests:
-            request_id = str(next(self._ids))
-            self.engine.add_request(request_id, prompt, params)
-            ids.append(request_id)
-        return ids
+        for request in requests:
+            self.engine.add(request)
+        return [request.request_id for request in requests]
 
     # ---------------------------------------------------------------- generation
     def generate(
         self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True
     ) -> list[RequestOutput]:
         """Complete every prompt; one ``RequestOutput`` per prompt, in order."""
-        requests = self._validated(prompts, sampling_params)
+        requests = self._requests(prompts, sampling_params)
         ids = self._add(requests)
         position = {rid: i for i, rid in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
@@ -135,7 +133,7 @@ class LLM:
 
         Stopping the iteration early (``break``, ``close()``) aborts the requests still running.
         """
-        ids = self._add(self._validated(prompts, sampling_params))
+        ids = self._add(self._requests(prompts, sampling_params))
         pending = set(ids)
         try:
             while pending:

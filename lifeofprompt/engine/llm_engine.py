@@ -1,11 +1,13 @@
 """``LLMEngine``: requests in, one ``step()`` at a time, ``RequestOutput``s out.
 
-One step = the scheduler picks who runs and how many tokens (``scheduler.py``), the block
-manager gives their cache slots (``block_manager.py``), the model runner computes them and
-samples (``model_runner.py``), and each new token is turned into text and checked for the end of
-its request (``completions.py``): EOS (unless ``ignore_eos``), a stop token id, a stop string,
-``max_tokens``, or the context limit. Finished and aborted requests give their blocks back at once.
-The start-up log is written in ``startup_log.py``.
+One step, as vLLM's engine core runs it (``step``): the scheduler picks who runs and how many
+tokens (``Scheduler.schedule``; the block manager gives their cache slots), the model runner
+computes them and samples (``ModelRunner.execute``), and the scheduler takes the new tokens
+(``Scheduler.update_from_output``): sequences advance, and those that stopped on a token (EOS unless
+``ignore_eos``, a stop token id, ``max_tokens``, the context limit) finish and give their blocks back.
+Then, outside the step's lock, the output processor turns the new tokens into text, finds stop
+strings and makes the ``RequestOutput``s (``output_processor.py``); an answer a stop string ended
+leaves the scheduler at the next step. The start-up log is written in ``startup_log.py``.
 
 Requests may arrive while it runs. ``add_request`` and ``abort`` are safe from other threads
 (the HTTP server calls them from its event loop while an engine thread drives ``step()``):
@@ -41,17 +43,15 @@ import torch
 from ..errors import (
     ConfigError,
     InvalidRequestError,
-    LifeOfPromptError,
     QueueFullError,
-    RequestFailedError,
     SpeculativeConfigError,
 )
 from ..model.loader import DEFAULT_MODEL, load_model
 from .block_manager import BlockManager
-from .completions import CompletionUpdates
 from .config import EngineConfig
 from .logs import log_to_stderr
 from .model_runner import ModelRunner, plan_kv_blocks
+from .output_processor import NewTokens, OutputProcessor, failed
 from .outputs import RequestMetrics, RequestOutput
 from .pipeline_overlap import PipelineOverlap
 from .request_state import IncrementalDetokenizer, _Completion, _Request
@@ -80,7 +80,7 @@ class StartedStep:
     start_time: float
 
 
-class LLMEngine(CompletionUpdates):
+class LLMEngine:
     def __init__(self, model=DEFAULT_MODEL, *, clock=time.monotonic, **settings):
         """Start an engine, in this order (``engine/README.md`` walks it): the settings checked
         (``EngineConfig``, before anything loads), the model loaded, speculation's drafter, the other
@@ -101,11 +101,11 @@ class LLMEngine(CompletionUpdates):
         if self.spec is not None:
             self.spec.attach(self.runner)
         self.block_manager = BlockManager(r.num_kv_blocks, r.block_size, r.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, r.scheduler)
+        self._start_requests()
+        self.scheduler = Scheduler(self.block_manager, r.scheduler, self.eos_token_ids)
         self.pipeline = None  # P > 1: up to P steps in flight, one per micro-batch group (pipeline_overlap.py)
         if r.scheduler.num_groups > 1:
             self.pipeline = PipelineOverlap(self.scheduler, self.runner, r.scheduler.num_groups, self._start_step)
-        self._start_requests()
         self.startup_log = startup_lines(self)
         if self.config.log_stats:
             for line in self.startup_log:
@@ -158,15 +158,16 @@ class LLMEngine(CompletionUpdates):
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.runner.eos_token_ids = tuple(sorted(self.eos_token_ids))  # what min_tokens holds back
         self._grammar_backend = None
+        self._tokenizer_lock = threading.Lock()  # HF fast tokenizers dislike concurrent use
+        self.outputs = OutputProcessor(self._tokenizer_lock, self.model.is_random)
         self.max_waiting = self.resolved.max_waiting  # the queue's bound (the server sets one where none was asked)
         self.requests: dict[str, _Request] = {}
         self._owner: dict[int, tuple[_Request, _Completion]] = {}  # seq_id -> its request and answer
         self.step_records: deque[StepRecord] = deque(maxlen=self.config.max_step_records)
-        self._inbox: list[tuple[str, object]] = []
-        self._pending_outputs: list[RequestOutput] = []
-        self._lock = threading.Lock()  # guards the inbox and the request table
+        self._inbox: list[tuple] = []  # ("add", request), ("abort", request_id), ("end", request, completion, why)
+        self._ended: list[tuple[_Request, str]] = []  # ended outside a step: their outputs come with the next
+        self._lock = threading.Lock()  # guards the inbox, the ended list and the request table
         self._step_lock = threading.Lock()  # held while a step (or an inbox drain) runs
-        self._tokenizer_lock = threading.Lock()  # HF fast tokenizers dislike concurrent use
 
     @property
     def model_name(self) -> str:
@@ -212,8 +213,8 @@ class LLMEngine(CompletionUpdates):
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
         return None, list(prompt)
 
-    def validate(self, prompt, params: SamplingParams, index: int | None = None) -> tuple[str | None, list[int]]:
-        """Tokenize and check one request; raise a typed error naming ``index`` (when given)."""
+    def _checked_prompt(self, prompt, params: SamplingParams, index: int | None) -> tuple[str | None, list[int]]:
+        """Tokenize and check one request's prompt and settings; raise a typed error naming ``index``."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(
                 f"sampling_params must be a SamplingParams, got {type(params).__name__}",
@@ -257,11 +258,6 @@ class LLMEngine(CompletionUpdates):
                 self.grammar_backend().compile(params.structured_outputs)
             except InvalidRequestError as exc:
                 raise InvalidRequestError(str(exc), param=exc.param, index=index) from None
-        probe = Sequence("probe", ids, params)
-        try:
-            self.scheduler.check_fits(probe)
-        except InvalidRequestError as exc:
-            raise type(exc)(str(exc), param=exc.param, index=index) from None
         return text, ids
 
     def grammar_backend(self):
@@ -272,37 +268,21 @@ class LLMEngine(CompletionUpdates):
             self._grammar_backend = GrammarBackend(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         return self._grammar_backend
 
-    def add_request(
-        self, request_id: str, prompt, sampling_params: SamplingParams | None = None, arrival_time: float | None = None
-    ) -> None:
-        """Queue a request (text, token ids, or ``{"prompt_token_ids": [...]}``); safe from any thread."""
+    def make_request(
+        self, request_id: str, prompt, sampling_params: SamplingParams | None = None, arrival_time=None, index=None
+    ) -> _Request:
+        """The one check of a request (text, token ids, or ``{"prompt_token_ids": [...]}``), before anything
+        is queued: a typed error naming the problem (and ``index``, the prompt's place in a list); else the
+        request, one ``Sequence`` per answer, ready for ``add``."""
         params = sampling_params if sampling_params is not None else SamplingParams()
-        text, ids = self.validate(prompt, params)
+        text, ids = self._checked_prompt(prompt, params, index)
         arrival = self.clock() if arrival_time is None else arrival_time
         request_id = str(request_id)
-        completions = []
-        for i in range(params.n):
-            # each answer samples on its own stream: seed, seed + 1, ... (None stays None); the first scores
-            # the prompt (when asked), the others share its cached blocks
-            child = replace(
-                params,
-                n=1,
-                seed=None if params.seed is None else params.seed + i,
-                prompt_logprobs=params.prompt_logprobs if i == 0 else None,
-            )
-            answer_id = request_id if params.n == 1 else f"{request_id}/{i}"
-            seq = Sequence(answer_id, ids, child, prompt=text, arrival_time=arrival)
-            if params.structured_outputs is not None:  # each answer walks the grammar on its own
-                seq.grammar = self.grammar_backend().matcher(params.structured_outputs)
-            completions.append(
-                _Completion(
-                    i,
-                    seq,
-                    IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
-                    logprobs=[] if params.logprobs is not None else None,
-                    cumulative_logprob=0.0 if params.logprobs is not None else None,
-                )
-            )
+        completions = [self._answer(request_id, text, ids, params, i, arrival) for i in range(params.n)]
+        try:
+            self.scheduler.check_fits(completions[0].seq)
+        except InvalidRequestError as exc:
+            raise type(exc)(str(exc), param=exc.param, index=index) from None
         metrics = RequestMetrics(
             arrival_time=arrival,
             num_prompt_tokens=len(ids),
@@ -310,7 +290,36 @@ class LLMEngine(CompletionUpdates):
         )
         for completion in completions:  # the drafts' price reads the request's own acceptance
             completion.seq.spec_stats = metrics.spec_decode
-        request = _Request(request_id, text, ids, params, metrics, completions, pending=completions[1:])
+        return _Request(request_id, text, ids, params, metrics, completions, pending=completions[1:])
+
+    def _answer(self, request_id: str, text, ids: list[int], params: SamplingParams, i: int, arrival) -> _Completion:
+        """Answer ``i`` of ``n``: it samples on its own stream (seed, seed + 1, ...; None stays None); the
+        first scores the prompt (when asked), the others share its cached blocks."""
+        child = replace(
+            params,
+            n=1,
+            seed=None if params.seed is None else params.seed + i,
+            prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+        )
+        answer_id = request_id if params.n == 1 else f"{request_id}/{i}"
+        seq = Sequence(answer_id, ids, child, prompt=text, arrival_time=arrival)
+        if params.structured_outputs is not None:  # each answer walks the grammar on its own
+            seq.grammar = self.grammar_backend().matcher(params.structured_outputs)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        if params.logprobs is None:
+            return _Completion(i, seq, detokenizer)
+        return _Completion(i, seq, detokenizer, logprobs=[], cumulative_logprob=0.0)
+
+    def add_request(
+        self, request_id: str, prompt, sampling_params: SamplingParams | None = None, arrival_time: float | None = None
+    ) -> None:
+        """Check and queue a request (``make_request``, then ``add``); safe from any thread."""
+        self.add(self.make_request(request_id, prompt, sampling_params, arrival_time))
+
+    def add(self, request: _Request) -> None:
+        """Queue a request ``make_request`` made; safe from any thread. Raises ``QueueFullError`` when
+        ``max_waiting`` requests already wait."""
+        request_id = request.request_id
         with self._lock:
             if request_id in self.requests:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
@@ -320,7 +329,7 @@ class LLMEngine(CompletionUpdates):
                     f"{self.max_waiting} waiting (max_waiting); retry later"
                 )
             self.requests[request_id] = request
-            for c in completions:
+            for c in request.completions:
                 self._owner[c.seq.seq_id] = (request, c)
             self._inbox.append(("add", request))
 
@@ -360,7 +369,7 @@ class LLMEngine(CompletionUpdates):
     def has_unfinished_requests(self) -> bool:
         with self._lock:
             return (
-                bool(self._inbox or self._pending_outputs)
+                bool(self._inbox or self._ended)
                 or self.scheduler.has_unfinished()
                 or bool(self.pipeline is not None and self.pipeline.in_flight)
             )
@@ -369,41 +378,66 @@ class LLMEngine(CompletionUpdates):
         with self._lock:
             return sum(1 for r in self.requests.values() if not r.finished)
 
-    # ---------------------------------------------------------------- the step (one thread)
-    def _drain_inbox(self) -> None:
-        with self._lock:
-            inbox, self._inbox = self._inbox, []
-        for kind, item in inbox:
-            if kind == "add":
-                self.scheduler.add(item.completions[0].seq)
-                continue
-            request = self.requests.get(item)
-            if request is not None and not request.finished:  # unknown or already done: nothing to stop
-                self._end_request(request, "abort", self.clock())
-                self._pending_outputs.append(self._output_of(request))
-
-    def _forget(self, request: _Request) -> None:
-        with self._lock:
-            self.requests.pop(request.request_id, None)
-            for c in request.completions:
-                self._owner.pop(c.seq.seq_id, None)
-
+    # ---------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and return the requests that changed (new tokens or finished).
+        """One step, then its outputs: the requests that changed (new tokens or finished).
 
-        With pipeline overlap one call submits steps until P are in flight and collects the oldest.
+        Under the step's lock (vLLM's engine core): the inbox, ``scheduler.schedule()``,
+        ``runner.execute(batch)``, ``scheduler.update_from_output(batch, sampled)``. After it, the output
+        processor makes text and outputs (``output_processor.py``). With pipeline overlap one call
+        submits steps until P are in flight and collects the oldest.
         """
         with self._step_lock:
             self._drain_inbox()
-            outputs, self._pending_outputs = self._pending_outputs, []
-            if self.pipeline is not None:
-                done = self.pipeline.advance()
-                return outputs + (self._finish_step(*done) if done is not None else [])
-            batch = self.scheduler.schedule()
-            if batch.is_empty:
-                return outputs
-            started = self._start_step(batch)
-            return outputs + self._finish_step(started, self.runner.execute(batch.seqs, batch.num_scheduled_tokens))
+            updates = self._core_step()
+        with self._lock:
+            ended, self._ended = self._ended, []
+        outputs, ends = self.outputs.process(updates, ended)
+        self._after_outputs(outputs, ends)
+        return outputs
+
+    def _core_step(self) -> list[NewTokens]:
+        """Schedule, execute, update: what each answer got from the step (nothing when nobody could run)."""
+        if self.pipeline is not None:
+            done = self.pipeline.advance()
+            return self._finish_step(*done) if done is not None else []
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        started = self._start_step(batch)
+        return self._finish_step(started, self.runner.execute(batch.seqs, batch.num_scheduled_tokens))
+
+    def _drain_inbox(self) -> None:
+        """What other threads asked since the last step: new requests, aborts, and the ends the output
+        processor found (a stop string, a request's error)."""
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        for kind, *item in inbox:
+            if kind == "add":
+                self.scheduler.add(item[0].completions[0].seq)
+            elif kind == "abort":
+                request = self.requests.get(item[0])
+                if request is not None and not request.finished:  # unknown or already done: nothing to stop
+                    self._end_request(request, "abort")
+            else:  # "end": the caller already saw the end; the scheduler lets the sequences go now
+                request, completion, reason = item
+                if completion is not None:
+                    self.scheduler.finish_requests([completion.seq], reason)
+                else:
+                    self._end_request(request, reason, report=False)
+
+    def _after_outputs(self, outputs: list[RequestOutput], ends: list) -> None:
+        """Forget the finished requests; queue the ends the output processor found for the next step."""
+        with self._lock:
+            for output in outputs:
+                if output.finished:
+                    self._forget_locked(output.request_id)
+            self._inbox.extend(("end", *end) for end in ends)
+
+    def _forget_locked(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        for c in request.completions if request is not None else ():
+            self._owner.pop(c.seq.seq_id, None)
 
     def _start_step(self, batch: ScheduledBatch) -> StartedStep:
         """Before a step runs: a draft model drafts, its trace opens, first-scheduled metrics."""
@@ -421,20 +455,35 @@ class LLMEngine(CompletionUpdates):
         drafts = {seq.seq_id: list(seq.spec_token_ids) for seq in batch.seqs if seq.spec_token_ids}
         return StartedStep(batch, record, drafts, start)
 
-    def _finish_step(self, started: StartedStep, out: StepOutput) -> list[RequestOutput]:
-        """After a step ran: its tokens into their requests, its failures, its trace; then the next drafts."""
-        now = self.clock()
+    def _finish_step(self, started: StartedStep, out: StepOutput) -> list[NewTokens]:
+        """After a step ran: its failures end their requests, the scheduler takes its tokens, speculation
+        learns what was kept, the trace closes, the next drafts. Returns each answer's new tokens."""
+        batch, now = started.batch, self.clock()
         if started.drafts:
             self.spec_stats.verify_time += now - started.start_time
         self._take_prompt_logprobs(out)
-        changed = self._take_tokens(started, out, now)
-        self._finish_prompt_only(started, changed, now)
-        for seq_id, exc in out.failures.items():
+        for seq_id, exc in out.failures.items():  # a row the sampler could not sample: its request ends
             if seq_id in self._owner:
-                request = self._owner[seq_id][0]
-                self._end_request(request, "error", now, exc, "in the sampler")
-                changed[request.request_id] = request
-        outputs = [self._output_of(request) for request in changed.values()]
+                self._end_request(self._owner[seq_id][0], "error", exc, "in the sampler")
+        starts = {seq.seq_id: seq.num_computed_tokens for seq in batch.seqs}
+        update = self.scheduler.update_from_output(batch, out.tokens)
+        finished = {seq.seq_id: seq for seq in update.finished}
+        updates = []
+        for seq, share, token, entry in zip(batch.seqs, started.record.scheduled, out.tokens, out.logprobs):
+            tokens = update.new_tokens.get(seq.seq_id)
+            if tokens is None and seq.seq_id not in finished:
+                continue
+            request, completion = self._owner[seq.seq_id]
+            if seq.seq_id in started.drafts and tokens:
+                kept_run = token if isinstance(token, list) else [token]
+                share.num_accepted_tokens = self.spec.observe(
+                    request.metrics, starts[seq.seq_id], started.drafts[seq.seq_id], kept_run
+                )
+            ended = (seq.finish_reason, seq.stop_reason) if seq.seq_id in finished else None
+            updates.append(NewTokens(request, completion, tokens or [], entry, ended, now))
+            if ended is not None:
+                started.record.finished.append(seq.request_id)
+            self._release_siblings(request, completion)
         started.record.end_time, started.record.launch = now, out.launch
         self.step_records.append(started.record)
         if self.spec is not None:
@@ -443,36 +492,7 @@ class LLMEngine(CompletionUpdates):
             self.spec.propose(self.scheduler.running_of(group), self.scheduler.max_num_drafts, self.clock)
         if self.config.check_invariants:
             self.block_manager.check_invariants(self.scheduler.seqs)
-        return outputs
-
-    def _take_tokens(self, started: StartedStep, out: StepOutput, now: float) -> dict[str, _Request]:
-        """Each sequence's new tokens: the scheduler's update (a verify's rejected drafts rolled back, full
-        blocks cached), then text and stops in its request. Returns the requests that changed."""
-        batch, drafts = started.batch, started.drafts
-        starts = {seq.seq_id: seq.num_computed_tokens for seq in batch.seqs}
-        shares = {seq.seq_id: share for seq, share in zip(batch.seqs, started.record.scheduled)}
-        produced = {seq.seq_id: entry for seq, entry in zip(batch.seqs, zip(out.tokens, out.logprobs))}
-        sampled = [None if seq.seq_id in out.failures else token for seq, token in zip(batch.seqs, out.tokens)]
-        changed: dict[str, _Request] = {}
-        for seq in self.scheduler.update(batch, sampled):
-            request, completion = self._owner[seq.seq_id]
-            if request.error is not None:
-                continue
-            token, logprobs = produced[seq.seq_id]
-            tokens = token if isinstance(token, list) else [token]
-            if seq.seq_id in drafts:
-                kept = self.spec.observe(request.metrics, starts[seq.seq_id], drafts[seq.seq_id], tokens)
-                shares[seq.seq_id].num_accepted_tokens = kept
-            changed[request.request_id] = request
-            try:
-                self._on_tokens(request, completion, tokens, logprobs, now)
-            except Exception as exc:  # this request's detokenizer or stop check: it alone ends
-                self._end_request(request, "error", now, exc, "while turning its token into text")
-                continue
-            if completion.finished:
-                started.record.finished.append(seq.request_id)
-            self._release_siblings(request, completion)
-        return changed
+        return updates
 
     def _take_prompt_logprobs(self, out: StepOutput) -> None:
         """The prompt tokens this step scored join their sequence's list (``prompt_logprobs.py``)."""
@@ -480,24 +500,6 @@ class LLMEngine(CompletionUpdates):
             owner = self._owner.get(seq_id)
             if owner is not None and owner[1].seq.prompt_logprobs is not None:
                 owner[1].seq.prompt_logprobs.extend(entries)
-
-    def _finish_prompt_only(self, started: StartedStep, changed: dict[str, _Request], now: float) -> None:
-        """``max_tokens=0`` (a log-likelihood: the prompt's logprobs, nothing generated): a request ends with
-        "length" once its whole prompt is computed."""
-        for seq in started.batch.seqs:
-            if (
-                seq.sampling_params.max_tokens == 0
-                and seq.status == SequenceStatus.RUNNING
-                and seq.num_computed_tokens >= seq.num_prompt_tokens
-                and seq.seq_id in self._owner
-            ):
-                request, completion = self._owner[seq.seq_id]
-                self.scheduler.finish(seq, "length")
-                if request.finished:
-                    request.metrics.finished_time = now
-                started.record.finished.append(seq.request_id)
-                changed[request.request_id] = request
-                self._release_siblings(request, completion)
 
     def _release_siblings(self, request: _Request, completion: _Completion) -> None:
         """n > 1: once the first answer has sampled, its prompt's full blocks are cached, so the other
@@ -507,36 +509,22 @@ class LLMEngine(CompletionUpdates):
                 self.scheduler.add(sibling.seq, front=True)
             request.pending.clear()
 
-    def _output_of(self, request: _Request) -> RequestOutput:
-        """The snapshot a caller sees; a finished request is forgotten."""
-        output = self._make_output(request)
-        if request.finished:
-            self._forget(request)
-        return output
-
     def _end_request(
-        self, request: _Request, reason: str, now: float, error: BaseException | None = None, where: str = ""
+        self, request: _Request, reason: str, error: BaseException | None = None, where: str = "", report=True
     ) -> None:
-        """End every unfinished answer of a request (``reason``: "abort" or "error") and free its blocks now.
-        An error is kept typed (its own input's fault: 4xx; anything else becomes a 500)."""
+        """End every open answer of a request (``reason``: "abort" or "error") and free its blocks now; its
+        output comes with the next step's (``report``). An error is kept typed (``output_processor.failed``)."""
         if error is not None and request.error is None:
-            request.error = (
-                error
-                if isinstance(error, LifeOfPromptError)
-                else RequestFailedError(
-                    f"request {request.request_id!r} failed {where}: {type(error).__name__}: {error}"
-                )
-            )
+            request.error = failed(request, error, where)
             logger.warning("request %s failed %s: %r", request.request_id, where, error)
-        for c in request.completions:
-            if c.finished:
-                continue
-            if any(c is p for p in request.pending):  # never handed to the scheduler: holds no block
-                c.seq.status, c.seq.finish_reason = SequenceStatus.FINISHED, reason
-            else:
-                self.scheduler.finish(c.seq, reason)  # its blocks go back now
+        for c in request.pending:  # never handed to the scheduler: holds no block
+            c.seq.status, c.seq.finish_reason = SequenceStatus.FINISHED, reason
         request.pending.clear()
-        request.metrics.finished_time = now
+        self.scheduler.finish_requests([c.seq for c in request.completions], reason)
+        request.metrics.finished_time = self.clock()
+        if report:
+            with self._lock:
+                self._ended.append((request, reason))
 
     # ---------------------------------------------------------------- looking inside
     @property

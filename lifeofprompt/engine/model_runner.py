@@ -24,6 +24,7 @@ import torch
 from ..errors import OutOfMemoryError, RequestFailedError
 from ..model.attention import PagedCacheMetadata, PagedKVCache, synthetic_step
 from ..model.loader import prepare_for_device
+from .block_tables import BlockTables
 from .config import CPU_KV_CACHE_MEMORY, DEFAULT_STEP_TOKENS, EngineConfig, context_len, resolve
 from .cuda_graphs import DecodeGraphs, padded_batch_size
 from .memory import kv_bytes_per_block, plan_memory
@@ -75,6 +76,7 @@ class ModelRunner:
         cuda_graphs = self.speedups.cuda_graphs and not draft_kv_bytes_per_block  # a draft mirrors eager steps
         self.resolved = resolve(config, model, num_blocks, self.speedups, cuda_graphs)
         self.kv_cache = self.allocate_kv_cache()
+        self.block_tables = BlockTables(2 * self.resolved.max_num_seqs, self.resolved.max_blocks_per_seq + 1)
         if cuda_graphs:  # once the pool the graphs read exists
             self.start_decode_graphs()
 
@@ -145,19 +147,15 @@ class ModelRunner:
         ids, positions, query_lens, seq_lens, logits_rows, seq_of_row = [], [], [], [], [], []
         for b, (seq, n) in enumerate(zip(seqs, num_scheduled_tokens)):
             start = seq.num_computed_tokens
-            tokens = seq.tokens_with_spec()
-            ids.extend(tokens[start : start + n])
+            ids.extend(seq.tokens_in(start, start + n))
             positions.extend(range(start, start + n))
             seq_of_row.extend([b] * n)
             query_lens.append(n)
             seq_lens.append(start + n)
-            if start + n == len(tokens):  # a verify wants every row it checks: the last 1 + k
+            if start + n == len(seq) + len(seq.spec_token_ids):  # a verify wants every row it checks: the last 1 + k
                 logits_rows.extend(range(len(ids) - 1 - len(seq.spec_token_ids), len(ids)))
         cache = self.kv_cache
-        width = max(len(s.block_table) for s in seqs)
-        block_tables = torch.tensor(
-            [s.block_table + [-1] * (width - len(s.block_table)) for s in seqs], dtype=torch.int32
-        )
+        block_tables = self.block_tables.for_step(seqs)  # kept between steps, written where they changed
         pos = torch.tensor(positions, dtype=torch.long)
         rows = torch.tensor(seq_of_row, dtype=torch.long)
         block_size = cache.block_size

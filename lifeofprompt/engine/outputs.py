@@ -2,7 +2,10 @@
 
 A ``RequestOutput`` is a snapshot of one request after a step: the cumulative text and token
 ids so far (``outputs[0].text``, ``outputs[0].token_ids``), plus what this step added
-(``outputs[0].new_text``, ``outputs[0].new_token_ids``) for streaming. ``metrics`` holds the
+(``outputs[0].new_text``, ``outputs[0].new_token_ids``) for streaming. The ids and logprobs so far
+are views of the answer's own lists while it runs, which only grow, so a snapshot costs nothing and
+stays true (``output_processor.Prefix``; ``list(...)`` makes a copy); the last output holds plain
+lists. ``metrics`` holds the
 request's timestamps on one monotonic clock (``time.monotonic``), the raw material of
 ``lifeofprompt.serving.metrics``.
 """
@@ -69,7 +72,7 @@ class RequestMetrics:
 class CompletionOutput:
     index: int
     text: str
-    token_ids: list[int]
+    token_ids: list[int]  # while it runs, a view of the answer's own list (output_processor.Prefix); at the end a list
     finish_reason: str | None = None  # "stop" (EOS, stop string, stop token), "length", "abort", "error"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[dict[int, float]] | None = None  # per generated token: {token_id: logprob} (top-N + the sampled one)

@@ -36,7 +36,7 @@ busy 2-core machine it is not, and one step at a time is faster (chapter 15 meas
 N-gram speculation overlaps too. A group's verify (its last token and drafts, 1 + k rows per
 request) is packed at submit time and travels down the stages like any step; when it comes back,
 ``collect`` samples it (``step_output.sample_step``) and the scheduler keeps the accepted drafts
-and rolls the rest back (``Scheduler.update``), as after a single step. Only that group then gets
+and rolls the rest back (``Scheduler.update_from_output``), as after a single step. Only that group then gets
 new drafts (``Scheduler.running_of``): the other groups' requests may have steps in the pipe whose
 rows were packed from their drafts, and drafting for them would change what their sampling and
 rollback read. So a request's drafts change only while its group has no step in flight, and

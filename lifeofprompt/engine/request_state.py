@@ -1,7 +1,8 @@
 """One request's state inside the engine: its answers' sequences and the text made from them, a token at a time.
 
 ``LLMEngine`` keeps a ``_Request`` per request id, with one ``_Completion`` per answer (``n`` of
-them); each completion turns its new token ids into text with an ``IncrementalDetokenizer``.
+them): its ``Sequence`` (the scheduler's side) and what the caller sees of it (the output processor's
+side): the text, made a token at a time by an ``IncrementalDetokenizer``, the ids shown, the end.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 from ..errors import LifeOfPromptError
 from .outputs import RequestMetrics
 from .sampling_params import SamplingParams
-from .sequence import Sequence, SequenceStatus
+from .sequence import Sequence
 
 DETOKENIZE_CONTEXT = 5  # prompt tokens kept as context so the first output token decodes with its space
 
@@ -65,11 +66,15 @@ class _Completion:
     emitted_text_len: int = 0  # how much of ``text`` earlier outputs already carried
     logprobs: list | None = None
     cumulative_logprob: float | None = None
+    token_ids: list[int] = field(default_factory=list)  # the output's tokens as shown (none after a stop string)
     new_token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # as the caller sees it (the output processor sets it)
+    stop_reason: str | int | None = None
 
     @property
     def finished(self) -> bool:
-        return self.seq.status == SequenceStatus.FINISHED
+        """Finished as the caller sees it; its sequence may still be in the scheduler until the next step."""
+        return self.finish_reason is not None
 
 
 @dataclass

@@ -20,7 +20,7 @@ and there is no separate "prefill phase" or "decode phase": a step mixes them.
 Speculative decoding. A decoding request that carries draft tokens (``seq.spec_token_ids``)
 costs 1 + k tokens of the same budget: a *verify* of its last token and its k drafts, never
 chunked; when the budget is short it keeps fewer drafts, and when the pool cannot give their
-slots it drops them rather than preempt anyone. After the step, ``update`` keeps only the
+slots it drops them rather than preempt anyone. After the step, ``update_from_output`` keeps only the
 accepted drafts: ``num_computed_tokens`` steps back past the rejected ones and the blocks only
 they reached go back to the pool (``BlockManager.trim``), before any full block is registered in
 the prefix cache, so no cached block ever holds an unverified token.
@@ -33,9 +33,17 @@ pipeline while another group's is scheduled, and neither touches the other's seq
 group draws blocks from the one block manager. ``schedule()`` with no group is the plain step.
 
 A request whose prompt plus ``max_tokens`` needs more blocks than the whole pool could never
-finish; ``add`` rejects it with ``RequestTooLargeError`` instead of letting it evict everyone
-forever. ``schedule`` returns a ``ScheduledBatch``: what the runner executes. The engine keeps a
-trace of each (``step_trace.py``).
+finish; ``check_fits`` names it with ``RequestTooLargeError`` (the engine asks once, when the
+request is added) instead of letting it evict everyone forever.
+
+The step, as vLLM's engine core runs it: ``schedule()`` returns a ``ScheduledBatch``, the runner
+executes it, and ``update_from_output(batch, sampled)`` advances every sequence past its tokens and
+decides who finished on a token: ``max_tokens`` or the context, EOS (unless ``ignore_eos``), a stop
+token id (all held back until ``min_tokens``), or a prompt-only request (``max_tokens=0``) whose prompt
+is computed. That is the one place a sequence finishes on its own tokens; an end decided elsewhere
+(an abort, a stop string found in the text after the step, a request's error) comes in through
+``finish_requests``. Either way its blocks go back at once. The engine keeps a trace of each step
+(``step_trace.py``).
 """
 
 from __future__ import annotations
@@ -47,6 +55,14 @@ from ..errors import RequestTooLargeError
 from .block_manager import BlockManager
 from .config import SchedulerConfig
 from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerUpdate:
+    """What ``update_from_output`` did: each sequence's new tokens, and who finished (why: ``seq.finish_reason``)."""
+
+    new_tokens: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> tokens appended this step
+    finished: list[Sequence] = field(default_factory=list)
 
 
 @dataclass
@@ -72,8 +88,11 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, config: SchedulerConfig):
+    def __init__(self, block_manager: BlockManager, config: SchedulerConfig, eos_token_ids=()):
+        """``eos_token_ids``: the tokens that end an answer unless it asks ``ignore_eos`` (the model's and
+        the tokenizer's; none for the chapters' toy requests)."""
         self.block_manager, self.config = block_manager, config
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.num_steps = 0
@@ -99,8 +118,7 @@ class Scheduler:
             )
 
     def add(self, seq: Sequence, front: bool = False) -> None:
-        """Queue a request (``front=True``: ahead of everyone, as for a preempted one)."""
-        self.check_fits(seq)
+        """Queue a request (``front=True``: ahead of everyone, as for a preempted one); ``check_fits`` first."""
         if self.config.num_groups > 1 and seq.group is None:
             seq.group = self.emptiest_group()
         seq.status = SequenceStatus.WAITING
@@ -109,8 +127,15 @@ class Scheduler:
         else:
             self.waiting.append(seq)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Take a request out (finished or aborted) and give its blocks back at once."""
+    def finish_requests(self, seqs: list[Sequence], reason: str) -> None:
+        """End sequences from outside the step (``reason``: "abort", "stop" for a stop string, "error");
+        their blocks go back at once. An already finished one is left as it is."""
+        for seq in seqs:
+            if seq.status != SequenceStatus.FINISHED:
+                self._finish(seq, reason)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        """Take a sequence out and give its blocks back."""
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status == SequenceStatus.WAITING:
@@ -258,28 +283,64 @@ class Scheduler:
         most one fewer than ``max_tokens`` (or the context) still allows."""
         return max(0, self.max_total_tokens(seq) - len(seq) - 1)
 
-    def update(self, batch: ScheduledBatch, sampled: list) -> list[Sequence]:
-        """Advance each scheduled sequence past this step's tokens and append what it sampled.
+    def update_from_output(self, batch: ScheduledBatch, sampled: list) -> SchedulerUpdate:
+        """Advance each scheduled sequence past this step's tokens, append what it sampled, finish who stopped.
 
-        ``sampled`` holds, per sequence, None (a prompt chunk), one token, or a verify's kept
-        tokens (accepted drafts, then the model's own). A verify's rejected drafts are rolled back
-        first: ``num_computed_tokens`` counts only the kept ones and the blocks only the rejected
-        reached are freed, then full blocks are registered. Returns the sequences that got new
-        tokens. Finishing (EOS, stop strings, length) is the engine's call; it then calls ``finish``.
+        ``sampled`` holds, per sequence, None (a prompt chunk, or a row the engine already ended), one
+        token, or a verify's kept tokens (accepted drafts, then the model's own). A verify's rejected
+        drafts are rolled back first: ``num_computed_tokens`` counts only the kept ones and the blocks
+        only the rejected reached are freed. A stop among the new tokens ends the output there (the
+        tokens after it are dropped); then full blocks are registered, and a finished sequence's blocks
+        go back to the pool.
         """
-        grown = []
+        update = SchedulerUpdate()
         for seq, n, token in zip(batch.seqs, batch.num_scheduled_tokens, sampled):
             if seq.status != SequenceStatus.RUNNING:
-                continue  # aborted while the step ran
+                continue  # ended while the step ran
             tokens = token if isinstance(token, list) else ([] if token is None else [token])
-            num_drafts = len(seq.spec_token_ids)
-            seq.num_computed_tokens += n
-            if num_drafts:
-                seq.num_computed_tokens -= num_drafts - (len(tokens) - 1)  # step back past the rejected
-                seq.set_spec([])
-                self.block_manager.trim(seq, seq.num_computed_tokens)
-            seq.output_token_ids.extend(tokens)
+            self._advance(seq, n, len(tokens))
+            kept, reason = self._first_stop(seq, tokens)
+            seq.output_token_ids.extend(kept)
+            if len(kept) < len(tokens):  # the rows after the stop hold tokens the output dropped
+                seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq) - 1)
+            tokens = kept
             self.block_manager.cache_full_blocks(seq)
             if tokens:
-                grown.append(seq)
-        return grown
+                update.new_tokens[seq.seq_id] = tokens
+            if reason is None and self._prompt_only_done(seq):
+                reason = "length"
+            if reason is not None:
+                self._finish(seq, reason)
+                update.finished.append(seq)
+        return update
+
+    def _advance(self, seq: Sequence, num_tokens: int, num_kept: int) -> None:
+        """Count the step's tokens as computed; a verify steps back past its rejected drafts and frees the
+        blocks only they reached."""
+        num_drafts = len(seq.spec_token_ids)
+        seq.num_computed_tokens += num_tokens
+        if num_drafts:
+            seq.num_computed_tokens -= num_drafts - (num_kept - 1)  # step back past the rejected
+            seq.set_spec([])
+            self.block_manager.trim(seq, seq.num_computed_tokens)
+
+    @staticmethod
+    def _prompt_only_done(seq: Sequence) -> bool:
+        """``max_tokens=0`` (its prompt's logprobs, nothing generated) and the whole prompt computed."""
+        return seq.sampling_params.max_tokens == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens
+
+    def _first_stop(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], str | None]:
+        """The new tokens up to the first that ends the answer, and why ("length" or "stop", the stop
+        token id in ``seq.stop_reason``); every stop but the length waits for ``min_tokens``."""
+        params, limit = seq.sampling_params, self.config.max_model_len
+        for j, token in enumerate(tokens):
+            num_output = len(seq.output_token_ids) + j + 1
+            may_stop = num_output >= params.min_tokens
+            if num_output >= (params.max_tokens or limit) or seq.num_prompt_tokens + num_output >= limit:
+                return tokens[: j + 1], "length"
+            if may_stop and not params.ignore_eos and token in self.eos_token_ids:
+                return tokens[: j + 1], "stop"
+            if may_stop and token in params.stop_token_ids:
+                seq.stop_reason = token
+                return tokens[: j + 1], "stop"
+        return tokens, None

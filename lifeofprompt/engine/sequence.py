@@ -46,6 +46,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.block_table: list[int] = []  # physical block ids, in order
+        self.block_table_changed_from = 0  # the first entry rewritten or dropped since the runner read the table
+        self.block_table_version = 0  # + 1 each time blocks are given back (a rollback, a preemption, the end)
+        self.traced_block_table: tuple = (None, [])  # the step trace's copy and the version and length it copied
         self.arrival_time = arrival_time
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -68,9 +71,20 @@ class Sequence:
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    def tokens_with_spec(self) -> list[int]:
-        """``token_ids`` followed by the drafts a verify step computes."""
-        return self.token_ids + self.spec_token_ids if self.spec_token_ids else self.token_ids
+    def tokens_in(self, start: int, stop: int) -> list[int]:
+        """Tokens ``start:stop`` of the prompt, then the output, then the drafts, copying only those: a
+        step reads its few rows of a long sequence without copying the whole (``token_ids`` would)."""
+        found = []
+        for part in (self.prompt_token_ids, self.output_token_ids, self.spec_token_ids):
+            if start < len(part) and stop > 0:
+                found += part[max(start, 0) : stop]
+            start, stop = start - len(part), stop - len(part)
+        return found
+
+    @property
+    def last_token(self) -> int:
+        """The newest token: a decode step's input."""
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     def set_spec(self, token_ids: list[int], probs=None) -> None:
         """Replace the drafts (and their q rows); ``[]`` clears them."""

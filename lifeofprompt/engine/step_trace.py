@@ -70,6 +70,16 @@ def kind_of(seq, num_tokens: int) -> str:
     return "recompute" if seq.output_token_ids else "prefill"
 
 
+def traced_table(seq) -> list[int]:
+    """The block table as the trace keeps it: a copy, shared by every step after it until the table
+    changes (a decode inside its last block changes nothing), so the trace does not copy a long
+    context's table every step."""
+    key = (seq.block_table_version, len(seq.block_table))
+    if seq.traced_block_table[0] != key:
+        seq.traced_block_table = (key, list(seq.block_table))
+    return seq.traced_block_table[1]
+
+
 def record_step(batch, scheduler) -> StepRecord:
     """The trace of a step just scheduled (before it runs: shares and block tables as the runner gets them)."""
     shares = [
@@ -79,7 +89,7 @@ def record_step(batch, scheduler) -> StepRecord:
             seq.num_computed_tokens,
             n,
             cached,
-            list(seq.block_table),
+            traced_table(seq),
             len(seq.spec_token_ids),
         )
         for seq, n, cached in zip(batch.seqs, batch.num_scheduled_tokens, batch.num_cached_tokens)

@@ -145,6 +145,7 @@ class Simulator:
                 )
                 index_of[seq.request_id] = i
                 try:
+                    sched.check_fits(seq)
                     sched.add(seq)
                 except RequestTooLargeError as exc:
                     timings[i].error = str(exc)
@@ -170,16 +171,17 @@ class Simulator:
                 0 if s.num_computed_tokens + n == len(s) else None
                 for s, n in zip(batch.seqs, batch.num_scheduled_tokens)
             ]
-            for seq in sched.update(batch, sampled):
+            update = sched.update_from_output(batch, sampled)  # a request ends at its max_tokens
+            for seq in batch.seqs:
                 timing = timings[index_of[seq.request_id]]
-                timing.token_times.append(t)
-                if timing.first_token_time is None:
-                    timing.first_token_time = t
-                if len(seq.output_token_ids) >= seq.sampling_params.max_tokens:
-                    sched.finish(seq, "length")
-                    timing.finished_time = t
-                    record.finished.append(seq.request_id)
-                    dispatcher.finished()
+                if seq.seq_id in update.new_tokens:
+                    timing.token_times.append(t)
+                    if timing.first_token_time is None:
+                        timing.first_token_time = t
+            for seq in update.finished:
+                timings[index_of[seq.request_id]].finished_time = t
+                record.finished.append(seq.request_id)
+                dispatcher.finished()
             if self.keep_steps:
                 steps.append(record)
         result = SimResult(timings, steps, sched.num_preemptions, self.policy)

@@ -20,8 +20,8 @@ from ..engine.scheduler import Scheduler
 class StaticScheduler(Scheduler):
     """Admit a new batch only when the previous one has completely finished; never chunk a prompt."""
 
-    def __init__(self, block_manager, batch_size: int, max_model_len: int):
-        super().__init__(block_manager, SchedulerConfig(batch_size, 1 << 30, max_model_len))
+    def __init__(self, block_manager, batch_size: int, max_model_len: int, eos_token_ids=()):
+        super().__init__(block_manager, SchedulerConfig(batch_size, 1 << 30, max_model_len), eos_token_ids)
 
     def admission_open(self) -> bool:
         return not self.running
@@ -31,7 +31,8 @@ def make_static(engine, batch_size: int = 8):
     """Switch an idle ``LLMEngine`` (or ``Simulator``) to static batching with ``batch_size`` seats."""
     if engine.scheduler.has_unfinished():
         raise RuntimeError("switch the scheduling policy only while the engine is idle")
-    engine.scheduler = StaticScheduler(engine.block_manager, batch_size, engine.scheduler.config.max_model_len)
+    old = engine.scheduler
+    engine.scheduler = StaticScheduler(engine.block_manager, batch_size, old.config.max_model_len, old.eos_token_ids)
     return engine
 
 

@@ -427,7 +427,7 @@ def step_beside_floor(runner, weight_bytes: int, context: int, pairs: int = 21) 
         data.sum()
         reads.append(time.perf_counter() - start)
         start = time.perf_counter()
-        runner.forward([seq], [1])  # the forward alone (inputs built, layers, LM head); the sequence stays
+        runner.model(*runner.prepare([seq], [1]))  # the forward alone (inputs, layers, LM head); the sequence stays
         forwards.append(time.perf_counter() - start)
         start = time.perf_counter()
         run_step(runner, [seq], [1])

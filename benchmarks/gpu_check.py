@@ -356,8 +356,8 @@ def step_decode(args) -> dict:
     ids, positions, meta = runner.prepare([seq], [1])
     meta.slot_mapping = torch.full_like(meta.slot_mapping, -1)  # time the forward without storing
     with torch.no_grad():
-        out["eager_forward_s"] = median_time(lambda: runner.run_model(ids, positions, meta), device)
-        logits = runner.run_model(ids, positions, meta)
+        out["eager_forward_s"] = median_time(lambda: runner.model(ids, positions, meta), device)
+        logits = runner.model(ids, positions, meta)
     sampler = Sampler()
     greedy, hot = [SamplingParams(temperature=0)], [SamplingParams(temperature=0.8, top_p=0.9, top_k=50)]
     out["sample_greedy_s"] = median_time(lambda: sampler(logits, greedy).token_ids, device)
@@ -367,7 +367,7 @@ def step_decode(args) -> dict:
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
         with torch.no_grad(), profile(activities=acts) as prof:
-            runner.run_model(ids, positions, meta)
+            runner.model(ids, positions, meta)
             bench.sync(device)
         kinds: dict[str, float] = {}
         launches = 0

@@ -407,3 +407,30 @@ def test_a_heavy_import_is_caught():
     assert heavy_modules_after(
         "import sys, types\nsys.modules['uvicorn.config'] = types.ModuleType('uvicorn.config')\nimport lifeofprompt"
     ) == ["uvicorn"]
+
+
+# The runner's surface outside engine/: a step (execute), its flat batch (prepare, which chapter 10 shows
+# and tests feed straight to the model), and the decode graphs (start_decode_graphs, chapter 11).
+RUNNER_DOORS = {"execute", "prepare", "start_decode_graphs"}
+
+
+def runner_methods_called(text: str) -> set[str]:
+    """The ``ModelRunner`` methods called on a ``runner`` (``runner.x(``, ``engine.runner.x(``) in ``text``
+    (``runner.model(...)`` calls the model, an attribute, not the runner)."""
+    from lifeofprompt.engine.model_runner import ModelRunner
+
+    names = set(re.findall(r"\brunner\.([a-z_]+)\(", text))
+    return {name for name in names if callable(getattr(ModelRunner, name, None))}
+
+
+def test_the_runner_is_driven_through_three_methods_outside_the_engine():
+    outside = [p for p in package_files() if "engine" not in p.relative_to(REPO).parts]
+    outside += [p for p in (REPO / "tests").rglob("*.py") if p.name != "test_layout.py"]
+    outside += list((REPO / "benchmarks").rglob("*.py"))
+    outside += sorted((REPO / "notebooks").glob("*.ipynb"))
+    called: dict[str, list[str]] = {}
+    for path in outside:
+        for name in runner_methods_called(path.read_text()) - RUNNER_DOORS:
+            called.setdefault(name, []).append(str(path.relative_to(REPO)))
+    assert called == {}, f"runner methods called from outside engine/: {called}"
+    assert runner_methods_called("x = engine.runner.forward_step(seqs, n)") == {"forward_step"}

@@ -108,16 +108,16 @@ def verify_tolerance(smollm2, prompts, reference):
         for start in range(len(prompt), len(prompt) + len(tokens) - K - 1, 6):
             seq.num_computed_tokens = 0
             seq.prompt_token_ids, seq.spec_token_ids = (prompt + tokens)[:start], []
-            runner.forward([seq], [start - 1])  # the prefix, up to the last token
+            runner.model(*runner.prepare([seq], [start - 1]))  # the prefix, up to the last token
             seq.num_computed_tokens = start - 1
             seq.spec_token_ids = (prompt + tokens)[start : start + K]
-            verify = runner.forward([seq], [K + 1])  # [last, d1..dk]: k + 1 rows
+            verify = runner.model(*runner.prepare([seq], [K + 1]))  # [last, d1..dk]: k + 1 rows
             seq.spec_token_ids = []
             decodes = []
             for j in range(K + 1):
                 seq.prompt_token_ids = (prompt + tokens)[: start + j]
                 seq.num_computed_tokens = start + j - 1
-                decodes.append(runner.forward([seq], [1])[0])
+                decodes.append(runner.model(*runner.prepare([seq], [1]))[0])
             worst = max(worst, (top2_margins(verify) - top2_margins(torch.stack(decodes))).abs().max().item())
     print(f"\nmeasured margin change, 1-row decode vs {K + 1}-row verify: {worst:.3g}")
     return max(FP32_TOLERANCE, 4 * worst)

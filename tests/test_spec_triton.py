@@ -52,10 +52,10 @@ def test_verify_rows_match_between_torch_and_triton(tiny):
         a = Sequence("a", [5, 9, 11, 5, 9, 11, 5], SamplingParams(temperature=0))
         b = Sequence("b", [7, 8, 9], SamplingParams(temperature=0))
         a.block_table, b.block_table = [6, 2, 9], [4]
-        runner.forward([a, b], [7, 3])
+        runner.model(*runner.prepare([a, b], [7, 3]))
         a.num_computed_tokens, b.num_computed_tokens = 6, 2  # each has one token left to compute
         a.spec_token_ids = [9, 11, 5, 9]  # positions 7..10: blocks 2 and 9
-        logits[name] = runner.forward([a, b], [5, 1])
+        logits[name] = runner.model(*runner.prepare([a, b], [5, 1]))
     assert logits["triton"].shape == (6, TINY.vocab_size)
     torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-4, rtol=0)
     torch.testing.assert_close(runners["triton"].kv_cache.kv, runners["torch"].kv_cache.kv, atol=1e-4, rtol=0)

@@ -42,7 +42,7 @@ def step_logits(runner, seqs, num_tokens, fused=False):
     meta.logits_indices = None
     # the GPU's layers call their fused kernels themselves (model/layers.py); here the interpreter runs them
     with torch.no_grad(), fused_kernels("on" if fused else "off"):
-        logits = runner.run_model(input_ids, positions, meta)
+        logits = runner.model(input_ids, positions, meta)
     for seq, n in zip(seqs, num_tokens):
         seq.num_computed_tokens += n
     return logits

@@ -175,10 +175,6 @@ class ModelRunner:
         """Every sequence runs exactly its one newest token (the shape CUDA graphs serve)."""
         return all(n == 1 and s.num_computed_tokens + 1 == len(s) for s, n in zip(seqs, num_scheduled_tokens))
 
-    def forward(self, seqs: list[Sequence], num_scheduled_tokens: list[int]) -> torch.Tensor:
-        """Logits ``[rows that sample, vocab]`` of one step (``forward_step`` without how it ran)."""
-        return self.forward_step(seqs, num_scheduled_tokens)[0]
-
     @torch.no_grad()
     def forward_step(self, seqs: list[Sequence], num_scheduled_tokens: list[int]) -> tuple[torch.Tensor, Launch]:
         """Logits ``[rows that sample, vocab]`` of one step and how it ran: graph replay for decode, else eager."""

@@ -195,7 +195,7 @@ def measure_step_rows(runner, rows_list, context: int = 128, repeats: int = 5) -
             for _ in range(repeats + 1):
                 inputs = runner.prepare([seq], [rows])
                 start = time.perf_counter()
-                runner.run_model(*inputs)
+                runner.model(*inputs)
                 best = min(best, time.perf_counter() - start)
         out[rows] = best
     return out

@@ -72,6 +72,13 @@ def test_the_old_names_are_refused_naming_the_new_one(monkeypatch):
     with pytest.raises(ConfigError, match="LIFEOFPROMPT_CPU_LINEAR is now LIFEOFPROMPT_CPU_TUNING"):
         EngineConfig.from_settings()
     monkeypatch.delenv("LIFEOFPROMPT_CPU_LINEAR")
+    with pytest.raises(ConfigError, match="cpu_tuning='c-step'") as error:
+        EngineConfig.from_settings(cpu_tuning="cpu")  # the C step's old path name
+    assert error.value.param == "cpu_tuning"
+    monkeypatch.setenv("LIFEOFPROMPT_CPU_TUNING", "cpu")
+    with pytest.raises(ConfigError, match="cpu_tuning='c-step'"):
+        EngineConfig.from_settings()
+    monkeypatch.delenv("LIFEOFPROMPT_CPU_TUNING")
     assert EngineConfig.from_settings(cpu_tuning="rowwise").cpu_tuning == "rowwise"
     assert EngineConfig.from_settings(attention_backend=None).attention_backend == "auto"  # None: the default
 

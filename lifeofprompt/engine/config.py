@@ -113,6 +113,7 @@ RENAMED = {  # names that were never released, each refused with the one that re
     "product path other than 'rowwise' (cpu_tuning='linear') or cpu_tuning='off' keeps it out",
 }
 OLD_VARIABLE = "LIFEOFPROMPT_CPU_LINEAR"
+OLD_C_STEP = "cpu"  # the C step's path name before cpu_tuning: now "c-step"
 NONE_IS_A_VALUE = {"quantization"}  # vLLM's None: no quantization (elsewhere None stands for the default)
 
 
@@ -123,6 +124,10 @@ def refuse_old_names(settings: dict) -> None:
             raise ConfigError(message, param=old)
     if os.environ.get(OLD_VARIABLE):
         raise ConfigError(f"{OLD_VARIABLE} is now {CPU_TUNING_VARIABLE}: rename the variable", param="cpu_tuning")
+    tuning = settings.get("cpu_tuning", os.environ.get(CPU_TUNING_VARIABLE))
+    if tuning == OLD_C_STEP:
+        message = "cpu_tuning='cpu' is now cpu_tuning='c-step' (the C step for every small step)"
+        raise ConfigError(message, param="cpu_tuning")
 
 
 def check(config: EngineConfig) -> None:

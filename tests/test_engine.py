@@ -119,6 +119,25 @@ def test_stop_token_stop_string_and_eos(smollm2, story_ids):
     string = outs["string"].outputs[0]
     assert (string.text, string.finish_reason, string.stop_reason) == (" in the ", "stop", "21st")
     assert string.token_ids == [281, 260, 216, 34, 33, 302]
+    assert not engine.scheduler.has_unfinished() and engine.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.numerics
+def test_a_stop_string_ends_the_output_at_once_and_the_sequence_at_the_next_step(smollm2, story_ids):
+    """The text shows a stop string only after the step's lock (output_processor.py): the output ends
+    there, and the scheduler lets the sequence go when the next step drains the engine's inbox."""
+    engine = make_engine(smollm2)
+    engine.add_request("s", story_ids[1], SamplingParams(temperature=0, max_tokens=12, stop=["21st"]))
+    seq = None
+    while True:
+        seq = seq or next(iter(engine.scheduler.running), None)
+        outputs = engine.step()
+        if outputs and outputs[0].finished:
+            break
+    assert (outputs[0].outputs[0].text, outputs[0].outputs[0].finish_reason) == (" in the ", "stop")
+    assert seq.status.value == "running" and seq.block_table  # still the scheduler's, for one more step
+    assert engine.step() == [] and seq.status.value == "finished" and seq.finish_reason == "stop"
+    assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished_requests()
 
 
 @pytest.mark.numerics

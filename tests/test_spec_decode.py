@@ -233,6 +233,9 @@ def test_stops_inside_an_accepted_run(smollm2, story_ids):
     assert (length.token_ids, length.finish_reason) == (DAY_GREEDY[:4], "length")
     assert len(outs["token"].metrics.token_times) == 3
     assert outs["eos"].metrics.spec_steps[0].num_accepted == K  # the stop fell inside accepted runs
+    # the stop string's sequence left the scheduler at the step after (its tokens past the stop never shown)
+    assert not engine.scheduler.has_unfinished() and engine.block_manager.num_used_blocks == 0
+    assert not engine.requests and not engine.has_unfinished_requests()
 
 
 @pytest.mark.numerics

@@ -46,7 +46,7 @@ from ..errors import (
     QueueFullError,
     SpeculativeConfigError,
 )
-from ..model.loader import DEFAULT_MODEL, load_model
+from ..model.loader import DEFAULT_MODEL, load_model, prepare_for_device
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .logs import log_to_stderr
@@ -93,8 +93,8 @@ class LLMEngine:
         self.spec = SpecDecoder.start(self.config, self.model, self.tokenizer)  # None without speculation
         self.parallel, runner_config = self._start_ranks()  # no ranks in one process
         draft_bytes = self.spec.draft_bytes_per_block() if self.spec is not None else 0
-        split = self.parallel is not None
-        self.runner = ModelRunner(self.model, runner_config, draft_kv_bytes_per_block=draft_bytes, split=split)
+        speedups = prepare_for_device(self.model, runner_config, split=self.parallel is not None)
+        self.runner = ModelRunner(self.model, runner_config, speedups, draft_kv_bytes_per_block=draft_bytes)
         self.resolved = r = self.runner.resolved
         if self.parallel is not None:
             self.runner.speedups.share_with(self.parallel, self.model)

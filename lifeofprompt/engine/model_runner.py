@@ -1,9 +1,10 @@
 """``ModelRunner``: the engine's start-up, then one scheduled step at a time: a flat batch, the model, samples.
 
-Start-up is the runner's construction, one named step after another (``__init__``): plan the KV
-pool's blocks from the settings, take the device's speed-ups (``model/loader.py: prepare_for_device``;
-a CPU's from ``cpu/``), place the weights, profile the pool's size (a GPU), choose the fast paths,
-freeze every choice in the ``ResolvedConfig``, allocate the pool, capture the decode graphs (a GPU).
+Start-up is the runner's construction, one named step after another (``__init__``), for a model
+that arrives prepared for its device (``model/loader.py: prepare_for_device``: its speed-ups, a
+CPU's from ``cpu/``, the weights placed): plan the KV pool's blocks from the settings, profile the
+pool's size (a GPU), choose the fast paths with it, freeze every choice in the ``ResolvedConfig``,
+allocate the pool, capture the decode graphs (a GPU).
 
 Then each step: the scheduler decides *which* tokens run (``num_scheduled_tokens`` per sequence,
 from ``seq.num_computed_tokens``); the runner decides *how*: token ids and positions in one flat
@@ -58,33 +59,32 @@ def plan_kv_blocks(model, config: EngineConfig, draft_bytes_per_block: int = 0) 
 class ModelRunner:
     """Runs steps of a model over a paged KV pool; built once per engine (``engine/README.md``)."""
 
-    def __init__(
-        self, model, config: EngineConfig, *, draft_kv_bytes_per_block: int = 0, split=False, speedups_class=None
-    ):
-        """Start-up, in the order it must happen. ``split``: the model is one rank's shard (tensor or
-        pipeline parallel); ``speedups_class``: another device's speed-ups than the model's (tests)."""
+    def __init__(self, model, config: EngineConfig, speedups, *, draft_kv_bytes_per_block: int = 0):
+        """Start-up, in the order it must happen, for a model prepared for its device: ``speedups`` is
+        what ``model/loader.py: prepare_for_device`` gave (the weights already placed)."""
         self.model, self.device, self.sampler = model, model.device, Sampler()
         self.eos_token_ids = tuple(model.config.eos_token_ids)  # min_tokens holds these back (+ the tokenizer's)
         self.draft = None  # a DraftModelProposer mirrors every eager forward
         self.graphs: DecodeGraphs | None = None  # decode steps through static buffers (CUDA graphs)
         self.memory_plan = None  # a GPU's plan of its memory (memory.MemoryPlan)
-        num_blocks = plan_kv_blocks(model, config, draft_kv_bytes_per_block)  # None on a GPU: profiled below
-        self.speedups = (speedups_class or prepare_for_device)(model, config, split)
-        self.speedups.place_weights()
+        self.speedups = speedups
+        num_blocks = plan_kv_blocks(model, config, draft_kv_bytes_per_block)  # None on a GPU: profiled next
         num_blocks = num_blocks or self.profile_kv_blocks(config, draft_kv_bytes_per_block)
         self.speedups.choose(num_blocks)
         cuda_graphs = self.speedups.cuda_graphs and not draft_kv_bytes_per_block  # a draft mirrors eager steps
         self.resolved = resolve(config, model, num_blocks, self.speedups, cuda_graphs)
         self.kv_cache = self.allocate_kv_cache()
-        self.block_tables = BlockTables(2 * self.resolved.max_num_seqs, self.resolved.max_blocks_per_seq + 1)
+        limits = self.resolved.scheduler  # room for twice a step's sequences, each as long as a request may be
+        self.block_tables = BlockTables(2 * limits.max_num_seqs, -(-limits.max_model_len // config.block_size) + 1)
         if cuda_graphs:  # once the pool the graphs read exists
             self.start_decode_graphs()
 
     @classmethod
-    def for_model(cls, model, speedups_class=None, **settings) -> ModelRunner:
+    def for_model(cls, model, **settings) -> ModelRunner:
         """A runner from engine settings by name (``EngineConfig.from_settings``), without an engine: tests,
-        notebooks, benchmarks."""
-        return cls(model, EngineConfig.from_settings(model=model, **settings), speedups_class=speedups_class)
+        notebooks, benchmarks. The model is prepared for its device here, as the engine does."""
+        config = EngineConfig.from_settings(model=model, **settings)
+        return cls(model, config, prepare_for_device(model, config))
 
     # ------------------------------------------------------------------ start-up steps
     @torch.no_grad()

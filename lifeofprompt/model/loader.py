@@ -399,12 +399,17 @@ def load_smollm2_blocks(device: torch.device, dtype) -> tuple[LlamaForCausalLM, 
 
 
 def prepare_for_device(model, config, split: bool = False):
-    """The speed-ups of ``model``'s device. ``config`` is the engine's settings, read only; ``split``: the
-    model is one rank's shard (tensor or pipeline parallel)."""
+    """The model prepared for its device, before an engine's runner takes it: its weights placed (a CPU:
+    2 MiB pages) and its device's speed-ups returned, which choose their paths once the pool's size is
+    known (``choose``). ``config`` is the engine's settings, read only; ``split``: the model is one rank's
+    shard (tensor or pipeline parallel)."""
     if model.device.type == "cpu" and config.cpu_tuning != "off":
         from ..cpu.speedups import CpuSpeedups
 
-        return CpuSpeedups(model, config, split)
-    from .device import DeviceDefaults
+        speedups = CpuSpeedups(model, config, split)
+    else:
+        from .device import DeviceDefaults
 
-    return DeviceDefaults(model, config, split)
+        speedups = DeviceDefaults(model, config, split)
+    speedups.place_weights()
+    return speedups

@@ -103,3 +103,33 @@ def test_an_output_is_a_snapshot_that_copies_nothing(tiny_model):
     running = snapshots[-2].token_ids  # a view while the request ran; the last output holds a plain list
     assert type(running).__name__ == "Prefix" and type(final.token_ids) is list and type(final.logprobs) is list
     assert running[-2:] == final.token_ids[2:4] and running[-1] == final.token_ids[3] and running + [9] == [*running, 9]
+
+
+def test_block_tables_follow_appends_rollbacks_and_more_sequences_than_rows():
+    """The kept buffer gives each step the tables as they are: after appends, after a trim followed by an
+    append to the same length (a verify's rollback), after a preemption, and with more sequences than rows."""
+    from lifeofprompt.engine.block_manager import BlockManager
+    from lifeofprompt.engine.block_tables import BlockTables
+
+    manager, tables = BlockManager(64, 4), BlockTables(2, 4)
+    seqs = [Sequence(str(i), list(range(5 + i)), SamplingParams()) for i in range(3)]
+    for seq in seqs:
+        assert manager.allocate_slots(seq, len(seq))
+
+    def expected(step):
+        width = max(len(s.block_table) for s in step)
+        return [s.block_table + [-1] * (width - len(s.block_table)) for s in step]
+
+    assert tables.for_step(seqs).tolist() == expected(seqs)  # 3 sequences, 2 rows: the buffer grows
+    seqs[0].num_computed_tokens = len(seqs[0])
+    assert manager.allocate_slots(seqs[0], 17)  # three more blocks: past the 4 columns planned
+    assert tables.for_step(seqs[:2]).tolist() == expected(seqs[:2])
+    before = list(seqs[0].block_table)
+    manager.trim(seqs[0], 5)  # a rollback: its last blocks back to the pool, where seqs[2] takes them
+    seqs[2].num_computed_tokens = len(seqs[2])
+    assert manager.allocate_slots(seqs[2], 12)
+    assert manager.allocate_slots(seqs[0], 17)  # the same length again, over other blocks
+    assert len(seqs[0].block_table) == len(before) and seqs[0].block_table != before
+    manager.free(seqs[1])  # preempted: its row must not keep the old blocks
+    assert manager.allocate_slots(seqs[2], 8) and manager.allocate_slots(seqs[1], 6)
+    assert tables.for_step(seqs).tolist() == expected(seqs)

@@ -22,7 +22,7 @@ class BlockTables:
 
     def for_step(self, seqs) -> torch.Tensor:
         """The ``[len(seqs), longest table]`` block table of a step, -1 past each sequence's blocks."""
-        if len(self.rows.keys() | {seq.seq_id for seq in seqs}) > len(self.buffer):
+        if sum(seq.seq_id not in self.rows for seq in seqs) > len(self.free_rows):
             self.release_all_but(seqs)
         rows = [self.sync(seq) for seq in seqs]
         width = max(len(seq.block_table) for seq in seqs)

@@ -74,8 +74,8 @@ class ModelRunner:
         cuda_graphs = self.speedups.cuda_graphs and not draft_kv_bytes_per_block  # a draft mirrors eager steps
         self.resolved = resolve(config, model, num_blocks, self.speedups, cuda_graphs)
         self.kv_cache = self.allocate_kv_cache()
-        limits = self.resolved.scheduler  # room for twice a step's sequences, each as long as a request may be
-        self.block_tables = BlockTables(2 * limits.max_num_seqs, -(-limits.max_model_len // config.block_size) + 1)
+        r = self.resolved  # room for twice a step's sequences, each as long as a request may be
+        self.block_tables = BlockTables(2 * r.max_num_seqs, r.max_blocks_per_seq + 1)
         if cuda_graphs:  # once the pool the graphs read exists
             self.start_decode_graphs()
 

@@ -257,6 +257,7 @@ class ResolvedConfig:
     num_kv_blocks: int
     enable_prefix_caching: bool
     scheduler: SchedulerConfig
+    max_blocks_per_seq: int  # a block table's width: the longest request in whole blocks
     max_waiting: int | None
     tensor_parallel_size: int
     pipeline_parallel_size: int
@@ -276,10 +277,6 @@ class ResolvedConfig:
     @property
     def max_num_batched_tokens(self) -> int:
         return self.scheduler.max_num_batched_tokens
-
-    @property
-    def max_blocks_per_seq(self) -> int:
-        return -(-self.max_model_len // self.block_size)
 
 
 def resolve(config: EngineConfig, model, num_kv_blocks: int, speedups, cuda_graphs: bool) -> ResolvedConfig:
@@ -315,6 +312,7 @@ def resolve(config: EngineConfig, model, num_kv_blocks: int, speedups, cuda_grap
         num_kv_blocks=num_kv_blocks,
         enable_prefix_caching=config.enable_prefix_caching,
         scheduler=scheduler,
+        max_blocks_per_seq=-(-scheduler.max_model_len // config.block_size),
         max_waiting=config.max_waiting,
         tensor_parallel_size=config.tensor_parallel_size,
         pipeline_parallel_size=stages,

@@ -75,7 +75,7 @@ class ModelRunner:
         self.resolved = resolve(config, model, num_blocks, self.speedups, cuda_graphs)
         self.kv_cache = self.allocate_kv_cache()
         r = self.resolved  # room for twice a step's sequences, each as long as a request may be
-        self.block_tables = BlockTables(2 * r.max_num_seqs, r.max_blocks_per_seq + 1)
+        self.block_tables = BlockTables(2 * r.scheduler.max_num_seqs, r.max_blocks_per_seq + 1)
         if cuda_graphs:  # once the pool the graphs read exists
             self.start_decode_graphs()
 

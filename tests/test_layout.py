@@ -434,3 +434,20 @@ def test_the_runner_is_driven_through_three_methods_outside_the_engine():
             called.setdefault(name, []).append(str(path.relative_to(REPO)))
     assert called == {}, f"runner methods called from outside engine/: {called}"
     assert runner_methods_called("x = engine.runner.forward_step(seqs, n)") == {"forward_step"}
+
+
+def metadata_built_outside_its_builder(text: str) -> int:
+    """How many times ``text`` calls ``PagedCacheMetadata(...)`` itself rather than its builders
+    (``for_batch``, ``over_cache``): each would be one more place a step's attention inputs are assembled."""
+    return len(re.findall(r"\bPagedCacheMetadata\(", text))
+
+
+def test_paged_metadata_has_one_builder():
+    builder = PACKAGE / "model" / "attention.py"
+    elsewhere = {
+        str(path.relative_to(REPO)): count
+        for path in package_files()
+        if path != builder and (count := metadata_built_outside_its_builder(path.read_text()))
+    }
+    assert elsewhere == {}, f"PagedCacheMetadata built outside model/attention.py's builders: {elsewhere}"
+    assert metadata_built_outside_its_builder("meta = PagedCacheMetadata(**fields, cache=cache)") == 1

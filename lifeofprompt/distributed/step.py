@@ -82,13 +82,8 @@ def unpack(header: list[int], payload: torch.Tensor, cache=None):
     )
     if kind == PAGED:
         slots, tables = paged
-        meta = PagedCacheMetadata(
-            **fields,
-            cache=cache,
-            block_tables=tables.view(seqs, width).int(),
-            slot_mapping=slots,
-            backend=BACKENDS[backend],
-        )
+        tables = tables.view(seqs, width).int()
+        meta = PagedCacheMetadata.over_cache(fields, cache, tables, slots, BACKENDS[backend])
     else:
         meta = NoCacheMetadata(**fields)
     return ids, positions, meta

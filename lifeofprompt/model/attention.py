@@ -158,13 +158,14 @@ class PagedCacheMetadata(AttentionMetadata):
         fields = cls.describe_batch(query_lens, seq_lens, device)
         if logits_indices is not None:
             fields["logits_indices"] = logits_indices.to(device, non_blocking=True)
-        return cls(
-            **fields,
-            cache=cache,
-            block_tables=block_tables.to(device, non_blocking=True),
-            slot_mapping=slot_mapping.to(device, non_blocking=True),
-            backend=backend,
-        )
+        tables, slots = block_tables.to(device, non_blocking=True), slot_mapping.to(device, non_blocking=True)
+        return cls.over_cache(fields, cache, tables, slots, backend)
+
+    @classmethod
+    def over_cache(cls, fields: dict, cache, block_tables, slot_mapping, backend) -> PagedCacheMetadata:
+        """The one builder of paged metadata: the fields every kind shares (``describe_batch``'s, a decode
+        graph's fixed buffers, or what rank 0 broadcast), already on the device, over ``cache``'s pool."""
+        return cls(**fields, cache=cache, block_tables=block_tables, slot_mapping=slot_mapping, backend=backend)
 
     def over_pool(self, cache: PagedKVCache, backend) -> PagedCacheMetadata:
         """The same step's rows, slots and tables over another pool (the draft model's, which mirrors them)."""

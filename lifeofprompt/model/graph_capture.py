@@ -30,17 +30,14 @@ class GraphCapture:
 
     def static_decode_metadata(self, size: int) -> PagedCacheMetadata:
         """Metadata over the first ``size`` rows of the static buffers (what a graph of that size reads)."""
-        return PagedCacheMetadata(
+        fields = dict(
             query_start_loc=self.static_query_start_loc[: size + 1],
             seq_lens=self.static_seq_lens[:size],
             max_query_len=1,
             max_seq_len=self.max_model_len,
-            logits_indices=None,
-            cache=self.kv_cache,
-            block_tables=self.static_block_tables[:size],
-            slot_mapping=self.static_slot_mapping[:size],
-            backend=self.backend,
         )
+        tables, slots = self.static_block_tables[:size], self.static_slot_mapping[:size]
+        return PagedCacheMetadata.over_cache(fields, self.kv_cache, tables, slots, self.backend)
 
     @torch.no_grad()
     def capture_graphs(self) -> None:

@@ -365,7 +365,7 @@ def decode_step_curve(runner, batch_sizes: list[int], context: int, steps: int =
 
     Each batch decodes from prompts of ``context`` random tokens (blocks handed out directly).
     """
-    from lifeofprompt.engine.model_runner import step as run_step
+    from lifeofprompt.lessons.greedy_loop import step as run_step
     from lifeofprompt.engine.sampling_params import SamplingParams
     from lifeofprompt.engine.sequence import Sequence
 
@@ -410,7 +410,7 @@ def step_beside_floor(runner, weight_bytes: int, context: int, pairs: int = 21) 
     in pairs, step and floor see the same moment; the median of the pair ratios is the figure.
     """
     from lifeofprompt.cpu.huge_pages import huge_page_buffer
-    from lifeofprompt.engine.model_runner import step as run_step
+    from lifeofprompt.lessons.greedy_loop import step as run_step
     from lifeofprompt.engine.sampling_params import SamplingParams
     from lifeofprompt.engine.sequence import Sequence
 

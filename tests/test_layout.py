@@ -451,3 +451,31 @@ def test_paged_metadata_has_one_builder():
     }
     assert elsewhere == {}, f"PagedCacheMetadata built outside model/attention.py's builders: {elsewhere}"
     assert metadata_built_outside_its_builder("meta = PagedCacheMetadata(**fields, cache=cache)") == 1
+
+
+
+def stale_imports(sources: dict[str, str]) -> list[str]:
+    """Every ``from lifeofprompt... import name`` in ``sources`` (label: text; top level or inside a
+    function) whose module or name no longer exists: a script the suite never runs breaks silently
+    when code moves."""
+    import importlib
+    import importlib.util
+
+    stale = []
+    for label, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and ours(node.module)):
+                continue
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                submodule = hasattr(module, "__path__") and importlib.util.find_spec(f"{node.module}.{alias.name}")
+                if not hasattr(module, alias.name) and not submodule:
+                    stale.append(f"{label}:{node.lineno}: {node.module}.{alias.name}")
+    return stale
+
+
+def test_benchmarks_and_scripts_import_what_exists():
+    paths = sorted((REPO / "benchmarks").rglob("*.py")) + sorted((REPO / "scripts").glob("*.py"))
+    assert stale_imports({str(p.relative_to(REPO)): p.read_text() for p in paths}) == []
+    moved = "def curve():\n    from lifeofprompt.engine.model_runner import step as run_step\n"
+    assert stale_imports({"moved.py": moved}) == ["moved.py:2: lifeofprompt.engine.model_runner.step"]

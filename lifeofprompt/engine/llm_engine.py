@@ -16,7 +16,7 @@ that arrives while no step is running is applied immediately, so its blocks are 
 ``abort`` returns.
 
 Every time is ``time.monotonic()``: arrival, first scheduled, first token, each token, finish
-(``RequestMetrics``), so ``lifeofprompt.serving.metrics`` can read TTFT and TPOT straight off them.
+(``RequestMetrics``), so ``lifeofprompt.latency`` can read TTFT and TPOT straight off them.
 
 With ``speculative_config`` (``speculative.py``) each step ends by asking the drafter for the next
 tokens of every decoding request; the next step verifies them, and the tokens a verify keeps are
@@ -49,12 +49,12 @@ from ..errors import (
 from ..model.loader import DEFAULT_MODEL, load_model, prepare_for_device
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
 from .logs import log_to_stderr
 from .model_runner import ModelRunner, plan_kv_blocks
-from .output_processor import NewTokens, OutputProcessor, failed
+from .output_processor import NewTokens, OutputProcessor, _Completion, _Request, failed
 from .outputs import RequestMetrics, RequestOutput
 from .pipeline_overlap import PipelineOverlap
-from .request_state import IncrementalDetokenizer, _Completion, _Request
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, SequenceStatus
@@ -388,7 +388,6 @@ class LLMEngine:
         submits steps until P are in flight and collects the oldest.
         """
         with self._step_lock:
-            self._drain_inbox()
             updates = self._core_step()
         with self._lock:
             ended, self._ended = self._ended, []
@@ -397,7 +396,9 @@ class LLMEngine:
         return outputs
 
     def _core_step(self) -> list[NewTokens]:
-        """Schedule, execute, update: what each answer got from the step (nothing when nobody could run)."""
+        """Take the inbox, schedule, execute, update: what each answer got from the step (nothing when
+        nobody could run)."""
+        self._drain_inbox()
         if self.pipeline is not None:
             done = self.pipeline.advance()
             return self._finish_step(*done) if done is not None else []

@@ -1,5 +1,9 @@
 """``OutputProcessor``: after each step, outside its critical section, new token ids become text and outputs.
 
+Each request's state lives here, as in vLLM's ``output_processor.py``: a ``_Request`` per request id
+(the engine keeps them), one ``_Completion`` per answer (``n`` of them) holding its ``Sequence`` (the
+scheduler's side) and what the caller sees of it: the text (``detokenizer.py``), the ids shown, the end.
+
 The step (``llm_engine.py: LLMEngine.step``) leaves token ids: the scheduler appended them and ended
 the answers that stopped on a token (``Scheduler.update_from_output``). What is left is per request
 and slower: each token's time and logprobs, its text (``IncrementalDetokenizer``), and the stop
@@ -19,13 +23,68 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import LifeOfPromptError, RequestFailedError
-from .outputs import CompletionOutput, RequestOutput
-from .request_state import _Completion, _Request, _unpack_logprobs
+from .detokenizer import IncrementalDetokenizer
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .sampling_params import SamplingParams
+from .sequence import Sequence
 
 logger = logging.getLogger("lifeofprompt.engine")
+
+
+# ----------------------------------------------------------------------------- one request's state
+
+
+@dataclass
+class _Completion:
+    """One of the ``n`` answers of a request: its sequence and the text made from it so far."""
+
+    index: int
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    text: str = ""  # the output text (stop strings cut off)
+    emitted_text_len: int = 0  # how much of ``text`` earlier outputs already carried
+    logprobs: list | None = None
+    cumulative_logprob: float | None = None
+    token_ids: list[int] = field(default_factory=list)  # the output's tokens as shown (none after a stop string)
+    new_token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # as the caller sees it (the output processor sets it)
+    stop_reason: str | int | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Finished as the caller sees it; its sequence may still be in the scheduler until the next step."""
+        return self.finish_reason is not None
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    completions: list[_Completion]
+    pending: list[_Completion] = field(default_factory=list)  # n > 1: waiting for the first one's prompt
+    error: LifeOfPromptError | None = None  # set when this request alone failed in a step
+
+    @property
+    def finished(self) -> bool:
+        return not self.pending and all(c.finished for c in self.completions)
+
+
+def _unpack_logprobs(entry):
+    """The runner's per-token logprob entry: ``(logprob, {id: logprob})`` or None."""
+    if entry is None:
+        return None, None
+    if isinstance(entry, tuple) and len(entry) == 2:
+        return entry
+    return None, entry
+
+
+# ----------------------------------------------------------------------------- what the caller sees
 
 
 class Prefix(SequenceABC):

@@ -40,7 +40,8 @@ class Sequence:
         self.request_id = request_id
         self.seq_id = next(_counter)
         self.prompt = prompt
-        self.prompt_token_ids = list(prompt_token_ids)
+        self.prompt_token_ids = list(prompt_token_ids)  # never changes after this
+        self.num_prompt_tokens = len(self.prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.sampling_params = sampling_params
         self.status = SequenceStatus.WAITING
@@ -97,10 +98,6 @@ class Sequence:
         if self.generator is None and self.sampling_params.seed is not None:
             self.generator = make_generator(self.sampling_params.seed, device)
         return self.generator
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
     @property
     def is_finished(self) -> bool:

@@ -30,6 +30,7 @@ LAYERS = [
             "lifeofprompt.env",
             "lifeofprompt.story",
             "lifeofprompt.units",
+            "lifeofprompt.latency",
             "lifeofprompt._version",
         },
     ),
@@ -451,7 +452,6 @@ def test_paged_metadata_has_one_builder():
     }
     assert elsewhere == {}, f"PagedCacheMetadata built outside model/attention.py's builders: {elsewhere}"
     assert metadata_built_outside_its_builder("meta = PagedCacheMetadata(**fields, cache=cache)") == 1
-
 
 
 def stale_imports(sources: dict[str, str]) -> list[str]:

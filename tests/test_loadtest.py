@@ -11,12 +11,12 @@ import pytest
 pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
+from lifeofprompt import latency as metrics  # noqa: E402
 from lifeofprompt.cli import main  # noqa: E402
 from lifeofprompt.engine.llm_engine import LLMEngine  # noqa: E402
 from lifeofprompt.errors import InvalidRequestError  # noqa: E402
 from lifeofprompt.loadtest import arrivals  # noqa: E402
 from lifeofprompt.loadtest.client import LoadTestConfig, make_prompts, parse_length, run_loadtest, waiting_over_time  # noqa: E402
-from lifeofprompt.serving import metrics  # noqa: E402
 from lifeofprompt.serving.server import ServerThread  # noqa: E402
 
 
@@ -105,7 +105,7 @@ def test_poisson_follows_the_seeded_schedule_and_metrics_summarize(server):
     assert sorted(sent) == sent
     ok = result.records
     assert all(r.error is None for r in ok)
-    # the summary is lifeofprompt.serving.metrics' own, over these records
+    # the summary is lifeofprompt.latency' own, over these records
     recomputed = metrics.summarize(ok, duration=result.duration)
     assert json.dumps(result.summary, sort_keys=True) == json.dumps(recomputed, sort_keys=True)  # NaN-aware
     assert result.summary["ttft_s"] == metrics.percentiles(metrics.ttft(r) for r in ok)
@@ -378,9 +378,9 @@ def test_the_ttft_figure_keeps_nearby_runs_readable():
 
 
 def test_the_sweep_sets_each_rate_so_its_schedule_offers_the_target():
+    from lifeofprompt.latency import achieved_arrival_rate
     from lifeofprompt.lessons.serving_study import rate_offering
     from lifeofprompt.loadtest.arrivals import poisson
-    from lifeofprompt.serving.metrics import achieved_arrival_rate
 
     for seed in (0, 1, 7):
         for target in (1.5, 2.9, 4.0):

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from lifeofprompt.serving.metrics import (
+from lifeofprompt.latency import (
     RequestTiming,
     achieved_arrival_rate,
     e2e_latency,

@@ -7,7 +7,7 @@ are views of the answer's own lists while it runs, which only grow, so a snapsho
 stays true (``output_processor.Prefix``; ``list(...)`` makes a copy); the last output holds plain
 lists. ``metrics`` holds the
 request's timestamps on one monotonic clock (``time.monotonic``), the raw material of
-``lifeofprompt.serving.metrics``.
+``lifeofprompt.latency``.
 """
 
 from __future__ import annotations

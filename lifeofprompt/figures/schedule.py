@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from ..serving.metrics import summarize
+from ..latency import summarize
 
 
 def format_step(record) -> str:
@@ -158,7 +158,7 @@ def in_steps(engine, outputs):
     """
     import copy
 
-    from ..serving.metrics import RequestTiming
+    from ..latency import RequestTiming
 
     originals = list(engine.step_records)
     records, end_step = [], {}

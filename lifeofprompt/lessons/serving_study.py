@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..engine.sampling_params import SamplingParams
+from ..latency import achieved_arrival_rate
 from ..loadtest import arrivals
 from ..loadtest.client import LoadTestConfig, LoadTestResult, run_loadtest
-from ..serving.metrics import achieved_arrival_rate
 from . import roofline
 
 _ids = itertools.count()

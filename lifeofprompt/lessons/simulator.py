@@ -31,9 +31,9 @@ from ..engine.scheduler import Scheduler
 from ..engine.sequence import Sequence
 from ..engine.step_trace import StepRecord, record_step
 from ..errors import RequestTooLargeError
+from ..latency import RequestTiming, summarize
 from ..loadtest.arrivals import ArrivalPattern, Dispatcher, all_at_once, sample_lengths
 from ..model.config import SMOLLM2_135M, ModelConfig
-from ..serving.metrics import RequestTiming, summarize
 from .roofline import Machine, predict_step_time
 
 

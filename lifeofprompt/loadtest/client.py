@@ -9,7 +9,7 @@ a user sees:
   OpenAI's ``prompt`` may be a list of ints) or random words, asking for fixed or sampled
   output lengths with ``ignore_eos`` so every request runs to its length;
 * **how long** it took: each request streams; the clock reads the first chunk that carries text
-  (time to first token) and every later one; ``lifeofprompt.serving.metrics`` turns those times into
+  (time to first token) and every later one; ``lifeofprompt.latency`` turns those times into
   TTFT, TPOT, ITL, end-to-end latency, p50/p90/p99 and the achieved arrival rate.
 
 It stops by itself: after ``num_requests``, and at ``max_duration`` seconds, when requests
@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from .. import latency as metrics
 from ..errors import InvalidRequestError
-from ..serving import metrics
 from . import arrivals
 
 SCHEMA = "lifeofprompt.loadtest/1"

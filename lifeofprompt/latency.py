@@ -1,4 +1,5 @@
-"""Latency and throughput from per-request timestamps: the one metrics module.
+"""Latency and throughput from per-request timestamps: the one metrics module, at the package's base
+because three layers read it (the server's ``/metrics``, the load tester, the chapters' simulator).
 
 Every number a serving study reads comes from five timestamps per request, all on one
 monotonic clock (seconds): when it arrived, when it was first scheduled, when its first

@@ -10,19 +10,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lifeofprompt.engine.memory import (
-    LLAMA_2_13B,
     blocks_for_tokens,
     dtype_bytes,
     estimate_activation_bytes,
-    kv_bytes_for_tokens,
     kv_bytes_per_block,
     kv_bytes_per_token,
-    max_concurrent_requests,
-    num_blocks_for_bytes,
     plan_memory,
     weight_bytes,
 )
 from lifeofprompt.errors import ConfigError, OutOfMemoryError
+from lifeofprompt.lessons.memory_arithmetic import (
+    LLAMA_2_13B,
+    cpu_blocks,
+    kv_bytes_for_tokens,
+    max_concurrent_requests,
+    num_blocks_for_bytes,
+)
 from lifeofprompt.model.config import LLAMA_3_1_8B, SMOLLM2_135M, TINYLLAMA_1_1B
 from lifeofprompt.units import GiB, KiB, MiB
 
@@ -69,7 +72,7 @@ def test_tinyllama_on_a_16_gib_card():
     assert not plan.activations_measured
     assert plan.activations == estimate_activation_bytes(TINYLLAMA_1_1B, "bf16") == 146_014_208
     assert plan.num_gpu_blocks == 36_387
-    assert plan.num_cpu_blocks == 11_915  # 4 GiB // 360,448
+    assert cpu_blocks(plan) == 11_915  # 4 GiB // 360,448
     assert plan.max_concurrency(4096) == 142
     assert plan.weights + plan.activations + plan.kv_pool == plan.usable
 

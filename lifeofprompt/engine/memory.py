@@ -8,7 +8,8 @@ The engine hands the cache out in *blocks* of ``block_size`` tokens. Before it t
 it splits the device's memory like land among tenants (``plan_memory``): the fraction it may use
 (``gpu_memory_utilization``), minus the weights, minus the activation workspace of the largest
 forward, leaves the KV pool; the pool divided by the bytes of one block is the number of "GPU
-blocks" vLLM logs at start-up. A host swap pool (4 GiB by default) gives the "CPU blocks".
+blocks" vLLM logs at start-up. The chapter's other arithmetic (a 13B model's cache, the host
+swap pool vLLM also logs, the workspace measured on a GPU) is in ``lessons/memory_arithmetic.py``.
 """
 
 from __future__ import annotations
@@ -31,21 +32,6 @@ _DTYPE_NAMES = {
     "float": torch.float32,
     "fp8": torch.float8_e4m3fn,
 }
-
-
-# meta-llama/Llama-2-13b-hf: 40 layers and no grouped-query attention (40 KV heads of 128), the
-# kind of model whose cache is near a megabyte per token (chapter 05). Shapes from its config.json.
-LLAMA_2_13B = ModelConfig(
-    name="meta-llama/Llama-2-13b-hf",
-    vocab_size=32000,
-    hidden_size=5120,
-    intermediate_size=13824,
-    num_layers=40,
-    num_heads=40,
-    num_kv_heads=40,
-    head_dim=128,
-    max_position_embeddings=4096,
-)
 
 
 def dtype_bytes(dtype) -> int:
@@ -79,33 +65,9 @@ def kv_bytes_per_block(config: ModelConfig, dtype, block_size: int = EngineConfi
     return kv_bytes_per_token(config, dtype) * _check_block_size(block_size)
 
 
-def kv_bytes_for_tokens(config: ModelConfig, dtype, num_tokens: int) -> int:
-    """The cache of one conversation of ``num_tokens`` tokens (exact, not rounded up to blocks)."""
-    if num_tokens < 0:
-        raise ConfigError(f"num_tokens must be >= 0, got {num_tokens}")
-    return kv_bytes_per_token(config, dtype) * num_tokens
-
-
 def blocks_for_tokens(num_tokens: int, block_size: int = EngineConfig.block_size) -> int:
     """Blocks a sequence of ``num_tokens`` tokens holds: its last block may be partly empty."""
     return math.ceil(num_tokens / _check_block_size(block_size))
-
-
-def num_blocks_for_bytes(
-    kv_pool_bytes: int, config: ModelConfig, dtype, block_size: int = EngineConfig.block_size
-) -> int:
-    """Whole blocks that fit in ``kv_pool_bytes`` (the engine's pool size for a memory budget)."""
-    return max(0, int(kv_pool_bytes) // kv_bytes_per_block(config, dtype, block_size))
-
-
-def max_concurrent_requests(
-    kv_pool_bytes: int, config: ModelConfig, dtype, context_len: int, block_size: int = EngineConfig.block_size
-) -> int:
-    """Requests of ``context_len`` tokens whose caches fit the pool at once (each holds whole blocks)."""
-    if context_len <= 0:
-        raise ConfigError(f"context_len must be >= 1, got {context_len}")
-    blocks = num_blocks_for_bytes(kv_pool_bytes, config, dtype, block_size)
-    return blocks // blocks_for_tokens(context_len, block_size)
 
 
 # ----------------------------------------------------------------------------- the other tenants
@@ -131,30 +93,13 @@ def estimate_activation_bytes(
     softmax): on an H200, TinyLlama bf16 over 2,048 tokens measured 1.70 GB with our first torch
     path (written that way; it now calls torch's fused ``scaled_dot_product_attention``), against
     0.15 GB without and 1.76 GB with ``score_copies=3``. Measure on the real device when you can
-    (``measure_activation_bytes``); a CUDA context and CUDA graphs come on top.
+    (``lessons/memory_arithmetic.py: measure_activation_bytes``; the engine's runner measures its own
+    largest step); a CUDA context and CUDA graphs come on top.
     """
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     per_row = 3 * config.hidden_size + q_size + 2 * kv_size + q_size + 3 * config.intermediate_size
     scores = score_copies * config.num_heads * num_tokens * num_tokens * 4
     return num_tokens * per_row * dtype_bytes(dtype) + logits_rows * config.vocab_size * 4 + scores
-
-
-@torch.no_grad()
-def measure_activation_bytes(model, num_tokens: int = DEFAULT_STEP_TOKENS) -> int:
-    """Peak memory a forward over ``num_tokens`` rows allocates beyond what was there (CUDA only)."""
-    from ..model.attention import NoCacheMetadata
-
-    device = model.device
-    if device.type != "cuda":
-        raise ConfigError("measure_activation_bytes needs a CUDA device; on the CPU use estimate_activation_bytes")
-    ids = torch.randint(0, model.config.vocab_size, (num_tokens,), device=device)
-    meta = NoCacheMetadata.for_lengths([num_tokens], device=device, last_rows_only=True)
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    model(ids, torch.arange(num_tokens, device=device), meta)
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - before
 
 
 # ----------------------------------------------------------------------------- the land
@@ -172,7 +117,6 @@ class MemoryPlan:
     kv_pool: int  # usable − weights − activations
     bytes_per_block: int
     num_gpu_blocks: int  # whole blocks in the KV pool ("GPU blocks" in vLLM's log)
-    num_cpu_blocks: int  # whole blocks in the host swap pool ("CPU blocks")
     block_size: int = EngineConfig.block_size
     bytes_per_token: int = 0
 
@@ -205,7 +149,6 @@ def plan_memory(
     weights: int | None = None,
     activations: int | None = None,
     activations_measured: bool = False,
-    cpu_swap_bytes: int = 4 * GiB,
 ) -> MemoryPlan:
     """Share ``total_memory`` bytes out as vLLM does at start-up and count the KV blocks.
 
@@ -222,8 +165,6 @@ def plan_memory(
         )
     if total_memory <= 0:
         raise ConfigError(f"total_memory must be > 0 bytes, got {total_memory}")
-    if cpu_swap_bytes < 0:
-        raise ConfigError(f"cpu_swap_bytes must be >= 0, got {cpu_swap_bytes}")
     if activations is None and activations_measured:
         raise ConfigError("activations_measured=True needs the measured activations= value")
     weights = weight_bytes(config, dtype) if weights is None else int(weights)
@@ -252,7 +193,6 @@ def plan_memory(
         kv_pool=kv_pool,
         bytes_per_block=per_block,
         num_gpu_blocks=kv_pool // per_block,
-        num_cpu_blocks=int(cpu_swap_bytes) // per_block,
         block_size=block_size,
         bytes_per_token=kv_bytes_per_token(config, dtype),
     )

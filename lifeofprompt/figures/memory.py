@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ..engine.memory import MemoryPlan, plan_memory
 from ..errors import LifeOfPromptError
+from ..lessons.memory_arithmetic import cpu_blocks
 from ..model.config import KNOWN_CONFIGS
 from ..units import GiB, format_bytes
 
@@ -64,7 +65,7 @@ def land_report(plan: MemoryPlan, context_len: int) -> str:
             f"KV pool            {format_bytes(plan.kv_pool)}",
             f"bytes per block    {plan.bytes_per_block:,} ({plan.block_size} tokens × {plan.bytes_per_token:,} bytes)",
             f"GPU blocks         {plan.num_gpu_blocks:,}  ({plan.kv_tokens:,} tokens)",
-            f"CPU blocks         {plan.num_cpu_blocks:,}",
+            f"CPU blocks         {cpu_blocks(plan):,}",
             f"requests of {context_len:,} tokens that fit at once: {plan.max_concurrency(context_len):,}",
         ]
     )

@@ -125,7 +125,6 @@ def devices_needed(
                 gpu_memory_utilization,
                 block_size,
                 activations=estimate_activation_bytes(shard, dtype),
-                cpu_swap_bytes=0,
             )
         except OutOfMemoryError as exc:
             tried.append((size, str(exc).split(":")[0]))

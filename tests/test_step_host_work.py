@@ -88,6 +88,28 @@ def test_decode_steps_copy_no_sequence(tiny_model, prefix_caching):
     assert WatchedList.wide_reads == [], WatchedList.wide_reads[:5]
 
 
+def test_padded_decode_steps_copy_no_sequence_or_table(tiny_model):
+    """The CUDA graphs' decode path (run eagerly here, ``capture=False``) fills its fixed buffers from each
+    sequence's last token and the runner's kept table rows: neither the tokens nor a block table is copied."""
+    model, tokenizer = tiny_model
+    engine = LLMEngine(
+        model, tokenizer=tokenizer, num_kv_blocks=64, block_size=BLOCK_SIZE, log_stats=False, cpu_tuning="linear"
+    )
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(str(i), list(range(1 + i, 200 + i)), params)
+    engine.step()  # the prompts, eagerly
+    engine.runner.start_decode_graphs(capture=False)
+    for seq in engine.scheduler.running:
+        watch(seq)
+        seq.block_table = WatchedList(seq.block_table)  # 13 blocks: its row is written again once, narrowly
+    WatchedList.wide_reads.clear()
+    outputs = engine.run_until_done()
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [40, 40, 40]
+    assert {r.launch.mode for r in list(engine.step_records)[1:]} == {"padded eager decode"}
+    assert WatchedList.wide_reads == [], WatchedList.wide_reads[:5]
+
+
 def test_an_output_is_a_snapshot_that_copies_nothing(tiny_model):
     """A step's ``RequestOutput`` shows the tokens so far and keeps showing them after later steps."""
     model, tokenizer = tiny_model

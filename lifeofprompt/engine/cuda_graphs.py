@@ -58,33 +58,27 @@ class DecodeGraphs(GraphCapture):
     def fill(self, seqs: list[Sequence], size: int) -> None:
         """Copy a decode step of ``len(seqs)`` sequences into the static buffers, padding rows up to ``size``.
 
+        A row's inputs come from its last token and its block table, which the runner keeps between
+        steps (``block_tables.py``): the step copies tables as wide as its longest one, and never builds
+        a table from a list. Entries past a sequence's own blocks are never read (its length bounds
+        them); they hold block 0 rather than -1, so every entry a graph sees names a real block.
         Padding rows: token 0 at position 0, slot -1 (stored nowhere), length 1 over block 0.
         """
-        pad = size - len(seqs)
-        width = self.max_blocks_per_seq
-        last = [len(seq) - 1 for seq in seqs]
-        ids = torch.tensor([seq.last_token for seq in seqs] + [0] * pad, dtype=torch.long)
-        positions = torch.tensor(last + [0] * pad, dtype=torch.long)
-        slots = torch.tensor(
-            [
-                seq.block_table[p // self.block_size] * self.block_size + p % self.block_size
-                for seq, p in zip(seqs, last)
-            ]
-            + [-1] * pad,
-            dtype=torch.long,
-        )
-        seq_lens = torch.tensor([p + 1 for p in last] + [1] * pad, dtype=torch.int32)
-        tables = torch.tensor(
-            [(seq.block_table + [0] * width)[:width] for seq in seqs] + [[0] * width] * pad, dtype=torch.int32
-        )
-        for static, host in (
-            (self.static_input_ids, ids),
-            (self.static_positions, positions),
-            (self.static_slot_mapping, slots),
-            (self.static_seq_lens, seq_lens),
-            (self.static_block_tables, tables),
-        ):
-            static[:size].copy_(host, non_blocking=True)
+        n, block_size = len(seqs), self.block_size
+        positions = torch.tensor([len(seq) - 1 for seq in seqs], dtype=torch.long)
+        tables = self.runner.block_tables.for_step(seqs).clamp(min=0)
+        slots = tables[torch.arange(n), positions // block_size].long() * block_size + positions % block_size
+        self.static_input_ids[:n].copy_(torch.tensor([seq.last_token for seq in seqs]), non_blocking=True)
+        self.static_positions[:n].copy_(positions, non_blocking=True)
+        self.static_slot_mapping[:n].copy_(slots, non_blocking=True)
+        self.static_seq_lens[:n].copy_(positions + 1, non_blocking=True)
+        self.static_block_tables[:n, : tables.shape[1]].copy_(tables, non_blocking=True)
+        if size > n:
+            self.static_input_ids[n:size] = 0
+            self.static_positions[n:size] = 0
+            self.static_slot_mapping[n:size] = -1
+            self.static_seq_lens[n:size] = 1
+            self.static_block_tables[n:size, 0] = 0
 
     def run(self, size: int) -> torch.Tensor:
         """The filled step of ``size`` rows: its graph's replay, or the same computation eagerly."""

@@ -365,9 +365,9 @@ def decode_step_curve(runner, batch_sizes: list[int], context: int, steps: int =
 
     Each batch decodes from prompts of ``context`` random tokens (blocks handed out directly).
     """
-    from lifeofprompt.lessons.greedy_loop import step as run_step
     from lifeofprompt.engine.sampling_params import SamplingParams
     from lifeofprompt.engine.sequence import Sequence
+    from lifeofprompt.lessons.greedy_loop import step as run_step
 
     rows = []
     bs = runner.resolved.block_size
@@ -410,9 +410,9 @@ def step_beside_floor(runner, weight_bytes: int, context: int, pairs: int = 21) 
     in pairs, step and floor see the same moment; the median of the pair ratios is the figure.
     """
     from lifeofprompt.cpu.huge_pages import huge_page_buffer
-    from lifeofprompt.lessons.greedy_loop import step as run_step
     from lifeofprompt.engine.sampling_params import SamplingParams
     from lifeofprompt.engine.sequence import Sequence
+    from lifeofprompt.lessons.greedy_loop import step as run_step
 
     rng = random.Random(1)
     seq = Sequence("floor", [rng.randint(3, 9999) for _ in range(context)], SamplingParams(temperature=0))

@@ -278,10 +278,10 @@ def step_decode(args) -> dict:
     """Batch-1 decode step at context ≤ 512 against the floor, with a breakdown; then the batching curve."""
     from lifeofprompt.engine.cuda_graphs import DecodeGraphs
     from lifeofprompt.engine.model_runner import ModelRunner
-    from lifeofprompt.lessons.greedy_loop import step as run_step
     from lifeofprompt.engine.sampler import Sampler
     from lifeofprompt.engine.sampling_params import SamplingParams
     from lifeofprompt.engine.sequence import Sequence
+    from lifeofprompt.lessons.greedy_loop import step as run_step
     from lifeofprompt.lessons.roofline import decode_floor, decode_weight_bytes
     from lifeofprompt.model.layers import fused_kernels
 

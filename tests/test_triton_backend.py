@@ -18,6 +18,7 @@ import torch
 from lifeofprompt.engine.model_runner import ModelRunner
 from lifeofprompt.engine.sampling_params import SamplingParams
 from lifeofprompt.engine.sequence import Sequence
+from lifeofprompt.model import layers
 from lifeofprompt.model.layers import fused_kernels
 
 if importlib.util.find_spec("triton") is None:  # find it without importing it: lifeofprompt.kernels
@@ -49,7 +50,7 @@ def step_logits(runner, seqs, num_tokens, fused=False):
 
 
 @pytest.mark.slow
-def test_triton_backend_logits_match_torch(smollm2, story_ids):
+def test_triton_backend_logits_match_torch(smollm2, story_ids, monkeypatch):
     model, _ = smollm2
     assert [len(ids) for ids in story_ids] == [4, 6, 2]
     # The torch runner runs the torch forward whatever the product path (a pinned ``rowwise`` would
@@ -61,7 +62,14 @@ def test_triton_backend_logits_match_torch(smollm2, story_ids):
     runners["fused"] = ModelRunner.for_model(model, attention_backend="triton", cpu_tuning="off", **pool)
     seqs = {name: make_seqs(story_ids) for name in runners}
 
-    first = {name: step_logits(runners[name], seqs[name], [4, 3, 2], name == "fused") for name in runners}
+    fused_calls = []  # each op's answer to "run the fused kernel?": yes only in the fused runner's steps
+    ask = layers.use_fused
+    monkeypatch.setattr(layers, "use_fused", lambda x: fused_calls.append(ask(x)) or fused_calls[-1])
+    first = {}
+    for name in runners:
+        fused_calls.clear()
+        first[name] = step_logits(runners[name], seqs[name], [4, 3, 2], name == "fused")
+        assert fused_calls and all(fused_calls) == (name == "fused") == any(fused_calls), name
     assert first["triton"].shape == (9, model.config.vocab_size)
     torch.testing.assert_close(first["triton"], first["torch"], atol=1e-4, rtol=0)
     torch.testing.assert_close(first["fused"], first["torch"], atol=1e-4, rtol=0)

@@ -363,8 +363,13 @@ def test_concurrent_clients_cancelled_and_malformed(server, expected):
 
 
 def test_disconnect_frees_blocks_while_others_run(server, expected):
-    """A long stream dropped after one chunk gives its blocks back; a request beside it is unaffected."""
-    body = {"model": MODEL, "prompt": "tell me a long story", "max_tokens": 300, "temperature": 0, "stream": True}
+    """A long stream dropped after one chunk gives its blocks back; a request beside it is unaffected.
+    Its 1,000 tokens (no EOS) take seconds, so the first chunk is read while it still runs even when a
+    busy machine delays this thread (300 tokens once finished before the first read, blocks and all)."""
+    body = {
+        "model": MODEL, "prompt": "tell me a long story", "max_tokens": 1000, "ignore_eos": True,
+        "temperature": 0, "stream": True,
+    }  # fmt: skip
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
         first = next(line for line in response.iter_lines() if line.startswith("data: "))
         assert json.loads(first[6:])["choices"][0]["text"], first

@@ -234,6 +234,15 @@ def test_n_answers_share_the_prompt_blocks_and_sample_apart(smollm2, story_ids):
     (cut,) = engine.step()
     assert cut.finished and [c.finish_reason for c in cut.outputs] == ["abort", "abort"]
     assert engine.block_manager.num_used_blocks == 0
+    engine.add_request("early", prompt, SamplingParams(n=3, temperature=0, max_tokens=5))
+    request = engine.requests["early"]
+    siblings = [c.seq for c in request.completions]
+    assert len(request.pending) == 2  # they wait for the first answer's prompt blocks, in no line yet
+    engine.abort("early")  # before any step: all three end through the scheduler, the two never queued too
+    (early,) = engine.step()
+    assert [c.finish_reason for c in early.outputs] == ["abort"] * 3
+    assert all(seq.is_finished and seq.finish_reason == "abort" for seq in siblings)
+    assert not engine.scheduler.has_unfinished() and engine.block_manager.num_used_blocks == 0
 
 
 def test_pool_sized_from_kv_cache_memory(smollm2):

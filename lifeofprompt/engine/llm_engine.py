@@ -518,9 +518,7 @@ class LLMEngine:
         if error is not None and request.error is None:
             request.error = failed(request, error, where)
             logger.warning("request %s failed %s: %r", request.request_id, where, error)
-        for c in request.pending:  # never handed to the scheduler: holds no block
-            c.seq.status, c.seq.finish_reason = SequenceStatus.FINISHED, reason
-        request.pending.clear()
+        request.pending.clear()  # answers never handed to the scheduler end with the others, holding no block
         self.scheduler.finish_requests([c.seq for c in request.completions], reason)
         request.metrics.finished_time = self.clock()
         if report:

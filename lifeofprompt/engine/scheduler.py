@@ -138,7 +138,7 @@ class Scheduler:
         """Take a sequence out and give its blocks back."""
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status == SequenceStatus.WAITING:
+        elif seq.status == SequenceStatus.WAITING and seq in self.waiting:  # an n > 1 answer not yet queued: no line
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED

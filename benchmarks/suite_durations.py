@@ -48,11 +48,13 @@ def file_of(classname: str) -> str:
     return classname
 
 
-def marked_files_and_tests(mark: str) -> set[str]:
-    """Node ids (``file::name``, parameters kept) of the tests carrying ``mark``, collected without running."""
+def marked_tests(mark: str) -> set[tuple[str, str]]:
+    """``(file, test function)`` of every test carrying ``mark`` (parameters and classes dropped, as JUnit's
+    names have no class), collected without running."""
     command = [sys.executable, "-m", "pytest", "tests", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", mark]
     out = subprocess.run(command, cwd=REPO, capture_output=True, text=True).stdout
-    return {line.strip() for line in out.splitlines() if "::" in line}
+    nodes = [line.strip().split("::") for line in out.splitlines() if "::" in line]
+    return {(parts[0], parts[-1].split("[")[0]) for parts in nodes}
 
 
 def triton_files() -> set[str]:
@@ -61,19 +63,19 @@ def triton_files() -> set[str]:
     return {str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py") if pattern.search(p.read_text())}
 
 
-def kind_of(case: dict, marked: dict[str, set[str]], triton: set[str]) -> str:
-    node = f"{case['file']}::{case['name'].split('[')[0]}"
+def kind_of(case: dict, marked: dict[str, set[tuple[str, str]]], triton: set[str]) -> str:
+    test = (case["file"], case["name"].split("[")[0])
     if case["file"].endswith(".ipynb"):
         return "notebooks (nbval)"
     for mark in MARKS:
-        if any(n.startswith(node) for n in marked[mark]):
+        if test in marked[mark]:
             return {"browser": "browser", "ranks": "spawned ranks", "slow": "slow (other)"}[mark]
     if case["file"] in triton:
         return "Triton interpreter"
     return "unit"
 
 
-def table(cases: list[dict], marked: dict[str, set[str]], triton: set[str]) -> tuple[str, dict]:
+def table(cases: list[dict], marked: dict[str, set[tuple[str, str]]], triton: set[str]) -> tuple[str, dict]:
     total = sum(c["seconds"] for c in cases)
     by_kind, by_file = collections.Counter(), collections.Counter()
     count_kind = collections.Counter()
@@ -102,7 +104,7 @@ def main(argv=None) -> int:
     parser.add_argument("--title", default="", help="the run: machine, commit, wall time")
     args = parser.parse_args(argv)
     cases = read_junit(args.junit)
-    marked = {mark: marked_files_and_tests(mark) for mark in MARKS}
+    marked = {mark: marked_tests(mark) for mark in MARKS}
     text, data = table(cases, marked, triton_files())
     cpu = platform.processor() or platform.machine()
     text = f"# The test suite's time: {args.title or cpu}\n\n{text}\n"

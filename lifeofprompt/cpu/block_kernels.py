@@ -63,10 +63,10 @@ def blocks_linear(x: torch.Tensor, blocks: BlockWeight) -> torch.Tensor:
     if not x.is_floating_point() or x.dim() != 2 or x.shape[1] != blocks.in_features:
         raise ValueError(f"expected float x [M, {blocks.in_features}], got {x.dtype} {tuple(x.shape)}")
     x = x.to(torch.float32).contiguous()
-    planes = [t.contiguous() for t in blocks.tensors()]
-    quants, scales = planes[0], planes[1]
-    mins = planes[2] if blocks.mins is not None else None
-    out = torch.empty(x.shape[0], blocks.out_features, dtype=torch.float32)
+    quants, scales = blocks.quants.contiguous(), blocks.scales.contiguous()
+    mins = blocks.mins.contiguous() if blocks.mins is not None else None
+    out_features = quants.shape[0]  # a row of blocks per output
+    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
     failed = kernel(
         x.data_ptr(),
         x.shape[0],
@@ -75,7 +75,7 @@ def blocks_linear(x: torch.Tensor, blocks: BlockWeight) -> torch.Tensor:
         quants.data_ptr(),
         scales.data_ptr(),
         mins.data_ptr() if mins is not None else None,
-        blocks.out_features,
+        out_features,
         out.data_ptr(),
         torch.get_num_threads(),
     )

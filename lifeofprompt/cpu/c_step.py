@@ -607,6 +607,7 @@ def decode_hidden_states(
         model.norm.eps,
         meta.scale if meta.scale is not None else config.head_dim**-0.5,
     )
+    pointers = weight_pointers(model, packed)  # kept alive until the call returns
     hidden = model.embed_tokens(input_ids).contiguous()
     positions = positions.to(torch.int64).contiguous()
     slots = meta.slot_mapping.to(torch.int64).contiguous()
@@ -622,7 +623,7 @@ def decode_hidden_states(
     ]
     step_kernel()(
         ctypes.byref(dims),
-        ctypes.addressof(weight_pointers(model, packed)),
+        ctypes.addressof(pointers),
         model.norm.weight.data_ptr(),
         hidden.data_ptr(),
         m,

@@ -32,6 +32,7 @@ from ..model.attention import PagedKVCache, synthetic_step
 from ..model.attention_backends import attention_backend as backend_named
 from ..model.device import DeviceDefaults
 from ..model.linear import apply_plans, plannable
+from ..model.quantized_linear import cpu_kernel_rows
 from ..units import format_bytes
 from . import c_step
 from .allocator import keep_freed_memory
@@ -90,6 +91,8 @@ class CpuSpeedups(DeviceDefaults):
         if self.model.dtype == torch.float32:
             self.linear_choice = choose_cpu_linear(self.model, self.pinned or "auto", prepack=self.prepack)
         self.prepacked_bytes = apply_plans(self.model, self.linear_choice.plans if self.linear_choice else None)
+        if self.model.quantization is not None:  # block matrices: their kernel built or loaded and its row limit
+            cpu_kernel_rows()  # read now (timed once per machine), so that no request's first step pays for them
         notes = {}
         if not self.split and self.backend == "torch" and c_step.supports(self.model):
             self.decode_attention_in_c, notes["attention"] = self.choose_decode_attention()

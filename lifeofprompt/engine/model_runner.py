@@ -203,22 +203,24 @@ class ModelRunner:
 
     def launch(self, mode: str, rows: int, padded_to: int | None = None) -> Launch:
         """How a step of ``rows`` rows ran, for its trace."""
-        return Launch(mode, rows, padded_to, self.speedups.backend, self.forward_taken(padded_to or rows))
+        return Launch(mode, rows, padded_to, self.speedups.backend, self.forward_taken())
 
-    def forward_taken(self, rows: int) -> str:
-        """Which way the model's layers ran a step of ``rows``: its C step (and the layout), the layers'
-        fused kernels (a GPU: ``model/layers.py``) or the torch layers."""
-        c_step = getattr(self.model, "cpu_step", None)
-        if c_step is not None and c_step.takes(rows):
-            return f"c-step ({c_step.layout_for(rows)})"
+    def forward_taken(self) -> str:
+        """Which way the model's layers ran the step just run: its C step (and the layout, as the model
+        noted it: ``model/llama.py: c_step_layout``), the layers' fused kernels (a GPU:
+        ``model/layers.py``) or the torch layers."""
+        layout = getattr(self.model, "c_step_layout", None)
+        if layout is not None:
+            return f"c-step ({layout})"
         return "fused" if self.speedups.fused_kernels else "torch"
 
     @torch.no_grad()
     def execute(self, seqs: list[Sequence], num_scheduled_tokens: list[int]) -> StepOutput:
         """Run one step: its tokens, logprobs and failures, and how it ran (``step_output.py``)."""
-        prompt_rows = plan_prompt_rows(seqs, num_scheduled_tokens)  # None unless a prompt chunk asks
-        if prompt_rows is not None:
-            return self.scoring_step(seqs, num_scheduled_tokens, prompt_rows)
+        if any(seq.prompt_logprobs is not None for seq in seqs):  # a request that scores its prompt
+            prompt_rows = plan_prompt_rows(seqs, num_scheduled_tokens)  # None unless this step has its rows
+            if prompt_rows is not None:
+                return self.scoring_step(seqs, num_scheduled_tokens, prompt_rows)
         logits, launch = self.forward_step(seqs, num_scheduled_tokens)
         return self.sample_step(seqs, num_scheduled_tokens, logits, launch)
 

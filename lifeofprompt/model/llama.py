@@ -105,6 +105,7 @@ class LlamaForCausalLM(nn.Module):
         self.quantization: str | None = None  # "gguf", "q8_0" or "q4_1" once matrices are blocks (quantized_linear.py)
         self.quantization_reason = ""  # how load_model chose it (for the start-up log)
         self.cpu_step = None  # on a CPU, the layers in one C call for small steps (cpu/c_step.py: CStep)
+        self.c_step_layout = None  # the C step's weight layout if it ran the last whole step, else None
 
     @property
     def device(self) -> torch.device:
@@ -135,7 +136,9 @@ class LlamaForCausalLM(nn.Module):
         the next stage instead of normalising it."""
         whole_step = hidden is None and last and isinstance(meta, PagedCacheMetadata)  # the C step reads the pool
         if self.cpu_step is not None and whole_step and self.cpu_step.takes(input_ids.shape[0]):
+            self.c_step_layout = self.cpu_step.layout_for(input_ids.shape[0])  # the step's trace tells it
             return self.cpu_step.hidden_states(self, input_ids, positions, meta)
+        self.c_step_layout = None
         hidden = self.embed_tokens(input_ids) if hidden is None else hidden
         cos_sin = self.rotary.at(positions)
         residual = None

@@ -94,7 +94,7 @@ def run_engine(llm, prompts, out_lens, label="lifeofprompt", deadline_s: float |
     steps_before = engine.scheduler.num_steps
     sync(engine.model.device)
     start = time.perf_counter()
-    ids = llm._add(llm._requests(prompts, params))
+    ids = llm._submit(prompts, params)
     latest, timed_out = {}, False
     while len([o for o in latest.values() if o.finished]) < len(ids):
         for out in engine.step():

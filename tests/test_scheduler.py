@@ -15,7 +15,6 @@ from lifeofprompt.engine.config import SchedulerConfig
 from lifeofprompt.engine.sampling_params import SamplingParams
 from lifeofprompt.engine.scheduler import Scheduler
 from lifeofprompt.engine.sequence import Sequence, SequenceStatus
-from lifeofprompt.engine.step_trace import record_step
 from lifeofprompt.errors import RequestTooLargeError
 
 
@@ -35,7 +34,7 @@ def run_step(scheduler):
     """Schedule, 'run' (next token = last + 1 for sequences that reached their end), update, finish;
     returns the step's trace (``step_trace.StepRecord``)."""
     batch = scheduler.schedule()
-    record = record_step(batch, scheduler)
+    record = batch.trace
     sampled = [
         (s.token_ids[-1] + 1) % 100 if s.num_computed_tokens + n == len(s) else None
         for s, n in zip(batch.seqs, batch.num_scheduled_tokens)

@@ -134,7 +134,7 @@ class BlockManager:
         state = self._seqs[seq.seq_id] = _SeqState()
         if not self.enable_prefix_caching or not lookup:
             return 0
-        tokens = seq.token_ids
+        tokens = seq.prompt_token_ids if not seq.output_token_ids else seq.token_ids  # a fresh one: no copy
         eligible = (len(tokens) - 1) // self.block_size  # full blocks that still leave a token to compute
         parent = None
         for i in range(eligible):

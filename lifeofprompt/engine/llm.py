@@ -70,9 +70,9 @@ class LLM:
             )
         return list(prompts)
 
-    def _requests(self, prompts, sampling_params) -> list:
+    def _submit(self, prompts, sampling_params) -> list[str]:
         """Every prompt checked and made a request (``LLMEngine.make_request``) before any is queued, so a
-        bad one raises, naming its index, with nothing left behind."""
+        bad one raises, naming its index, with nothing left behind; then all are queued. Their ids, in order."""
         prompts = self._as_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -85,12 +85,10 @@ class LLM:
                     f"{len(params)} sampling_params for {len(prompts)} prompts: give one, or one per prompt",
                     param="sampling_params",
                 )
-        return [
+        requests = [
             self.engine.make_request(str(next(self._ids)), prompt, p, index=i)
             for i, (prompt, p) in enumerate(zip(prompts, params))
         ]
-
-    def _add(self, requests) -> list[str]:
         for request in requests:
             self.engine.add(request)
         return [request.request_id for request in requests]
@@ -100,8 +98,7 @@ class LLM:
         self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True
     ) -> list[RequestOutput]:
         """Complete every prompt; one ``RequestOutput`` per prompt, in order."""
-        requests = self._requests(prompts, sampling_params)
-        ids = self._add(requests)
+        ids = self._submit(prompts, sampling_params)
         position = {rid: i for i, rid in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
         bar = None
@@ -133,7 +130,7 @@ class LLM:
 
         Stopping the iteration early (``break``, ``close()``) aborts the requests still running.
         """
-        ids = self._add(self._requests(prompts, sampling_params))
+        ids = self._submit(prompts, sampling_params)
         pending = set(ids)
         try:
             while pending:

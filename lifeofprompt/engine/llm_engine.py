@@ -49,7 +49,6 @@ from ..errors import (
 from ..model.loader import DEFAULT_MODEL, load_model, prepare_for_device
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .detokenizer import IncrementalDetokenizer
 from .logs import log_to_stderr
 from .model_runner import ModelRunner, plan_kv_blocks
 from .output_processor import NewTokens, OutputProcessor, _Completion, _Request, failed
@@ -61,7 +60,7 @@ from .sequence import Sequence, SequenceStatus
 from .spec_decode import SpecDecoder
 from .startup_log import startup_lines
 from .step_output import StepOutput
-from .step_trace import StepRecord, record_step
+from .step_trace import StepRecord
 
 logger = logging.getLogger("lifeofprompt.engine")
 log_to_stderr(logger, "engine", defer_to_root=False)  # like vLLM: the start-up lines show without any set-up
@@ -159,7 +158,7 @@ class LLMEngine:
         self.runner.eos_token_ids = tuple(sorted(self.eos_token_ids))  # what min_tokens holds back
         self._grammar_backend = None
         self._tokenizer_lock = threading.Lock()  # HF fast tokenizers dislike concurrent use
-        self.outputs = OutputProcessor(self._tokenizer_lock, self.model.is_random)
+        self.outputs = OutputProcessor(self.tokenizer, self._tokenizer_lock, self.model.is_random)
         self.max_waiting = self.resolved.max_waiting  # the queue's bound (the server sets one where none was asked)
         self.requests: dict[str, _Request] = {}
         self._owner: dict[int, tuple[_Request, _Completion]] = {}  # seq_id -> its request and answer
@@ -214,17 +213,8 @@ class LLMEngine:
         return None, list(prompt)
 
     def _checked_prompt(self, prompt, params: SamplingParams, index: int | None) -> tuple[str | None, list[int]]:
-        """Tokenize and check one request's prompt and settings; raise a typed error naming ``index``."""
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(
-                f"sampling_params must be a SamplingParams, got {type(params).__name__}",
-                param="sampling_params",
-                index=index,
-            )
-        try:
-            params.validate()
-        except InvalidRequestError as exc:
-            raise InvalidRequestError(str(exc), param=exc.param, index=index) from None
+        """Tokenize and check one request's prompt, and the token ids its settings name; raise a typed error
+        naming ``index``."""
         if not isinstance(prompt, (str, list, tuple, dict)):
             raise InvalidRequestError(
                 f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}",
@@ -275,10 +265,11 @@ class LLMEngine:
         is queued: a typed error naming the problem (and ``index``, the prompt's place in a list); else the
         request, one ``Sequence`` per answer, ready for ``add``."""
         params = sampling_params if sampling_params is not None else SamplingParams()
+        answers = self._answer_params(params, index)
         text, ids = self._checked_prompt(prompt, params, index)
         arrival = self.clock() if arrival_time is None else arrival_time
         request_id = str(request_id)
-        completions = [self._answer(request_id, text, ids, params, i, arrival) for i in range(params.n)]
+        completions = [self._answer(request_id, text, ids, params, i, arrival, p) for i, p in enumerate(answers)]
         try:
             self.scheduler.check_fits(completions[0].seq)
         except InvalidRequestError as exc:
@@ -292,23 +283,42 @@ class LLMEngine:
             completion.seq.spec_stats = metrics.spec_decode
         return _Request(request_id, text, ids, params, metrics, completions, pending=completions[1:])
 
-    def _answer(self, request_id: str, text, ids: list[int], params: SamplingParams, i: int, arrival) -> _Completion:
-        """Answer ``i`` of ``n``: it samples on its own stream (seed, seed + 1, ...; None stays None); the
-        first scores the prompt (when asked), the others share its cached blocks."""
-        child = replace(
-            params,
-            n=1,
-            seed=None if params.seed is None else params.seed + i,
-            prompt_logprobs=params.prompt_logprobs if i == 0 else None,
-        )
+    @staticmethod
+    def _answer_params(params: SamplingParams, index: int | None) -> list[SamplingParams]:
+        """The settings checked (a typed error naming ``index``), then each answer's own copy, checked as it
+        is made: answer ``i`` of ``n`` samples on its own stream (seed, seed + 1, ...; None stays None), the
+        first alone scores the prompt (when asked; the others share its cached blocks)."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(
+                f"sampling_params must be a SamplingParams, got {type(params).__name__}",
+                param="sampling_params",
+                index=index,
+            )
+        try:
+            params.validate()
+            return [
+                replace(
+                    params,
+                    n=1,
+                    seed=None if params.seed is None else params.seed + i,
+                    prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+                )
+                for i in range(params.n)
+            ]
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(str(exc), param=exc.param, index=index) from None
+
+    def _answer(
+        self, request_id: str, text, ids: list[int], params: SamplingParams, i: int, arrival, child: SamplingParams
+    ) -> _Completion:
+        """Answer ``i`` of ``n``, with its own settings ``child`` (``_answer_params``)."""
         answer_id = request_id if params.n == 1 else f"{request_id}/{i}"
         seq = Sequence(answer_id, ids, child, prompt=text, arrival_time=arrival)
         if params.structured_outputs is not None:  # each answer walks the grammar on its own
             seq.grammar = self.grammar_backend().matcher(params.structured_outputs)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         if params.logprobs is None:
-            return _Completion(i, seq, detokenizer)
-        return _Completion(i, seq, detokenizer, logprobs=[], cumulative_logprob=0.0)
+            return _Completion(i, seq)
+        return _Completion(i, seq, logprobs=[], cumulative_logprob=0.0)
 
     def add_request(
         self, request_id: str, prompt, sampling_params: SamplingParams | None = None, arrival_time: float | None = None
@@ -403,7 +413,7 @@ class LLMEngine:
             done = self.pipeline.advance()
             return self._finish_step(*done) if done is not None else []
         batch = self.scheduler.schedule()
-        if batch.is_empty:
+        if not batch.seqs:  # nobody could run
             return []
         started = self._start_step(batch)
         return self._finish_step(started, self.runner.execute(batch.seqs, batch.num_scheduled_tokens))
@@ -444,7 +454,7 @@ class LLMEngine:
         """Before a step runs: a draft model drafts, its trace opens, first-scheduled metrics."""
         if self.spec is not None:
             self.spec.fill(batch.seqs, self.clock)  # a draft model drafts now, into the slots just given
-        record = record_step(batch, self.scheduler)
+        record = batch.trace  # the scheduler's account of the step; the engine adds its times and outcome
         record.start_time = start = self.clock()
         for seq in batch.seqs:
             request, _ = self._owner[seq.seq_id]
@@ -484,7 +494,8 @@ class LLMEngine:
             updates.append(NewTokens(request, completion, tokens or [], entry, ended, now))
             if ended is not None:
                 started.record.finished.append(seq.request_id)
-            self._release_siblings(request, completion)
+            if request.pending and completion.index == 0:
+                self._release_siblings(request)
         started.record.end_time, started.record.launch = now, out.launch
         self.step_records.append(started.record)
         if self.spec is not None:
@@ -502,13 +513,12 @@ class LLMEngine:
             if owner is not None and owner[1].seq.prompt_logprobs is not None:
                 owner[1].seq.prompt_logprobs.extend(entries)
 
-    def _release_siblings(self, request: _Request, completion: _Completion) -> None:
+    def _release_siblings(self, request: _Request) -> None:
         """n > 1: once the first answer has sampled, its prompt's full blocks are cached, so the other
         answers start now, at the front of the queue, and share them."""
-        if request.pending and completion.index == 0:
-            for sibling in reversed(request.pending):
-                self.scheduler.add(sibling.seq, front=True)
-            request.pending.clear()
+        for sibling in reversed(request.pending):
+            self.scheduler.add(sibling.seq, front=True)
+        request.pending.clear()
 
     def _end_request(
         self, request: _Request, reason: str, error: BaseException | None = None, where: str = "", report=True

@@ -2,7 +2,8 @@
 
 Each request's state lives here, as in vLLM's ``output_processor.py``: a ``_Request`` per request id
 (the engine keeps them), one ``_Completion`` per answer (``n`` of them) holding its ``Sequence`` (the
-scheduler's side) and what the caller sees of it: the text (``detokenizer.py``), the ids shown, the end.
+scheduler's side) and what the caller sees of it: the text (``IncrementalDetokenizer``, vLLM's ``detokenizer.py``),
+the ids shown, the end.
 
 The step (``llm_engine.py: LLMEngine.step``) leaves token ids: the scheduler appended them and ended
 the answers that stopped on a token (``Scheduler.update_from_output``). What is left is per request
@@ -26,12 +27,49 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 
 from ..errors import LifeOfPromptError, RequestFailedError
-from .detokenizer import IncrementalDetokenizer
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 from .sequence import Sequence
 
 logger = logging.getLogger("lifeofprompt.engine")
+
+
+# ----------------------------------------------------------------------------- one answer's text
+
+
+DETOKENIZE_CONTEXT = 5  # prompt tokens kept as context so the first output token decodes with its space
+
+
+class IncrementalDetokenizer:
+    """Turns one new token id at a time into the text it adds (vLLM's prefix/read offsets).
+
+    Decoding a growing list from scratch each step costs O(n²); decoding only the new token
+    breaks words that span tokens and multi-byte characters. So we decode a short window twice,
+    with and without the new tokens, and emit the difference — holding it back while it ends in
+    an incomplete UTF-8 character ("\\ufffd").
+    """
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids = list(prompt_token_ids[-DETOKENIZE_CONTEXT:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
+        return delta
 
 
 # ----------------------------------------------------------------------------- one request's state
@@ -43,7 +81,7 @@ class _Completion:
 
     index: int
     seq: Sequence
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None = None  # made with its first token (a prompt-only answer needs none)
     text: str = ""  # the output text (stop strings cut off)
     emitted_text_len: int = 0  # how much of ``text`` earlier outputs already carried
     logprobs: list | None = None
@@ -136,9 +174,9 @@ class NewTokens:
 class OutputProcessor:
     """Text, stop strings and outputs, from what the steps hand over (``process``)."""
 
-    def __init__(self, tokenizer_lock, random_weights: bool):
+    def __init__(self, tokenizer, tokenizer_lock, random_weights: bool):
         """``tokenizer_lock``: held while a token is decoded (HF fast tokenizers dislike concurrent use)."""
-        self.tokenizer_lock, self.random_weights = tokenizer_lock, random_weights
+        self.tokenizer, self.tokenizer_lock, self.random_weights = tokenizer, tokenizer_lock, random_weights
 
     def process(self, updates: list[NewTokens], ended: list[tuple[_Request, str]]):
         """The outputs of every request that changed (those ended outside the step first), and the ends
@@ -193,6 +231,9 @@ class OutputProcessor:
             completion.logprobs.append(dict(top or {}) | ({token: chosen} if chosen is not None else {}))
             if chosen is not None:
                 completion.cumulative_logprob += chosen
+        if completion.detokenizer is None:
+            skip = completion.seq.sampling_params.skip_special_tokens
+            completion.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, skip)
         with self.tokenizer_lock:
             completion.detokenizer.add(token)
 

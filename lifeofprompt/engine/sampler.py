@@ -99,7 +99,7 @@ class Sampler:
         history=None,
         grammar=None,
     ) -> SamplerOutput:
-        """``history``: ``(prompts, outputs, eos_token_ids)`` per row, for the requests with penalties,
+        """``history``: ``(prompts, outputs, eos_token_ids)`` per row, read only for the rows with penalties,
         min_tokens or logit_bias (``logits_processors.py``); None when no row needs it. ``grammar``:
         ``(apply, bitmask)``, the step's allowed-token bitmask and the function that applies it."""
         generators = generators or [None] * logits.shape[0]
@@ -173,7 +173,7 @@ class Sampler:
     ) -> SamplerOutput:
         """The batched computation (``num_logprobs``/``wants_logprobs``: the whole batch's, when sampling one row)."""
         raw = logits = logits.float()
-        if history is not None or any(p.needs_history for p in params):
+        if any(p.needs_history for p in params):
             prompts, outputs, eos = history if history is not None else (None, None, ())
             logits = process_logits(logits, params, prompts, outputs, eos)
         if grammar is not None:

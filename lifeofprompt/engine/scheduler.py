@@ -42,8 +42,9 @@ decides who finished on a token: ``max_tokens`` or the context, EOS (unless ``ig
 token id (all held back until ``min_tokens``), or a prompt-only request (``max_tokens=0``) whose prompt
 is computed. That is the one place a sequence finishes on its own tokens; an end decided elsewhere
 (an abort, a stop string found in the text after the step, a request's error) comes in through
-``finish_requests``. Either way its blocks go back at once. The engine keeps a trace of each step
-(``step_trace.py``).
+``finish_requests``. Either way its blocks go back at once. Each batch carries its step's trace
+(``ScheduledBatch.trace``, made here by ``record_step``; the classes are in ``step_trace.py``), which
+the engine completes once the step ran and keeps.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from ..errors import RequestTooLargeError
 from .block_manager import BlockManager
 from .config import SchedulerConfig
 from .sequence import Sequence, SequenceStatus
+from .step_trace import ScheduledRequest, StepRecord
 
 
 @dataclass
@@ -68,7 +70,7 @@ class SchedulerUpdate:
 @dataclass
 class ScheduledBatch:
     """One step as the scheduler decided it: what the model runner executes (``seqs``, each with its
-    ``num_scheduled_tokens``), and who was admitted or preempted (the trace, ``step_trace.py``)."""
+    ``num_scheduled_tokens``), who was admitted or preempted, and its trace (``step_trace.py``)."""
 
     step: int
     seqs: list[Sequence] = field(default_factory=list, repr=False)
@@ -77,6 +79,7 @@ class ScheduledBatch:
     admitted: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     group: int | None = None  # its micro-batch group (pipeline overlap), else None
+    trace: StepRecord | None = None  # the step for people (``step_trace.py``), made with the batch
 
     @property
     def num_batched_tokens(self) -> int:
@@ -178,14 +181,16 @@ class Scheduler:
         """One step: of every request, or (``group``) of one micro-batch group's requests only."""
         batch = ScheduledBatch(step=self.num_steps, group=group)
         self.num_steps += 1
-        budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
+        chunk = self.fair_chunk()
+        budget = self._schedule_running(batch, self.config.max_num_batched_tokens, chunk)
         if not batch.preempted and self.admission_open():  # a step that had to preempt admits nobody
-            self._admit_waiting(batch, budget)
+            self._admit_waiting(batch, budget, chunk)
+        batch.trace = record_step(batch, self)
         return batch
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
-        """1. Running requests, oldest admission first: decodes, verifies and unfinished prompt chunks,
-        preempting the newest when the pool is dry. Returns the budget left."""
+    def _schedule_running(self, batch: ScheduledBatch, budget: int, chunk: int) -> int:
+        """1. Running requests, oldest admission first: decodes, verifies and unfinished prompt chunks (at
+        most ``chunk`` tokens), preempting the newest when the pool is dry. Returns the budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -197,7 +202,7 @@ class Scheduler:
             n = (
                 1 + len(seq.spec_token_ids)
                 if seq.spec_token_ids
-                else self.fair_chunk(min(len(seq) - seq.num_computed_tokens, budget))
+                else min(len(seq) - seq.num_computed_tokens, budget, chunk)
             )
             n = self._make_room(batch, seq, n)
             if not n:
@@ -223,9 +228,9 @@ class Scheduler:
                 return 0
         return n
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, chunk: int) -> None:
         """2. Waiting requests, in order, while the budget, the seats and the pool last; each first claims
-        its longest cached prefix."""
+        its longest cached prefix, then gets its first chunk (at most ``chunk`` tokens)."""
         bm = self.block_manager
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = next((s for s in self.waiting if batch.group is None or s.group == batch.group), None)
@@ -233,7 +238,7 @@ class Scheduler:
                 return
             cached = bm.claim_cached_prefix(seq, lookup=seq.prompt_logprobs is None)  # as vLLM V1
             seq.num_computed_tokens = cached
-            n = self.fair_chunk(min(len(seq) - cached, budget))
+            n = min(seq.num_prompt_tokens + len(seq.output_token_ids) - cached, budget, chunk)
             if not bm.allocate_slots(seq, n):
                 bm.cancel_claim(seq)  # give the claimed prefix back; try again next step
                 seq.num_computed_tokens = 0
@@ -247,15 +252,17 @@ class Scheduler:
             self._add_to_step(batch, seq, n, cached=cached)
             budget -= n
 
-    def fair_chunk(self, n: int) -> int:
-        """Fair chunked prefill (vLLM's ``long_prefill_token_threshold``): while anyone else waits or
-        runs, one prompt's chunk takes at most the threshold, so a long prompt no longer holds every
-        later request's first token and every later decode behind its whole prefill; alone, it takes
-        the whole budget, as before (the step count of a lone prompt, and its throughput, unchanged)."""
+    def fair_chunk(self) -> int:
+        """The most tokens one prompt's chunk may take this step: fair chunked prefill (vLLM's
+        ``long_prefill_token_threshold``). While anyone else waits or runs, a chunk takes at most the
+        threshold, so a long prompt no longer holds every later request's first token and every later
+        decode behind its whole prefill; alone, it takes the whole budget, as before (the step count of a
+        lone prompt, and its throughput, unchanged). Asked once a step: admitting or preempting moves a
+        request from one line to the other, never changes how many there are."""
         limit = self.config.long_prefill_token_threshold
-        if limit and n > limit and len(self.running) + len(self.waiting) > 1:
+        if limit and len(self.running) + len(self.waiting) > 1:
             return limit
-        return n
+        return self.config.max_num_batched_tokens
 
     def admission_open(self) -> bool:
         """Whether this step may admit waiting requests (continuous batching: always)."""
@@ -298,13 +305,16 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:
                 continue  # ended while the step ran
             tokens = token if isinstance(token, list) else ([] if token is None else [token])
+            start = seq.num_computed_tokens
             self._advance(seq, n, len(tokens))
             kept, reason = self._first_stop(seq, tokens)
             seq.output_token_ids.extend(kept)
             if len(kept) < len(tokens):  # the rows after the stop hold tokens the output dropped
                 seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq) - 1)
             tokens = kept
-            self.block_manager.cache_full_blocks(seq)
+            block_size = self.block_manager.block_size
+            if seq.num_computed_tokens // block_size > start // block_size:  # this step filled a block
+                self.block_manager.cache_full_blocks(seq)
             if tokens:
                 update.new_tokens[seq.seq_id] = tokens
             if reason is None and self._prompt_only_done(seq):
@@ -344,3 +354,55 @@ class Scheduler:
                 seq.stop_reason = token
                 return tokens[: j + 1], "stop"
         return tokens, None
+
+
+# ----------------------------------------------------------------------------- the step's trace
+
+
+def kind_of(seq, num_tokens: int) -> str:
+    """What a scheduled share is, from the sequence as the step found it."""
+    start = seq.num_computed_tokens
+    if seq.spec_token_ids:
+        return "verify"
+    if start + num_tokens < seq.num_prompt_tokens + len(seq.output_token_ids):
+        return "prefill chunk"
+    if num_tokens == 1 and start >= seq.num_prompt_tokens:
+        return "decode"
+    return "recompute" if seq.output_token_ids else "prefill"
+
+
+def traced_table(seq) -> list[int]:
+    """The block table as the trace keeps it: a copy, shared by every step after it until the table
+    changes (a decode inside its last block changes nothing), so the trace does not copy a long
+    context's table every step."""
+    key = (seq.block_table_version, len(seq.block_table))
+    if seq.traced_block_table[0] != key:
+        seq.traced_block_table = (key, list(seq.block_table))
+    return seq.traced_block_table[1]
+
+
+def record_step(batch: ScheduledBatch, scheduler: Scheduler) -> StepRecord:
+    """The trace of a step just scheduled (before it runs: shares and block tables as the runner gets them)."""
+    shares = [
+        ScheduledRequest(
+            seq.request_id,
+            kind_of(seq, n),
+            seq.num_computed_tokens,
+            n,
+            cached,
+            traced_table(seq),
+            len(seq.spec_token_ids),
+        )
+        for seq, n, cached in zip(batch.seqs, batch.num_scheduled_tokens, batch.num_cached_tokens)
+    ]
+    return StepRecord(
+        batch.step,
+        list(batch.num_scheduled_tokens),
+        shares,
+        list(batch.admitted),
+        list(batch.preempted),
+        num_waiting=len(scheduler.waiting),
+        num_running=len(scheduler.running),
+        num_free_blocks=len(scheduler.block_manager.free_queue),  # BlockManager.num_free_blocks, read where it is kept
+        group=batch.group,
+    )

@@ -53,7 +53,7 @@ def sample_step(sampler: Sampler, seqs: list[Sequence], num_tokens: list[int], l
     """A step's tokens from its logits: plain rows through the sampler, each verify through the rejection rule."""
     plain, plain_rows, verifies, row = [], [], [], 0
     for seq, n in zip(seqs, num_tokens):
-        if seq.num_computed_tokens + n != len(seq) + len(seq.spec_token_ids):
+        if seq.num_computed_tokens + n != seq.num_prompt_tokens + len(seq.output_token_ids) + len(seq.spec_token_ids):
             continue  # a prompt chunk short of the prompt's end: no logits row
         if seq.sampling_params.max_tokens == 0:  # prompt only: its row is computed, nothing is sampled
             row += 1
@@ -80,6 +80,9 @@ def sample_plain(sampler: Sampler, logits, seqs: list[Sequence], eos_token_ids, 
     come back to the host once (a logprob's values with them) and walk each request's grammar."""
     generators = []
     for seq in seqs:
+        if seq.sampling_params.seed is None:  # the shared stream: nothing to make
+            generators.append(None)
+            continue
         try:
             generators.append(seq.random_stream(logits.device))
         except Exception as exc:  # this request's seed alone: the others still sample
@@ -87,15 +90,18 @@ def sample_plain(sampler: Sampler, logits, seqs: list[Sequence], eos_token_ids, 
             failures[seq.seq_id] = InvalidRequestError(
                 f"seed {seq.sampling_params.seed!r} cannot seed a generator: {exc}", param="seed"
             )
-    history = None
-    if any(s.sampling_params.needs_history for s in seqs):  # penalties, min_tokens, logit_bias
-        history = ([s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs], eos_token_ids)
+    # each row's tokens so far, by reference: the sampler reads them only for rows with penalties,
+    # min_tokens or logit_bias (it asks the settings which, once)
+    history = ([s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs], eos_token_ids)
     states = [s.grammar for s in seqs]
-    bitmask = grammar_bitmask(states)
-    grammar = None if bitmask is None else (next(g for g in states if g is not None).backend.apply, bitmask)
+    grammar = None
+    if any(state is not None for state in states):
+        bitmask = grammar_bitmask(states)
+        grammar = (next(g for g in states if g is not None).backend.apply, bitmask)
     out = sampler(logits, [s.sampling_params for s in seqs], generators, history, grammar)
     failures.update({seqs[row].seq_id: exc for row, exc in out.failed.items()})
-    for seq, token, entry in zip(seqs, out.token_ids.tolist(), read_logprobs(out, seqs)):
+    entries = read_logprobs(out, seqs) if out.logprobs is not None else [None] * len(seqs)
+    for seq, token, entry in zip(seqs, out.token_ids.tolist(), entries):
         if seq.seq_id in failures:
             continue
         if seq.grammar is not None and not seq.grammar.accept(token):

@@ -1,8 +1,9 @@
 """The step trace: what each step did, kept for people (the notebooks, the demo, the figures), not for the step.
 
-The scheduler hands the runner a ``ScheduledBatch`` (who runs, how many tokens); the engine then
-notes a ``StepRecord`` of it here: each request's share with its kind and block table, who was
-admitted and preempted, and, once the step ran, who finished, how long it took and how it ran.
+The scheduler hands the runner a ``ScheduledBatch`` (who runs, how many tokens) with its trace, a
+``StepRecord`` (``Scheduler.schedule`` fills it: each request's share with its kind and block table,
+who was admitted and preempted); the engine adds, once the step ran, who finished, how long it took
+and how it ran, and keeps it (``LLMEngine.step_records``).
 ``lifeofprompt.figures.schedule.format_steps`` prints them, one line per request, as the demo and
 chapter 08 show them.
 """
@@ -56,52 +57,3 @@ class StepRecord:
     @property
     def num_seqs(self) -> int:
         return len(self.scheduled)
-
-
-def kind_of(seq, num_tokens: int) -> str:
-    """What a scheduled share is, from the sequence as the step found it."""
-    start = seq.num_computed_tokens
-    if seq.spec_token_ids:
-        return "verify"
-    if start + num_tokens < len(seq):
-        return "prefill chunk"
-    if num_tokens == 1 and start >= seq.num_prompt_tokens:
-        return "decode"
-    return "recompute" if seq.output_token_ids else "prefill"
-
-
-def traced_table(seq) -> list[int]:
-    """The block table as the trace keeps it: a copy, shared by every step after it until the table
-    changes (a decode inside its last block changes nothing), so the trace does not copy a long
-    context's table every step."""
-    key = (seq.block_table_version, len(seq.block_table))
-    if seq.traced_block_table[0] != key:
-        seq.traced_block_table = (key, list(seq.block_table))
-    return seq.traced_block_table[1]
-
-
-def record_step(batch, scheduler) -> StepRecord:
-    """The trace of a step just scheduled (before it runs: shares and block tables as the runner gets them)."""
-    shares = [
-        ScheduledRequest(
-            seq.request_id,
-            kind_of(seq, n),
-            seq.num_computed_tokens,
-            n,
-            cached,
-            traced_table(seq),
-            len(seq.spec_token_ids),
-        )
-        for seq, n, cached in zip(batch.seqs, batch.num_scheduled_tokens, batch.num_cached_tokens)
-    ]
-    return StepRecord(
-        batch.step,
-        list(batch.num_scheduled_tokens),
-        shares,
-        list(batch.admitted),
-        list(batch.preempted),
-        num_waiting=len(scheduler.waiting),
-        num_running=len(scheduler.running),
-        num_free_blocks=scheduler.block_manager.num_free_blocks,
-        group=batch.group,
-    )

@@ -58,7 +58,7 @@ def live_trace(llm, prompts, params, out=print) -> list:
     Returns the finished ``RequestOutput``s in prompt order.
     """
     engine = llm.engine
-    ids = llm._add(llm._requests(prompts, params))
+    ids = llm._submit(prompts, params)
     done = {}
     while len(done) < len(ids):
         for o in engine.step():

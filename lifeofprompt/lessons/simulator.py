@@ -29,7 +29,7 @@ from ..engine.config import SchedulerConfig, fair_prefill_threshold
 from ..engine.sampling_params import SamplingParams
 from ..engine.scheduler import Scheduler
 from ..engine.sequence import Sequence
-from ..engine.step_trace import StepRecord, record_step
+from ..engine.step_trace import StepRecord
 from ..errors import RequestTooLargeError
 from ..latency import RequestTiming, summarize
 from ..loadtest.arrivals import ArrivalPattern, Dispatcher, all_at_once, sample_lengths
@@ -159,7 +159,7 @@ class Simulator:
                     break  # nothing can ever run again
                 t = max(t, next_time)
                 continue
-            record = record_step(batch, sched)
+            record = batch.trace
             record.start_time = t
             for seq in batch.seqs:
                 timing = timings[index_of[seq.request_id]]

@@ -9,6 +9,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 from lifeofprompt.engine.config import EngineConfig
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "trace_calls.py"
@@ -154,3 +156,15 @@ def test_settings_in_reach_looks_one_level_into_every_argument_and_its_slots():
     assert trace_calls.settings_in_reach(_keyword("m", config=config), carriers)  # the old rule still holds
     assert not trace_calls.settings_in_reach(_frame(_Holder(_Holder(config))), carriers)  # two levels down
     assert not trace_calls.settings_in_reach(_Slotted(None).read(), carriers)
+
+
+@pytest.mark.slow
+def test_a_request_reaches_its_first_token_in_at_most_30_hops(monkeypatch):
+    """The step's shape, measured as the engine README reports it: ``LLM.generate`` of one prompt to its first
+    token, with the CPU tuning pinned so that no timing changes the path (the C step decodes). Each hop is a
+    reader opening another file; 30 is what the step's issue allows (nano-vllm's walk is about 25)."""
+    monkeypatch.setenv("LIFEOFPROMPT_CPU_TUNING", "rowwise")
+    walk = trace_calls.first_token_walk()
+    counts = trace_calls.count_walk(walk)
+    assert ("engine/scheduler.py", "Scheduler.update_from_output") in walk  # the walk is the step's, not a stub's
+    assert counts["hops"] <= 30, trace_calls.report("first-token", walk)

@@ -14,7 +14,7 @@ the keys in *KV tiles*:
   between several programs, whose partial softmax states are merged by a reduce kernel.
 
 This module holds that arithmetic (no Triton needed, so the wrapper, the tests and chapter 11's
-figure, ``lifeofprompt/figures/tiles.py``, all use the same numbers).
+tile plan, ``lifeofprompt/lessons/kernel_tiles.py``, all use the same numbers).
 """
 
 from __future__ import annotations
@@ -98,34 +98,3 @@ def choose_num_kv_splits(
         return 1
     splits = min(cdiv(4 * num_sms, max(1, num_programs)), max_seq_len // min_keys_per_split, max_splits)
     return max(1, splits)
-
-
-@dataclass(frozen=True)
-class Tile:
-    """One (query tile, KV tile) step of one program, in the sequence's own positions."""
-
-    program: int  # query-tile index within the sequence
-    split: int
-    query_rows: range  # indices into the sequence's query tokens
-    keys: range  # key positions
-    blocks: tuple  # physical block ids that the keys live in
-
-
-def kernel_tiles(
-    block_table: list[int], block_size: int, seq_len: int, query_len: int, config: TileConfig, num_kv_splits: int = 1
-) -> list[Tile]:
-    """Every step the kernel takes for one sequence, with the same bounds as the kernel."""
-    context_len = seq_len - query_len
-    tiles = []
-    for program in range(cdiv(query_len, config.block_q)):
-        first = program * config.block_q
-        last = min(query_len, first + config.block_q) - 1
-        kv_end = max(0, min(seq_len, context_len + last + 1))
-        num_tiles = cdiv(kv_end, config.tile_n)
-        per_split = cdiv(num_tiles, num_kv_splits)
-        for split in range(num_kv_splits):
-            for t in range(split * per_split, min((split + 1) * per_split, num_tiles)):
-                keys = range(t * config.tile_n, min(kv_end, (t + 1) * config.tile_n))
-                blocks = tuple(dict.fromkeys(block_table[k // block_size] for k in keys))
-                tiles.append(Tile(program, split, range(first, last + 1), keys, blocks))
-    return tiles

@@ -26,10 +26,10 @@ from lifeofprompt.kernels.tiles import (
     TileConfig,
     choose_num_kv_splits,  # noqa: E402
     choose_tiles,
-    kernel_tiles,
 )
 
 from lifeofprompt import kernels  # noqa: E402
+from lifeofprompt.lessons.kernel_tiles import kernel_tiles  # noqa: E402
 from lifeofprompt.lessons.paged_cases import (
     compare_with_reference,
     covering_cases,

@@ -3,17 +3,22 @@
 A picture of "how the kernel tiles this batch" is only true if it is drawn from the batch the
 kernel ran and with the tile sizes it chose. ``launch_tiles`` takes exactly the arguments of
 ``lifeofprompt.kernels.paged_attention`` (the same ``tile_n``/``block_m``/``num_kv_splits``
-overrides included) and asks the kernel's own ``launch_plan`` and ``kernel_tiles``, so a
-notebook can run the kernel and draw it from one set of arguments; the figure
-(``lifeofprompt.figures.tiles``) reads the plan. Importing the kernels imports Triton, so the
-import waits until a plan is asked for.
+overrides included) and asks the kernel's own ``launch_plan``, so a notebook can run the kernel
+and draw it from one set of arguments; ``kernel_tiles`` then walks each sequence with the kernel's
+own bounds, and the figure (``lifeofprompt.figures.tiles``) reads the plan. The engine never asks
+for a tile plan: the kernel computes its bounds itself. Importing the kernels imports Triton, so
+the import waits until a plan is asked for.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from ..kernels.tiles import TileConfig
 
 
 @dataclass(frozen=True)
@@ -40,8 +45,6 @@ class LaunchTiles:
 
     def tiles(self, index: int) -> list:
         """Every (query tile, KV tile) step of sequence ``index``, with the kernel's bounds."""
-        from ..kernels.tiles import kernel_tiles
-
         seq = self.sequences[index]
         return kernel_tiles(
             seq.block_table, self.block_size, seq.seq_len, seq.query_len, self.config, self.num_kv_splits
@@ -74,3 +77,36 @@ def launch_tiles(
     for b, (table, seq_len) in enumerate(zip(block_tables.tolist(), seq_lens.tolist())):
         sequences.append(SequenceTiles([t for t in table if t >= 0], seq_len, starts[b + 1] - starts[b]))
     return LaunchTiles(config, splits, k_pool.shape[1], sequences)
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One (query tile, KV tile) step of one program, in the sequence's own positions."""
+
+    program: int  # query-tile index within the sequence
+    split: int
+    query_rows: range  # indices into the sequence's query tokens
+    keys: range  # key positions
+    blocks: tuple  # physical block ids that the keys live in
+
+
+def kernel_tiles(
+    block_table: list[int], block_size: int, seq_len: int, query_len: int, config: TileConfig, num_kv_splits: int = 1
+) -> list[Tile]:
+    """Every step the kernel takes for one sequence, with the same bounds as the kernel."""
+    from ..kernels.tiles import cdiv
+
+    context_len = seq_len - query_len
+    tiles = []
+    for program in range(cdiv(query_len, config.block_q)):
+        first = program * config.block_q
+        last = min(query_len, first + config.block_q) - 1
+        kv_end = max(0, min(seq_len, context_len + last + 1))
+        num_tiles = cdiv(kv_end, config.tile_n)
+        per_split = cdiv(num_tiles, num_kv_splits)
+        for split in range(num_kv_splits):
+            for t in range(split * per_split, min((split + 1) * per_split, num_tiles)):
+                keys = range(t * config.tile_n, min(kv_end, (t + 1) * config.tile_n))
+                blocks = tuple(dict.fromkeys(block_table[k // block_size] for k in keys))
+                tiles.append(Tile(program, split, range(first, last + 1), keys, blocks))
+    return tiles

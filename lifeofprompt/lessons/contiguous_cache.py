@@ -14,7 +14,14 @@ from functools import cached_property
 import torch
 
 from ..model.attention import AttentionMetadata
-from ..model.paged_attention import attend_groups, row_coordinates
+from ..model.paged_attention import attend_groups
+
+
+def row_coordinates(query_start_loc: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each flat query row: which sequence it belongs to and its index inside that sequence's rows."""
+    rows = torch.arange(num_rows, device=query_start_loc.device)
+    seq_index = torch.searchsorted(query_start_loc[1:].long(), rows, right=True)
+    return seq_index, rows - query_start_loc.long()[seq_index]
 
 
 class ContiguousKVCache:

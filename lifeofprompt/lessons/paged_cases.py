@@ -106,10 +106,19 @@ def make_case(
     )
 
 
+def gather_slots(block_tables: torch.Tensor, max_seq_len: int, block_size: int) -> torch.Tensor:
+    """Slot of every (sequence, position < max_seq_len) pair through the block tables: ``[B, max_seq_len]``.
+
+    Positions past a table's end read block 0; the caller masks them out by sequence length.
+    """
+    positions = torch.arange(max_seq_len, device=block_tables.device)
+    block_index = (positions // block_size).clamp(max=block_tables.shape[1] - 1)
+    blocks = block_tables[:, block_index].long().clamp(min=0)
+    return blocks * block_size + (positions % block_size)
+
+
 def used_slots(case: PagedCase) -> torch.Tensor:
     """Flat slots that hold a token of some sequence (its prefix or this step's rows)."""
-    from ..model.paged_attention import gather_slots
-
     slots = gather_slots(case.block_tables, max(1, case.max_seq_len), case.k_pool.shape[1])
     positions = torch.arange(slots.shape[1], device=slots.device)
     return slots[positions[None, :] < case.seq_lens.long()[:, None]]

@@ -46,17 +46,6 @@ def write_rows(key, value, k_pool, v_pool, rows: torch.Tensor | None, slots: tor
     v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, slots, value.to(v_pool.dtype))
 
 
-def gather_slots(block_tables: torch.Tensor, max_seq_len: int, block_size: int) -> torch.Tensor:
-    """Slot of every (sequence, position < max_seq_len) pair through the block tables: ``[B, max_seq_len]``.
-
-    Positions past a table's end read block 0; the caller masks them out by sequence length.
-    """
-    positions = torch.arange(max_seq_len, device=block_tables.device)
-    block_index = (positions // block_size).clamp(max=block_tables.shape[1] - 1)
-    blocks = block_tables[:, block_index].long().clamp(min=0)
-    return blocks * block_size + (positions % block_size)
-
-
 def paged_attention(
     query: torch.Tensor,
     k_pool: torch.Tensor,
@@ -89,13 +78,6 @@ def paged_attention(
             return decode_kernel(q, k_pool, v_pool, block_tables[g.seq_index], seq_lens[g.seq_index], scale)
 
     return attend_groups(query, plan, lambda g: (g.gather(k_pool), g.gather(v_pool)), scale, decode)
-
-
-def row_coordinates(query_start_loc: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each flat query row: which sequence it belongs to and its index inside that sequence's rows."""
-    rows = torch.arange(num_rows, device=query_start_loc.device)
-    seq_index = torch.searchsorted(query_start_loc[1:].long(), rows, right=True)
-    return seq_index, rows - query_start_loc.long()[seq_index]
 
 
 class AttentionGroup:

@@ -95,25 +95,3 @@ def _inside(tensor: torch.Tensor, buffer: torch.Tensor | None) -> bool:
         return False
     start = buffer.data_ptr()
     return start <= tensor.data_ptr() < start + buffer.numel()
-
-
-def huge_page_bytes(tensor: torch.Tensor) -> int:
-    """Bytes of 2 MiB pages the kernel really gave the mapping holding ``tensor`` (``/proc/self/smaps``; 0 elsewhere).
-
-    ``madvise`` is a request, not a promise: this is how the start-up log and the tests know
-    what was granted.
-    """
-    address = tensor.data_ptr()
-    try:
-        lines = Path("/proc/self/smaps").read_text().splitlines()
-    except OSError:
-        return 0
-    inside = False
-    for line in lines:
-        head = line.split()[0] if line else ""
-        if "-" in head and not head.endswith(":"):
-            start, end = (int(part, 16) for part in head.split("-"))
-            inside = start <= address < end
-        elif inside and head == "AnonHugePages:":
-            return int(line.split()[1]) * 1024
-    return 0

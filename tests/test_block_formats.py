@@ -11,6 +11,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
+from lifeofprompt.lessons.quantization import to_gguf_bytes
 from lifeofprompt.model.block_formats import (
     BLOCK,
     BlockWeight,
@@ -18,7 +19,6 @@ from lifeofprompt.model.block_formats import (
     dequantize,
     from_gguf_bytes,
     quantize,
-    to_gguf_bytes,
 )
 from lifeofprompt.model.gguf_weights import unpermute_order
 

@@ -4,7 +4,8 @@ A batch-1 decode step reads every weight once, so its floor is weight bytes over
 The embedded SmolLM2 ships as a Q4_1 GGUF: its projection and MLP matrices hold 4-bit numbers
 with a scale and a minimum per block of 32 (5 bits a weight), its embedding table (also the LM
 head, tied) Q8_0, its norms fp32. ``gguf_bytes`` reads what each tensor occupies from the file
-itself; ``decode_floors`` turns each storage format's bytes into the floor on a machine. The
+itself (``to_gguf_bytes`` writes our blocks back as the file's records, to check them byte by
+byte); ``decode_floors`` turns each storage format's bytes into the floor on a machine. The
 engine dequantizes the file and runs fp32 (or bf16): it reads the dequantized bytes, so the
 Q4_1 floor is what a kernel that reads the packed weights could reach, not what ours does.
 """
@@ -14,6 +15,10 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
+
+from ..model.block_formats import BlockWeight
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,16 @@ def gguf_bytes(path: Path | str | None = None) -> StoredWeights:
         nbytes[tensor.tensor_type.name] += int(tensor.n_bytes)
         elements[tensor.tensor_type.name] += int(tensor.n_elements)
     return StoredWeights(dict(nbytes), dict(elements))
+
+
+def to_gguf_bytes(blocks: BlockWeight) -> torch.Tensor:
+    """The inverse of ``model/block_formats.py: from_gguf_bytes``: interleaved records, as a GGUF file stores them."""
+    rows, n = blocks.out_features, blocks.blocks_per_row
+    parts = [blocks.scales.reshape(rows, n, 1).view(torch.uint8)]
+    if blocks.mins is not None:
+        parts.append(blocks.mins.reshape(rows, n, 1).view(torch.uint8))
+    parts.append(blocks.quants.reshape(rows, n, -1).view(torch.uint8))
+    return torch.cat(parts, dim=-1).reshape(rows, -1)
 
 
 @dataclass(frozen=True)

@@ -168,13 +168,3 @@ def from_gguf_bytes(raw: torch.Tensor, fmt: str, in_features: int) -> BlockWeigh
         return BlockWeight(fmt, quants, scales, None, in_features)
     mins = records[..., 2:4].contiguous().view(torch.float16).reshape(rows, -1)
     return BlockWeight(fmt, records[..., 4:].contiguous().reshape(rows, -1), scales, mins, in_features)
-
-
-def to_gguf_bytes(blocks: BlockWeight) -> torch.Tensor:
-    """The inverse of ``from_gguf_bytes``: interleaved records, as a GGUF file stores them."""
-    rows, n = blocks.out_features, blocks.blocks_per_row
-    parts = [blocks.scales.reshape(rows, n, 1).view(torch.uint8)]
-    if blocks.mins is not None:
-        parts.append(blocks.mins.reshape(rows, n, 1).view(torch.uint8))
-    parts.append(blocks.quants.reshape(rows, n, -1).view(torch.uint8))
-    return torch.cat(parts, dim=-1).reshape(rows, -1)

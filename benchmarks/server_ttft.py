@@ -26,7 +26,8 @@ import torch
 from lifeofprompt import LLMEngine, env_info, load_model
 from lifeofprompt.env import cpu_label
 from lifeofprompt.lessons.fair_prefill import synthetic_ids
-from lifeofprompt.serving.server import ServerConfig, ServerThread
+from lifeofprompt.lessons.server_thread import ServerThread
+from lifeofprompt.serving.server import ServerConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

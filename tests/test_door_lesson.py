@@ -11,8 +11,9 @@ pytest.importorskip("fastapi")
 
 from lifeofprompt.engine.llm_engine import LLMEngine  # noqa: E402
 from lifeofprompt.lessons import door  # noqa: E402
+from lifeofprompt.lessons.server_thread import ServerThread  # noqa: E402
 from lifeofprompt.serving.limits import ServerLimits  # noqa: E402
-from lifeofprompt.serving.server import ServerConfig, ServerThread  # noqa: E402
+from lifeofprompt.serving.server import ServerConfig  # noqa: E402
 
 KEY = "sk-test"
 

@@ -15,9 +15,9 @@ from lifeofprompt import latency as metrics  # noqa: E402
 from lifeofprompt.cli import main  # noqa: E402
 from lifeofprompt.engine.llm_engine import LLMEngine  # noqa: E402
 from lifeofprompt.errors import InvalidRequestError  # noqa: E402
+from lifeofprompt.lessons.server_thread import ServerThread  # noqa: E402
 from lifeofprompt.loadtest import arrivals  # noqa: E402
 from lifeofprompt.loadtest.client import LoadTestConfig, make_prompts, parse_length, run_loadtest, waiting_over_time  # noqa: E402
-from lifeofprompt.serving.server import ServerThread  # noqa: E402
 
 
 @pytest.fixture(scope="module")

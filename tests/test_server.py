@@ -24,7 +24,7 @@ pytest.importorskip("fastapi")
 from lifeofprompt.engine.llm import LLM  # noqa: E402
 from lifeofprompt.engine.llm_engine import LLMEngine  # noqa: E402
 from lifeofprompt.engine.sampling_params import SamplingParams  # noqa: E402
-from lifeofprompt.serving.server import ServerThread  # noqa: E402
+from lifeofprompt.lessons.server_thread import ServerThread  # noqa: E402
 
 MODEL = "smollm2-135m"
 NUM_BLOCKS = 64  # 64 × 16 = 1,024 tokens: the engine's limit per request

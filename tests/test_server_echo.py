@@ -12,7 +12,7 @@ pytest.importorskip("fastapi")
 
 from lifeofprompt.engine.llm_engine import LLMEngine  # noqa: E402
 from lifeofprompt.engine.sampling_params import SamplingParams  # noqa: E402
-from lifeofprompt.serving.server import ServerThread  # noqa: E402
+from lifeofprompt.lessons.server_thread import ServerThread  # noqa: E402
 
 MODEL = "smollm2-135m"
 PROMPT = "The capital of France is Paris, and the capital of Italy is"

@@ -19,8 +19,9 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 from lifeofprompt.engine.llm_engine import LLMEngine  # noqa: E402
+from lifeofprompt.lessons.server_thread import ServerThread  # noqa: E402
 from lifeofprompt.serving.openai_protocol import ChatCompletionRequest, CompletionRequest  # noqa: E402
-from lifeofprompt.serving.server import ServerConfig, ServerThread  # noqa: E402
+from lifeofprompt.serving.server import ServerConfig  # noqa: E402
 from lifeofprompt.serving.tokenizer_routes import tokenizer_info  # noqa: E402
 
 KEY = "sesame"

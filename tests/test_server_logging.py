@@ -81,7 +81,7 @@ def test_serve_logs_the_exposure_the_door_and_the_shutdown(tiny_model, monkeypat
         def run(self):
             self.app.state.engine_loop.begin_shutdown(7.0)
 
-    monkeypatch.setattr(server, "_uvicorn_server", lambda app, *args: Uvicorn(app))
+    monkeypatch.setattr(server, "uvicorn_server", lambda app, *args: Uvicorn(app))
     model, tokenizer = tiny_model
     engine = LLMEngine(
         model, tokenizer=tokenizer, num_kv_blocks=16, max_num_seqs=2, max_num_batched_tokens=256, log_stats=False

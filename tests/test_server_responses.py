@@ -18,7 +18,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("xgrammar")
 
 from lifeofprompt.engine.llm_engine import LLMEngine  # noqa: E402
-from lifeofprompt.serving.server import ServerThread  # noqa: E402
+from lifeofprompt.lessons.server_thread import ServerThread  # noqa: E402
 
 MODEL = "smollm2-135m"
 CITY = {

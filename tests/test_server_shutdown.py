@@ -26,7 +26,8 @@ pytest.importorskip("uvicorn")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from lifeofprompt.serving.server import build_app, free_port  # noqa: E402
+from lifeofprompt.lessons.server_thread import free_port  # noqa: E402
+from lifeofprompt.serving.server import build_app  # noqa: E402
 
 SERVER = """
 import sys, time

@@ -178,7 +178,7 @@ def test_the_server_answers_503_in_openais_shape_when_a_worker_dies():
     pytest.importorskip("fastapi")
     import httpx
 
-    from lifeofprompt.serving.server import ServerThread
+    from lifeofprompt.lessons.server_thread import ServerThread
 
     llm = tiny_llm()
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}

@@ -24,7 +24,7 @@ pytest.importorskip("xgrammar")
 
 from lifeofprompt.engine.llm import render_chat  # noqa: E402
 from lifeofprompt.engine.llm_engine import LLMEngine  # noqa: E402
-from lifeofprompt.serving.server import ServerThread  # noqa: E402
+from lifeofprompt.lessons.server_thread import ServerThread  # noqa: E402
 from lifeofprompt.serving.tool_calls import ToolCallParser, deltas_from, message_from  # noqa: E402
 from lifeofprompt.serving.tools import tool_conversation  # noqa: E402
 

@@ -21,7 +21,7 @@ pytest.importorskip("fastapi")
 
 NOTEBOOK = "12_server.ipynb"
 TOY, CHECK = "# toy: server loop", "# check: server loop"
-SERVED = "from lifeofprompt.serving.server import ServerThread"
+SERVED = "from lifeofprompt.lessons.server_thread import ServerThread"
 
 
 def run_with_await(sources: list[str], namespace: dict) -> dict:

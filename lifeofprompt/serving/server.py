@@ -22,17 +22,12 @@ route (``responses_api.py``).
 
     python -m lifeofprompt serve --model smollm2-135m --port 8000
 
-    from lifeofprompt.serving.server import ServerThread
-    with ServerThread(engine) as server:          # 127.0.0.1, a free port
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+The chapters and tests run the same app in a background thread: ``lessons/server_thread.py``.
 """
 
 from __future__ import annotations
 
 import logging
-import socket
-import threading
-import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -49,7 +44,7 @@ from .request_id import RequestIdMiddleware
 from .responses_api import add_responses_route
 from .tokenizer_routes import add_tokenizer_routes
 
-__all__ = ["EngineLoop", "ServerConfig", "ServerThread", "build_app", "door_settings", "serve"]
+__all__ = ["EngineLoop", "ServerConfig", "build_app", "door_settings", "serve", "uvicorn_server"]
 
 logger = logging.getLogger("lifeofprompt.server")
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
@@ -119,13 +114,7 @@ def build_app(
 # ----------------------------------------------------------------------------- running it
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def _uvicorn_server(app, host: str, port: int, log_level: str, shutdown_timeout: float):
+def uvicorn_server(app, host: str, port: int, log_level: str, shutdown_timeout: float):
     """uvicorn, told of SIGTERM before it starts closing connections: the engine loop drains."""
     import uvicorn
 
@@ -139,57 +128,6 @@ def _uvicorn_server(app, host: str, port: int, log_level: str, shutdown_timeout:
         app, host=host, port=port, log_level=log_level, lifespan="on", timeout_graceful_shutdown=shutdown_timeout + 5
     )
     return Server(config)
-
-
-class ServerThread:
-    """uvicorn in a background thread, for tests and notebooks: ``with ServerThread(engine) as s: s.url``.
-
-    Binds 127.0.0.1 on a free port by default; leaving the block stops uvicorn and the engine thread.
-    """
-
-    def __init__(
-        self,
-        engine,
-        host: str = "127.0.0.1",
-        port: int | None = None,
-        model_name: str | None = None,
-        log_level: str = "warning",
-        config: ServerConfig | None = None,
-    ):
-        self.engine = engine
-        self.host, self.port = host, port or free_port(host)
-        self.config = config or ServerConfig(shutdown_timeout=5)
-        self.app = build_app(engine, model_name=model_name, config=self.config)
-        self.server = _uvicorn_server(self.app, self.host, self.port, log_level, self.config.shutdown_timeout)
-        self.thread = threading.Thread(target=self.server.run, name="lifeofprompt-uvicorn", daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def engine_loop(self) -> EngineLoop:
-        return self.app.state.engine_loop
-
-    def start(self, timeout: float = 30.0) -> ServerThread:
-        self.thread.start()
-        deadline = time.monotonic() + timeout
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start on {self.url}")
-            time.sleep(0.02)
-        return self
-
-    def stop(self, timeout: float = 30.0) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout)
-        self.engine_loop.stop()
-
-    def __enter__(self) -> ServerThread:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def _bytes(n: int) -> str:
@@ -241,4 +179,4 @@ def serve(
         logger.warning(warning)
     app = build_app(engine, model_name=model_name, config=config)
     logger.info(door_settings(engine, config))
-    _uvicorn_server(app, host, port, log_level, config.shutdown_timeout).run()
+    uvicorn_server(app, host, port, log_level, config.shutdown_timeout).run()

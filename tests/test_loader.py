@@ -14,6 +14,7 @@ import torch
 
 from lifeofprompt import load_model
 from lifeofprompt.errors import MissingDependencyError, ModelNotFoundError
+from lifeofprompt.lessons.reference import to_hf_config
 from lifeofprompt.model import loader
 from lifeofprompt.model.config import TINYLLAMA_1_1B, ModelConfig
 from lifeofprompt.model.llama import LlamaForCausalLM
@@ -196,7 +197,7 @@ def test_local_folder_loads_and_matches_transformers(tmp_path, smollm2):
         max_position_embeddings=64,
     )
     torch.manual_seed(0)
-    reference = HFLlama(config.to_hf()).eval()
+    reference = HFLlama(to_hf_config(config)).eval()
     reference.save_pretrained(tmp_path)
     smollm2_dir = loader.smollm2_hf_dir()
     for name in ("tokenizer.json", "tokenizer_config.json"):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lifeofprompt.lessons.agreement import FP32_TOLERANCE, assert_argmax_agrees
+from lifeofprompt.lessons.reference import to_hf_config
 from lifeofprompt.model.attention import NoCacheMetadata
 from lifeofprompt.model.config import ModelConfig
 from lifeofprompt.model.llama import LlamaForCausalLM
@@ -52,7 +53,7 @@ def test_random_gqa_config_matches_transformers(tie):
 
     config = tiny_config(tie)
     torch.manual_seed(0)
-    reference = HFLlama(config.to_hf()).eval()
+    reference = HFLlama(to_hf_config(config)).eval()
     with torch.no_grad():  # norms at 1 would hide a norm-weight mix-up
         for name, p in reference.named_parameters():
             if name.endswith("norm.weight"):

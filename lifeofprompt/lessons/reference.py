@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..model.config import ModelConfig
 from ..model.loader import default_device, smollm2_hf_dir, tinyllama_dir
 
 
@@ -22,6 +23,30 @@ def load_reference(name: str = "smollm2-135m", dtype=None, device=None):
         dtype = getattr(torch, dtype)
     folder = {"smollm2-135m": smollm2_hf_dir, "tinyllama-1.1b": tinyllama_dir}.get(name, lambda: Path(name))()
     return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+
+
+def to_hf_config(config: ModelConfig):
+    """A transformers ``LlamaConfig`` with the same shapes as ``config`` (for random twins and tests)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        rope_theta=config.rope_theta,
+        rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=config.tie_word_embeddings,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=list(config.eos_token_ids) if len(config.eos_token_ids) != 1 else config.eos_token_ids[0],
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+    )
 
 
 @torch.no_grad()
@@ -48,7 +73,7 @@ def hf_from_ours(model):
     from transformers import LlamaForCausalLM as HFLlama
 
     config = model.config
-    hf_config = config.to_hf()
+    hf_config = to_hf_config(config)
     with torch.device("meta"):
         ref = HFLlama(hf_config)
     ref = ref.to_empty(device=model.device).to(model.dtype)

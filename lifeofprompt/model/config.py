@@ -81,29 +81,6 @@ class ModelConfig:
             eos_token_ids=eos_ids,
         )
 
-    def to_hf(self):
-        """A transformers ``LlamaConfig`` with the same shapes (used for random twins and tests)."""
-        from transformers import LlamaConfig
-
-        return LlamaConfig(
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_heads,
-            num_key_value_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            rope_theta=self.rope_theta,
-            rms_norm_eps=self.rms_norm_eps,
-            max_position_embeddings=self.max_position_embeddings,
-            tie_word_embeddings=self.tie_word_embeddings,
-            bos_token_id=self.bos_token_id,
-            eos_token_id=list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
-            hidden_act="silu",
-            attention_bias=False,
-            mlp_bias=False,
-        )
-
     def as_dict(self) -> dict:
         d = asdict(self)
         d.pop("extra")

@@ -21,12 +21,13 @@ from lifeofprompt.engine.memory import (
 from lifeofprompt.errors import ConfigError, OutOfMemoryError
 from lifeofprompt.lessons.memory_arithmetic import (
     LLAMA_2_13B,
+    LLAMA_3_1_8B,
     cpu_blocks,
     kv_bytes_for_tokens,
     max_concurrent_requests,
     num_blocks_for_bytes,
 )
-from lifeofprompt.model.config import LLAMA_3_1_8B, SMOLLM2_135M, TINYLLAMA_1_1B
+from lifeofprompt.model.config import SMOLLM2_135M, TINYLLAMA_1_1B
 from lifeofprompt.units import GiB, KiB, MiB
 
 

@@ -11,7 +11,8 @@ import pytest
 from lifeofprompt.engine.memory import estimate_activation_bytes
 from lifeofprompt.errors import ConfigError
 from lifeofprompt.lessons import parallelism as par
-from lifeofprompt.model.config import LLAMA_3_1_8B, SMOLLM2_135M
+from lifeofprompt.lessons.memory_arithmetic import LLAMA_3_1_8B
+from lifeofprompt.model.config import SMOLLM2_135M
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.ranks]
 

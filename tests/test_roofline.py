@@ -14,6 +14,7 @@ from lifeofprompt.lessons.flops import (
     generation_flops,
     naive_step_flops,
 )
+from lifeofprompt.lessons.memory_arithmetic import LLAMA_3_1_8B
 from lifeofprompt.lessons.roofline import (
     Machine,
     arithmetic_intensity,
@@ -27,7 +28,7 @@ from lifeofprompt.lessons.roofline import (
     predict_step_time,
     step_bytes_and_flops,
 )
-from lifeofprompt.model.config import LLAMA_3_1_8B, SMOLLM2_135M, TINYLLAMA_1_1B
+from lifeofprompt.model.config import SMOLLM2_135M, TINYLLAMA_1_1B
 
 H100 = Machine("H100 SXM (datasheet)", bandwidth=3.35e12, flops=989e12)
 

@@ -16,7 +16,8 @@ from test_notebook_toys import cell_sources as notebook_cells
 from test_notebook_toys import run_cells as run_notebook_cells
 
 from lifeofprompt.engine.memory import kv_bytes_per_token
-from lifeofprompt.model.config import LLAMA_3_1_8B, SMOLLM2_135M, TINYLLAMA_1_1B
+from lifeofprompt.lessons.memory_arithmetic import LLAMA_3_1_8B
+from lifeofprompt.model.config import SMOLLM2_135M, TINYLLAMA_1_1B
 
 NOTEBOOK = "05_memory_and_roofline.ipynb"
 

@@ -18,7 +18,7 @@ import pytest
 from lifeofprompt.engine.memory import plan_memory
 from lifeofprompt.lessons import article_arithmetic as article
 from lifeofprompt.lessons import parallelism as par
-from lifeofprompt.model.config import LLAMA_3_1_8B
+from lifeofprompt.lessons.memory_arithmetic import LLAMA_3_1_8B
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "15_many_devices.ipynb"
 

@@ -11,10 +11,15 @@ from __future__ import annotations
 
 from ..engine.memory import MemoryPlan, plan_memory
 from ..errors import LifeOfPromptError
-from ..lessons.memory_arithmetic import cpu_blocks
-from ..model.config import KNOWN_CONFIGS
+from ..lessons.memory_arithmetic import LLAMA_3_1_8B, cpu_blocks
+from ..model.config import SMOLLM2_135M, TINYLLAMA_1_1B
 from ..units import GiB, format_bytes
 
+KNOWN_CONFIGS = {  # the models the panel offers
+    "tinyllama-1.1b": TINYLLAMA_1_1B,
+    "smollm2-135m": SMOLLM2_135M,
+    "llama-3.1-8b": LLAMA_3_1_8B,
+}
 LAND_COLORS = {"unusable": "#d9d9d9", "weights": "#4c72b0", "activations": "#dd8452", "KV pool": "#55a868"}
 
 

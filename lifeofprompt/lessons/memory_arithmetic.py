@@ -1,10 +1,11 @@
 """Chapter 05's memory arithmetic beyond what the engine needs to size its pool.
 
 The engine's own part is ``engine/memory.py``: bytes per token and per block, and ``plan_memory``, the
-share-out of a device's memory it runs at start-up. Here is what the chapter adds around it: a model
-whose cache is near a megabyte per token, one conversation's cache, how many blocks and requests a
-budget holds, the host swap pool vLLM logs as "CPU blocks" (an engine that swaps has one; ours
-recomputes instead), and the activation workspace measured on a GPU.
+share-out of a device's memory it runs at start-up. Here is what the chapter adds around it: the models
+it sizes beyond the story's two (Llama-3.1-8B, and a 13B whose cache is near a megabyte per token),
+one conversation's cache, how many blocks and requests a budget holds, the host swap pool vLLM logs
+as "CPU blocks" (an engine that swaps has one; ours recomputes instead), and the activation workspace
+measured on a GPU.
 """
 
 from __future__ import annotations
@@ -29,6 +30,25 @@ LLAMA_2_13B = ModelConfig(
     num_kv_heads=40,
     head_dim=128,
     max_position_embeddings=4096,
+)
+
+# meta-llama/Llama-3.1-8B, for the memory arithmetic of the article "Serving is a memory problem" (no weights
+# needed): chapter 05's cache and land, chapter 15's devices.
+LLAMA_3_1_8B = ModelConfig(
+    name="meta-llama/Llama-3.1-8B",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=131072,
+    tie_word_embeddings=False,
+    bos_token_id=128000,
+    eos_token_ids=(128001,),
 )
 
 VLLM_SWAP_BYTES = 4 * GiB  # vLLM's default host swap space (``swap_space``), which its log counts as CPU blocks

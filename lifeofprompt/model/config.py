@@ -122,27 +122,3 @@ SMOLLM2_135M = ModelConfig(
     bos_token_id=1,
     eos_token_ids=(2,),
 )
-
-# meta-llama/Llama-3.1-8B, for the memory arithmetic of the article "Serving is a memory problem" (no weights needed).
-LLAMA_3_1_8B = ModelConfig(
-    name="meta-llama/Llama-3.1-8B",
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_layers=32,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    rope_theta=500000.0,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=131072,
-    tie_word_embeddings=False,
-    bos_token_id=128000,
-    eos_token_ids=(128001,),
-)
-
-KNOWN_CONFIGS = {
-    "tinyllama-1.1b": TINYLLAMA_1_1B,
-    "smollm2-135m": SMOLLM2_135M,
-    "llama-3.1-8b": LLAMA_3_1_8B,
-}

@@ -249,14 +249,14 @@ def test_cache_is_rebuilt_after_a_crash_and_survives_two_builders(tmp_path):
 
 def test_story_model_name_cpu_and_gpu(monkeypatch):
     """The embedded model on a CPU; on a GPU TinyLlama, falling back to the labelled random twin (never silently)."""
-    from lifeofprompt.model import loader
+    from lifeofprompt.lessons import story_model
 
-    assert loader.story_model_name("cpu") == "smollm2-135m"
+    assert story_model.story_model_name("cpu") == "smollm2-135m"
 
     def missing():
-        raise loader.ModelNotFoundError("no TinyLlama here")
+        raise ModelNotFoundError("no TinyLlama here")
 
-    monkeypatch.setattr(loader, "tinyllama_dir", missing)
-    assert loader.story_model_name("cuda") == "tinyllama-1.1b-random"
-    monkeypatch.setattr(loader, "tinyllama_dir", lambda: "/somewhere")
-    assert loader.story_model_name("cuda") == "tinyllama-1.1b"
+    monkeypatch.setattr(story_model, "tinyllama_dir", missing)
+    assert story_model.story_model_name("cuda") == "tinyllama-1.1b-random"
+    monkeypatch.setattr(story_model, "tinyllama_dir", lambda: "/somewhere")
+    assert story_model.story_model_name("cuda") == "tinyllama-1.1b"

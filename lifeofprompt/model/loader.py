@@ -267,22 +267,6 @@ def load_hf_dir(path: Path, device, dtype) -> tuple[LlamaForCausalLM, object]:
     return model, tokenizer
 
 
-def story_model_name(device=None) -> str:
-    """The model a notebook runs here: the embedded SmolLM2 on a CPU; TinyLlama on a GPU.
-
-    On a GPU the story's model is used with its real weights when they are on the machine, else
-    its random-weight twin, whose ``model.source`` says RANDOM wherever it is printed.
-    """
-    device = default_device(device)
-    if device.type != "cuda":
-        return DEFAULT_MODEL
-    try:
-        tinyllama_dir()
-        return "tinyllama-1.1b"
-    except ModelNotFoundError:
-        return "tinyllama-1.1b-random"
-
-
 QUANTIZATIONS = (None, "gguf", "q8_0", "q4_1")  # vLLM's setting name; None: the weights in floats
 
 

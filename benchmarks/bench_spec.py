@@ -39,8 +39,8 @@ from lifeofprompt.lessons.speculation import workloads  # noqa: E402  (the same 
 
 
 def make_llm(mode: str, args, model, tokenizer):
-    from lifeofprompt.engine.draft_model import first_layers
     from lifeofprompt.engine.llm import LLM
+    from lifeofprompt.lessons.speculation import first_layers
 
     spec = None
     if mode == "ngram":

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lifeofprompt.engine.draft_model import first_layers
 from lifeofprompt.engine.llm_engine import LLMEngine
 from lifeofprompt.engine.model_runner import ModelRunner
 from lifeofprompt.engine.sampling_params import SamplingParams
@@ -16,6 +15,7 @@ from lifeofprompt.engine.speculative import NgramProposer, SpeculativeConfig
 from lifeofprompt.errors import SpeculativeConfigError
 from lifeofprompt.figures.schedule import format_steps
 from lifeofprompt.lessons.agreement import FP32_TOLERANCE, assert_greedy_agrees, teacher_forced_logits, top2_margins
+from lifeofprompt.lessons.speculation import first_layers
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

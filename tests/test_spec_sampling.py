@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from lifeofprompt.engine import rejection_sampler
-from lifeofprompt.engine.draft_model import first_layers
 from lifeofprompt.engine.llm_engine import LLMEngine
 from lifeofprompt.engine.sampling_params import SamplingParams
+from lifeofprompt.lessons.speculation import first_layers
 from lifeofprompt.model.config import TINYLLAMA_1_1B
 from lifeofprompt.model.llama import LlamaForCausalLM
 from lifeofprompt.model.loader import ByteTokenizer

@@ -18,18 +18,11 @@ A step with a draft model runs in this order:
 
 The draft's own passes run eagerly, and so does every step when a draft model is used: a CUDA
 graph replay of the target's decode would skip the draft's mirror.
-
-``first_layers(model, L)`` makes the self-speculative draft the tests use: the model's own first
-L layers, its final norm and LM head, sharing the weights.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-
 import torch
-from torch import nn
 
 from ..errors import OutOfMemoryError, SpeculativeConfigError
 from ..model.attention import PagedCacheMetadata, PagedKVCache
@@ -39,22 +32,6 @@ from .sequence import Sequence
 from .speculative import SpeculativeConfig
 
 PLACEHOLDER = -1  # a draft token still to be drafted (its slot is what the scheduler plans for)
-
-
-def first_layers(model, num_layers: int):
-    """The model's first ``num_layers`` layers, with its final norm and LM head: a draft sharing its weights."""
-    if not 1 <= num_layers <= model.config.num_layers:
-        raise SpeculativeConfigError(
-            f"first_layers wants 1..{model.config.num_layers} layers, got {num_layers}", param="model"
-        )
-    draft = copy.copy(model)  # the same modules, a separate module dict for the layers
-    draft._modules = dict(model._modules)
-    draft.layers = nn.ModuleList(list(model.layers)[:num_layers])
-    draft.config = dataclasses.replace(
-        model.config, num_layers=num_layers, name=f"{model.config.name}-first{num_layers}"
-    )
-    draft.source = f"{getattr(model, 'source', model.config.name)}: its first {num_layers} layers + norm + LM head"
-    return draft
 
 
 def check_same_tokenizer(target_tokenizer, draft_tokenizer, target_vocab: int, draft_vocab: int) -> None:

@@ -21,11 +21,37 @@ which is below α for every k > 1 (the positions after a rejection are drafted a
 Whether it pays is the roofline's question (notebook 05): a decode step that reads all the
 weights for one token per sequence costs about as much for k + 1 rows. ``predicted_speedup``
 folds in what the verify step costs over a plain step and what the drafter costs.
+
+``first_layers(model, L)`` makes the self-speculative draft chapter 14, its benchmark
+(``benchmarks/bench_spec.py``) and the tests use: the model's own first L layers, its final norm and
+LM head, sharing the weights. The engine takes it as any other draft model.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass, field
+
+from torch import nn
+
+from ..errors import SpeculativeConfigError
+
+
+def first_layers(model, num_layers: int):
+    """The model's first ``num_layers`` layers, with its final norm and LM head: a draft sharing its weights."""
+    if not 1 <= num_layers <= model.config.num_layers:
+        raise SpeculativeConfigError(
+            f"first_layers wants 1..{model.config.num_layers} layers, got {num_layers}", param="model"
+        )
+    draft = copy.copy(model)  # the same modules, a separate module dict for the layers
+    draft._modules = dict(model._modules)
+    draft.layers = nn.ModuleList(list(model.layers)[:num_layers])
+    draft.config = dataclasses.replace(
+        model.config, num_layers=num_layers, name=f"{model.config.name}-first{num_layers}"
+    )
+    draft.source = f"{getattr(model, 'source', model.config.name)}: its first {num_layers} layers + norm + LM head"
+    return draft
 
 
 def expected_tokens_per_step(alpha: float, k: int) -> float:

@@ -34,10 +34,11 @@ from pathlib import Path
 
 import torch
 
+from lifeofprompt.lessons.flops import matrix_shapes
 from lifeofprompt.model.config import TINYLLAMA_1_1B
 
 RANDOM_LABEL = "tinyllama-1.1b-random: TinyLlama-1.1B shapes, bf16, RANDOM WEIGHTS (speed only)"
-TINYLLAMA = TINYLLAMA_1_1B.matrix_shapes()  # qkv 2560 x 2048, o, gate_up 11264 x 2048, down, head 32000 x 2048
+TINYLLAMA = matrix_shapes(TINYLLAMA_1_1B)  # qkv 2560 x 2048, o, gate_up 11264 x 2048, down, head 32000 x 2048
 DRY_SHAPES = {"qkv": (96, 64), "o": (64, 64), "gate_up": (160, 64), "down": (64, 100), "head": (256, 64)}
 FORMATS = ("q8_0", "q4_1")
 SWEEP = (dict(split_k=1), dict(block_n=16), dict(block_n=64), dict(block_n=16, split_k=1), dict(block_k=64))

@@ -32,6 +32,7 @@ if importlib.util.find_spec("triton") is None:  # find it without importing it: 
 from lifeofprompt.kernels import block_matmul as bm  # noqa: E402
 
 from lifeofprompt import kernels  # noqa: E402
+from lifeofprompt.lessons.flops import matrix_shapes  # noqa: E402
 from lifeofprompt.model.block_formats import BLOCK, BlockWeight, dequantize, quantize  # noqa: E402
 from lifeofprompt.model.config import TINYLLAMA_1_1B  # noqa: E402
 
@@ -166,7 +167,7 @@ def tinyllama_blocks(out_features: int, in_features: int, fmt: str) -> BlockWeig
     return BlockWeight(fmt, quants, scales, scales if fmt == "q4_1" else None, in_features)
 
 
-TINYLLAMA = TINYLLAMA_1_1B.matrix_shapes()  # qkv 2560 x 2048, o, gate_up 11264 x 2048, down, head 32000 x 2048
+TINYLLAMA = matrix_shapes(TINYLLAMA_1_1B)  # qkv 2560 x 2048, o, gate_up 11264 x 2048, down, head 32000 x 2048
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

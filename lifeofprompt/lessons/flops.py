@@ -14,6 +14,9 @@ Norms, rotary embeddings and the softmax are a few operations per element: left 
 Counts are of *useful* work: a causal query sees only the keys at or before its position.
 (The torch path, ``scaled_dot_product_attention`` with an explicit mask, computes the masked
 square too, at most twice the useful score operations; the Triton kernel skips it.)
+
+``matrix_shapes`` lists the matrices themselves, as the model holds them fused: the block-product
+kernel's tests and benchmark (``benchmarks/gpu_block_step.py``) run TinyLlama's.
 """
 
 from __future__ import annotations
@@ -21,6 +24,18 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..model.config import ModelConfig
+
+
+def matrix_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """``(out, in)`` of each matrix a step multiplies by, fused as the model holds them, and the LM head."""
+    h, d = config.hidden_size, config.head_dim
+    return {
+        "qkv": ((config.num_heads + 2 * config.num_kv_heads) * d, h),
+        "o": (h, config.num_heads * d),
+        "gate_up": (2 * config.intermediate_size, h),
+        "down": (h, config.intermediate_size),
+        "head": (config.vocab_size, h),
+    }
 
 
 @dataclass(frozen=True)

@@ -43,17 +43,6 @@ class ModelConfig:
         lm_head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.num_layers * per_layer + embed + lm_head + h
 
-    def matrix_shapes(self) -> dict[str, tuple[int, int]]:
-        """``(out, in)`` of each matrix a step multiplies by, fused as the model holds them, and the LM head."""
-        h, d = self.hidden_size, self.head_dim
-        return {
-            "qkv": ((self.num_heads + 2 * self.num_kv_heads) * d, h),
-            "o": (h, self.num_heads * d),
-            "gate_up": (2 * self.intermediate_size, h),
-            "down": (h, self.intermediate_size),
-            "head": (self.vocab_size, h),
-        }
-
     @classmethod
     def from_hf(cls, hf_config, name: str | None = None) -> ModelConfig:
         """Read a transformers ``LlamaConfig`` (or anything with the same attribute names)."""

@@ -25,6 +25,7 @@ import os
 import pytest
 import torch
 
+from lifeofprompt.lessons.flops import matrix_shapes
 from lifeofprompt.model.config import TINYLLAMA_1_1B
 
 pytestmark = [
@@ -41,7 +42,7 @@ pytestmark = [
 
 CUDA = "cuda"
 FORMATS = ["q8_0", "q4_1"]
-TINYLLAMA = TINYLLAMA_1_1B.matrix_shapes()  # qkv 2560 x 2048, o, gate_up 11264 x 2048, down, head 32000 x 2048
+TINYLLAMA = matrix_shapes(TINYLLAMA_1_1B)  # qkv 2560 x 2048, o, gate_up 11264 x 2048, down, head 32000 x 2048
 BF16_SCALE = 2.0**-8
 
 

@@ -20,9 +20,19 @@ from tiny_models import tiny_model
 from lifeofprompt import LLM, ConfigError, SpeculativeConfigError
 from lifeofprompt.cpu.speedups import STEP_SECONDS
 from lifeofprompt.engine.config import DEFAULT_STEP_TOKENS, EngineConfig
-from lifeofprompt.model.device import CPU_TUNING_MODULES
 
 REPO = Path(__file__).resolve().parents[1]
+# The modules that exist only to make a CPU fast: CpuSpeedups imports them, nothing on a GPU's path does
+# (checked here and in tests/gpu/test_engine_gpu.py, in a fresh process).
+CPU_TUNING_MODULES = (
+    "lifeofprompt.cpu.speedups",
+    "lifeofprompt.cpu.c_step",
+    "lifeofprompt.cpu.row_kernels",
+    "lifeofprompt.cpu.linear_calibration",
+    "lifeofprompt.cpu.huge_pages",
+    "lifeofprompt.cpu.allocator",
+    "lifeofprompt.cpu.native_build",
+)
 
 
 @pytest.mark.parametrize(

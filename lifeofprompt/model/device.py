@@ -14,18 +14,6 @@ from __future__ import annotations
 from .attention_backends import attention_backend, resolve_backend
 from .layers import triton_installed
 
-# The modules that exist only to make a CPU fast: CpuSpeedups imports them, nothing on a GPU's path does
-# (tests/test_engine_config.py and tests/gpu/test_engine_gpu.py check it in a fresh process).
-CPU_TUNING_MODULES = (
-    "lifeofprompt.cpu.speedups",
-    "lifeofprompt.cpu.c_step",
-    "lifeofprompt.cpu.row_kernels",
-    "lifeofprompt.cpu.linear_calibration",
-    "lifeofprompt.cpu.huge_pages",
-    "lifeofprompt.cpu.allocator",
-    "lifeofprompt.cpu.native_build",
-)
-
 
 class DeviceDefaults:
     """The speed-ups that need no timing: a GPU's, or none (the torch layers as written)."""

@@ -181,12 +181,12 @@ def test_seeded_sampling_repeats_on_gpu(tinyllama):
 
 def test_a_gpu_engine_imports_none_of_the_cpu_tuning():
     """A fresh process builds a GPU engine (random TinyLlama, its GPU speed-ups, CUDA graphs) and decodes;
-    none of the CPU's tuning modules is imported on the way (``model/device.py: CPU_TUNING_MODULES``)."""
+    none of the CPU's tuning modules is imported on the way (``tests/test_engine_config.py: CPU_TUNING_MODULES``)."""
     import subprocess
     import sys
     from pathlib import Path
 
-    from lifeofprompt.model.device import CPU_TUNING_MODULES
+    from test_engine_config import CPU_TUNING_MODULES  # tests/test_engine_config.py
 
     probe = f"""
 import sys, torch

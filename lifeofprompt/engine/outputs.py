@@ -26,21 +26,6 @@ class SpecStep:
     num_accepted: int  # the first num_accepted drafts were kept; the model added one token more
     token_ids: list[int] = field(default_factory=list)  # what the step appended (kept drafts + the model's)
 
-    @property
-    def num_rejected(self) -> int:
-        """Drafts whose KV rows were computed and rolled back."""
-        return len(self.draft_token_ids) - self.num_accepted
-
-    @property
-    def kept_positions(self) -> range:
-        """The KV rows this verify wrote and kept: its last verified token's and the accepted drafts'."""
-        return range(self.position, self.position + 1 + self.num_accepted)
-
-    @property
-    def rolled_back_positions(self) -> range:
-        """The KV rows written for rejected drafts and discarded (overwritten later)."""
-        return range(self.position + 1 + self.num_accepted, self.position + 1 + len(self.draft_token_ids))
-
 
 @dataclass
 class RequestMetrics:

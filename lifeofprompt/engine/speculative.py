@@ -203,13 +203,8 @@ class SpecDecodeStats:
 
     @property
     def acceptance_rate(self) -> float:
-        """Accepted over drafted tokens. Not the per-token rate α: see ``per_token_acceptance``."""
+        """Accepted over drafted tokens. Not the per-token rate α: see ``alpha``."""
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_tokens_per_verify(self) -> float:
-        """Tokens each verify step produced on average (accepted + the model's own one)."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
     @property
     def alpha(self) -> float:
@@ -221,12 +216,6 @@ class SpecDecodeStats:
         """
         reached = sum(self.num_reached_per_pos)
         return self.num_accepted_tokens / reached if reached else float("nan")
-
-    def per_token_acceptance(self) -> list[float]:
-        """P(draft token i accepted | tokens before it accepted), per position (NaN where never reached)."""
-        return [
-            a / r if r else float("nan") for a, r in zip(self.num_accepted_tokens_per_pos, self.num_reached_per_pos)
-        ]
 
     def as_dict(self) -> dict:
         return dict(

@@ -18,7 +18,6 @@ from lifeofprompt.model.quantized_linear import (
     QuantizedEmbedding,
     QuantizedLinear,
     quantize_model,
-    quantized_weight_bytes,
     weight_bytes,
 )
 from lifeofprompt.story import STORY_PROMPTS
@@ -38,6 +37,11 @@ def test_the_gguf_blocks_are_the_dequantized_folders_weights_exactly(gguf_model,
         assert torch.equal(blocks.layers[i].input_layernorm.weight, floats.layers[i].input_layernorm.weight)
     assert torch.equal(blocks.lm_head.blocks.dequantize(), floats.lm_head.weight)
     assert isinstance(blocks.embed_tokens, QuantizedEmbedding)  # the tied table, read as blocks for both
+
+
+def quantized_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every block matrix in ``model`` (a tied embedding counted once, with its head)."""
+    return sum(m.nbytes for m in model.modules() if isinstance(m, QuantizedLinear))
 
 
 def test_the_gguf_model_holds_the_files_bytes(gguf_model):

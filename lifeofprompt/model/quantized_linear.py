@@ -185,11 +185,6 @@ def dequantized_product(x: torch.Tensor, blocks: BlockWeight, out_dtype: torch.d
     return out
 
 
-def quantized_weight_bytes(model: nn.Module) -> int:
-    """Bytes of every block matrix in ``model`` (a tied embedding counted once, with its head)."""
-    return sum(m.nbytes for m in model.modules() if isinstance(m, QuantizedLinear))
-
-
 # ----------------------------------------------------------------------------- swapping layers in
 
 

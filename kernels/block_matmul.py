@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lifeofprompt.model.block_formats import BLOCK, BlockWeight, dequantize
+from lifeofprompt.model.block_formats import BLOCK, BlockWeight
 
 from .paged_attention import check_device
 from .tiles import cdiv, is_power_of_2, next_power_of_2
@@ -302,8 +302,3 @@ def _launch(out, partial, x, blocks: BlockWeight, tiles: BlockTiles, num_warps: 
         USE_DOT=tiles.use_dot,
         **({} if num_warps is None else {"num_warps": num_warps}),
     )
-
-
-def reference(x: torch.Tensor, blocks: BlockWeight) -> torch.Tensor:
-    """The torch product to compare with: the blocks dequantized to ``x``'s dtype, then ``x @ w.T``."""
-    return x @ dequantize(blocks, x.dtype).t()

@@ -29,6 +29,7 @@ import torch
 
 if importlib.util.find_spec("triton") is None:  # find it without importing it: lifeofprompt.kernels must be first
     pytest.skip("Triton is not installed", allow_module_level=True)
+import block_reference  # noqa: E402  (tests/block_reference.py)
 from lifeofprompt.kernels import block_matmul as bm  # noqa: E402
 
 from lifeofprompt import kernels  # noqa: E402
@@ -100,7 +101,7 @@ def test_matches_the_dequantized_product(case, dtype, fmt, poison_allocations):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_reference_is_the_dequantized_product(fmt):
     blocks, x = make(3, 20, 72, fmt, torch.float32, seed=1)
-    assert torch.equal(bm.reference(x, blocks), x @ dequantize(blocks).t())
+    assert torch.equal(block_reference.reference(x, blocks), x @ dequantize(blocks).t())
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

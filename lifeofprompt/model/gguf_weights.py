@@ -110,12 +110,3 @@ def load_gguf_blocks(model, path: Path) -> None:
         model.embed_tokens.weight.copy_(gguf.blocks("token_embd.weight").dequantize())
     use_blocks(model, [layer_blocks(gguf, config, i) for i in range(config.num_layers)], gguf.blocks(head))
     model.quantization = "gguf"
-
-
-def block_types(path: Path) -> dict[str, int]:
-    """How many tensors of each stored type the file holds (``{"Q4_1": 210, "F32": 61, "Q8_0": 1}``)."""
-    gguf = GGUFTensors(path)
-    counts: dict[str, int] = {}
-    for name in gguf.tensors:
-        counts[gguf.type_of(name)] = counts.get(gguf.type_of(name), 0) + 1
-    return counts

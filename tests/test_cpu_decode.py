@@ -121,7 +121,7 @@ def test_the_c_step_computes_the_torch_forward(seed, threads):
     rng = random.Random(seed)
     model = random_model(rng, packable=seed >= 8)
     if seed >= 8:
-        assert c_step.packed_mask(model) == sum(c_step.PACKED_BITS.values())
+        assert all(c_step.packable(model).values())
     assert_c_step_computes_the_torch_forward(model, rng, threads, mixed=seed % 2 == 1)
 
 
@@ -138,7 +138,7 @@ def test_the_c_step_reads_blocks_and_computes_the_dequantized_forward(seed, fmt,
     monkeypatch.setattr(quantized_linear, "cpu_kernel_rows", lambda: 0)
     rng = random.Random(100 + seed)
     model = quantize_model(random_model(rng, packable=seed == 5), fmt)
-    assert c_step.supports(model) and c_step.packed_mask(model) == 0
+    assert c_step.supports(model) and not any(c_step.packable(model).values())
     assert_c_step_computes_the_torch_forward(model, rng, threads, mixed=seed % 2 == 1)
 
 

@@ -143,10 +143,6 @@ def matrix_formats(model) -> dict[str, str]:
     return {name: ",".join(sorted({str(matrix_format(layer[name])) for layer in layers})) for name in MATRICES}
 
 
-# The bits of ``packed_mask``, one per layer matrix.
-PACKED_BITS = {"qkv": 1, "o": 2, "gate_up": 4, "down": 8}
-
-
 def packable(model) -> dict[str, bool]:
     """Which layer matrices the packed layout can hold: fp32 ones (blocks are read as they are)
     whose every row range the C step takes (a head of qkv, a panel of the others, the up half at
@@ -162,11 +158,6 @@ def packable(model) -> dict[str, bool]:
     }
     layers = layer_matrices(model)
     return {name: fits and not any(is_blocks(layer[name]) for layer in layers) for name, fits in shapes_fit.items()}
-
-
-def packed_mask(model) -> int:
-    """The bits (``PACKED_BITS``) of the matrices the C step reads from packed copies."""
-    return sum(PACKED_BITS[name] for name, ok in packable(model).items() if ok)
 
 
 # A row count takes the C step when, for every layer shape, the rowwise product measured within

@@ -23,8 +23,8 @@ import torch
 from lifeofprompt.cpu.block_kernels import FORMAT_CODES, blocks_kernel
 from lifeofprompt.cpu.row_kernels import rows_kernel
 from lifeofprompt.env import cpu_label
+from lifeofprompt.lessons.story_model import SMOLLM2_135M
 from lifeofprompt.model.block_formats import quantize
-from lifeofprompt.model.config import SMOLLM2_135M
 
 
 def shapes(config, layer_format: str) -> list[tuple[str, int, int, str, int]]:

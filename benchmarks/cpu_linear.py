@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from lifeofprompt.model.config import SMOLLM2_135M
+from lifeofprompt.lessons.story_model import SMOLLM2_135M
 from lifeofprompt.model.linear import Linear, available_paths, run_path
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -248,7 +248,7 @@ def test_roofline_bend_and_prediction():
 
     from lifeofprompt.lessons import roofline
     from lifeofprompt.lessons.serving_study import BatchPoint, bend_batch_size, predicted_curve
-    from lifeofprompt.model.config import SMOLLM2_135M
+    from lifeofprompt.lessons.story_model import SMOLLM2_135M
 
     machine = roofline.Machine("test", bandwidth=10e9, flops=50e9, overhead_s=0.01)
     bend = bend_batch_size(machine, SMOLLM2_135M, torch.float32, context_per_seq=20)

@@ -24,10 +24,13 @@ from lifeofprompt.lessons.memory_arithmetic import (
     LLAMA_3_1_8B,
     cpu_blocks,
     kv_bytes_for_tokens,
+    max_concurrency,
     max_concurrent_requests,
     num_blocks_for_bytes,
+    unusable,
 )
-from lifeofprompt.model.config import SMOLLM2_135M, TINYLLAMA_1_1B
+from lifeofprompt.lessons.story_model import SMOLLM2_135M
+from lifeofprompt.model.config import TINYLLAMA_1_1B
 from lifeofprompt.units import GiB, KiB, MiB
 
 
@@ -74,18 +77,18 @@ def test_tinyllama_on_a_16_gib_card():
     assert plan.activations == estimate_activation_bytes(TINYLLAMA_1_1B, "bf16") == 146_014_208
     assert plan.num_gpu_blocks == 36_387
     assert cpu_blocks(plan) == 11_915  # 4 GiB // 360,448
-    assert plan.max_concurrency(4096) == 142
+    assert max_concurrency(plan, 4096) == 142
     assert plan.weights + plan.activations + plan.kv_pool == plan.usable
 
 
 def test_llama_8b_on_an_80_gb_card():
     reported = int(85.5e9)
     no_activations = {u: plan_memory(LLAMA_3_1_8B, "bf16", reported, u, activations=0) for u in (0.9, 0.92)}
-    assert no_activations[0.92].max_concurrency(4096) == 116  # the article's figure: 92 %, nothing for activations
-    assert no_activations[0.9].max_concurrency(4096) == 113  # vLLM's default 0.9
+    assert max_concurrency(no_activations[0.92], 4096) == 116  # the article's figure: 92 %, nothing for activations
+    assert max_concurrency(no_activations[0.9], 4096) == 113  # vLLM's default 0.9
     estimated = {u: plan_memory(LLAMA_3_1_8B, "bf16", reported, u) for u in (0.9, 0.92)}
-    assert estimated[0.92].max_concurrency(4096) == 115
-    assert estimated[0.9].max_concurrency(4096) == 112
+    assert max_concurrency(estimated[0.92], 4096) == 115
+    assert max_concurrency(estimated[0.9], 4096) == 112
 
 
 def test_a_measured_workspace_is_labelled():
@@ -137,9 +140,9 @@ def test_models_that_do_not_fit():
 def test_the_land_adds_up(total_gib, utilization, block_size, context_len):
     total = int(total_gib * GiB)
     plan = plan_memory(TINYLLAMA_1_1B, "bf16", total, utilization, block_size)
-    assert plan.unusable + plan.weights + plan.activations + plan.kv_pool == total
+    assert unusable(plan) + plan.weights + plan.activations + plan.kv_pool == total
     assert plan.num_gpu_blocks * plan.bytes_per_block <= plan.kv_pool < (plan.num_gpu_blocks + 1) * plan.bytes_per_block
-    n = plan.max_concurrency(context_len)
+    n = max_concurrency(plan, context_len)
     assert n * blocks_for_tokens(context_len, block_size) <= plan.num_gpu_blocks
     assert (n + 1) * blocks_for_tokens(context_len, block_size) > plan.num_gpu_blocks
     assert n == max_concurrent_requests(

@@ -12,7 +12,7 @@ from lifeofprompt.engine.memory import estimate_activation_bytes
 from lifeofprompt.errors import ConfigError
 from lifeofprompt.lessons import parallelism as par
 from lifeofprompt.lessons.memory_arithmetic import LLAMA_3_1_8B
-from lifeofprompt.model.config import SMOLLM2_135M
+from lifeofprompt.lessons.story_model import SMOLLM2_135M
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.ranks]
 

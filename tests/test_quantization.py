@@ -3,7 +3,7 @@
 import pytest
 
 from lifeofprompt.lessons.quantization import StoredWeights, decode_floors, gguf_bytes
-from lifeofprompt.model.config import SMOLLM2_135M
+from lifeofprompt.lessons.story_model import SMOLLM2_135M
 
 
 def test_embedded_gguf_is_mostly_4_bit():

@@ -28,7 +28,8 @@ from lifeofprompt.lessons.roofline import (
     predict_step_time,
     step_bytes_and_flops,
 )
-from lifeofprompt.model.config import SMOLLM2_135M, TINYLLAMA_1_1B
+from lifeofprompt.lessons.story_model import SMOLLM2_135M
+from lifeofprompt.model.config import TINYLLAMA_1_1B
 
 H100 = Machine("H100 SXM (datasheet)", bandwidth=3.35e12, flops=989e12)
 

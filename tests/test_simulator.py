@@ -8,8 +8,8 @@ import torch
 from lifeofprompt.engine.step_trace import ScheduledRequest, StepRecord
 from lifeofprompt.lessons.roofline import Machine, predict_step_time
 from lifeofprompt.lessons.simulator import SimRequest, Simulator, calibrate, compare_steps, random_workload
+from lifeofprompt.lessons.story_model import SMOLLM2_135M
 from lifeofprompt.loadtest.arrivals import closed_loop, poisson
-from lifeofprompt.model.config import SMOLLM2_135M
 
 MACHINE = Machine("test machine", bandwidth=10e9, flops=50e9, overhead_s=0.01)
 

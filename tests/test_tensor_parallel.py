@@ -18,7 +18,8 @@ from lifeofprompt.distributed.sizes import ShardPlan, check_tensor_parallel_size
 from lifeofprompt.engine.llm import LLM
 from lifeofprompt.engine.sampling_params import SamplingParams
 from lifeofprompt.errors import ParallelConfigError, WorkerFailedError
-from lifeofprompt.model.config import SMOLLM2_135M, ModelConfig
+from lifeofprompt.lessons.story_model import SMOLLM2_135M
+from lifeofprompt.model.config import ModelConfig
 
 T = 3
 BLOCK_SIZE = 4

@@ -17,7 +17,8 @@ from test_notebook_toys import run_cells as run_notebook_cells
 
 from lifeofprompt.engine.memory import kv_bytes_per_token
 from lifeofprompt.lessons.memory_arithmetic import LLAMA_3_1_8B
-from lifeofprompt.model.config import SMOLLM2_135M, TINYLLAMA_1_1B
+from lifeofprompt.lessons.story_model import SMOLLM2_135M
+from lifeofprompt.model.config import TINYLLAMA_1_1B
 
 NOTEBOOK = "05_memory_and_roofline.ipynb"
 

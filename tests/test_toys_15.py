@@ -18,14 +18,16 @@ import pytest
 from lifeofprompt.engine.memory import plan_memory
 from lifeofprompt.lessons import article_arithmetic as article
 from lifeofprompt.lessons import parallelism as par
-from lifeofprompt.lessons.memory_arithmetic import LLAMA_3_1_8B
+from lifeofprompt.lessons.memory_arithmetic import LLAMA_3_1_8B, kv_tokens
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "15_many_devices.ipynb"
 
 
 def chapter_05_tokens() -> int:
     """Chapter 05's call: Llama-3.1-8B in bf16 on the H100 as software sees it, at current vLLM's share."""
-    return plan_memory(LLAMA_3_1_8B, "bf16", int(article.H100_REPORTED_BYTES), article.GPU_MEMORY_UTILIZATION).kv_tokens
+    return kv_tokens(
+        plan_memory(LLAMA_3_1_8B, "bf16", int(article.H100_REPORTED_BYTES), article.GPU_MEMORY_UTILIZATION)
+    )
 
 
 def test_devices_needed_uses_chapter_05s_card_and_share():

@@ -120,25 +120,6 @@ class MemoryPlan:
     block_size: int = EngineConfig.block_size
     bytes_per_token: int = 0
 
-    @property
-    def unusable(self) -> int:
-        """What the utilization fraction leaves to other processes and fragmentation."""
-        return self.total - self.usable
-
-    @property
-    def kv_tokens(self) -> int:
-        """Tokens the GPU blocks hold, all sequences together."""
-        return self.num_gpu_blocks * self.block_size
-
-    def max_concurrency(self, context_len: int) -> int:
-        """Requests of ``context_len`` tokens whose caches fit the GPU blocks at once."""
-        if context_len <= 0:
-            raise ConfigError(f"context_len must be >= 1, got {context_len}")
-        return self.num_gpu_blocks // blocks_for_tokens(context_len, self.block_size)
-
-    def as_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
-
 
 def plan_memory(
     config: ModelConfig,

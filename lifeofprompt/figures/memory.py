@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from ..engine.memory import MemoryPlan, plan_memory
 from ..errors import LifeOfPromptError
-from ..lessons.memory_arithmetic import LLAMA_3_1_8B, cpu_blocks
-from ..model.config import SMOLLM2_135M, TINYLLAMA_1_1B
+from ..lessons.memory_arithmetic import LLAMA_3_1_8B, cpu_blocks, kv_tokens, max_concurrency, unusable
+from ..lessons.story_model import SMOLLM2_135M
+from ..model.config import TINYLLAMA_1_1B
 from ..units import GiB, format_bytes
 
 KNOWN_CONFIGS = {  # the models the panel offers
@@ -34,7 +35,7 @@ def land_figure(plan: MemoryPlan, title: str = "", ax=None):
         ("weights", plan.weights, "weights"),
         (act_label, plan.activations, "activations"),
         ("KV pool", plan.kv_pool, "KV pool"),
-        ("not used (1 − utilization)", plan.unusable, "unusable"),
+        ("not used (1 − utilization)", unusable(plan), "unusable"),
     ]
     left = 0.0
     for label, nbytes, color_key in parts:
@@ -69,9 +70,9 @@ def land_report(plan: MemoryPlan, context_len: int) -> str:
             f"activations        {format_bytes(plan.activations)} ({act})",
             f"KV pool            {format_bytes(plan.kv_pool)}",
             f"bytes per block    {plan.bytes_per_block:,} ({plan.block_size} tokens × {plan.bytes_per_token:,} bytes)",
-            f"GPU blocks         {plan.num_gpu_blocks:,}  ({plan.kv_tokens:,} tokens)",
+            f"GPU blocks         {plan.num_gpu_blocks:,}  ({kv_tokens(plan):,} tokens)",
             f"CPU blocks         {cpu_blocks(plan):,}",
-            f"requests of {context_len:,} tokens that fit at once: {plan.max_concurrency(context_len):,}",
+            f"requests of {context_len:,} tokens that fit at once: {max_concurrency(plan, context_len):,}",
         ]
     )
 

@@ -101,3 +101,23 @@ def measure_activation_bytes(model, num_tokens: int = DEFAULT_STEP_TOKENS) -> in
     model(ids, torch.arange(num_tokens, device=device), meta)
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) - before
+
+
+# ----------------------------------------------------------------------------- readings of a plan
+
+
+def unusable(plan: MemoryPlan) -> int:
+    """What the utilization fraction leaves to other processes and fragmentation."""
+    return plan.total - plan.usable
+
+
+def kv_tokens(plan: MemoryPlan) -> int:
+    """Tokens the GPU blocks hold, all sequences together."""
+    return plan.num_gpu_blocks * plan.block_size
+
+
+def max_concurrency(plan: MemoryPlan, context_len: int) -> int:
+    """Requests of ``context_len`` tokens whose caches fit the GPU blocks at once."""
+    if context_len <= 0:
+        raise ConfigError(f"context_len must be >= 1, got {context_len}")
+    return plan.num_gpu_blocks // blocks_for_tokens(context_len, plan.block_size)

@@ -27,6 +27,7 @@ from ..engine.memory import dtype_bytes, estimate_activation_bytes, kv_bytes_per
 from ..errors import ConfigError, OutOfMemoryError
 from ..model.config import ModelConfig
 from .article_arithmetic import GPU_MEMORY_UTILIZATION, H100_REPORTED_BYTES
+from .memory_arithmetic import kv_tokens
 
 # meta-llama/Llama-3.1-70B: shapes from its config.json (no weights needed for the arithmetic).
 LLAMA_3_1_70B = ModelConfig(
@@ -129,11 +130,11 @@ def devices_needed(
         except OutOfMemoryError as exc:
             tried.append((size, str(exc).split(":")[0]))
             continue
-        if plan.kv_tokens >= tokens:
+        if kv_tokens(plan) >= tokens:
             return DeviceCount(
-                config.name, card.name, tokens, size, plan.weights, plan.bytes_per_token, plan.kv_tokens, tuple(tried)
+                config.name, card.name, tokens, size, plan.weights, plan.bytes_per_token, kv_tokens(plan), tuple(tried)
             )
-        tried.append((size, f"its pool holds {plan.kv_tokens:,} tokens, not {tokens:,}"))
+        tried.append((size, f"its pool holds {kv_tokens(plan):,} tokens, not {tokens:,}"))
     return DeviceCount(config.name, card.name, tokens, 0, 0, 0, 0, tuple(tried))
 
 

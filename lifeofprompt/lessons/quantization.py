@@ -109,7 +109,7 @@ class FormatStep:
 
     @property
     def bits_per_weight(self) -> float:
-        from ..model.config import SMOLLM2_135M
+        from .story_model import SMOLLM2_135M
 
         return 8 * self.weight_bytes / SMOLLM2_135M.num_parameters()
 

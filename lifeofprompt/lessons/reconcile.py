@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.config import SMOLLM2_135M
 from . import roofline
 from .machine_profile import PROFILE_CONTEXT, PROFILE_DECODE_STEPS, MachineProfile
+from .story_model import SMOLLM2_135M
 
 # benchmarks/cpu_linear.py's own read_bandwidth (tests/test_reconcile.py checks its source still says so)
 LINEAR_SUM_BYTES = 256 << 20

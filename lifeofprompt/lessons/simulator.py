@@ -33,8 +33,9 @@ from ..engine.step_trace import StepRecord
 from ..errors import RequestTooLargeError
 from ..latency import RequestTiming, summarize
 from ..loadtest.arrivals import ArrivalPattern, Dispatcher, all_at_once, sample_lengths
-from ..model.config import SMOLLM2_135M, ModelConfig
+from ..model.config import ModelConfig
 from .roofline import Machine, predict_step_time
+from .story_model import SMOLLM2_135M
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ Everything later (memory arithmetic, the roofline, the KV pool) is computed from
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -26,11 +26,6 @@ class ModelConfig:
     bos_token_id: int | None = 1
     eos_token_ids: tuple[int, ...] = (2,)
     extra: dict = field(default_factory=dict, compare=False, repr=False)
-
-    @property
-    def group_size(self) -> int:
-        """Query heads that share one key/value head (grouped-query attention)."""
-        return self.num_heads // self.num_kv_heads
 
     def num_parameters(self) -> int:
         """Parameters counted from the shapes (tied embeddings counted once)."""
@@ -70,11 +65,6 @@ class ModelConfig:
             eos_token_ids=eos_ids,
         )
 
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("extra")
-        return d
-
 
 # TinyLlama/TinyLlama-1.1B-Chat-v1.0, the story's model (values from its config.json).
 TINYLLAMA_1_1B = ModelConfig(
@@ -90,24 +80,6 @@ TINYLLAMA_1_1B = ModelConfig(
     rms_norm_eps=1e-5,
     max_position_embeddings=2048,
     tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_ids=(2,),
-)
-
-# HuggingFaceTB/SmolLM2-135M-Instruct, the embedded default (checked against the GGUF in tests).
-SMOLLM2_135M = ModelConfig(
-    name="HuggingFaceTB/SmolLM2-135M-Instruct",
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_layers=30,
-    num_heads=9,
-    num_kv_heads=3,
-    head_dim=64,
-    rope_theta=100000.0,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=8192,
-    tie_word_embeddings=True,
     bos_token_id=1,
     eos_token_ids=(2,),
 )

@@ -15,6 +15,7 @@ runs the same code on the CPU with a tiny random Llama and tiny sizes, to flush 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -436,7 +437,7 @@ def step_ours(args) -> dict:
         model=label,
         engine_start_s=time.perf_counter() - start,
         startup_log=llm.engine.startup_log,
-        memory_plan=llm.engine.runner.memory_plan.as_dict() if llm.engine.runner.memory_plan else None,
+        memory_plan=dataclasses.asdict(llm.engine.runner.memory_plan) if llm.engine.runner.memory_plan else None,
     )
     prompts, outs = workload(args)
     warm = bench.run_engine(llm, prompts[:4], [8] * min(4, len(prompts)))

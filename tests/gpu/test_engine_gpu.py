@@ -12,6 +12,8 @@ On ``tinyllama-1.1b-random`` (TinyLlama's shapes, RANDOM weights), bf16:
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -155,7 +157,7 @@ def test_profiled_pool_fits(tinyllama):
     )
     free, total = torch.cuda.mem_get_info()
     plan = runner.memory_plan
-    print({k: v for k, v in plan.as_dict().items() if isinstance(v, (int, float))})
+    print({k: v for k, v in dataclasses.asdict(plan).items() if isinstance(v, (int, float))})
     assert runner.resolved.num_kv_blocks == plan.num_gpu_blocks > 1000
     assert torch.cuda.memory_allocated() <= 0.9 * total
     del runner

@@ -156,15 +156,21 @@ class ModelRunner:
                 logits_rows.extend(range(len(ids) - 1 - len(seq.spec_token_ids), len(ids)))
         cache = self.kv_cache
         block_tables = self.block_tables.for_step(seqs)  # kept between steps, written where they changed
-        pos = torch.tensor(positions, dtype=torch.long)
+        # On a GPU the step's fresh host tensors sit in pinned pages, as nano-vllm's do: a copy from them
+        # runs beside the host instead of waiting for it (the block tables' buffer, rewritten in place
+        # between steps, stays pageable: its copy finishes before the host goes on).
+        pin = self.device.type == "cuda"
+        pos = torch.tensor(positions, dtype=torch.long, pin_memory=pin)
         rows = torch.tensor(seq_of_row, dtype=torch.long)
         block_size = cache.block_size
         slots = block_tables[rows, pos // block_size].long() * block_size + pos % block_size
-        logits_indices = torch.tensor(logits_rows, dtype=torch.long)
+        slots = slots.pin_memory() if pin else slots
+        logits_indices = torch.tensor(logits_rows, dtype=torch.long, pin_memory=pin)
         meta = PagedCacheMetadata.for_batch(
             query_lens, seq_lens, block_tables, slots, cache, self.speedups.attention, self.device, logits_indices
         )
-        return torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True), pos.to(self.device), meta
+        input_ids = torch.tensor(ids, dtype=torch.long, pin_memory=pin).to(self.device, non_blocking=True)
+        return input_ids, pos.to(self.device, non_blocking=True), meta
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """The model's forward (on a CPU, its own C step takes a small step: ``model/llama.py: hidden_states``)."""

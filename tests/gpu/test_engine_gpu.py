@@ -181,6 +181,31 @@ def test_seeded_sampling_repeats_on_gpu(tinyllama):
     assert len(runs[0][0]) == 16
 
 
+def test_a_steps_fresh_host_tensors_are_pinned(tinyllama, monkeypatch):
+    """The step's inputs (ids, positions, slots, logits rows) reach the GPU from pinned pages, so their
+    copies do not wait for the host; the block tables' buffer, rewritten in place, stays pageable."""
+    from lifeofprompt.engine.model_runner import ModelRunner
+
+    runner = ModelRunner.for_model(
+        tinyllama, num_kv_blocks=64, attention_backend="triton", max_num_seqs=4, max_model_len=256, enforce_eager=True
+    )
+    seqs = make_seqs([37, 16], tinyllama.config.vocab_size)
+    copies, real_to = [], torch.Tensor.to
+
+    def watched_to(tensor, *args, **kwargs):
+        if tensor.device.type == "cpu" and any(str(a).startswith("cuda") for a in args):
+            copies.append((tuple(tensor.shape), tensor.is_pinned()))
+        return real_to(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", watched_to)
+    runner.prepare(seqs, [len(s) for s in seqs])
+    monkeypatch.undo()
+    rows = sum(len(s) for s in seqs)
+    pinned = {shape for shape, is_pinned in copies if is_pinned}
+    assert {(rows,), (len(seqs),)} <= pinned, copies  # ids, positions and slots; the logits rows
+    assert any(not is_pinned and len(shape) == 2 for shape, is_pinned in copies), copies  # the block tables
+
+
 def test_a_gpu_engine_imports_none_of_the_cpu_tuning():
     """A fresh process builds a GPU engine (random TinyLlama, its GPU speed-ups, CUDA graphs) and decodes;
     none of the CPU's tuning modules is imported on the way (``tests/test_engine_config.py: CPU_TUNING_MODULES``)."""

@@ -250,8 +250,9 @@ class CStep:
         measured = [n for n in self.layouts if n <= rows]
         return self.layouts[max(measured)] if measured else self.unmeasured
 
-    def hidden_states(self, model, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        return decode_hidden_states(model, input_ids, positions, meta, self.layout_for(input_ids.shape[0]) == PACKED)
+    def hidden_states(self, model, input_ids: torch.Tensor, positions: torch.Tensor, meta, layout: str) -> torch.Tensor:
+        """The step in one C call, in ``layout`` (``layout_for`` the step's rows, which the model notes)."""
+        return decode_hidden_states(model, input_ids, positions, meta, layout == PACKED)
 
     def __repr__(self) -> str:
         return f"CStep(max_rows={self.max_rows}, layouts={self.layouts}, unmeasured={self.unmeasured!r})"

@@ -137,7 +137,7 @@ class LlamaForCausalLM(nn.Module):
         whole_step = hidden is None and last and isinstance(meta, PagedCacheMetadata)  # the C step reads the pool
         if self.cpu_step is not None and whole_step and self.cpu_step.takes(input_ids.shape[0]):
             self.c_step_layout = self.cpu_step.layout_for(input_ids.shape[0])  # the step's trace tells it
-            return self.cpu_step.hidden_states(self, input_ids, positions, meta)
+            return self.cpu_step.hidden_states(self, input_ids, positions, meta, self.c_step_layout)
         self.c_step_layout = None
         hidden = self.embed_tokens(input_ids) if hidden is None else hidden
         cos_sin = self.rotary.at(positions)

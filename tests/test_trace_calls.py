@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from lifeofprompt.cpu import c_step
 from lifeofprompt.engine.config import EngineConfig
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "trace_calls.py"
@@ -159,6 +160,7 @@ def test_settings_in_reach_looks_one_level_into_every_argument_and_its_slots():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(c_step.step_kernel() is None, reason="no C compiler: no C step for the walk to measure")
 def test_a_request_reaches_its_first_token_in_at_most_30_hops(monkeypatch):
     """The step's shape, measured as the engine README reports it: ``LLM.generate`` of one prompt to its first
     token, with the CPU tuning pinned so that no timing changes the path (the C step decodes). Each hop is a

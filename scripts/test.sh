@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole test suite, notebooks and browser tests included, after the linter and the formatter's check.
+# The whole test suite, notebooks and browser tests included, after ruff (lint and format) and scripts/lint.py.
 # Installs what is missing first.
 #   bash scripts/test.sh            everything
 #   bash scripts/test.sh --quick    ruff and the unit tests: no notebooks, browser, spawned ranks or slow tests
@@ -11,6 +11,7 @@ if [ "${1:-}" = "--quick" ]; then quick=1; shift; fi
 if [ "$quick" = 1 ]; then bash scripts/setup.sh; else bash scripts/setup.sh --browser; fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+.venv/bin/python scripts/lint.py  # the repository's own rules (chapter length, links, exercises, short functions)
 export PYTHONHASHSEED=0 TOKENIZERS_PARALLELISM=false
 if [ "$quick" = 1 ]; then
   exec .venv/bin/python -m pytest tests -p no:cacheprovider -m "not browser and not ranks and not slow and not gpu" \

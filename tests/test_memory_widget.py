@@ -1,55 +1,62 @@
-"""The VRAM-land panel's callback, called directly (the browser test moves the real slider)."""
+"""The VRAM-land panel's callback, called directly (the browser test moves the real slider): the plan the
+sliders ask for, the bar drawn from it, and the panel following a slider."""
 
 from __future__ import annotations
+
+import io
 
 import matplotlib
 
 matplotlib.use("Agg")
 
 from lifeofprompt.engine.memory import plan_memory  # noqa: E402
-from lifeofprompt.figures.memory import land_figure, land_report, memory_panel, update_land  # noqa: E402
+from lifeofprompt.figures.memory import land_figure, land_plan, memory_panel, update_land  # noqa: E402
+from lifeofprompt.lessons.memory_arithmetic import cpu_blocks, max_concurrency, unusable  # noqa: E402
 from lifeofprompt.model.config import TINYLLAMA_1_1B  # noqa: E402
 from lifeofprompt.units import GiB  # noqa: E402
 
 
-def test_update_gives_figure_and_the_logged_numbers():
-    fig, text = update_land(16, 0.9, "tinyllama-1.1b", 16, 4096)
-    assert "GPU blocks         36,387" in text
-    assert "CPU blocks         11,915" in text
-    assert "requests of 4,096 tokens that fit at once: 142" in text
-    assert "(estimated)" in text
-    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
-    assert any(label.startswith("KV pool") for label in labels)
-    assert any("activations (estimated)" in label for label in labels)
+def bars(fig) -> list[float]:
+    return [p.get_width() for p in fig.axes[0].patches]
+
+
+def test_the_sliders_plan_is_vllms_arithmetic_on_tinyllama():
+    plan = land_plan(16, 0.9, "tinyllama-1.1b", 16)
+    assert plan.num_gpu_blocks == 36_387 and cpu_blocks(plan) == 11_915
+    assert max_concurrency(plan, 4096) == 142 and not plan.activations_measured
+
+
+def test_the_bar_draws_each_tenant_of_the_plan_and_renders():
+    fig, text, plan = update_land(16, 0.9, "tinyllama-1.1b", 16, 4096)
+    expected = [plan.weights, plan.activations, plan.kv_pool, unusable(plan)]
+    assert bars(fig) == [n / GiB for n in expected]
+    assert len(fig.axes[0].get_legend().get_texts()) == 4  # one entry per tenant
+    assert f"{plan.num_gpu_blocks:,}" in text
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    assert png.getvalue().startswith(b"\x89PNG")
 
 
 def test_more_memory_more_blocks():
-    _, small = update_land(16, 0.9, "tinyllama-1.1b", 16, 4096)
-    _, large = update_land(24, 0.9, "tinyllama-1.1b", 16, 4096)
-    blocks = [int(t.split("GPU blocks")[1].split()[0].replace(",", "")) for t in (small, large)]
-    assert blocks[1] > blocks[0]
+    small, large = (land_plan(gib, 0.9, "tinyllama-1.1b", 16) for gib in (16, 24))
+    assert large.num_gpu_blocks > small.num_gpu_blocks and large.weights == small.weights
 
 
 def test_a_model_that_does_not_fit_explains_itself():
-    fig, text = update_land(8, 0.9, "llama-3.1-8b", 16, 4096)
-    assert fig is None and text.startswith("OutOfMemoryError") and "do not fit" in text
+    fig, text, plan = update_land(8, 0.9, "llama-3.1-8b", 16, 4096)
+    assert fig is None and plan is None and text.startswith("OutOfMemoryError") and "do not fit" in text
 
 
-def test_the_bar_spans_the_whole_device():
+def test_the_bar_spans_the_whole_device_with_measured_activations():
     plan = plan_memory(TINYLLAMA_1_1B, "bf16", 16 * GiB, activations=GiB, activations_measured=True)
     fig = land_figure(plan)
-    widths = sum(p.get_width() for p in fig.axes[0].patches)
-    assert abs(widths - 16) < 1e-9
-    assert "(measured)" in land_report(plan, 2048)
-    assert any("activations (measured)" in t.get_text() for t in fig.axes[0].get_legend().get_texts())
+    assert abs(sum(bars(fig)) - 16) < 1e-9 and bars(fig)[1] == 1.0
 
 
 def test_panel_redraws_when_a_slider_moves():
     panel = memory_panel()
-
-    def printed():
-        return panel.shown["text"]
-
-    assert "36,387" in printed()
+    before = panel.shown["plan"]
+    assert before.num_gpu_blocks == 36_387
     panel.controls["gpu_memory_gib"].value = 24
-    assert "36,387" not in printed() and "GPU blocks" in printed()
+    after = panel.shown["plan"]
+    assert after.num_gpu_blocks > before.num_gpu_blocks and f"{after.num_gpu_blocks:,}" in panel.shown["text"]

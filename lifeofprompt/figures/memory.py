@@ -3,8 +3,8 @@
 ``land_figure(plan)`` draws one stacked bar: what the utilization fraction leaves out, the
 weights, the activation workspace, the KV pool. ``land_report(plan, context_len)`` is the text
 vLLM users know from the start-up log (GPU blocks, CPU blocks) plus how many requests of a given
-length fit. ``update_land(...)`` turns slider values into both, as a plain function, so tests call
-it directly; ``memory_panel()`` wires it to ipywidgets.
+length fit. ``update_land(...)`` turns slider values into the plan (``land_plan``) and both, as a plain
+function, so tests call it directly; ``memory_panel()`` wires it to ipywidgets.
 """
 
 from __future__ import annotations
@@ -77,22 +77,28 @@ def land_report(plan: MemoryPlan, context_len: int) -> str:
     )
 
 
+def land_plan(gpu_memory_gib: float, utilization: float, model: str, block_size: int, dtype="bf16") -> MemoryPlan:
+    """Slider values → the plan that the figure and the report draw (raises where the setting cannot work)."""
+    return plan_memory(KNOWN_CONFIGS[model], dtype, int(gpu_memory_gib * GiB), utilization, block_size)
+
+
 def update_land(gpu_memory_gib: float, utilization: float, model: str, block_size: int, context_len: int, dtype="bf16"):
-    """Slider values → ``(figure or None, text)``: the land of ``model`` on a device reporting ``gpu_memory_gib`` GiB.
+    """Slider values → ``(figure or None, text, plan or None)``: the land of ``model`` on a device reporting
+    ``gpu_memory_gib`` GiB.
 
     A setting that cannot work (the model does not fit, a block size of 0) gives ``None`` and the
     error's message, so the panel explains instead of crashing.
     """
     import matplotlib.pyplot as plt
 
-    config = KNOWN_CONFIGS[model]
     try:
-        plan = plan_memory(config, dtype, int(gpu_memory_gib * GiB), utilization, block_size)
+        plan = land_plan(gpu_memory_gib, utilization, model, block_size, dtype)
     except LifeOfPromptError as exc:
-        return None, f"{type(exc).__name__}: {exc}"
-    fig = land_figure(plan, title=f"{config.name} ({dtype}) on {gpu_memory_gib:g} GiB at {utilization:.0%}")
+        return None, f"{type(exc).__name__}: {exc}", None
+    title = f"{KNOWN_CONFIGS[model].name} ({dtype}) on {gpu_memory_gib:g} GiB at {utilization:.0%}"
+    fig = land_figure(plan, title=title)
     plt.close(fig)  # shown by the caller, not by pyplot's auto-display
-    return fig, land_report(plan, context_len)
+    return fig, land_report(plan, context_len), plan
 
 
 def memory_panel(
@@ -120,11 +126,11 @@ def memory_panel(
         ),
     )
     out = widgets.Output()
-    shown = {}  # the latest text, readable without a browser
+    shown = {}  # the latest text and plan, readable without a browser
 
     def redraw(_=None):
-        fig, text = update_land(**{name: w.value for name, w in controls.items()})
-        shown["text"] = text
+        fig, text, plan = update_land(**{name: w.value for name, w in controls.items()})
+        shown.update(text=text, plan=plan)
         out.clear_output(wait=True)
         with out:
             print(text)

@@ -42,15 +42,14 @@ class StoredWeights:
 
 def gguf_bytes(path: Path | str | None = None) -> StoredWeights:
     """Bytes and element counts of every tensor in a GGUF, summed per storage type (default: the embedded model)."""
-    import gguf
-
     if path is None:
         from ..model.loader import smollm2_gguf_path
 
         path = smollm2_gguf_path()
-    reader = gguf.GGUFReader(str(path))
+    from ..model.gguf_weights import GGUFTensors
+
     nbytes, elements = Counter(), Counter()
-    for tensor in reader.tensors:
+    for tensor in GGUFTensors(path).tensors.values():  # read once per process and file version
         nbytes[tensor.tensor_type.name] += int(tensor.n_bytes)
         elements[tensor.tensor_type.name] += int(tensor.n_elements)
     return StoredWeights(dict(nbytes), dict(elements))

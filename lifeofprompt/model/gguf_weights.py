@@ -14,6 +14,7 @@ blocks, so nothing is rounded again:
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -35,14 +36,23 @@ def unpermute_order(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).reshape(heads, half, 2).transpose(1, 2).reshape(rows)
 
 
+@functools.cache
+def read_tensors(path: str, mtime_ns: int, size: int) -> dict:
+    """A GGUF's tensors by name, read once per process and file version (its time and size are in the key): gguf's
+    reader takes seconds to map a file of hundreds of tensors, and every load of the same file would pay it again
+    (each tensor is copied out, never written)."""
+    from gguf import GGUFReader
+
+    return {t.name: t for t in GGUFReader(path).tensors}
+
+
 class GGUFTensors:
     """The tensors of one GGUF file by name, each as blocks or as a float tensor."""
 
     def __init__(self, path: Path):
-        from gguf import GGUFReader
-
         self.path = Path(path)
-        self.tensors = {t.name: t for t in GGUFReader(self.path).tensors}
+        stat = self.path.stat()
+        self.tensors = read_tensors(str(self.path.resolve()), stat.st_mtime_ns, stat.st_size)
 
     def has(self, name: str) -> bool:
         return name in self.tensors

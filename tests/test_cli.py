@@ -61,19 +61,31 @@ def test_demo_prints_the_story_token_ids_and_completions():
     assert "RANDOM" not in out.stdout and "random weights" not in out.stdout
 
 
-def test_generate_rejects_a_bad_max_tokens():
-    out = run("generate", "hi my name is", "--max-tokens", "0")
-    assert out.returncode == 2
-    assert "--max-tokens must be at least 1" in out.stderr
-    out = run("generate", "hi my name is", "--max-tokens", "lots")
-    assert out.returncode == 2
-    assert "invalid int value: 'lots'" in out.stderr
+def in_process(capsys, *args):
+    """``main(args)`` as the console script calls it: ``(exit code, stdout, stderr)``, argparse's exits included.
+    The subprocess tests above and below start the real command; argument errors need no new interpreter."""
+    from lifeofprompt.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
-def test_the_old_cpu_linear_flag_says_its_new_name():
-    out = run("generate", "hi my name is", "--max-tokens", "0", "--cpu-linear", "linear")
-    assert out.returncode == 2 and "error: --cpu-linear is now --cpu-tuning" in out.stderr
-    assert "is now" not in run("generate", "hi my name is", "--max-tokens", "0", "--cpu-tuning", "linear").stderr
+def test_generate_rejects_a_bad_max_tokens(capsys):
+    code, _, err = in_process(capsys, "generate", "hi my name is", "--max-tokens", "0")
+    assert code == 2 and "--max-tokens must be at least 1" in err
+    code, _, err = in_process(capsys, "generate", "hi my name is", "--max-tokens", "lots")
+    assert code == 2 and "invalid int value: 'lots'" in err
+
+
+def test_the_old_cpu_linear_flag_says_its_new_name(capsys):
+    code, _, err = in_process(capsys, "generate", "hi my name is", "--max-tokens", "0", "--cpu-linear", "linear")
+    assert code == 2 and "error: --cpu-linear is now --cpu-tuning" in err
+    code, _, err = in_process(capsys, "generate", "hi my name is", "--max-tokens", "0", "--cpu-tuning", "linear")
+    assert code == 2 and "is now" not in err
 
 
 @pytest.mark.slow

@@ -10,8 +10,11 @@ os.environ.setdefault("LIFEOFPROMPT_CPU_TUNING", "linear")
 
 import pytest  # noqa: E402
 import torch
+from hypothesis import settings
 
 from lifeofprompt.story import STORY_PROMPTS
+
+settings.register_profile("long", max_examples=1000)  # tests/hypothesis_counts.py: each property's count × 10
 
 # Triton's mode is fixed when it is first imported, and transformers can import it (through the kernel hub
 # package) before any test reaches lifeofprompt.kernels: fix it first, as lifeofprompt.kernels would.

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_counts import examples
 
 from lifeofprompt.engine.memory import (
     blocks_for_tokens,
@@ -130,7 +131,7 @@ def test_models_that_do_not_fit():
         plan_memory(TINYLLAMA_1_1B, "bf16", int(2_200_096_768 / 0.9) + 1, activations=0)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     total_gib=st.floats(8, 200),
     utilization=st.floats(0.4, 1.0),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_counts import examples
 
 from lifeofprompt.engine.block_manager import BlockManager
 from lifeofprompt.engine.config import SchedulerConfig
@@ -119,7 +120,7 @@ def test_a_request_that_can_never_fit_is_named_before_it_is_added():
     assert len(sched.waiting) == 1
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(
     st.lists(st.tuples(st.integers(1, 20), st.integers(1, 10), st.integers(0, 6)), min_size=1, max_size=8),
     st.integers(4, 16),

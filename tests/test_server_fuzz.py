@@ -22,6 +22,7 @@ schemathesis = pytest.importorskip("schemathesis")
 pytest.importorskip("fastapi")
 
 from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis_counts import examples  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 from schemathesis.specs.openapi.checks import (  # noqa: E402
     content_type_conformance,
@@ -83,7 +84,7 @@ def tame(case) -> None:
 
 @pytest.mark.slow
 @schema.parametrize()
-@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=list(HealthCheck), database=None)
 def test_the_server_never_fails_and_always_conforms(case):
     tame(case)
     case.call_and_validate(checks=CHECKS)

@@ -15,6 +15,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis_counts import examples
 
 from lifeofprompt.engine.block_manager import hash_block
 from lifeofprompt.engine.llm_engine import LLMEngine
@@ -109,7 +110,9 @@ scripts = st.lists(
 
 
 @settings(
-    max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+    max_examples=examples(50),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 @given(
     requests=requests,
@@ -200,7 +203,9 @@ def test_random_accept_reject_stops_aborts_and_preemption_keep_the_books(
 
 
 @settings(
-    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+    max_examples=examples(25),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 @given(
     requests=requests,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis_counts import examples
 
 from lifeofprompt.lessons.tokenization import (
     STORY_TINYLLAMA_COUNTS,
@@ -83,7 +84,7 @@ def test_our_encoder_gives_the_story_ids(tokenizer):
 
 
 @pytest.mark.slow
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=30))
 def test_our_encoder_equals_the_tokenizer_on_any_text(tokenizer, text):
     assert bpe_encode(tokenizer, text) == tokenizer.encode(text)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_counts import examples
 
 from lifeofprompt.lessons.toy_attention import (
     layer_walkthrough,
@@ -34,7 +35,7 @@ def test_default_toy_shapes_and_prediction():
     assert torch.isinf(toy.masked[0, 1]) and torch.equal(toy.weights.triu(1), torch.zeros(3, 3))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(st.integers(0, 10_000))
 def test_toy_is_causal_attention_for_any_seed(seed):
     toy = toy_attention(seed)

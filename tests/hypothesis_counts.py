@@ -1,0 +1,13 @@
+"""How many examples a property gets: the count written beside it in the suite (chosen for what that property
+needs to find its bugs in seconds), or ten times as many under ``pytest --hypothesis-profile=long`` (registered
+in ``conftest.py``), for a long run before a release."""
+
+from __future__ import annotations
+
+from hypothesis import settings
+
+
+def examples(count: int) -> int:
+    if settings.get_current_profile_name() == "long":
+        return max(10 * count, settings.default.max_examples)
+    return count

@@ -106,6 +106,7 @@ def test_generate_honours_temperature_and_seed(capsys):
     assert runs[0] != runs[2]
 
 
+@pytest.mark.slow
 def test_generate_on_the_gguf_blocks_says_so():
     out = run("generate", "hi my name is", "--max-tokens", "4", "--quantization", "gguf")
     assert out.returncode == 0, out.stderr

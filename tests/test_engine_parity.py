@@ -63,6 +63,7 @@ def engine_outputs(smollm2):
     return outputs, steps
 
 
+@pytest.mark.slow
 def test_one_batch_for_all_prompts(engine_outputs):
     outputs, steps = engine_outputs
     assert [len(o.outputs[0].token_ids) for o in outputs] == [NEW_TOKENS] * len(PROMPTS)
@@ -80,6 +81,7 @@ def test_the_pin_holds_its_margins():
     assert undecided <= 0.02 * ALL_STEPS, undecided
 
 
+@pytest.mark.slow
 def test_all_prompts_match_the_pinned_transformers_tokens(engine_outputs):
     outputs, _ = engine_outputs
     compared = assert_greedy_agrees(

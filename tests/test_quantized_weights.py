@@ -110,6 +110,7 @@ def test_none_means_floats_and_auto_is_timed_only_where_the_cpu_is_tuned():
     assert quantization_to_load(EngineConfig.from_settings(cpu_tuning="auto", quantization="q8_0")) == "q8_0"
 
 
+@pytest.mark.slow
 def test_the_engine_on_blocks_says_so_and_decodes_the_story(one_thread):
     llm = LLM("smollm2-135m", quantization="gguf", cpu_tuning="off", log_stats=False)
     log = "\n".join(llm.engine.startup_log)

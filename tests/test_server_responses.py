@@ -154,7 +154,11 @@ def test_streaming_yields_typed_events_whose_deltas_make_the_text(client):
     assert final.usage.output_tokens > 0 and final.id == events[0].response.id
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "get_weather"}], ids=["required", "named"])
+@pytest.mark.parametrize(
+    "choice",
+    [pytest.param("required", marks=pytest.mark.slow), {"type": "function", "name": "get_weather"}],
+    ids=["required", "named"],
+)
 def test_an_agents_function_call_round_trip(client, choice):
     """The model calls a tool (its arguments valid for the tool's schema); the agent sends the call and
     its output back as items, and the next response reads them."""
@@ -214,6 +218,7 @@ def test_a_streamed_function_call_has_its_argument_events(client):
     assert (item.type, item.name, item.arguments) == ("function_call", "get_weather", done.arguments)
 
 
+@pytest.mark.slow
 def test_tools_with_no_tool_choice_are_auto_and_an_agents_loop_runs_on_it(client, smollm2):
     """No tool_choice (the Agents SDK's and LangChain's default) is auto: the trigger forced by logit_bias
     (``<tool_call>``'s five tokens) makes a call valid for its schema; the loop's second turn, also auto,

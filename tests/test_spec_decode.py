@@ -373,6 +373,7 @@ def test_self_speculation_first_layers_gives_the_same_greedy_tokens(smollm2, pro
     )
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_the_model_as_its_own_draft_accepts_almost_everything(smollm2, prompts, reference, verify_tolerance):
     """Acceptance ≈ 1 checks the bookkeeping: the draft's K/V sit in the right slots of its own pool, in

@@ -136,7 +136,12 @@ def p_values(samples: torch.Tensor, joint: torch.Tensor) -> dict[str, float]:
 
 
 @pytest.mark.parametrize(
-    "drafter, case", [("ngram", "plain"), ("greedy oracle", "filtered"), ("draft model", "filtered")]
+    "drafter, case",
+    [
+        ("ngram", "plain"),
+        ("greedy oracle", "filtered"),
+        pytest.param("draft model", "filtered", marks=pytest.mark.slow),
+    ],
 )
 def test_speculation_keeps_the_distribution_of_the_first_three_tokens(tiny, drafter, case):
     """The draft model (the tiny model's first layer, norm and head) has a q of its own, not one-hot."""

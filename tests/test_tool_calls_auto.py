@@ -202,6 +202,7 @@ def smol(smollm2):
         yield client, bias
 
 
+@pytest.mark.slow
 def test_auto_with_the_trigger_forced_makes_a_call_valid_for_its_schema(smol):
     client, bias = smol
     response = client.chat.completions.create(
@@ -236,6 +237,7 @@ def test_auto_streams_the_name_first_then_arguments_that_concatenate_to_valid_js
     jsonschema.validate(arguments, SCHEMAS[first.function.name])
 
 
+@pytest.mark.slow
 def test_auto_left_to_the_model(smol):
     """What SmolLM2-135M does with the tools and a natural request is its own choice: reported, not asserted."""
     client, _ = smol

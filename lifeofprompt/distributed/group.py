@@ -166,6 +166,7 @@ class ParallelGroup:
                 dist.init_process_group(
                     backend, store=store, rank=0, world_size=world, timeout=timedelta(seconds=timeout_s)
                 )
+                collectives.reset()  # this process's counts start with its group, as the new workers' do
                 model = group._send_weights(full_model)
         except BaseException:
             group.shutdown()
@@ -215,6 +216,7 @@ class ParallelGroup:
                 backend, init_method="env://", rank=0, world_size=world, timeout=timedelta(seconds=START_TIMEOUT_S)
             )
             collectives.use_world(dist.new_group(list(range(world)), timeout=timedelta(seconds=timeout_s)))
+            collectives.reset()  # this process's counts start with its group, as every other rank's do
             with group.guard():
                 model = group._send_weights(full_model)
         except BaseException:

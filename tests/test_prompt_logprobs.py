@@ -141,7 +141,7 @@ def test_max_tokens_zero_scores_the_prompt_and_generates_nothing(smollm2, prompt
 def test_scoring_in_slices_equals_scoring_at_once(smollm2, prompt):
     """The lm_head and log-softmax run a few rows at a time; the slices must give what one pass gives."""
     model = smollm2[0]
-    hidden = torch.randn(len(prompt), model.config.hidden_size)
+    hidden = torch.randn(len(prompt), model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     plan = prompt_scoring.PromptRows(
         rows=list(range(len(prompt) - 1)),
         targets=prompt[1:],
@@ -151,8 +151,13 @@ def test_scoring_in_slices_equals_scoring_at_once(smollm2, prompt):
     at_once = prompt_scoring.score_prompt_rows(model.lm_head, hidden, plan, slice_rows=len(prompt))[7]
     sliced = prompt_scoring.score_prompt_rows(model.lm_head, hidden, plan, slice_rows=3)[7]
     assert len(sliced) == len(prompt) - 1
+    # Other row counts sum the same products in another order: equal to fp32 rounding (a few 1e-6 on logprobs of
+    # size 10 over a 49,152-token softmax), and a token may swap in at the top-k edge only through such a tie.
+    close = 1e-4
     for a, b in zip(at_once, sliced):
-        assert a.keys() == b.keys() and all(a[t] == pytest.approx(b[t], abs=1e-5) for t in a)
+        assert all(a[t] == pytest.approx(b[t], abs=close) for t in a.keys() & b.keys())
+        for only, other in ((a.keys() - b.keys(), b), (b.keys() - a.keys(), a)):
+            assert all(abs({**a, **b}[t] - min(other.values())) <= close for t in only), (a, b)
 
 
 @pytest.mark.parametrize("value", [21, -1, 1.5, True, "3"])

@@ -13,10 +13,16 @@ if [ "$quick" = 1 ]; then bash scripts/setup.sh; else bash scripts/setup.sh --br
 .venv/bin/ruff format --check .
 .venv/bin/python scripts/lint.py  # the repository's own rules (chapter length, links, exercises, short functions)
 export PYTHONHASHSEED=0 TOKENIZERS_PARALLELISM=false
+# Two pytest workers where there are two cores (CI has two): measured faster than one on 2-core machines
+# (benchmarks/results/suite_durations_*). A file's tests stay on one worker (--dist loadfile), so a notebook's
+# cells run in order in one kernel and a module's fixtures are built once. LIFEOFPROMPT_TEST_WORKERS=N asks for N.
+workers=${LIFEOFPROMPT_TEST_WORKERS:-$(( $(nproc) < 2 ? 1 : 2 ))}
+parallel=()
+if [ "$workers" -gt 1 ]; then parallel=(-n "$workers" --dist loadfile); fi
 if [ "$quick" = 1 ]; then
   exec .venv/bin/python -m pytest tests -p no:cacheprovider -m "not browser and not ranks and not slow and not gpu" \
-    --timeout=600 -q -ra "$@"
+    "${parallel[@]}" --timeout=600 -q -ra "$@"
 fi
-exec .venv/bin/python -m pytest tests notebooks -p no:cacheprovider \
+exec .venv/bin/python -m pytest tests notebooks -p no:cacheprovider "${parallel[@]}" \
   --nbval-lax --nbval-current-env --nbval-cell-timeout=900 --nbval-kernel-startup-timeout=120 \
   --timeout=1800 -ra "$@"

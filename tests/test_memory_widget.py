@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 
 from lifeofprompt.engine.memory import plan_memory  # noqa: E402
-from lifeofprompt.figures.memory import land_figure, land_plan, memory_panel, update_land  # noqa: E402
+from lifeofprompt.figures.memory import land_figure, land_plan, land_report, memory_panel, update_land  # noqa: E402
 from lifeofprompt.lessons.memory_arithmetic import cpu_blocks, max_concurrency, unusable  # noqa: E402
 from lifeofprompt.model.config import TINYLLAMA_1_1B  # noqa: E402
 from lifeofprompt.units import GiB  # noqa: E402
@@ -51,6 +51,7 @@ def test_the_bar_spans_the_whole_device_with_measured_activations():
     plan = plan_memory(TINYLLAMA_1_1B, "bf16", 16 * GiB, activations=GiB, activations_measured=True)
     fig = land_figure(plan)
     assert abs(sum(bars(fig)) - 16) < 1e-9 and bars(fig)[1] == 1.0
+    assert "measured" in land_report(plan, 2048) and "estimated" not in land_report(plan, 2048)  # says which it is
 
 
 def test_panel_redraws_when_a_slider_moves():

@@ -216,6 +216,7 @@ def test_auto_with_the_trigger_forced_makes_a_call_valid_for_its_schema(smol):
     assert choice.message.content is None
 
 
+@pytest.mark.slow
 def test_auto_streams_the_name_first_then_arguments_that_concatenate_to_valid_json(smol):
     client, bias = smol
     stream = client.chat.completions.create(

@@ -371,7 +371,10 @@ def test_disconnect_frees_blocks_while_others_run(server, expected):
         "temperature": 0, "stream": True,
     }  # fmt: skip
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
-        first = next(line for line in response.iter_lines() if line.startswith("data: "))
+        # The line iterator is held: a generator dropped after next() is closed at once, and closing httpx's
+        # stream closes the connection, so the server aborted the request before the check below could see it run.
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
         assert json.loads(first[6:])["choices"][0]["text"], first
         assert server.engine.block_manager.num_used_blocks > 0, first
     other = httpx.post(

@@ -14,11 +14,15 @@ if [ "$quick" = 1 ]; then bash scripts/setup.sh; else bash scripts/setup.sh --br
 .venv/bin/python scripts/lint.py  # the repository's own rules (chapter length, links, exercises, short functions)
 export PYTHONHASHSEED=0 TOKENIZERS_PARALLELISM=false
 # Two pytest workers where there are two cores (CI has two): measured faster than one on 2-core machines
-# (benchmarks/results/suite_durations_*). A file's tests stay on one worker (--dist loadfile), so a notebook's
-# cells run in order in one kernel and a module's fixtures are built once. LIFEOFPROMPT_TEST_WORKERS=N asks for N.
+# (benchmarks/NOTES.md, "The test tiers"). The whole suite keeps a file's tests on one worker (--dist loadfile), so
+# a notebook's cells run in order in one kernel; the quick tier lets an idle worker take tests from the other's
+# files (--dist worksteal; 2 min 39 s against 3 min 6 s, back to back). LIFEOFPROMPT_TEST_WORKERS=N asks for N.
 workers=${LIFEOFPROMPT_TEST_WORKERS:-$(( $(nproc) < 2 ? 1 : 2 ))}
 parallel=()
-if [ "$workers" -gt 1 ]; then parallel=(-n "$workers" --dist loadfile); fi
+if [ "$workers" -gt 1 ]; then
+  parallel=(-n "$workers" --dist loadfile)
+  if [ "$quick" = 1 ]; then parallel=(-n "$workers" --dist worksteal); fi
+fi
 if [ "$quick" = 1 ]; then
   exec .venv/bin/python -m pytest tests -p no:cacheprovider -m "not browser and not ranks and not slow and not gpu" \
     "${parallel[@]}" --timeout=600 -q -ra "$@"

@@ -174,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
         dest="pipeline_overlap",
         help="with several stages, run one step at a time (default: up to one step per stage in flight)",
     )
+    serve.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule the next step while this one runs (default: on a GPU where it can, off on a CPU)",
+    )
 
     load = sub.add_parser(
         "loadtest",

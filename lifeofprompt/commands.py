@@ -96,7 +96,7 @@ def generate(args) -> int:
 ENGINE_FLAGS = (
     "dtype device cpu_tuning block_size max_num_seqs max_num_batched_tokens num_kv_blocks max_waiting "
     "long_prefill_token_threshold speculative_config tensor_parallel_size pipeline_parallel_size pipeline_overlap "
-    "distributed_executor_backend"
+    "distributed_executor_backend async_scheduling"
 ).split()
 
 

@@ -13,11 +13,11 @@ from dataclasses import replace
 
 import pytest
 import torch
+from cache_checks import check_cached_blocks_were_verified
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis_counts import examples
 
-from lifeofprompt.engine.block_manager import hash_block
 from lifeofprompt.engine.llm_engine import LLMEngine
 from lifeofprompt.engine.sampling_params import SamplingParams
 from lifeofprompt.lessons.agreement import FP32_TOLERANCE, assert_greedy_agrees, teacher_forced_logits, top2_margins
@@ -82,18 +82,6 @@ class ScriptedProposer:
         done = len(token_ids) - len(prompt)
         right = self.references[prompt][done : done + num_draft]
         return [t if i < num_right else (t + 1 + i) % VOCAB for i, t in enumerate(right)]
-
-
-def check_cached_blocks_were_verified(bm, verified: list[list[int]]) -> None:
-    """Every block in the prefix cache is one of the chained full blocks of some sequence's verified tokens."""
-    known = set()
-    for tokens in verified:
-        parent = None
-        for i in range(len(tokens) // bm.block_size):
-            parent = hash_block(parent, tokens[i * bm.block_size : (i + 1) * bm.block_size])
-            known.add(parent)
-    for h, block_id in bm.hash_to_block.items():
-        assert h in known, f"cached block {block_id} {bm.blocks[block_id].token_ids} holds tokens no sequence verified"
 
 
 prompts = st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=10).map(tuple)

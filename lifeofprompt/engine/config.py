@@ -70,6 +70,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     pipeline_overlap: bool = True  # P > 1: one step per stage in flight
+    async_scheduling: bool | None = None  # the next step scheduled while this one runs; None: where it can
     distributed_executor_backend: str | None = None  # None, "uni" or "mp" (distributed/executor.py)
     log_stats: bool = True  # log the start-up lines
     check_invariants: bool = False  # check the block manager after every step (tests)
@@ -155,6 +156,11 @@ def check(config: EngineConfig) -> None:
     _check_dtype_and_device(config)
     _check_quantization(config)
     _one_of(config, "cpu_tuning", CPU_TUNINGS)
+    if config.async_scheduling not in (None, True, False):
+        raise ConfigError(
+            f"async_scheduling must be True, False or None (where it can), got {config.async_scheduling!r}",
+            param="async_scheduling",
+        )
     if not _is_int(config.max_step_records) or config.max_step_records < 0:
         records = config.max_step_records
         raise ConfigError(f"max_step_records must be an integer >= 0, got {records!r}", param="max_step_records")

@@ -47,6 +47,8 @@ from ..errors import (
     SpeculativeConfigError,
 )
 from ..model.loader import DEFAULT_MODEL, load_model, prepare_for_device
+from .async_scheduling import AsyncScheduling
+from .async_scheduling import choose as async_choice
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .logs import log_to_stderr
@@ -105,6 +107,7 @@ class LLMEngine:
         self.pipeline = None  # P > 1: up to P steps in flight, one per micro-batch group (pipeline_overlap.py)
         if r.scheduler.num_groups > 1:
             self.pipeline = PipelineOverlap(self.scheduler, self.runner, r.scheduler.num_groups, self._start_step)
+        self.overlap = self._start_async_scheduling()  # None: one step at a time
         self.startup_log = startup_lines(self)
         if self.config.log_stats:
             for line in self.startup_log:
@@ -149,6 +152,14 @@ class LLMEngine:
         )
         group.shutdown_with(self)
         return group, c.replace(num_kv_blocks=blocks)
+
+    def _start_async_scheduling(self) -> AsyncScheduling | None:
+        """The next step scheduled while this one runs (``async_scheduling.py``), where the setting and this
+        engine allow; ``self.async_scheduling_why`` says why it is on or off (the start-up log)."""
+        on, self.async_scheduling_why = async_choice(self.config, self.resolved, self.spec, self.parallel)
+        if not on:
+            return None
+        return AsyncScheduling(self.scheduler, self.runner, self._start_step, self._finish_step, self.clock)
 
     def _start_requests(self) -> None:
         """The request table, the inbox other threads add to, and the locks around them."""
@@ -200,6 +211,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """End the tensor-parallel workers (if any); the engine cannot step afterwards. Idempotent."""
+        if self.overlap is not None:
+            self.overlap.shutdown()
         if self.parallel is not None:
             self.parallel.shutdown()
 
@@ -382,6 +395,7 @@ class LLMEngine:
                 bool(self._inbox or self._ended)
                 or self.scheduler.has_unfinished()
                 or bool(self.pipeline is not None and self.pipeline.in_flight)
+                or bool(self.overlap is not None and self.overlap.in_flight)
             )
 
     def get_num_unfinished_requests(self) -> int:
@@ -412,6 +426,11 @@ class LLMEngine:
         if self.pipeline is not None:
             done = self.pipeline.advance()
             return self._finish_step(*done) if done is not None else []
+        if self.overlap is not None:
+            if not any(seq.prompt_logprobs is not None for seq in self.scheduler.seqs):
+                return self.overlap.step()
+            if self.overlap.in_flight is not None:  # a request scores its prompt: its steps run one at a time
+                return self.overlap.drain()
         batch = self.scheduler.schedule()
         if not batch.seqs:  # nobody could run
             return []

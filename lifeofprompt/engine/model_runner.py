@@ -264,8 +264,11 @@ class ModelRunner:
         logits_on_the_way, launch = pending
         return self.sample_step(seqs, num_scheduled_tokens, logits_on_the_way.wait(), launch)
 
-    def sample_step(self, seqs: list[Sequence], num_scheduled_tokens: list[int], logits, launch) -> StepOutput:
-        """``execute``'s second half: the step's tokens from its logits (``step_output.sample_step``)."""
-        out = sample_step(self.sampler, seqs, num_scheduled_tokens, logits, self.eos_token_ids)
+    def sample_step(
+        self, seqs: list[Sequence], num_scheduled_tokens: list[int], logits, launch, samples=None
+    ) -> StepOutput:
+        """``execute``'s second half: the step's tokens from its logits (``step_output.sample_step``;
+        ``samples``: which sequences sample, as scheduled, where the scheduler already counted the step)."""
+        out = sample_step(self.sampler, seqs, num_scheduled_tokens, logits, self.eos_token_ids, samples)
         out.launch = launch
         return out

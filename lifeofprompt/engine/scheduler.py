@@ -80,6 +80,8 @@ class ScheduledBatch:
     preempted: list[str] = field(default_factory=list)
     group: int | None = None  # its micro-batch group (pipeline overlap), else None
     trace: StepRecord | None = None  # the step for people (``step_trace.py``), made with the batch
+    samples: list[bool] = field(default_factory=list)  # per sequence: whether its last row samples a token
+    expected: bool = False  # counted as computed when it started (async scheduling: ``Scheduler.expect``)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -144,6 +146,7 @@ class Scheduler:
         elif seq.status == SequenceStatus.WAITING and seq in self.waiting:  # an n > 1 answer not yet queued: no line
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        seq.drop_placeholders()  # a token still in flight is never part of the answer
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -272,12 +275,14 @@ class Scheduler:
         batch.seqs.append(seq)
         batch.num_scheduled_tokens.append(n)
         batch.num_cached_tokens.append(cached)
+        batch.samples.append(seq.num_computed_tokens + n == len(seq) + len(seq.spec_token_ids))
 
     def _preempt(self, seq: Sequence) -> None:
         """Evict by recompute: blocks freed, computed count to zero, front of the waiting line."""
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.drop_placeholders()  # the step in flight's token for it is dropped; recompute makes it again
         seq.set_spec([])
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -289,6 +294,18 @@ class Scheduler:
         """Draft tokens a verify of ``seq`` may check: a verify yields up to k + 1 tokens, so at
         most one fewer than ``max_tokens`` (or the context) still allows."""
         return max(0, self.max_total_tokens(seq) - len(seq) - 1)
+
+    def expect(self, batch: ScheduledBatch) -> None:
+        """A step has started and the next is to be scheduled before it ends (async scheduling): count its
+        rows as computed now, and hold a placeholder for each token it will sample, so the next step
+        decodes from there. ``update_from_output`` later puts the sampled tokens in their places."""
+        for seq, n, samples in zip(batch.seqs, batch.num_scheduled_tokens, batch.samples):
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # ended after the step was planned: its row is computed and never read
+            seq.num_computed_tokens += n
+            if samples and seq.sampling_params.max_tokens != 0:
+                seq.expect_token()
+        batch.expected = True
 
     def update_from_output(self, batch: ScheduledBatch, sampled: list) -> SchedulerUpdate:
         """Advance each scheduled sequence past this step's tokens, append what it sampled, finish who stopped.
@@ -305,8 +322,12 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:
                 continue  # ended while the step ran
             tokens = token if isinstance(token, list) else ([] if token is None else [token])
-            start = seq.num_computed_tokens
-            self._advance(seq, n, len(tokens))
+            if batch.expected:  # counted when it started: its sampled token takes the placeholder's place
+                start = seq.num_computed_tokens - n
+                seq.drop_placeholders()
+            else:
+                start = seq.num_computed_tokens
+                self._advance(seq, n, len(tokens))
             kept, reason = self._first_stop(seq, tokens)
             seq.output_token_ids.extend(kept)
             if len(kept) < len(tokens):  # the rows after the stop hold tokens the output dropped

@@ -8,6 +8,11 @@ With speculative decoding a decoding sequence may also carry ``spec_token_ids``:
 guesses of its next tokens, not yet part of ``token_ids``. A verify step computes
 ``[last token] + spec_token_ids``; the tokens the model agrees with then join ``output_token_ids``
 and the rest are dropped (``scheduler.py``).
+
+With async scheduling (``async_scheduling.py``) the next step is scheduled while this one runs, so a
+sequence in the running step already counts that step's rows as computed and holds a *placeholder*
+(``PLACEHOLDER``) at the end of ``output_token_ids`` for the token it has not sampled yet: the next
+step is built around it, and the sampled token takes its place before that step starts.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ class SequenceStatus(enum.Enum):
 
 
 _counter = itertools.count()
+PLACEHOLDER = -1  # a token the step in flight has not sampled yet (async scheduling); never a vocabulary id
 
 
 class Sequence:
@@ -61,6 +67,7 @@ class Sequence:
         self.group: int | None = None  # its micro-batch group with pipeline overlap (the scheduler's), else None
         self.grammar = None  # its structured output's matcher (structured_output.GrammarState), if it has one
         self.generator = None  # its own random stream, made on its first draw (``random_stream``)
+        self.num_placeholders = 0  # tokens in flight at the end of output_token_ids (async scheduling: 0 or 1)
         # prompt_logprobs asked: entry i scores prompt token i + 1 (token 0 has nothing before it), filled as
         # prefill chunks run (``prompt_logprobs.py``); rows already scored are not scored again after a preemption
         self.prompt_logprobs: list[dict[int, float]] | None = None if sampling_params.prompt_logprobs is None else []
@@ -86,6 +93,25 @@ class Sequence:
     def last_token(self) -> int:
         """The newest token: a decode step's input."""
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def expect_token(self) -> None:
+        """The step just started will sample this sequence's next token: hold its place."""
+        self.output_token_ids.append(PLACEHOLDER)
+        self.num_placeholders += 1
+
+    def drop_placeholders(self) -> None:
+        """Forget the tokens in flight (they were sampled, or the sequence left the step's future)."""
+        if self.num_placeholders:
+            del self.output_token_ids[-self.num_placeholders :]
+            self.num_placeholders = 0
+
+    @property
+    def sampled_token_ids(self) -> list[int]:
+        """The output tokens actually sampled: ``output_token_ids`` without the placeholders (copied only
+        when there are some: what penalties and ``min_tokens`` read while a step is in flight)."""
+        if not self.num_placeholders:
+            return self.output_token_ids
+        return self.output_token_ids[: -self.num_placeholders]
 
     def set_spec(self, token_ids: list[int], probs=None) -> None:
         """Replace the drafts (and their q rows); ``[]`` clears them."""

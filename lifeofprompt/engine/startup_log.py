@@ -32,6 +32,7 @@ def startup_lines(engine) -> list[str]:
         f"speed-ups: {r.speedups}; attention backend {r.attention_backend}; "
         + ("decode steps replayed from CUDA graphs" if r.cuda_graphs else "no CUDA graphs"),
     ]
+    lines.append(f"async scheduling {engine.async_scheduling_why}")
     plan = engine.runner.memory_plan
     if plan is not None:  # a GPU: what the weights left of the usable memory went to the cache
         lines.append(

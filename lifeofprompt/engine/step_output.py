@@ -49,11 +49,19 @@ class StepOutput:
     prompt_logprobs: dict[int, list] = field(default_factory=dict)  # seq_id -> this step's prompt tokens' scores
 
 
-def sample_step(sampler: Sampler, seqs: list[Sequence], num_tokens: list[int], logits, eos_token_ids) -> StepOutput:
-    """A step's tokens from its logits: plain rows through the sampler, each verify through the rejection rule."""
+def sample_step(
+    sampler: Sampler, seqs: list[Sequence], num_tokens: list[int], logits, eos_token_ids, samples=None
+) -> StepOutput:
+    """A step's tokens from its logits: plain rows through the sampler, each verify through the rejection rule.
+
+    ``samples``: which sequences' last rows sample, as the scheduler saw them (``ScheduledBatch.samples``);
+    None reads it off the sequences, which is right until the scheduler counts the step as computed
+    (async scheduling counts it when the step starts)."""
+    if samples is None:
+        samples = [s.num_computed_tokens + n == len(s) + len(s.spec_token_ids) for s, n in zip(seqs, num_tokens)]
     plain, plain_rows, verifies, row = [], [], [], 0
-    for seq, n in zip(seqs, num_tokens):
-        if seq.num_computed_tokens + n != seq.num_prompt_tokens + len(seq.output_token_ids) + len(seq.spec_token_ids):
+    for seq, samples_here in zip(seqs, samples):
+        if not samples_here:
             continue  # a prompt chunk short of the prompt's end: no logits row
         if seq.sampling_params.max_tokens == 0:  # prompt only: its row is computed, nothing is sampled
             row += 1
@@ -91,8 +99,12 @@ def sample_plain(sampler: Sampler, logits, seqs: list[Sequence], eos_token_ids, 
                 f"seed {seq.sampling_params.seed!r} cannot seed a generator: {exc}", param="seed"
             )
     # each row's tokens so far, by reference: the sampler reads them only for rows with penalties,
-    # min_tokens or logit_bias (it asks the settings which, once)
-    history = ([s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs], eos_token_ids)
+    # min_tokens or logit_bias (it asks the settings which, once); only those copy theirs past a placeholder
+    outputs = [
+        s.sampled_token_ids if s.num_placeholders and s.sampling_params.needs_history else s.output_token_ids
+        for s in seqs
+    ]
+    history = ([s.prompt_token_ids for s in seqs], outputs, eos_token_ids)
     states = [s.grammar for s in seqs]
     grammar = None
     if any(state is not None for state in states):

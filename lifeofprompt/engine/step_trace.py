@@ -49,6 +49,8 @@ class StepRecord:
     start_time: float | None = None
     end_time: float | None = None
     launch: object = None  # how the runner ran it (step_output.Launch), once it ran
+    scheduled_time: float | None = None  # async scheduling: when it was planned (while the step before ran)
+    forward_times: tuple | None = None  # async scheduling: when its forward began and ended on the forward thread
 
     @property
     def num_batched_tokens(self) -> int:

@@ -1,0 +1,144 @@
+"""Async scheduling's bookkeeping under random stops, aborts and tight pools (hypothesis), on a tiny
+random-weight model.
+
+With the next step scheduled while this one runs, a request that stops or is aborted is already in
+the step after. Whatever the pool, budget, block size, stop tokens and abort times: no token after a
+stop is emitted, every answer is the greedy continuation cut where it should be, each emitted token
+has its time (usage counts what was emitted), no block leaks, no cached block holds a token nobody
+computed, and no placeholder ever leaves the engine. The engine checks the block manager's
+invariants after every step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cache_checks import check_cached_blocks_were_verified
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis_counts import examples
+from test_spec_properties import TINY, VOCAB
+
+from lifeofprompt.engine.llm_engine import LLMEngine
+from lifeofprompt.engine.sampling_params import SamplingParams
+from lifeofprompt.engine.sequence import PLACEHOLDER
+from lifeofprompt.lessons.agreement import FP32_TOLERANCE, assert_greedy_agrees, teacher_forced_logits, top2_margins
+from lifeofprompt.model.llama import LlamaForCausalLM
+from lifeofprompt.model.loader import ByteTokenizer
+
+MAX_TOKENS = 12
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(TINY).eval(), ByteTokenizer(VOCAB)
+
+
+_references: dict[tuple, list[int]] = {}
+
+
+def reference(model, tokenizer, prompt: tuple) -> list[int]:
+    """The greedy continuation, one step at a time (memoised: the model never changes)."""
+    if prompt not in _references:
+        engine = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=32, log_stats=False, async_scheduling=False)
+        engine.add_request("r", list(prompt), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+        _references[prompt] = engine.run_until_done()[0].outputs[0].token_ids
+    return _references[prompt]
+
+
+prompts = st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=10).map(tuple)
+requests = st.lists(
+    st.tuples(
+        prompts, st.integers(1, MAX_TOKENS), st.sampled_from([None, 0, 1, 3, 6]), st.sampled_from([None, None, 1, 3, 6])
+    ),
+    min_size=2,
+    max_size=4,
+)
+
+
+@settings(
+    max_examples=examples(60),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    requests=requests,
+    extra_blocks=st.integers(0, 4),
+    block_size=st.sampled_from([2, 4]),
+    budget=st.sampled_from([4, 8, 64]),
+    caching=st.booleans(),
+)
+def test_random_stops_aborts_and_preemption_keep_the_books(tiny, requests, extra_blocks, block_size, budget, caching):
+    model, tokenizer = tiny
+    refs = {p: reference(model, tokenizer, p) for p, *_ in requests}
+    num_blocks = max(-(-(len(p) + n) // block_size) for p, n, *_ in requests) + extra_blocks
+    engine = LLMEngine(
+        model,
+        tokenizer=tokenizer,
+        num_kv_blocks=num_blocks,
+        block_size=block_size,
+        max_num_batched_tokens=budget,
+        enable_prefix_caching=caching,
+        log_stats=False,
+        check_invariants=True,
+        async_scheduling=True,
+    )
+    computed: list[list[int]] = []
+    update = engine.scheduler.update_from_output
+
+    def recording_update(batch, sampled):
+        changes = update(batch, sampled)
+        computed.extend(list(s.token_ids) for s in batch.seqs)
+        return changes
+
+    engine.scheduler.update_from_output = recording_update
+    stops, aborts = {}, {}
+    for i, (prompt, max_tokens, stop_at, abort_at) in enumerate(requests):
+        ref = refs[prompt]
+        stops[str(i)] = [ref[stop_at]] if stop_at is not None and stop_at < max_tokens else []
+        if abort_at is not None:
+            aborts[str(i)] = abort_at
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, stop_token_ids=stops[str(i)])
+        engine.add_request(str(i), list(prompt), params)
+    outs, streamed, step = {}, {}, 0
+    while engine.has_unfinished_requests():
+        for rid, at in aborts.items():
+            if at == step:
+                engine.abort(rid)  # between steps: its next step is already running
+        for out in engine.step():
+            tokens = list(out.outputs[0].token_ids)
+            assert PLACEHOLDER not in tokens, f"a placeholder left the engine: {out}"
+            assert tokens[: len(streamed.get(out.request_id, []))] == streamed.get(out.request_id, [])
+            streamed[out.request_id] = tokens
+            if out.finished:
+                assert out.request_id not in outs, "a request finished twice"
+                outs[out.request_id] = out
+        step += 1
+        assert step < 400, "the engine stopped making progress"
+    assert engine.overlap.in_flight is None
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks), "a block leaked"
+    bm.check_invariants([])
+    assert all(PLACEHOLDER not in tokens for tokens in computed), [t for t in computed if PLACEHOLDER in t]
+    check_cached_blocks_were_verified(bm, computed + [list(p) + refs[p] for p, *_ in requests])
+
+    got, want, margins = [], [], []
+    for i, (prompt, max_tokens, _, _) in enumerate(requests):
+        out = outs[str(i)].outputs[0]
+        tokens, stop = out.token_ids, stops[str(i)]
+        assert len(outs[str(i)].metrics.token_times) == len(tokens)  # one time per emitted token, no more
+        if out.finish_reason == "abort":
+            assert len(tokens) <= max_tokens and not set(stop) & set(tokens)
+            continue
+        if out.finish_reason == "stop":
+            assert tokens[-1] == stop[0] and stop[0] not in tokens[:-1]
+        else:
+            assert out.finish_reason == "length" and len(tokens) == max_tokens and not set(stop) & set(tokens[:-1])
+        ref = refs[prompt][: len(tokens)]
+        got.append(tokens)
+        want.append(ref)
+        margins.append(top2_margins(teacher_forced_logits(model, list(prompt), ref)).tolist())
+    assert_greedy_agrees(got, want, margins, FP32_TOLERANCE, min_steps=0)

@@ -67,6 +67,7 @@ def story(params) -> list:
     return [(str(i), p, params) for i, p in enumerate(STORY_PROMPTS)]
 
 
+@pytest.mark.slow  # 7 s; the property test stops, ends on length and on stop tokens (tiny model, quick tier)
 def test_greedy_story_with_eos_max_tokens_and_a_stop_string(smollm2):
     on, off = engines(smollm2)
     plain = run(off, [("0", STORY_PROMPTS[0], SamplingParams(temperature=0, max_tokens=12))])
@@ -104,6 +105,7 @@ def test_seeded_samples_n_2_min_tokens_penalties_and_logprobs(smollm2):
             )
 
 
+@pytest.mark.slow  # 4 s; the property test aborts mid-stream on the tiny model in the quick tier
 def test_an_abort_mid_stream_leaves_the_others_unchanged(smollm2):
     on, off = engines(smollm2)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -132,6 +134,7 @@ def test_a_grammar_walks_the_sampled_tokens(smollm2):
         assert a[rid].outputs[0].text == b[rid].outputs[0].text and a[rid].outputs[0].text in ("yes", "no", "maybe")
 
 
+@pytest.mark.slow  # 2 s; the property test mixes prompt-scoring requests in on the tiny model in the quick tier
 def test_a_request_scoring_its_prompt_runs_its_steps_one_at_a_time(smollm2):
     on, off = engines(smollm2)
     requests = story(SamplingParams(temperature=0, max_tokens=12)) + [

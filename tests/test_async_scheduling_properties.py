@@ -52,7 +52,11 @@ def reference(model, tokenizer, prompt: tuple) -> list[int]:
 prompts = st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=10).map(tuple)
 requests = st.lists(
     st.tuples(
-        prompts, st.integers(1, MAX_TOKENS), st.sampled_from([None, 0, 1, 3, 6]), st.sampled_from([None, None, 1, 3, 6])
+        prompts,
+        st.integers(1, MAX_TOKENS),
+        st.sampled_from([None, 0, 1, 3, 6]),
+        st.sampled_from([None, None, 1, 3, 6]),
+        st.sampled_from([False, False, False, True]),  # scores its prompt: its steps run one at a time
     ),
     min_size=2,
     max_size=4,
@@ -96,12 +100,18 @@ def test_random_stops_aborts_and_preemption_keep_the_books(tiny, requests, extra
 
     engine.scheduler.update_from_output = recording_update
     stops, aborts = {}, {}
-    for i, (prompt, max_tokens, stop_at, abort_at) in enumerate(requests):
+    for i, (prompt, max_tokens, stop_at, abort_at, scores) in enumerate(requests):
         ref = refs[prompt]
         stops[str(i)] = [ref[stop_at]] if stop_at is not None and stop_at < max_tokens else []
         if abort_at is not None:
             aborts[str(i)] = abort_at
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, stop_token_ids=stops[str(i)])
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            stop_token_ids=stops[str(i)],
+            prompt_logprobs=0 if scores else None,
+        )
         engine.add_request(str(i), list(prompt), params)
     outs, streamed, step = {}, {}, 0
     while engine.has_unfinished_requests():
@@ -126,10 +136,12 @@ def test_random_stops_aborts_and_preemption_keep_the_books(tiny, requests, extra
     check_cached_blocks_were_verified(bm, computed + [list(p) + refs[p] for p, *_ in requests])
 
     got, want, margins = [], [], []
-    for i, (prompt, max_tokens, _, _) in enumerate(requests):
+    for i, (prompt, max_tokens, _, _, scores) in enumerate(requests):
         out = outs[str(i)].outputs[0]
         tokens, stop = out.token_ids, stops[str(i)]
         assert len(outs[str(i)].metrics.token_times) == len(tokens)  # one time per emitted token, no more
+        if scores and out.finish_reason != "abort":
+            assert len(outs[str(i)].prompt_logprobs) == len(prompt)  # every prompt token scored once
         if out.finish_reason == "abort":
             assert len(tokens) <= max_tokens and not set(stop) & set(tokens)
             continue

@@ -526,6 +526,13 @@ def test_client_penalties_and_logit_bias_are_the_engines(target):
     assert biased.choices[0].model_extra["token_ids"] == [42] * 4
 
 
+# SmolLM2's constrained answers (6-10 s) run in the whole tier; the tiny model keeps each check in the quick tier
+REAL_IN_THE_WHOLE_TIER = pytest.mark.parametrize(
+    "target", [pytest.param("real", marks=pytest.mark.slow), "random"], indirect=True
+)
+
+
+@REAL_IN_THE_WHOLE_TIER
 def test_client_json_schema_regex_and_choice(target):
     jsonschema = pytest.importorskip("jsonschema")
     client, name, _ = target
@@ -562,6 +569,7 @@ def test_client_json_schema_regex_and_choice(target):
     assert all(c.message.content in ("yes", "no", "maybe") for c in choice.choices)
 
 
+@REAL_IN_THE_WHOLE_TIER
 def test_client_tools(target):
     jsonschema = pytest.importorskip("jsonschema")
     client, name, _ = target

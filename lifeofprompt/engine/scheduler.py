@@ -146,7 +146,8 @@ class Scheduler:
         elif seq.status == SequenceStatus.WAITING and seq in self.waiting:  # an n > 1 answer not yet queued: no line
             self.waiting.remove(seq)
         self.block_manager.free(seq)
-        seq.drop_placeholders()  # a token still in flight is never part of the answer
+        if seq.num_placeholders:  # a token still in flight is never part of the answer
+            seq.drop_placeholders()
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -275,14 +276,16 @@ class Scheduler:
         batch.seqs.append(seq)
         batch.num_scheduled_tokens.append(n)
         batch.num_cached_tokens.append(cached)
-        batch.samples.append(seq.num_computed_tokens + n == len(seq) + len(seq.spec_token_ids))
+        end = seq.num_prompt_tokens + len(seq.output_token_ids) + len(seq.spec_token_ids)
+        batch.samples.append(seq.num_computed_tokens + n == end)  # its last row reaches the end: it samples
 
     def _preempt(self, seq: Sequence) -> None:
         """Evict by recompute: blocks freed, computed count to zero, front of the waiting line."""
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
-        seq.drop_placeholders()  # the step in flight's token for it is dropped; recompute makes it again
+        if seq.num_placeholders:  # the step in flight's token for it is dropped; recompute makes it again
+            seq.drop_placeholders()
         seq.set_spec([])
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1

@@ -58,7 +58,10 @@ def sample_step(
     None reads it off the sequences, which is right until the scheduler counts the step as computed
     (async scheduling counts it when the step starts)."""
     if samples is None:
-        samples = [s.num_computed_tokens + n == len(s) + len(s.spec_token_ids) for s, n in zip(seqs, num_tokens)]
+        samples = [
+            s.num_computed_tokens + n == s.num_prompt_tokens + len(s.output_token_ids) + len(s.spec_token_ids)
+            for s, n in zip(seqs, num_tokens)
+        ]
     plain, plain_rows, verifies, row = [], [], [], 0
     for seq, samples_here in zip(seqs, samples):
         if not samples_here:

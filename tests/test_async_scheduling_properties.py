@@ -12,19 +12,16 @@ invariants after every step.
 from __future__ import annotations
 
 import pytest
-import torch
 from cache_checks import check_cached_blocks_were_verified
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis_counts import examples
-from test_spec_properties import TINY, VOCAB
+from test_spec_properties import build_tiny, prompts, reference
 
 from lifeofprompt.engine.llm_engine import LLMEngine
 from lifeofprompt.engine.sampling_params import SamplingParams
 from lifeofprompt.engine.sequence import PLACEHOLDER
 from lifeofprompt.lessons.agreement import FP32_TOLERANCE, assert_greedy_agrees, teacher_forced_logits, top2_margins
-from lifeofprompt.model.llama import LlamaForCausalLM
-from lifeofprompt.model.loader import ByteTokenizer
 
 MAX_TOKENS = 12
 
@@ -33,23 +30,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch.manual_seed(0)
-    return LlamaForCausalLM(TINY).eval(), ByteTokenizer(VOCAB)
+    return build_tiny()
 
 
-_references: dict[tuple, list[int]] = {}
-
-
-def reference(model, tokenizer, prompt: tuple) -> list[int]:
-    """The greedy continuation, one step at a time (memoised: the model never changes)."""
-    if prompt not in _references:
-        engine = LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=32, log_stats=False, async_scheduling=False)
-        engine.add_request("r", list(prompt), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
-        _references[prompt] = engine.run_until_done()[0].outputs[0].token_ids
-    return _references[prompt]
-
-
-prompts = st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=10).map(tuple)
 requests = st.lists(
     st.tuples(
         prompts,

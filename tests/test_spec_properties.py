@@ -45,10 +45,15 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": K}
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def tiny():
+def build_tiny():
+    """The 2-layer random model over a 32-token byte vocabulary, seeded: the same weights on every build."""
     torch.manual_seed(0)
     return LlamaForCausalLM(TINY).eval(), ByteTokenizer(VOCAB)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_tiny()
 
 
 _references: dict[tuple, list[int]] = {}

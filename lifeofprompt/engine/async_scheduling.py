@@ -59,7 +59,7 @@ class InFlight:
     forward_times: list  # [start, end] of the forward, filled by the forward thread
 
 
-def why_not(config, resolved, spec, parallel) -> str | None:
+def why_not(resolved, spec, parallel) -> str | None:
     """Why this engine cannot schedule ahead (None: it can): said in the start-up log."""
     if spec is not None:
         return "speculative decoding (a verify's kept tokens decide where the next step starts)"
@@ -86,7 +86,7 @@ CPU_DEFAULT_WHY = (
 def choose(config, resolved, spec, parallel) -> tuple[bool, str]:
     """Whether the engine schedules ahead, and why (the start-up log's line): as asked where it can
     (``ConfigError`` where it cannot), else on a GPU where it can and off on a CPU."""
-    asked, cannot = config.async_scheduling, why_not(config, resolved, spec, parallel)
+    asked, cannot = config.async_scheduling, why_not(resolved, spec, parallel)
     if asked and cannot:
         raise ConfigError(f"async_scheduling=True does not work with {cannot}", param="async_scheduling")
     if asked is not None:

@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny_models import tiny_model
+from tiny_models import build_tiny_model, tiny_model
 
-from lifeofprompt import LLM, ConfigError, SpeculativeConfigError
+from lifeofprompt import LLM, ConfigError, SamplingParams, SpeculativeConfigError
 from lifeofprompt.cpu.speedups import STEP_SECONDS
 from lifeofprompt.engine.config import DEFAULT_STEP_TOKENS, EngineConfig
 
@@ -154,13 +154,24 @@ def test_a_cpu_step_is_bounded_in_time_unless_a_budget_is_given(monkeypatch, tmp
     assert asked.resolved.max_num_batched_tokens == 40 and asked.resolved.why["budget"] == "as asked"
 
 
+def test_a_model_with_a_short_context_times_its_prefill_within_it(monkeypatch, tmp_path):
+    """The prefill probe is 256 tokens; a model that has 64 positions is timed on 64 (it raised an IndexError
+    at start-up before), and its budget still comes from the measured rate."""
+    monkeypatch.setenv("LIFEOFPROMPT_CACHE", str(tmp_path))
+    model, tokenizer = build_tiny_model(max_position_embeddings=64)
+    llm = LLM(model, tokenizer=tokenizer, num_kv_blocks=32, block_size=4, log_stats=False, cpu_tuning="auto")
+    assert "tokens/s" in llm.engine.resolved.why["budget"]
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
 def test_the_gpu_path_never_imports_the_cpu_tuning():
     """In a fresh process: the engine, the server and the GPU's speed-ups, the GPU's chosen for a CUDA model, and
     an engine run with the CPU tuning off; none of the CPU's tuning modules is ever imported."""
     probe = f"""
 import sys, types, torch
 sys.path.insert(0, {str(REPO / "tests")!r})
-from tiny_models import tiny_model
+from tiny_models import build_tiny_model, tiny_model
 import lifeofprompt.engine.llm_engine, lifeofprompt.serving.server
 from lifeofprompt import LLM, SamplingParams
 from lifeofprompt.engine.config import EngineConfig
@@ -179,7 +190,7 @@ print(" ".join(m for m in {list(CPU_TUNING_MODULES)!r} if m in sys.modules))
     tuned = f"""
 import sys
 sys.path.insert(0, {str(REPO / "tests")!r})
-from tiny_models import tiny_model
+from tiny_models import build_tiny_model, tiny_model
 from lifeofprompt import LLM
 model, tokenizer = tiny_model()
 LLM(model, tokenizer=tokenizer, num_kv_blocks=16, cpu_tuning="linear", log_stats=False)

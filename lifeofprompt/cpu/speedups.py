@@ -192,7 +192,8 @@ class CpuSpeedups(DeviceDefaults):
 
     def measure_step_tokens(self) -> tuple[int | None, str]:
         """How many tokens one step prefills in ``STEP_SECONDS`` here, with the paths just chosen (a prompt of
-        ``PREFILL_PROBE_TOKENS`` tokens, best of two after a warm-up, cached); pinned or split: not timed."""
+        ``PREFILL_PROBE_TOKENS`` tokens, or the model's context if shorter; best of two after a warm-up,
+        cached); pinned or split: not timed."""
         if self.pinned is not None or self.split:
             return None, f"the default, not timed ({'a split model' if self.split else 'a pinned path'})"
         c = self.model.config
@@ -206,17 +207,18 @@ class CpuSpeedups(DeviceDefaults):
 
             key.update(formats=c_step.matrix_formats(self.model), head=self.model.lm_head.format)
             key.update(kernels=source_digest(c_step.SOURCE))
-        cache = self.scratch_pool(math.ceil(PREFILL_PROBE_TOKENS / self.block_size))
+        probe = min(PREFILL_PROBE_TOKENS, c.max_position_embeddings)  # a small model's positions end sooner
+        cache = self.scratch_pool(math.ceil(probe / self.block_size))
 
         def measure():
             seconds = []
             for _ in range(3):  # the first warms up
-                step = synthetic_step(self.model, cache, [PREFILL_PROBE_TOKENS], backend=self.attention)
+                step = synthetic_step(self.model, cache, [probe], backend=self.attention)
                 start = time.perf_counter()
                 with torch.no_grad(), c_step.running(self.model, None):
                     self.model(*step)
                 seconds.append(time.perf_counter() - start)
-            rate = PREFILL_PROBE_TOKENS / min(seconds[1:])
+            rate = probe / min(seconds[1:])
             return rate, f"prefill measured at {rate:,.0f} tokens/s", {}
 
         rate, why = cached_answer(key, measure)

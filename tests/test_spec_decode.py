@@ -105,10 +105,11 @@ def verify_tolerance(smollm2, prompts, reference):
     for prompt, tokens in list(zip(prompts, reference[0]))[:2]:  # the code prompt and a story's
         seq = Sequence("m", prompt + tokens, greedy(1))
         seq.block_table = list(range(8))
-        for start in range(len(prompt), len(prompt) + len(tokens) - K - 1, 6):
-            seq.num_computed_tokens = 0
+        computed = 0  # positions already in the cache: each start's prefix extends the last one's
+        for start in range(len(prompt), len(prompt) + len(tokens) - K - 1, 12):  # 2 starts, 5 rows each
+            seq.num_computed_tokens = computed
             seq.prompt_token_ids, seq.spec_token_ids = (prompt + tokens)[:start], []
-            runner.model(*runner.prepare([seq], [start - 1]))  # the prefix, up to the last token
+            runner.model(*runner.prepare([seq], [start - 1 - computed]))  # the prefix, up to the last token
             seq.num_computed_tokens = start - 1
             seq.spec_token_ids = (prompt + tokens)[start : start + K]
             verify = runner.model(*runner.prepare([seq], [K + 1]))  # [last, d1..dk]: k + 1 rows
@@ -118,6 +119,7 @@ def verify_tolerance(smollm2, prompts, reference):
                 seq.prompt_token_ids = (prompt + tokens)[: start + j]
                 seq.num_computed_tokens = start + j - 1
                 decodes.append(runner.model(*runner.prepare([seq], [1]))[0])
+            computed = start + K  # the last decode wrote position start + K - 1
             worst = max(worst, (top2_margins(verify) - top2_margins(torch.stack(decodes))).abs().max().item())
     print(f"\nmeasured margin change, 1-row decode vs {K + 1}-row verify: {worst:.3g}")
     return max(FP32_TOLERANCE, 4 * worst)

@@ -24,7 +24,10 @@ from lifeofprompt.model.llama import LlamaForCausalLM
 from lifeofprompt.model.loader import ByteTokenizer
 
 VOCAB = 16
-NUM_SAMPLES = 3000
+NUM_SAMPLES = 3000  # for the right rule: a subtle error must show
+# A broken rule is far off: at 600 samples its p-values were already below 1e-14 (the residual drawn from p) and 0
+# (every draft accepted); 1,000 keep a margin of many orders of magnitude over the test's 1e-6 at a third of the time.
+BROKEN_SAMPLES = 1000
 PROMPT = list(range(VOCAB)) + [0, 1, 2, 3]  # every token occurs in it: prompt lookup always finds a draft
 TINY = replace(
     TINYLLAMA_1_1B,
@@ -167,7 +170,7 @@ def test_a_broken_rule_fails_the_same_test(tiny, monkeypatch, broken):
     else:  # subtler: right only where q is one-hot or the draft is accepted
         monkeypatch.setattr(rejection_sampler, "residual_distribution", lambda p, q, rejected: p)
         spec, case = {"model": first_layers(model, 1), "num_speculative_tokens": 3}, "filtered"
-    samples, _ = sample_first_three(model, tokenizer, PARAMS[case], spec=spec)
+    samples, _ = sample_first_three(model, tokenizer, PARAMS[case], spec=spec, num=BROKEN_SAMPLES)
     pvals = p_values(samples, exact_joint(model, SamplingParams(**PARAMS[case])))
     assert pvals["t1"] >= 1e-3  # the first token comes from the prefill: no draft touches it
     assert min(pvals.values()) < 1e-6, pvals

@@ -9,7 +9,9 @@ must fall on a step the model left undecided.
 from __future__ import annotations
 
 import pytest
+from tiny_models import build_tiny_model
 
+from lifeofprompt.engine import llm_engine
 from lifeofprompt.engine.llm_engine import LLMEngine
 from lifeofprompt.engine.sampling_params import SamplingParams
 from lifeofprompt.engine.structured_output import StructuredOutputsParams
@@ -151,8 +153,8 @@ def test_a_request_scoring_its_prompt_runs_its_steps_one_at_a_time(smollm2):
 
 def test_on_as_asked_off_on_a_cpu_and_said_why(smollm2):
     model, tokenizer = smollm2
-    default = LLMEngine(model, tokenizer=tokenizer, log_stats=False, num_kv_blocks=16)  # a CPU: off, said why
-    assert default.overlap is None and "async scheduling off: on a CPU the hand-offs" in "\n".join(default.startup_log)
+    default = LLMEngine(model, tokenizer=tokenizer, log_stats=False, num_kv_blocks=16)  # pinned tuning: off, untimed
+    assert default.overlap is None and "async scheduling off: not timed on this CPU" in "\n".join(default.startup_log)
     asked = LLMEngine(model, tokenizer=tokenizer, log_stats=False, num_kv_blocks=16, async_scheduling=True)
     assert asked.overlap is not None and "async scheduling on: as asked" in "\n".join(asked.startup_log)
     ngram = {"method": "ngram", "num_speculative_tokens": 2}
@@ -164,6 +166,57 @@ def test_on_as_asked_off_on_a_cpu_and_said_why(smollm2):
         LLMEngine(model, tokenizer=tokenizer, log_stats=False, async_scheduling="yes")
     off = LLMEngine(model, tokenizer=tokenizer, log_stats=False, num_kv_blocks=16, async_scheduling=False)
     assert off.overlap is None and "async scheduling off: as asked" in "\n".join(off.startup_log)
+
+
+def tiny_auto_engine(**settings) -> LLMEngine:
+    model, tokenizer = build_tiny_model()
+    return LLMEngine(model, tokenizer=tokenizer, log_stats=False, num_kv_blocks=32, cpu_tuning="auto", **settings)
+
+
+def test_a_cpu_times_both_ways_at_start_up_and_keeps_the_faster(monkeypatch, tmp_path):
+    """With the CPU tuning on, the engine times a decode with async scheduling on and off, in turns (one
+    warm-up each, then three pairs), keeps the faster, says so, and the next start reads the cache."""
+    calls = []
+
+    def fake(seconds_on, seconds_off):
+        def time_decode(engine, on):
+            calls.append(on)
+            return seconds_on if on else seconds_off
+
+        return time_decode
+
+    monkeypatch.setenv("LIFEOFPROMPT_CACHE", str(tmp_path / "on"))
+    monkeypatch.setattr(llm_engine, "time_decode", fake(0.010, 0.020))
+    faster_on = tiny_auto_engine()
+    assert calls == [False, True] + [True, False] * 3
+    assert faster_on.overlap is not None
+    assert "async scheduling on: timed here, one request's decode at 10.00 ms a token on and 20.00 ms off" in (
+        "\n".join(faster_on.startup_log)
+    )
+    calls.clear()
+    again = tiny_auto_engine()  # cached: nothing timed
+    assert calls == [] and again.overlap is not None and again.async_scheduling_why == faster_on.async_scheduling_why
+    monkeypatch.setenv("LIFEOFPROMPT_CACHE", str(tmp_path / "off"))
+    monkeypatch.setattr(llm_engine, "time_decode", fake(0.021, 0.020))
+    faster_off = tiny_auto_engine()
+    assert faster_off.overlap is None and faster_off.async_scheduling_why.startswith("off: timed here")
+    asked = tiny_auto_engine(async_scheduling=False)  # a setting given: nothing timed
+    assert asked.async_scheduling_why == "off: as asked"
+
+
+def test_the_timing_runs_both_loops_and_leaves_the_engine_as_new(monkeypatch, tmp_path):
+    """The real timing on the tiny model: both ways decode, and the engine starts empty after it (no request,
+    block, cached prefix or trace left) and answers as an untimed engine does."""
+    monkeypatch.setenv("LIFEOFPROMPT_CACHE", str(tmp_path))
+    timed = tiny_auto_engine()
+    assert "timed here" in timed.async_scheduling_why
+    bm = timed.block_manager
+    assert not timed.requests and not timed.step_records and timed.scheduler.seqs == []
+    assert bm.num_free_blocks == bm.num_blocks and bm.num_cached_blocks == 0 and bm.hits == bm.misses == 0
+    untimed = tiny_auto_engine(async_scheduling=False)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    a, b = (run(e, [("x", [5, 6, 7, 8], params)]) for e in (timed, untimed))
+    assert a["x"].outputs[0].token_ids == b["x"].outputs[0].token_ids
 
 
 def test_the_next_step_is_planned_while_this_one_runs(smollm2):

@@ -23,6 +23,7 @@ products only: the one-call step has no place for the all-reduces.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -37,12 +38,13 @@ from ..units import format_bytes
 from . import c_step
 from .allocator import keep_freed_memory
 from .huge_pages import move_weights_to_huge_pages
-from .linear_calibration import cached_answer, choose_cpu_linear, machine_key
+from .linear_calibration import cached_answer, cached_verdict, choose_cpu_linear, machine_key
 
 STEP_SECONDS = 0.25  # a step's token budget: as many tokens as this CPU prefills in this long
 FORCED_C_STEP_ROWS = 16  # "c-step": every step of up to this many rows in C
 TIMING_CONTEXT = 64  # cached tokens per sequence in the C step's timed decode steps
 PREFILL_PROBE_TOKENS = 256  # the prompt that times the prefill speed
+ASYNC_TIMING_PAIRS = 3  # async scheduling on and off, timed in turns (after one warm-up run of each)
 
 
 @dataclass(frozen=True)
@@ -196,18 +198,10 @@ class CpuSpeedups(DeviceDefaults):
         cached); pinned or split: not timed."""
         if self.pinned is not None or self.split:
             return None, f"the default, not timed ({'a split model' if self.split else 'a pinned path'})"
-        c = self.model.config
-        shape = [c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.vocab_size]
-        plans = self.linear_choice.plans if self.linear_choice else {}
-        products = {f"{o}x{i}": plan.describe() for (o, i), plan in sorted(plans.items())}
-        key = dict(machine_key(), version=1, what="prefill speed", dtype=str(self.model.dtype), shape=shape)
-        key.update(products=products, block_size=self.block_size)
-        if self.model.quantization is not None:  # block matrices: their formats and kernels set the speed
-            from ..cpu.native_build import source_digest
-
-            key.update(formats=c_step.matrix_formats(self.model), head=self.model.lm_head.format)
-            key.update(kernels=source_digest(c_step.SOURCE))
-        probe = min(PREFILL_PROBE_TOKENS, c.max_position_embeddings)  # a small model's positions end sooner
+        key = self.step_key("prefill speed")
+        probe = min(
+            PREFILL_PROBE_TOKENS, self.model.config.max_position_embeddings
+        )  # a small model's positions end sooner
         cache = self.scratch_pool(math.ceil(probe / self.block_size))
 
         def measure():
@@ -225,6 +219,46 @@ class CpuSpeedups(DeviceDefaults):
         tokens = int(rate * STEP_SECONDS) // self.block_size * self.block_size
         tokens = max(tokens, self.block_size)  # the engine caps it at its default (engine/config.py: resolve)
         return tokens, f"{why}, {STEP_SECONDS:g} s a step in whole blocks"
+
+    def step_key(self, what: str) -> dict:
+        """The cache key of a timing of whole steps: the machine, the model's shape and dtype, the product
+        plans, and a block model's formats and kernels (what sets a step's speed)."""
+        c = self.model.config
+        shape = [c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.vocab_size]
+        plans = self.linear_choice.plans if self.linear_choice else {}
+        products = {f"{o}x{i}": plan.describe() for (o, i), plan in sorted(plans.items())}
+        key = dict(machine_key(), version=1, what=what, dtype=str(self.model.dtype), shape=shape)
+        key.update(products=products, block_size=self.block_size)
+        if self.model.quantization is not None:  # block matrices: their formats and kernels set the speed
+            from ..cpu.native_build import source_digest
+
+            key.update(formats=c_step.matrix_formats(self.model), head=self.model.lm_head.format)
+            key.update(kernels=source_digest(c_step.SOURCE))
+        return key
+
+    def choose_async_scheduling(self, time_decode) -> tuple[bool, str] | None:
+        """Async scheduling on or off here: one request's decode timed with it on and off, in turns
+        (``time_decode(on)``: seconds a token), and the faster kept (cached). The forward thread keeps all
+        of torch's threads and the engine's thread does the host's work beside them, on the same cores, so
+        whether hiding that work pays for two thread hand-offs a step depends on the machine. Pinned or
+        split: not timed (None), and the engine's rule keeps it off."""
+        if self.pinned is not None or self.split:
+            return None
+        key = dict(self.step_key("async scheduling"), c_step_rows=self.c_step_rows, pairs=ASYNC_TIMING_PAIRS)
+
+        def measure():
+            time_decode(False), time_decode(True)  # warm-ups: the first steps of each way pay for set-up
+            pairs = [(time_decode(True), time_decode(False)) for _ in range(ASYNC_TIMING_PAIRS)]
+            ratio = statistics.median(on / off for on, off in pairs)
+            on_ms, off_ms = (1e3 * statistics.median(p[i] for p in pairs) for i in (0, 1))
+            why = (
+                f"timed here, one request's decode at {on_ms:.2f} ms a token on and {off_ms:.2f} ms off "
+                f"(on/off {ratio:.3f}, the median of {ASYNC_TIMING_PAIRS} pairs in turns)"
+            )
+            return ratio < 1.0, why, dict(ratio=ratio, seconds_on_off=pairs)
+
+        on, why = cached_verdict(key, measure)
+        return on, f"{'on' if on else 'off'}: {why}"
 
     def scratch_pool(self, num_blocks: int) -> PagedKVCache:
         """A small KV pool for timing, before the engine's own is allocated."""

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
+from .sampling_params import SamplingParams
 from .sequence import PLACEHOLDER, SequenceStatus
 
 
@@ -74,18 +75,19 @@ def why_not(resolved, spec, parallel) -> str | None:
 
 # Where it can, is it on when not asked? On a GPU the forward's kernels run on the device while the host
 # works. On a CPU the forward thread and the host share the cores and Python's lock, and handing a step to
-# the forward thread and back costs two thread wake-ups (0.2-0.6 ms each on a 2-core VM): measured in
-# turns on a 2-core Intel Xeon (benchmarks/NOTES.md, "Async scheduling on a CPU"), batch-1 decode ran at
-# 0.90x with it on (one thread) and 0.97x (two), batch 16 at 0.97x, so a CPU keeps one step at a time.
-CPU_DEFAULT_WHY = (
-    "off: on a CPU the hand-offs to the forward thread cost more than the host work they hide "
-    "(async_scheduling=True turns it on)"
-)
+# the forward thread and back costs two thread wake-ups (0.2-0.6 ms each on a 2-core VM): the CPU's speed-ups
+# time both ways at start-up and keep the faster (``CpuSpeedups.choose_async_scheduling``; on a 2-core Intel
+# Xeon it measured 0.96x-0.97x, benchmarks/NOTES.md). Where nothing is timed (cpu_tuning pinned or off) it
+# stays off.
+CPU_UNTIMED_WHY = "off: not timed on this CPU (cpu_tuning is pinned or off; async_scheduling=True turns it on)"
+TIMING_PROMPT_TOKENS = 16  # the request a start-up timing decodes: its prompt, and the tokens after its first
+TIMING_TOKENS = 16
 
 
-def choose(config, resolved, spec, parallel) -> tuple[bool, str]:
+def choose(config, resolved, spec, parallel, timed=lambda: None) -> tuple[bool, str]:
     """Whether the engine schedules ahead, and why (the start-up log's line): as asked where it can
-    (``ConfigError`` where it cannot), else on a GPU where it can and off on a CPU."""
+    (``ConfigError`` where it cannot), else on a GPU where it can, and on a CPU as ``timed()`` measured
+    (the device's speed-ups; None where they time nothing: off)."""
     asked, cannot = config.async_scheduling, why_not(resolved, spec, parallel)
     if asked and cannot:
         raise ConfigError(f"async_scheduling=True does not work with {cannot}", param="async_scheduling")
@@ -95,7 +97,34 @@ def choose(config, resolved, spec, parallel) -> tuple[bool, str]:
         return False, "off: " + cannot
     if resolved.device.startswith("cuda"):
         return True, "on: a GPU's forward runs while the host prepares the next step"
-    return False, CPU_DEFAULT_WHY
+    measured = timed()
+    return measured if measured is not None else (False, CPU_UNTIMED_WHY)
+
+
+def time_decode(engine, on: bool) -> float:
+    """Seconds a token of one request's greedy decode through ``engine.step()`` (the host's work included),
+    with async scheduling on or off: what a CPU times at start-up. The request goes through the engine's
+    books (its blocks, the prefix cache, the trace), which the engine starts again afterwards."""
+    engine.overlap = (
+        AsyncScheduling(engine.scheduler, engine.runner, engine._start_step, engine._finish_step) if on else None
+    )
+    room = engine.max_model_len - 1
+    prompt_len = max(1, min(TIMING_PROMPT_TOKENS, room // 3))
+    tokens = max(1, min(TIMING_TOKENS, room - prompt_len - 1))
+    prompt = [(7 * i + 3) % engine.model_config.vocab_size for i in range(prompt_len)]
+    params = SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True)
+    engine.add_request(f"async-scheduling-timing-{len(engine.step_records)}-{on}", prompt, params)
+    first = None
+    try:
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            if first is None and any(o.outputs[0].token_ids for o in outputs):
+                first = time.perf_counter()  # the prompt's step is done: from here on, decode steps
+        return (time.perf_counter() - first) / tokens
+    finally:
+        if engine.overlap is not None:
+            engine.overlap.shutdown()
+        engine.overlap = None
 
 
 class AsyncScheduling:

@@ -47,7 +47,7 @@ from ..errors import (
     SpeculativeConfigError,
 )
 from ..model.loader import DEFAULT_MODEL, load_model, prepare_for_device
-from .async_scheduling import AsyncScheduling
+from .async_scheduling import AsyncScheduling, time_decode
 from .async_scheduling import choose as async_choice
 from .block_manager import BlockManager
 from .config import EngineConfig
@@ -101,9 +101,7 @@ class LLMEngine:
             self.runner.speedups.share_with(self.parallel, self.model)
         if self.spec is not None:
             self.spec.attach(self.runner)
-        self.block_manager = BlockManager(r.num_kv_blocks, r.block_size, r.enable_prefix_caching)
-        self._start_requests()
-        self.scheduler = Scheduler(self.block_manager, r.scheduler, self.eos_token_ids)
+        self._start_books()
         self.pipeline = None  # P > 1: up to P steps in flight, one per micro-batch group (pipeline_overlap.py)
         if r.scheduler.num_groups > 1:
             self.pipeline = PipelineOverlap(self.scheduler, self.runner, r.scheduler.num_groups, self._start_step)
@@ -153,10 +151,30 @@ class LLMEngine:
         group.shutdown_with(self)
         return group, c.replace(num_kv_blocks=blocks)
 
+    def _start_books(self) -> None:
+        """The block manager, the requests and the scheduler, empty."""
+        r = self.resolved
+        self.block_manager = BlockManager(r.num_kv_blocks, r.block_size, r.enable_prefix_caching)
+        self._start_requests()
+        self.scheduler = Scheduler(self.block_manager, r.scheduler, self.eos_token_ids)
+
     def _start_async_scheduling(self) -> AsyncScheduling | None:
         """The next step scheduled while this one runs (``async_scheduling.py``), where the setting and this
-        engine allow; ``self.async_scheduling_why`` says why it is on or off (the start-up log)."""
-        on, self.async_scheduling_why = async_choice(self.config, self.resolved, self.spec, self.parallel)
+        engine allow, and on a CPU where it timed faster; ``self.async_scheduling_why`` says why it is on or
+        off (the start-up log). A timing runs requests through this engine: its books start again after."""
+        timings = []
+
+        def time_decode_here(on: bool) -> float:
+            timings.append(on)
+            return time_decode(self, on)
+
+        def timed():
+            return self.runner.speedups.choose_async_scheduling(time_decode_here)
+
+        self.overlap = None
+        on, self.async_scheduling_why = async_choice(self.config, self.resolved, self.spec, self.parallel, timed)
+        if timings:
+            self._start_books()
         if not on:
             return None
         return AsyncScheduling(self.scheduler, self.runner, self._start_step, self._finish_step, self.clock)

@@ -46,6 +46,10 @@ class DeviceDefaults:
         """Nothing to time: the model runs its layers (a CPU start-up before may have left it a C step)."""
         self.model.cpu_step = None
 
+    def choose_async_scheduling(self, time_decode) -> tuple[bool, str] | None:
+        """Nothing timed: the engine's rule decides (``engine/async_scheduling.py: choose``)."""
+        return None
+
     def for_draft(self, draft) -> DeviceDefaults:
         """A draft model's: none, its forward the plain way."""
         draft.cpu_step = None

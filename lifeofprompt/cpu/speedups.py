@@ -11,7 +11,9 @@ weights fast and doing nothing between the reads. In start-up order:
    steps of up to ``c_step_rows`` rows run every layer in one C call (``cpu/c_step.py``),
    from packed copies of the layer matrices at the row counts where those measured faster;
 4. the step's token budget: as many tokens as one step prefills in ``STEP_SECONDS`` here, so a
-   short request never waits behind a long prompt's step of several seconds.
+   short request never waits behind a long prompt's step of several seconds;
+5. async scheduling, when the engine asks (``choose_async_scheduling``): one request's decode timed
+   with it on and off, the faster kept.
 
 Each answer is timed once per machine and cached (``$LIFEOFPROMPT_CACHE``). With ``cpu_tuning``
 pinned to a path (tests, checked notebook cells) nothing is timed, so no timing moves a token:

@@ -314,3 +314,66 @@ def decode_breakdown(decode: dict) -> list[tuple[str, float]]:
         ("floor: weight bytes ÷ copy bandwidth", decode.get("floor_s")),
     ]
     return [(name, value * 1e3) for name, value in parts if value is not None]
+
+
+# ----------------------------------------------------------------------------- the step timeline
+
+TIMELINE_COLORS = {"forward": "C0", "schedule": "C1", "inputs": "C2", "sample": "C3", "outputs": "C4"}
+
+
+def plot_step_timeline(runs: dict, num_forwards: int = 4, title: str = ""):
+    """One row per run (``{label: spans}``, ``lessons/step_timeline.py``), two panels each: ``num_forwards``
+    decode forwards from the middle of the run (the forward's lane above, the host's work below), and the
+    same lanes magnified around the start of the second of them, where a step's host work shows."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    fig, axes = plt.subplots(
+        len(runs), 2, figsize=(10, 1.9 * len(runs) + 1.0), squeeze=False, gridspec_kw={"width_ratios": [2, 1]}
+    )
+    shown = {label: middle_forwards(spans, num_forwards) for label, spans in runs.items()}
+    host_s = max(host_seconds_per_forward(spans) for spans in runs.values())
+    half_ms = max(0.5, 1.5 * host_s * 1e3)  # the magnified window: each side of a forward's start
+    for (left, right), (label, spans) in zip(axes, runs.items()):
+        forwards = shown[label]
+        t0 = forwards[0].start
+        draw_lanes(left, spans, t0, 0, (forwards[-1].end - t0) * 1e3)
+        left.set_title(label, fontsize=9, loc="left")
+        t1 = forwards[1].start
+        draw_lanes(right, spans, t1, -half_ms, half_ms)
+        right.axvline(0, color="black", lw=0.8, ls=":")
+        right.set_title("magnified: around a forward's start", fontsize=8, loc="left")
+    axes[-1, 0].set_xlabel("milliseconds from the first forward shown")
+    axes[-1, 1].set_xlabel("milliseconds from that forward's start")
+    handles = [Patch(color=c, label=what) for what, c in TIMELINE_COLORS.items()]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    return fig
+
+
+def middle_forwards(spans, count: int) -> list:
+    """``count`` consecutive forwards from the middle of a run (its steady decode)."""
+    forwards = sorted((s for s in spans if s.what == "forward"), key=lambda s: s.start)
+    middle = max(0, len(forwards) // 2 - count // 2)
+    return forwards[middle : middle + count]
+
+
+def host_seconds_per_forward(spans) -> float:
+    forwards = sum(1 for s in spans if s.what == "forward")
+    return sum(s.end - s.start for s in spans if s.what != "forward") / max(1, forwards)
+
+
+def draw_lanes(ax, spans, t0: float, x_min: float, x_max: float) -> None:
+    """The forward's lane and the host's, in ms from ``t0``, between ``x_min`` and ``x_max``: one bar
+    collection per part, labelled with it."""
+    for what, color in TIMELINE_COLORS.items():
+        bars = [((s.start - t0) * 1e3, (s.end - s.start) * 1e3) for s in spans if s.what == what]
+        bars = [(x, w) for x, w in bars if x + w >= x_min and x <= x_max]
+        lane = 1 if what == "forward" else 0
+        ax.broken_barh(bars, (lane - 0.35, 0.7), color=color, label=what)
+    ax.set_xlim(x_min, x_max)
+    ax.set_yticks([0, 1], ["host work", "forward"])
+    ax.set_ylim(-0.6, 1.6)
+    ax.grid(axis="x", alpha=0.3)

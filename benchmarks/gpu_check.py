@@ -457,6 +457,56 @@ def step_ours(args) -> dict:
     return out
 
 
+def step_overlap(args) -> dict:
+    """Async scheduling on the GPU: the same decode with eager steps scheduled ahead and one at a time, in
+    turns (3 pairs), and with CUDA graphs (one step at a time) beside them; batch 1 (tokens/s after the
+    first token) and 16 prompts (the whole call). With it on, the host-side gap between one forward's
+    launch ending and the next one's starting, from the trace."""
+    import random
+    import statistics
+
+    from lifeofprompt.engine.llm import LLM
+
+    model, tokenizer, label = build_model(args)
+    settings = dict(max_num_seqs=16, num_kv_blocks=512, log_stats=False)
+    eager = LLM(model, tokenizer=tokenizer, enforce_eager=True, async_scheduling=True, **settings)
+    graphs = None if dry(args) else LLM(model, tokenizer=tokenizer, **settings)
+    overlap = eager.engine.overlap
+    rng = random.Random(0)
+    vocab = model.config.vocab_size
+    tokens = 16 if dry(args) else 64
+    batch1 = [[rng.randrange(3, vocab) for _ in range(48)]]
+    batch16 = [[rng.randrange(3, vocab) for _ in range(48)] for _ in range(16)]
+
+    def rate(llm, prompts, after_first: bool) -> float:
+        run = bench.run_engine(llm, prompts, [tokens] * len(prompts))
+        if after_first:
+            return (tokens - 1) / (run["seconds"] - run["ttft_median_s"])
+        return run["tokens_per_s"]
+
+    out = dict(model=label, tokens=tokens, eager_why=eager.engine.async_scheduling_why)
+    for name, prompts, after_first in (("batch1", batch1, True), ("batch16", batch16, False)):
+        rate(eager, prompts, after_first)  # warm-up
+        rows = []
+        for _ in range(3):
+            row = {}
+            for on in (True, False):
+                eager.engine.overlap = overlap if on else None
+                row["eager_on" if on else "eager_off"] = rate(eager, prompts, after_first)
+            if graphs is not None:
+                row["graphs"] = rate(graphs, prompts, after_first)
+            rows.append(row)
+        out[name] = dict(pairs=rows, on_over_off=statistics.median(r["eager_on"] / r["eager_off"] for r in rows))
+    eager.engine.overlap = overlap
+    first = len(eager.engine.step_records)
+    rate(eager, batch1, True)
+    records = [r for r in list(eager.engine.step_records)[first:] if r.forward_times][2:]
+    gaps = [b.forward_times[0] - a.forward_times[1] for a, b in zip(records, records[1:])]
+    out["gap_ms_median"] = 1e3 * statistics.median(gaps) if gaps else None
+    print(out)
+    return out
+
+
 def step_peer(args) -> dict:
     """transformers continuous batching on the same weights and workload (capped in time)."""
     from lifeofprompt.lessons.reference import hf_from_ours
@@ -664,6 +714,17 @@ def summary_rows(r: dict) -> list[tuple[str, str, str]]:
                 f"{fmt(row['decode_tokens_per_s'], ' tok/s', 1, 0)}",
             )
         )
+    o = r.get("overlap", {})
+    for name in ("batch1", "batch16"):
+        if name in o:
+            graphs = [p["graphs"] for p in o[name]["pairs"] if "graphs" in p]
+            rows.append(
+                (
+                    f"async scheduling on/off, eager {name}",
+                    fmt(o[name]["on_over_off"], "×", 1, 3),
+                    f"CUDA graphs {fmt(max(graphs) if graphs else None, ' tok/s', 1, 0)} (one step at a time)",
+                )
+            )
     return rows
 
 
@@ -735,6 +796,7 @@ STEPS = {
     "ours": step_ours,
     "peer": step_peer,
     "story": step_story,
+    "overlap": step_overlap,
     "collectives": step_collectives,
     "summary": step_summary,
 }

@@ -85,6 +85,7 @@ run_step ours    75  $CHECK ours $DRY --ours-deadline 40
 if [ -n "$DRY" ]; then PEER_CAP=30; else PEER_CAP=50; fi
 run_step peer    70  $CHECK peer $DRY --peer-timeout $PEER_CAP
 run_step story   30  $CHECK story $DRY
+run_step overlap 45  $CHECK overlap $DRY   # async scheduling on/off (eager) and CUDA graphs, in turns
 run_step collectives 40 $CHECK collectives $DRY   # the process group of one rank against one process
 run_step summary 20  $CHECK summary $DRY
 say "total $(( $(date +%s) - START ))s; files in $OUT:"

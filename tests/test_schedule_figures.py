@@ -7,6 +7,7 @@ import matplotlib
 matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
 
 from lifeofprompt.figures.schedule import (
     SchedulePanel,
@@ -118,9 +119,8 @@ def test_the_roofline_check_draws_both_panels_with_a_machine_footer():
 
     gap = {"measured_s": [0.02, 0.03, 0.05], "predicted_s": [0.02, 0.02, 0.04], "num_tokens": [8, 3, 12]}
     fig = plot_roofline_check(gap, label="measured on a test machine")
-    assert [ax.get_title() for ax in fig.axes] == [
-        "Real steps against the calibrated roofline",
-        "The gap, by step size",
-    ]
+    measured, predicted = (list(line.get_ydata()) for line in fig.axes[0].lines)
+    assert measured == pytest.approx([20, 30, 50]) and predicted == pytest.approx([20, 20, 40])  # in ms
+    assert fig.axes[1].collections[0].get_offsets()[:, 0].tolist() == [8, 3, 12]  # by the step's tokens
     assert list(fig.axes[1].collections[0].get_offsets()[:, 1]) == [1.0, 1.5, 1.25]
     assert "measured on a test machine" in [t.get_text() for t in fig.texts]

@@ -30,10 +30,6 @@ def timeline(on: bool, tokens: int = 12):
     return llm, spans, out[0].outputs[0].token_ids
 
 
-def overlaps(a, b) -> bool:
-    return a.start < b.end and b.start < a.end
-
-
 @pytest.mark.parametrize("on", [False, True], ids=["synchronous", "async scheduling"])
 def test_every_part_of_every_step_is_recorded_on_its_thread(on):
     llm, spans, tokens = timeline(on)
@@ -42,8 +38,15 @@ def test_every_part_of_every_step_is_recorded_on_its_thread(on):
     assert {s.what for s in spans} == set(STEP_PARTS)
     assert {s.thread for s in forwards} == {"forward" if on else "engine"}
     assert all(s.thread == "engine" for s in spans if s.what != "forward")
-    planned_during_a_forward = [s for s in spans if s.what == "schedule" and any(overlaps(s, f) for f in forwards)]
-    assert bool(planned_during_a_forward) == on  # synchronous: nothing runs beside the forward
+    # What comes after a step's inputs on the engine's thread: synchronous, always its forward; with async
+    # scheduling, in every step after the first, the sampling of the step still in flight (the order of the code,
+    # whatever the threads' timing: a forward on the tiny model can end before the next step is planned)
+    engine_order = [s.what for s in sorted(spans, key=lambda s: s.start) if s.thread == "engine"]
+    after_inputs = [b for a, b in zip(engine_order, engine_order[1:]) if a == "inputs"]
+    if on:
+        assert after_inputs.count("sample") >= len(after_inputs) - 2 and "forward" not in after_inputs
+    else:
+        assert after_inputs == ["forward"] * len(after_inputs) and len(after_inputs) == 12
     assert len(forward_gaps(spans)) == 11 and all(g >= 0 for g in forward_gaps(spans))
     assert time_per_token(spans) > 0
     for owner, method in STEP_PARTS.values():  # the wrappers are gone: the engine runs its own methods again

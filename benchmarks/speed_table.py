@@ -73,6 +73,8 @@ def read_results(folder: Path) -> list[dict]:
             continue
         if not isinstance(result, dict) or not ({"mixed", "batch1"} & result.keys()):
             continue
+        if not isinstance(result.get("cpu", {}), dict):  # another benchmark's file (its CPU as a plain name)
+            continue
         cpu, inferred = cpu_name(result)
         rows.append(
             dict(

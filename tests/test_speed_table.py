@@ -48,3 +48,11 @@ def test_two_cpus_of_one_name_get_their_own_files_and_rows(tmp_path):
         )
     rows = speed_table.newest(speed_table.read_results(tmp_path))
     assert [(r["cpu"], r["mixed_speedup"]) for r in rows] == [("AMD EPYC (AVX-512)", 2.5), ("AMD EPYC (AVX2)", 1.5)]
+
+
+def test_another_benchmarks_results_beside_them_are_left_out(tmp_path):
+    """``benchmarks/async_scheduling.py`` also writes a "mixed" figure, with its CPU as a plain name."""
+    (tmp_path / "async_scheduling_x_1t.json").write_text(
+        json.dumps({"cpu": "Intel Xeon", "mixed": {"median_ratio": 1}})
+    )
+    assert speed_table.read_results(tmp_path) == []

@@ -15,6 +15,7 @@ from lifeofprompt.lessons.step_timeline import (  # noqa: E402
     STEP_PARTS,
     Span,
     forward_gaps,
+    forwards,
     recorded_timeline,
     time_per_token,
 )  # noqa: E402
@@ -33,10 +34,10 @@ def timeline(on: bool, tokens: int = 12):
 @pytest.mark.parametrize("on", [False, True], ids=["synchronous", "async scheduling"])
 def test_every_part_of_every_step_is_recorded_on_its_thread(on):
     llm, spans, tokens = timeline(on)
-    forwards = [s for s in spans if s.what == "forward"]
-    assert len(tokens) == 12 and len(forwards) == 12  # one forward a token, the prompt's included
+    ran = forwards(spans)
+    assert len(tokens) == 12 and len(ran) == 12  # one forward a token, the prompt's included
     assert {s.what for s in spans} == set(STEP_PARTS)
-    assert {s.thread for s in forwards} == {"forward" if on else "engine"}
+    assert {s.thread for s in ran} == {"forward" if on else "engine"}
     assert all(s.thread == "engine" for s in spans if s.what != "forward")
     # What comes after a step's inputs on the engine's thread: synchronous, always its forward; with async
     # scheduling, in every step after the first, the sampling of the step still in flight (the order of the code,
@@ -53,11 +54,11 @@ def test_every_part_of_every_step_is_recorded_on_its_thread(on):
         assert method not in vars(getattr(llm.engine, owner))
 
 
-def made_up_run(overlapped: bool, forwards: int = 8, forward_ms: float = 10.0) -> list[Span]:
-    """A decode of ``forwards`` steps with 1 ms of host work per step: before each forward, or, overlapped,
+def made_up_run(overlapped: bool, steps: int = 8, forward_ms: float = 10.0) -> list[Span]:
+    """A decode of ``steps`` steps with 1 ms of host work per step: before each forward, or, overlapped,
     during the forward before (sample before it, then outputs, schedule and inputs under it)."""
     spans, t = [], 0.0
-    for _ in range(forwards):
+    for _ in range(steps):
         parts = ["sample", "outputs", "schedule", "inputs"]
         if overlapped:
             spans.append(Span("sample", "engine", t, t + 0.25e-3))
@@ -84,9 +85,9 @@ def test_the_figure_draws_the_spans_it_was_given():
 
     left, right = fig.axes[0::2], fig.axes[1::2]
     for ax, spans in zip(left, runs.values()):  # four whole forwards from the middle of the run, from x = 0
-        forwards = sorted((s for s in spans if s.what == "forward"), key=lambda s: s.start)[2:6]
-        t0 = forwards[0].start
-        assert bars(ax, "forward") == [(round((f.start - t0) * 1e3, 6), 10.0) for f in forwards]
+        steady = forwards(spans)[2:6]
+        t0 = steady[0].start
+        assert bars(ax, "forward") == [(round((f.start - t0) * 1e3, 6), 10.0) for f in steady]
         assert {c.get_label() for c in ax.collections} == set(STEP_PARTS)
     sync_inputs, overlapped_schedule = bars(right[0], "inputs"), bars(right[1], "schedule")
     assert (-0.25, 0.25) in sync_inputs  # just before the forward that starts at 0

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from ..env import cpu_label
+from ..lessons.step_timeline import forwards
 from .schedule import format_step
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -335,11 +336,11 @@ def plot_step_timeline(runs: dict, num_forwards: int = 4, title: str = ""):
     host_s = max(host_seconds_per_forward(spans) for spans in runs.values())
     half_ms = max(0.5, 1.5 * host_s * 1e3)  # the magnified window: each side of a forward's start
     for (left, right), (label, spans) in zip(axes, runs.items()):
-        forwards = shown[label]
-        t0 = forwards[0].start
-        draw_lanes(left, spans, t0, 0, (forwards[-1].end - t0) * 1e3)
+        steady = shown[label]
+        t0 = steady[0].start
+        draw_lanes(left, spans, t0, 0, (steady[-1].end - t0) * 1e3)
         left.set_title(label, fontsize=9, loc="left")
-        t1 = forwards[1].start
+        t1 = steady[1].start
         draw_lanes(right, spans, t1, -half_ms, half_ms)
         right.axvline(0, color="black", lw=0.8, ls=":")
         right.set_title("magnified: around a forward's start", fontsize=8, loc="left")
@@ -355,14 +356,13 @@ def plot_step_timeline(runs: dict, num_forwards: int = 4, title: str = ""):
 
 def middle_forwards(spans, count: int) -> list:
     """``count`` consecutive forwards from the middle of a run (its steady decode)."""
-    forwards = sorted((s for s in spans if s.what == "forward"), key=lambda s: s.start)
-    middle = max(0, len(forwards) // 2 - count // 2)
-    return forwards[middle : middle + count]
+    ran = forwards(spans)
+    middle = max(0, len(ran) // 2 - count // 2)
+    return ran[middle : middle + count]
 
 
 def host_seconds_per_forward(spans) -> float:
-    forwards = sum(1 for s in spans if s.what == "forward")
-    return sum(s.end - s.start for s in spans if s.what != "forward") / max(1, forwards)
+    return sum(s.end - s.start for s in spans if s.what != "forward") / max(1, len(forwards(spans)))
 
 
 def draw_lanes(ax, spans, t0: float, x_min: float, x_max: float) -> None:

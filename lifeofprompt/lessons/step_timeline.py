@@ -61,13 +61,18 @@ def recorded_timeline(engine):
             delattr(owners[what], method)  # the class's method shows through again
 
 
+def forwards(spans: list[Span]) -> list[Span]:
+    """The forwards, in the order they started."""
+    return sorted((s for s in spans if s.what == "forward"), key=lambda s: s.start)
+
+
 def forward_gaps(spans: list[Span]) -> list[float]:
     """Seconds between one forward's end and the next one's start: the time the model waited for the host."""
-    forwards = sorted((s for s in spans if s.what == "forward"), key=lambda s: s.start)
-    return [b.start - a.end for a, b in zip(forwards, forwards[1:])]
+    ran = forwards(spans)
+    return [b.start - a.end for a, b in zip(ran, ran[1:])]
 
 
 def time_per_token(spans: list[Span]) -> float:
     """Seconds from the first forward's start to the last one's end, per forward (one token each at batch 1)."""
-    forwards = sorted((s for s in spans if s.what == "forward"), key=lambda s: s.start)
-    return (forwards[-1].end - forwards[0].start) / len(forwards)
+    ran = forwards(spans)
+    return (ran[-1].end - ran[0].start) / len(ran)

@@ -16,12 +16,18 @@ from cache_checks import check_cached_blocks_were_verified
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis_counts import examples
-from test_spec_properties import build_tiny, prompts, reference
+from test_spec_properties import (
+    assert_greedy_answers,
+    build_tiny,
+    prompts,
+    record_computed,
+    reference,
+    stop_tokens,
+    tight_engine,
+)
 
-from lifeofprompt.engine.llm_engine import LLMEngine
 from lifeofprompt.engine.sampling_params import SamplingParams
 from lifeofprompt.engine.sequence import PLACEHOLDER
-from lifeofprompt.lessons.agreement import FP32_TOLERANCE, assert_greedy_agrees, teacher_forced_logits, top2_margins
 
 MAX_TOKENS = 12
 
@@ -61,31 +67,11 @@ requests = st.lists(
 def test_random_stops_aborts_and_preemption_keep_the_books(tiny, requests, extra_blocks, block_size, budget, caching):
     model, tokenizer = tiny
     refs = {p: reference(model, tokenizer, p) for p, *_ in requests}
-    num_blocks = max(-(-(len(p) + n) // block_size) for p, n, *_ in requests) + extra_blocks
-    engine = LLMEngine(
-        model,
-        tokenizer=tokenizer,
-        num_kv_blocks=num_blocks,
-        block_size=block_size,
-        max_num_batched_tokens=budget,
-        enable_prefix_caching=caching,
-        log_stats=False,
-        check_invariants=True,
-        async_scheduling=True,
-    )
-    computed: list[list[int]] = []
-    update = engine.scheduler.update_from_output
-
-    def recording_update(batch, sampled):
-        changes = update(batch, sampled)
-        computed.extend(list(s.token_ids) for s in batch.seqs)
-        return changes
-
-    engine.scheduler.update_from_output = recording_update
+    engine = tight_engine(tiny, requests, extra_blocks, block_size, budget, caching, async_scheduling=True)
+    computed = record_computed(engine)
     stops, aborts = {}, {}
     for i, (prompt, max_tokens, stop_at, abort_at, scores) in enumerate(requests):
-        ref = refs[prompt]
-        stops[str(i)] = [ref[stop_at]] if stop_at is not None and stop_at < max_tokens else []
+        stops[str(i)] = stop_tokens(refs[prompt], stop_at, max_tokens)
         if abort_at is not None:
             aborts[str(i)] = abort_at
         params = SamplingParams(
@@ -118,22 +104,7 @@ def test_random_stops_aborts_and_preemption_keep_the_books(tiny, requests, extra
     assert all(PLACEHOLDER not in tokens for tokens in computed), [t for t in computed if PLACEHOLDER in t]
     check_cached_blocks_were_verified(bm, computed + [list(p) + refs[p] for p, *_ in requests])
 
-    got, want, margins = [], [], []
-    for i, (prompt, max_tokens, _, _, scores) in enumerate(requests):
-        out = outs[str(i)].outputs[0]
-        tokens, stop = out.token_ids, stops[str(i)]
-        assert len(outs[str(i)].metrics.token_times) == len(tokens)  # one time per emitted token, no more
-        if scores and out.finish_reason != "abort":
+    for i, (prompt, _, _, _, scores) in enumerate(requests):
+        if scores and outs[str(i)].outputs[0].finish_reason != "abort":
             assert len(outs[str(i)].prompt_logprobs) == len(prompt)  # every prompt token scored once
-        if out.finish_reason == "abort":
-            assert len(tokens) <= max_tokens and not set(stop) & set(tokens)
-            continue
-        if out.finish_reason == "stop":
-            assert tokens[-1] == stop[0] and stop[0] not in tokens[:-1]
-        else:
-            assert out.finish_reason == "length" and len(tokens) == max_tokens and not set(stop) & set(tokens[:-1])
-        ref = refs[prompt][: len(tokens)]
-        got.append(tokens)
-        want.append(ref)
-        margins.append(top2_margins(teacher_forced_logits(model, list(prompt), ref)).tolist())
-    assert_greedy_agrees(got, want, margins, FP32_TOLERANCE, min_steps=0)
+    assert_greedy_answers(model, refs, requests, outs, stops)

@@ -70,6 +70,67 @@ def reference(model, tokenizer, prompt: tuple) -> list[int]:
     return _references[prompt]
 
 
+def tight_engine(tiny, requests, extra_blocks: int, block_size: int, budget: int, caching: bool, **settings):
+    """An engine whose pool just holds the largest request plus ``extra_blocks`` (the others get preempted),
+    checking the block manager's invariants after every step."""
+    model, tokenizer = tiny
+    num_blocks = max(-(-(len(p) + n) // block_size) for p, n, *_ in requests) + extra_blocks
+    return LLMEngine(
+        model,
+        tokenizer=tokenizer,
+        num_kv_blocks=num_blocks,
+        block_size=block_size,
+        max_num_batched_tokens=budget,
+        enable_prefix_caching=caching,
+        log_stats=False,
+        check_invariants=True,
+        **settings,
+    )
+
+
+def record_computed(engine) -> list[list[int]]:
+    """The tokens of every sequence each step updated (what the steps computed, for the cache check)."""
+    computed: list[list[int]] = []
+    update = engine.scheduler.update_from_output
+
+    def recording_update(batch, sampled):
+        changes = update(batch, sampled)
+        computed.extend(list(s.token_ids) for s in batch.seqs)
+        return changes
+
+    engine.scheduler.update_from_output = recording_update
+    return computed
+
+
+def stop_tokens(ref: list[int], stop_at: int | None, max_tokens: int) -> list[int]:
+    """The stop token a request is given: its greedy token at ``stop_at``, if it comes before ``max_tokens``."""
+    return [ref[stop_at]] if stop_at is not None and stop_at < max_tokens else []
+
+
+def assert_greedy_answers(model, refs, requests, outs, stops) -> None:
+    """Each answer is the greedy continuation (the margin rule) cut by its stop token, its length or an abort,
+    with one time per emitted token."""
+    got, want, margins = [], [], []
+    for i, (prompt, max_tokens, *_) in enumerate(requests):
+        out = outs[str(i)].outputs[0]
+        tokens, stop = out.token_ids, stops[str(i)]
+        assert len(outs[str(i)].metrics.token_times) == len(tokens)  # one time per emitted token, no more
+        assert len(tokens) <= max_tokens
+        if out.finish_reason == "abort":
+            assert not set(stop) & set(tokens)
+            continue
+        if out.finish_reason == "stop":
+            assert tokens[-1] == stop[0] and stop[0] not in tokens[:-1]
+        else:
+            # (length is checked first: a stop token that is also the last allowed one ends it as "length")
+            assert out.finish_reason == "length" and len(tokens) == max_tokens and not set(stop) & set(tokens[:-1])
+        ref = refs[prompt][: len(tokens)]
+        got.append(tokens)
+        want.append(ref)
+        margins.append(top2_margins(teacher_forced_logits(model, list(prompt), ref)).tolist())
+    assert_greedy_agrees(got, want, margins, FP32_TOLERANCE, min_steps=0)
+
+
 class ScriptedProposer:
     """Each call takes the next ``(num_draft, num_right)`` of a script: the first ``num_right`` drafts are
     the model's greedy next tokens, the others deliberately wrong."""
@@ -120,34 +181,12 @@ def test_random_accept_reject_stops_aborts_and_preemption_keep_the_books(
 ):
     model, tokenizer = tiny
     refs = {p: reference(model, tokenizer, p) for p, *_ in requests}
-    # a pool that just holds the largest request, plus a few blocks: the others get preempted
-    num_blocks = max(-(-(len(p) + n) // block_size) for p, n, *_ in requests) + extra_blocks
-    engine = LLMEngine(
-        model,
-        tokenizer=tokenizer,
-        num_kv_blocks=num_blocks,
-        block_size=block_size,
-        max_num_batched_tokens=budget,
-        enable_prefix_caching=caching,
-        log_stats=False,
-        check_invariants=True,
-        speculative_config=NGRAM,
-    )
+    engine = tight_engine(tiny, requests, extra_blocks, block_size, budget, caching, speculative_config=NGRAM)
     engine.proposer = ScriptedProposer(refs, script)
-    verified: list[list[int]] = []
-    update = engine.scheduler.update_from_output
-
-    def recording_update(batch, sampled):
-        changes = update(batch, sampled)
-        verified.extend(list(s.token_ids) for s in batch.seqs)
-        return changes
-
-    engine.scheduler.update_from_output = recording_update
+    verified = record_computed(engine)
     stops, aborts = {}, {}
     for i, (prompt, max_tokens, stop_at, abort_at) in enumerate(requests):
-        ref = refs[prompt]
-        stop = [ref[stop_at]] if stop_at is not None and stop_at < max_tokens else []
-        stops[str(i)] = stop
+        stop = stops[str(i)] = stop_tokens(refs[prompt], stop_at, max_tokens)
         if abort_at is not None:
             aborts[str(i)] = abort_at
         engine.add_request(
@@ -172,24 +211,7 @@ def test_random_accept_reject_stops_aborts_and_preemption_keep_the_books(
     bm.check_invariants([])
     check_cached_blocks_were_verified(bm, verified + [list(p) + refs[p] for p, *_ in requests])
 
-    got, want, margins = [], [], []
-    for i, (prompt, max_tokens, _, _) in enumerate(requests):
-        out = outs[str(i)].outputs[0]
-        tokens, stop = out.token_ids, stops[str(i)]
-        if out.finish_reason == "abort":
-            continue
-        assert len(tokens) <= max_tokens
-        if out.finish_reason == "stop":
-            assert tokens[-1] == stop[0] and stop[0] not in tokens[:-1]
-        else:
-            # (length is checked first: a stop token that is also the last allowed one ends it as "length")
-            assert out.finish_reason == "length" and len(tokens) == max_tokens and not set(stop) & set(tokens[:-1])
-        ref = refs[prompt][: len(tokens)]
-        got.append(tokens)
-        want.append(ref)
-        margins.append(top2_margins(teacher_forced_logits(model, list(prompt), ref)).tolist())
-        assert len(outs[str(i)].metrics.token_times) == len(tokens)
-    assert_greedy_agrees(got, want, margins, FP32_TOLERANCE, min_steps=0)
+    assert_greedy_answers(model, refs, requests, outs, stops)
     spec = engine.spec_stats
     assert spec.num_accepted_tokens <= spec.num_draft_tokens
     assert sum(spec.num_accepted_tokens_per_pos) == spec.num_accepted_tokens
@@ -216,18 +238,8 @@ def test_the_model_as_its_own_draft_through_preemption_aborts_and_cache_hits(
     itself: nearly every draft must be accepted."""
     model, tokenizer = tiny
     refs = {p: reference(model, tokenizer, p) for p, *_ in requests}
-    num_blocks = max(-(-(len(p) + n) // block_size) for p, n, *_ in requests) + extra_blocks
-    engine = LLMEngine(
-        model,
-        tokenizer=tokenizer,
-        num_kv_blocks=num_blocks,
-        block_size=block_size,
-        max_num_batched_tokens=budget,
-        enable_prefix_caching=caching,
-        log_stats=False,
-        check_invariants=True,
-        speculative_config={"model": model, "num_speculative_tokens": k},
-    )
+    draft = {"model": model, "num_speculative_tokens": k}
+    engine = tight_engine(tiny, requests, extra_blocks, block_size, budget, caching, speculative_config=draft)
     for i, (prompt, max_tokens, _, _) in enumerate(requests):
         engine.add_request(str(i), list(prompt), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     outs, step = {}, 0
@@ -242,11 +254,4 @@ def test_the_model_as_its_own_draft_through_preemption_aborts_and_cache_hits(
     assert bm.num_free_blocks == bm.num_blocks
     spec = engine.spec_stats
     assert spec.num_draft_tokens == 0 or spec.acceptance_rate >= 0.95, spec
-    got, want, margins = [], [], []
-    for i, (prompt, *_) in enumerate(requests):
-        out = outs[str(i)].outputs[0]
-        if out.finish_reason != "abort":
-            got.append(out.token_ids)
-            want.append(refs[prompt][: len(out.token_ids)])
-            margins.append(top2_margins(teacher_forced_logits(model, list(prompt), want[-1])).tolist())
-    assert_greedy_agrees(got, want, margins, FP32_TOLERANCE, min_steps=0)
+    assert_greedy_answers(model, refs, requests, outs, {str(i): [] for i in range(len(requests))})

@@ -29,20 +29,6 @@ def engine(tinyllama, **settings):
     return LLMEngine(model, tokenizer=tokenizer, num_kv_blocks=256, max_num_seqs=8, log_stats=False, **settings)
 
 
-def run(engine, requests, abort=None) -> dict:
-    for rid, prompt, params in requests:
-        engine.add_request(rid, prompt, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if abort and out.request_id == abort[0] and len(out.outputs[0].token_ids) >= abort[1]:
-                engine.abort(out.request_id)
-            if out.finished:
-                done[out.request_id] = out
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    return done
-
-
 def test_on_for_eager_steps_off_with_graphs(tinyllama):
     eager = engine(tinyllama, enforce_eager=True)
     assert eager.overlap is not None and eager.async_scheduling_why.startswith("on: a GPU's forward")
@@ -51,6 +37,8 @@ def test_on_for_eager_steps_off_with_graphs(tinyllama):
 
 
 def test_the_same_greedy_tokens_on_and_off(tinyllama):
+    from test_async_scheduling import run  # tests/test_async_scheduling.py: to the end, no block leaked
+
     from lifeofprompt.engine.sampling_params import SamplingParams
 
     g = torch.Generator().manual_seed(0)
@@ -62,6 +50,6 @@ def test_the_same_greedy_tokens_on_and_off(tinyllama):
     off = run(engine(tinyllama, enforce_eager=True, async_scheduling=False), requests)
     for rid in off:
         assert on[rid].outputs[0].token_ids == off[rid].outputs[0].token_ids, rid
-    aborted = run(engine(tinyllama, enforce_eager=True, async_scheduling=True), requests, abort=("1", 5))
+    aborted = run(engine(tinyllama, enforce_eager=True, async_scheduling=True), requests, abort_after=("1", 5))
     assert aborted["1"].outputs[0].finish_reason == "abort"
     assert aborted["1"].outputs[0].token_ids == off["1"].outputs[0].token_ids[: len(aborted["1"].outputs[0].token_ids)]

@@ -275,8 +275,13 @@ def engine_decode_batch1(llm, prompt, n: int) -> dict:
     out = run_engine(llm, [prompt], [2])  # warm-up
     out = run_engine(llm, [prompt], [n], label="lifeofprompt (batch 1)")
     if out["ttft_median_s"] is not None and out["output_tokens"] > 1:
-        out["decode_tokens_per_s"] = (out["output_tokens"] - 1) / (out["seconds"] - out["ttft_median_s"])
+        out["decode_tokens_per_s"] = decode_tokens_per_s(out)
     return out
+
+
+def decode_tokens_per_s(run: dict) -> float:
+    """A batch-1 ``run_engine`` result's tokens/s after its first token (what llama-server's timings measure)."""
+    return (run["output_tokens"] - 1) / (run["seconds"] - run["ttft_median_s"])
 
 
 # ----------------------------------------------------------------------------- llama.cpp

@@ -480,9 +480,7 @@ def step_overlap(args) -> dict:
 
     def rate(llm, prompts, after_first: bool) -> float:
         run = bench.run_engine(llm, prompts, [tokens] * len(prompts))
-        if after_first:
-            return (tokens - 1) / (run["seconds"] - run["ttft_median_s"])
-        return run["tokens_per_s"]
+        return bench.decode_tokens_per_s(run) if after_first else run["tokens_per_s"]
 
     out = dict(model=label, tokens=tokens, eager_why=eager.engine.async_scheduling_why)
     for name, prompts, after_first in (("batch1", batch1, True), ("batch16", batch16, False)):

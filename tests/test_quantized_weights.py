@@ -127,6 +127,7 @@ def test_auto_keeps_the_blocks_only_where_they_timed_faster(blocks_s, floats_s, 
 
     monkeypatch.setenv("LIFEOFPROMPT_CACHE", str(tmp_path))  # a fresh cache: measured, not read
     monkeypatch.setattr(block_calibration, "fastest_float_step", lambda model, others=(): (floats_s, [blocks_s]))
+    monkeypatch.setattr("lifeofprompt.cpu.interleaved_blocks.integer_on_offer", lambda model: False)
     monkeypatch.setattr("lifeofprompt.model.loader.load_weights", lambda *a: (None, None))
     quantization, why = resolve_quantization("smollm2-135m", torch.device("cpu"), "auto")
     assert quantization == chosen and f"{blocks_s * 1e3:.1f} ms with the GGUF's blocks" in why

@@ -1,12 +1,14 @@
-"""Whether the embedded model's GGUF blocks decode faster here than its fp32 copy (timed once per machine).
+"""Whether the embedded model's GGUF blocks decode faster here than its fp32 copy, and whether their products
+are faster with integer activations (each timed once per machine).
 
 The blocks read about a sixth of fp32's bytes, but each weight must be unpacked before it is
 multiplied: where the CPU reads memory fast and computes slowly the fp32 step can still win. So
 ``quantization="auto"`` does not assume; it times the whole batch-1 decode step of both (the C step
-of every layer and the LM head, over a short paged context), the fp32 one in its faster layout: three
-runs (fp32 packed, fp32 row-major, the blocks) taking turns step by step so that load from elsewhere
-cannot favour one, and keeps the answer with
-the other cached timings (``linear_calibration.cached_answer``).
+of every layer and the LM head, over a short paged context), the fp32 one in its faster layout: the
+runs (fp32 packed, fp32 row-major, the blocks, and the blocks with integer products where this CPU
+has them) taking turns step by step so that load from elsewhere cannot favour one, and keeps the
+answer with the other cached timings (``linear_calibration.cached_answer``).
+``integer_products_faster`` times the blocks' two kinds of product alone, for a model loaded with blocks.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 TIMING_CONTEXT = 64  # tokens already in the sequence the timed step decodes after
 TIMING_BLOCK = 16  # tokens per block of the timing's small pool
 ROUNDS = 15  # timed steps per model (after two warm-ups); the median is kept
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2  # 2: the blocks timed with integer products too
 
 
 def one_row_step(model, context: int = TIMING_CONTEXT, block_size: int = TIMING_BLOCK):
@@ -31,13 +33,14 @@ def one_row_step(model, context: int = TIMING_CONTEXT, block_size: int = TIMING_
 
 
 @torch.no_grad()
-def interleaved_step_seconds(runs: list[tuple]) -> list[float]:
+def interleaved_step_seconds(runs: list[tuple], prepare=None) -> list[float]:
     """The median time of a batch-1 decode step, logits included, of each ``(model, way)`` in ``runs`` (way: a
     C step layout, or ``c_step.TORCH`` for the torch layers), with
     the weights in 2 MiB pages where the system has them, as the engine places them (``huge_pages.py``).
 
     The runs take turns round by round, so a burst of load from something else on a shared machine slows
-    all of them alike instead of deciding the comparison on its own."""
+    all of them alike instead of deciding the comparison on its own. ``prepare(i)``, if given, is called
+    before each step of run ``i`` (runs of one model in two states)."""
     from .c_step import CStep, running
     from .huge_pages import move_weights_to_huge_pages
 
@@ -46,7 +49,9 @@ def interleaved_step_seconds(runs: list[tuple]) -> list[float]:
     inputs = [one_row_step(model) for model, _ in runs]
     times = [[] for _ in runs]
     for i in range(ROUNDS + 2):
-        for (model, way), step_inputs, kept in zip(runs, inputs, times):
+        for index, ((model, way), step_inputs, kept) in enumerate(zip(runs, inputs, times)):
+            if prepare is not None:
+                prepare(index)
             start = time.perf_counter()
             with running(model, CStep.only(way)):
                 model(*step_inputs)
@@ -78,8 +83,10 @@ def blocks_decode_faster(load) -> tuple[bool, str]:
     """``(faster, why)``: the embedded model's batch-1 step with its GGUF blocks against its fp32 copy.
 
     ``load(quantization)`` loads the embedded model with its blocks (``"gguf"``) or in fp32 (None); the
-    loader passes it in, so this module does not import the loader that calls it."""
+    loader passes it in, so this module does not import the loader that calls it. The blocks are timed
+    with both kinds of product where this CPU has integer ones, and the faster stands for them."""
     from .c_step import PACKED, SOURCE, step_kernel
+    from .interleaved_blocks import integer_on_offer, interleave_model
     from .linear_calibration import cached_verdict, machine_key
     from .native_build import source_digest
 
@@ -87,11 +94,39 @@ def blocks_decode_faster(load) -> tuple[bool, str]:
         return False, "no C compiler here, so no block kernels: fp32"
 
     key = dict(machine_key(), version=CALIBRATION_VERSION, what="smollm2 GGUF blocks vs fp32, batch-1 step")
-    key["source"] = source_digest(SOURCE)  # the C step and the block kernel it includes: changed, timed again
+    key["source"] = source_digest(SOURCE)  # the C step and the block kernels it includes: changed, timed again
 
     def measure():
-        floats, (blocks,) = fastest_float_step(load(None), others=[(load("gguf"), PACKED)])
-        why = f"a batch-1 step took {blocks * 1e3:.1f} ms with the GGUF's blocks, {floats * 1e3:.1f} ms in fp32"
-        return blocks < floats, why, dict(seconds=dict(blocks=blocks, float32=floats))
+        others = [(load("gguf"), PACKED)]
+        if integer_on_offer(others[0][0]):
+            integer = load("gguf")
+            interleave_model(integer)
+            others.append((integer, PACKED))
+        floats, blocks = fastest_float_step(load(None), others=others)
+        best = min(blocks)
+        kinds = " and ".join(f"{s * 1e3:.1f} ms" for s in blocks)
+        products = " (float, then integer products)" if len(blocks) > 1 else ""
+        why = f"a batch-1 step took {kinds} with the GGUF's blocks{products}, {floats * 1e3:.1f} ms in fp32"
+        return best < floats, why, dict(seconds=dict(blocks=blocks, float32=floats))
 
     return cached_verdict(key, measure)
+
+
+def integer_products_faster(model, way: str) -> tuple[bool, str, dict]:
+    """``(faster, why, record)``: a block model's batch-1 step (the C step ``way``, or ``c_step.TORCH``) with
+    integer products against float ones, in turns, the re-laid copies made first (and freed after: the
+    caller keeps or drops them by the answer, cached or not)."""
+    from .interleaved_blocks import block_layers, drop_interleaved, interleave_model
+
+    interleave_model(model)
+    copies = {module: module.interleaved for module in block_layers(model)}
+
+    def prepare(index: int) -> None:  # run 0: integer products; run 1: float ones
+        for module, copy in copies.items():
+            module.interleaved = copy if index == 0 else None
+
+    integer, floats = interleaved_step_seconds([(model, way), (model, way)], prepare)
+    drop_interleaved(model)
+    faster = integer < floats
+    why = f"a batch-1 step took {integer * 1e3:.2f} ms with integer products, {floats * 1e3:.2f} ms with float ones"
+    return faster, why, dict(seconds=dict(integer=integer, float=floats))

@@ -12,6 +12,7 @@
 
 #include "row_kernels.h"
 #include "block_kernels.h"
+#include "integer_kernels.h"
 
 /* Returns 0, or -1 where the copy of x a ragged width needs could not be allocated. */
 int blocks_times_weight(const float *x, long m, long n, long format, const void *quants, const uint16_t *scales,
@@ -30,6 +31,46 @@ int blocks_times_weight(const float *x, long m, long n, long format, const void 
     free(room);
     return 0;
 }
+
+/* ------------------------------------------------------------------ integer products (integer_kernels.h) */
+
+/* The same product from the blocks re-laid in groups of 16 rows (format FORMAT_Q8_0_X16 or
+ * FORMAT_Q4_1_X16; `out` a multiple of 16): x is made two int8 digits per block once, by the
+ * threads a share of rows each, then the threads split the groups. Returns 0, or -1 where the
+ * digits' buffer could not be allocated or the shape cannot be read. */
+int integer_blocks_times_weight(const float *x, long m, long n, long format, const void *quants,
+                                const uint16_t *scales, const uint16_t *mins, long out, float *y, int threads) {
+    WeightMatrix w = {format, quants, scales, mins};
+    long blocks = blocks_of(n);
+    if (!is_interleaved(&w) || out % GROUP != 0) return -1;
+    void *buffer = malloc(integer_rows_bytes(m, blocks));
+    if (buffer == NULL) return -1;
+    IntegerRows digits = integer_rows_in(buffer, m, blocks);
+    long groups = out / GROUP, chunk_groups = CHUNK_ROWS / GROUP, chunks = (groups + chunk_groups - 1) / chunk_groups;
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp for schedule(static)
+        for (long r = 0; r < m; r++) quantize_rows(x, n, n, r, r + 1, &digits);
+        #pragma omp for schedule(static)
+        for (long c = 0; c < chunks; c++) {
+            long first = c * CHUNK_ROWS, last = first + CHUNK_ROWS < out ? first + CHUNK_ROWS : out;
+            integer_times_range(&digits, &w, blocks, first, last, y, out, 0);
+        }
+    }
+    free(buffer);
+    return 0;
+}
+
+/* x's digits as integer_kernels.h makes them (for the tests): hi, lo [m, blocks * 32] int8 and per
+ * block scale (s / 256), sum and offset [m, blocks]. */
+void integer_quantize_rows(const float *x, long m, long n, int8_t *hi, int8_t *lo, float *scale, float *sum,
+                           int32_t *offset) {
+    IntegerRows digits = {hi, lo, scale, sum, offset, m, blocks_of(n)};
+    quantize_rows(x, n, n, 0, m, &digits);
+}
+
+/* Which integer path this build took: "avx512-vnni", "avx-vnni", "avx2" or "portable". */
+const char *integer_path(void) { return INTEGER_PATH; }
 
 /* ------------------------------------------------------------------ rows of a block matrix as floats */
 

@@ -55,8 +55,9 @@
 
 #define BLOCK 32
 
-/* How a weight matrix is stored: the C step reads each layer matrix in its own format. */
-enum { FORMAT_F32 = 0, FORMAT_F32_PACKED = 1, FORMAT_Q8_0 = 2, FORMAT_Q4_1 = 3 };
+/* How a weight matrix is stored: the C step reads each layer matrix in its own format. The _X16
+ * formats are the same blocks re-laid in groups of 16 rows for integer products (integer_kernels.h). */
+enum { FORMAT_F32 = 0, FORMAT_F32_PACKED = 1, FORMAT_Q8_0 = 2, FORMAT_Q4_1 = 3, FORMAT_Q8_0_X16 = 4, FORMAT_Q4_1_X16 = 5 };
 
 /* One matrix [out, n]: fp32 (row-major, or packed as in row_kernels.h) in `data`; or blocks, with the
  * quants in `data` and the fp16 scales (and Q4_1's minimums) [out, blocks] beside them. */
@@ -66,12 +67,20 @@ typedef struct {
     const uint16_t *scales, *mins;
 } WeightMatrix;
 
-static inline int is_blocks(const WeightMatrix *w) { return w->format == FORMAT_Q8_0 || w->format == FORMAT_Q4_1; }
+static inline int is_interleaved(const WeightMatrix *w) {
+    return w->format == FORMAT_Q8_0_X16 || w->format == FORMAT_Q4_1_X16;
+}
+static inline int is_blocks(const WeightMatrix *w) {
+    return w->format == FORMAT_Q8_0 || w->format == FORMAT_Q4_1 || is_interleaved(w);
+}
 static inline long blocks_of(long n) { return (n + BLOCK - 1) / BLOCK; }
-static inline long quant_row_bytes(int64_t format, long blocks) { return blocks * (format == FORMAT_Q4_1 ? 16 : 32); }
+static inline long quant_row_bytes(int64_t format, long blocks) {
+    return blocks * (format == FORMAT_Q4_1 || format == FORMAT_Q4_1_X16 ? 16 : 32);
+}
 
 /* Rows [first, ..) of `w` (n columns) as a matrix of their own: every plane offset by `first` rows
- * (for a packed matrix `first` must be a whole panel, which the row-major offset then also is). */
+ * (for a packed matrix `first` must be a whole panel, which the row-major offset then also is; for
+ * a re-laid one a whole group of 16 rows, whose planes then start where `first` rows' would). */
 static inline WeightMatrix matrix_rows(const WeightMatrix *w, long first, long n) {
     WeightMatrix view = *w;
     long blocks = blocks_of(n);

@@ -52,6 +52,7 @@ static int omp_get_thread_num(void) { return 0; }
 
 #include "row_kernels.h"
 #include "block_kernels.h"
+#include "integer_kernels.h"
 
 typedef struct {
     long hidden, num_heads, num_kv_heads, head_dim, intermediate, num_layers;
@@ -66,18 +67,29 @@ typedef struct {
 } Layer;
 
 /* y[r][o] (or +=) x[r] . W[o] for o in [first, last), whatever W's format: the packed panels, the
- * row-major rows, or blocks (x, n columns, copied into `room` first where n is not whole blocks). */
+ * row-major rows, blocks (x, n columns, copied into `room` first where n is not whole blocks), or
+ * blocks re-laid for integer products (x as its digits, made by digits_of before). */
 static void times_matrix(const WeightMatrix *w, const float *x, long x_stride, long m, long n, long first, long last,
-                         float *y, long y_stride, int accumulate, float *room) {
+                         float *y, long y_stride, int accumulate, float *room, const IntegerRows *digits) {
     if (w->format == FORMAT_F32_PACKED) {
         packed_times_weight_range(x, x_stride, m, w->data, n, first, last, y, y_stride, accumulate);
     } else if (w->format == FORMAT_F32) {
         rows_times_weight_range(x, x_stride, m, w->data, n, first, last, y, y_stride, accumulate);
+    } else if (is_interleaved(w)) {
+        integer_times_range(digits, w, blocks_of(n), first, last, y, y_stride, accumulate);
     } else {
         long stride;
         const float *input = block_input(x, x_stride, m, n, room, &stride);
         blocks_times_range(input, stride, m, w, blocks_of(n), first, last, y, y_stride, accumulate);
     }
+}
+
+/* x's two int8 digits per block (integer_kernels.h) where `w` is re-laid for integer products, made
+ * in `buffer` (this thread's own: every thread makes the same digits, which saves a barrier). */
+static IntegerRows digits_of(const WeightMatrix *w, const float *x, long x_stride, long m, long n, void *buffer) {
+    IntegerRows digits = integer_rows_in(buffer, m, blocks_of(n));
+    if (is_interleaved(w)) quantize_rows(x, x_stride, n, 0, m, &digits);
+    return digits;
 }
 
 static void rms_norm(const float *x, const float *weight, float *y, long m, long n, float eps) {
@@ -288,12 +300,12 @@ static long chunk_last(long c, long rows) { return (c + 1) * CHUNK_ROWS < rows ?
  * separates them. Each is a product of the rows from `first` (and from I + first) viewed as a
  * matrix of their own (matrix_rows), in any format. */
 static void gate_up_chunk(const WeightMatrix *w_gate_up, const float *normed, long m, long H, long I, long first,
-                          long last, float *act, float *room) {
+                          long last, float *act, float *room, const IntegerRows *digits) {
     long width = last - first;
     float gate[m * width], up[m * width];
     WeightMatrix gate_rows = matrix_rows(w_gate_up, first, H), up_rows = matrix_rows(w_gate_up, I + first, H);
-    times_matrix(&gate_rows, normed, H, m, H, 0, width, gate, width, 0, room);
-    times_matrix(&up_rows, normed, H, m, H, 0, width, up, width, 0, room);
+    times_matrix(&gate_rows, normed, H, m, H, 0, width, gate, width, 0, room, digits);
+    times_matrix(&up_rows, normed, H, m, H, 0, width, up, width, 0, room, digits);
     for (long r = 0; r < m; r++)
         for (long i = 0; i < width; i++) act[r * I + first + i] = silu(gate[r * width + i]) * up[r * width + i];
 }
@@ -302,10 +314,11 @@ static void gate_up_chunk(const WeightMatrix *w_gate_up, const float *normed, lo
  * its D rows of the qkv product, rotated if a q or k head, stored into the pool if a k or v head. */
 static void project_head(const WeightMatrix *w_qkv, const float *normed, float *qkv, long head, long m, const Dims *d,
                          const int64_t *positions, const int64_t *slots, const float *cos_table,
-                         const float *sin_table, float *k_pool, float *v_pool, float *room) {
+                         const float *sin_table, float *k_pool, float *v_pool, float *room,
+                         const IntegerRows *digits) {
     long H = d->hidden, D = d->head_dim, NQ = d->num_heads, NKV = d->num_kv_heads;
     long width = (NQ + 2 * NKV) * D, half = D / 2;
-    times_matrix(w_qkv, normed, H, m, H, head * D, (head + 1) * D, qkv, width, 0, room);
+    times_matrix(w_qkv, normed, H, m, H, head * D, (head + 1) * D, qkv, width, 0, room, digits);
     for (long r = 0; r < m; r++) {
         float *out = qkv + r * width + head * D;
         if (head < NQ + NKV)
@@ -319,8 +332,9 @@ static void project_head(const WeightMatrix *w_qkv, const float *normed, float *
 
 /* The whole step. Scratch buffers (caller-owned): normed [threads, m, H] (each thread normalises
  * for itself, which saves a barrier), qkv [m, (NQ + 2 NKV) D], context [m, NQ D], act [m, I],
- * room [threads, m, widest input rounded up to whole blocks] (each thread's copy of a product's
- * input where block matrices need one). `hidden` holds the embeddings on entry and the final
+ * room [threads, room_floats] (each thread's copy of a product's input where block matrices need
+ * one: m rows of the widest input rounded up to whole blocks; then, where matrices are re-laid for
+ * integer products, the digits of that input: integer_rows_bytes of it). `hidden` holds the embeddings on entry and the final
  * normalised hidden states on return. Five barriers a layer, one after each step whose
  * results every thread needs next. */
 void decode_step(const Dims *d, const Layer *layers, const float *final_norm, float *hidden, long m,
@@ -331,29 +345,38 @@ void decode_step(const Dims *d, const Layer *layers, const float *final_norm, fl
     long H = d->hidden, D = d->head_dim, NQ = d->num_heads, NKV = d->num_kv_heads, I = d->intermediate;
     long qkv_width = (NQ + 2 * NKV) * D;
     long pool = d->num_blocks * d->block_size * NKV * D;           /* floats in one layer's K (or V) */
+    long widest = H > NQ * D ? H : NQ * D;
+    widest = blocks_of(widest > I ? widest : I) * BLOCK;
     #pragma omp parallel num_threads(threads)
     {
         float *normed = normed_all + (long)omp_get_thread_num() * m * H;
         float *room = room_all + (long)omp_get_thread_num() * room_floats;
+        float *digit_room = room + m * widest;
+        IntegerRows digits;
         for (long layer = 0; layer < d->num_layers; layer++) {
             const Layer *w = layers + layer;
             float *k_pool = kv + (2 * layer) * pool, *v_pool = kv + (2 * layer + 1) * pool;
             rms_norm(hidden, w->in_norm, normed, m, H, d->eps);
+            digits = digits_of(&w->qkv, normed, H, m, H, digit_room);
             #pragma omp for schedule(static)
             for (long head = 0; head < NQ + 2 * NKV; head++)
                 project_head(&w->qkv, normed, qkv, head, m, d, positions, slots, cos_table, sin_table, k_pool, v_pool,
-                             room);
+                             room, &digits);
             attend_rows(qkv, qkv_width, k_pool, v_pool, block_tables, seq_lens, d, m, context, NQ * D, threads);
+            digits = digits_of(&w->o, context, NQ * D, m, NQ * D, digit_room);
             #pragma omp for schedule(static)
             for (long c = 0; c < chunks(H); c++)
-                times_matrix(&w->o, context, NQ * D, m, NQ * D, chunk_first(c), chunk_last(c, H), hidden, H, 1, room);
+                times_matrix(&w->o, context, NQ * D, m, NQ * D, chunk_first(c), chunk_last(c, H), hidden, H, 1, room,
+                             &digits);
             rms_norm(hidden, w->post_norm, normed, m, H, d->eps);
+            digits = digits_of(&w->gate_up, normed, H, m, H, digit_room);
             #pragma omp for schedule(static)
             for (long c = 0; c < chunks(I); c++)         /* gate rows, then the up rows I apart, then SiLU(gate) * up */
-                gate_up_chunk(&w->gate_up, normed, m, H, I, chunk_first(c), chunk_last(c, I), act, room);
+                gate_up_chunk(&w->gate_up, normed, m, H, I, chunk_first(c), chunk_last(c, I), act, room, &digits);
+            digits = digits_of(&w->down, act, I, m, I, digit_room);
             #pragma omp for schedule(static)
             for (long c = 0; c < chunks(H); c++)
-                times_matrix(&w->down, act, I, m, I, chunk_first(c), chunk_last(c, H), hidden, H, 1, room);
+                times_matrix(&w->down, act, I, m, I, chunk_first(c), chunk_last(c, H), hidden, H, 1, room, &digits);
         }
     }
     rms_norm(hidden, final_norm, hidden, m, H, d->eps);

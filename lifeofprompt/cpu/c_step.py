@@ -73,9 +73,10 @@ class Layer(ctypes.Structure):
 
 
 # ``block_kernels.h``'s formats: fp32 row-major, fp32 packed (panels, ``row_kernels.h``), GGUF blocks.
-FORMAT_CODES = {"fp32": 0, "fp32-packed": 1, "q8_0": 2, "q4_1": 3}
+FORMAT_CODES = {"fp32": 0, "fp32-packed": 1, "q8_0": 2, "q4_1": 3, "q8_0-x16": 4, "q4_1-x16": 5}
 BLOCK_FORMATS = ("q8_0", "q4_1")
 BLOCK = 32  # weights per block (block_formats.BLOCK)
+DIGIT_FLOATS_PER_BLOCK = 19  # integer_kernels.h's digits of a block of x: 2 x 32 bytes and 3 numbers of 4 bytes
 
 
 @functools.cache
@@ -439,6 +440,8 @@ def layer_tensors(model) -> list[tuple[torch.Tensor, nn.Module | None]]:
         for name, module in matrices.items():
             if is_blocks(module):
                 tensors += [(t, None) for t in module.blocks.tensors()]
+                if module.interleaved is not None:  # re-laid for integer products (interleaved_blocks.py)
+                    tensors += [(t, None) for t in module.interleaved.tensors()]
             else:
                 tensors.append((module.weight, module if ok[name] else None))
     return tensors
@@ -503,8 +506,12 @@ class PointerCache(dict):
 
 def step_tensors(model) -> list[tuple[torch.Tensor, nn.Module | None]]:
     """``layer_tensors``, kept on the model while its layer matrices stay the same modules (a model
-    quantized after a C step, ``quantize_model``, has new ones)."""
-    modules = [id(module) for layer in layer_matrices(model) for module in layer.values()]
+    quantized after a C step, ``quantize_model``, has new ones) and keep their re-laid copies or none."""
+    modules = [
+        (id(module), id(getattr(module, "interleaved", None)))  # re-laid or not: other tensors
+        for layer in layer_matrices(model)
+        for module in layer.values()
+    ]
     cached = model.__dict__.get("_c_step_tensors")
     if cached is None or cached[0] != modules:
         cached = model._c_step_tensors = (modules, layer_tensors(model))
@@ -514,9 +521,11 @@ def step_tensors(model) -> list[tuple[torch.Tensor, nn.Module | None]]:
 def matrix_pointers(module: nn.Module, packed: bool, packable_here: bool) -> tuple[Matrix, list[torch.Tensor]]:
     """One layer matrix as ``block_kernels.h`` reads it, and the tensors it points into (kept alive)."""
     if is_blocks(module):
-        planes = module.blocks
+        planes, code = module.blocks, FORMAT_CODES[module.format]
+        if module.interleaved is not None:  # re-laid in groups of 16 rows: integer products
+            planes, code = module.interleaved, FORMAT_CODES[f"{module.format}-x16"]
         mins = planes.mins.data_ptr() if planes.mins is not None else None
-        matrix = Matrix(FORMAT_CODES[planes.format], planes.quants.data_ptr(), planes.scales.data_ptr(), mins)
+        matrix = Matrix(code, planes.quants.data_ptr(), planes.scales.data_ptr(), mins)
         return matrix, planes.tensors()
     if packed and packable_here:
         copy = packed_weight(module)
@@ -605,13 +614,14 @@ def decode_hidden_states(
     slots = meta.slot_mapping.to(torch.int64).contiguous()
     empty = functools.partial(torch.empty, dtype=torch.float32)
     threads = torch.get_num_threads()
-    room = m * -(-max(config.hidden_size, attn.q_size, config.intermediate_size) // BLOCK) * BLOCK
+    blocks = -(-max(config.hidden_size, attn.q_size, config.intermediate_size) // BLOCK)
+    room = m * blocks * BLOCK + m * blocks * DIGIT_FLOATS_PER_BLOCK
     scratch = [
         empty(threads, m, config.hidden_size),
         empty(m, attn.q_size + 2 * attn.kv_size),
         empty(m, attn.q_size),
         empty(m, config.intermediate_size),
-        empty(threads, room),  # each thread's copy of a block product's input whose width is not whole blocks
+        empty(threads, room),  # each thread's copy of a block product's input in whole blocks, then its digits
     ]
     step_kernel()(
         ctypes.byref(dims),

@@ -95,9 +95,10 @@ class CpuSpeedups(DeviceDefaults):
         if self.model.dtype == torch.float32:
             self.linear_choice = choose_cpu_linear(self.model, self.pinned or "auto", prepack=self.prepack)
         self.prepacked_bytes = apply_plans(self.model, self.linear_choice.plans if self.linear_choice else None)
+        notes = {}
         if self.model.quantization is not None:  # block matrices: their kernel built or loaded and its row limit
             cpu_kernel_rows()  # read now (timed once per machine), so that no request's first step pays for them
-        notes = {}
+            notes["activations"] = self.choose_block_activations()
         if not self.split and self.backend == "torch" and c_step.supports(self.model):
             self.decode_attention_in_c, notes["attention"] = self.choose_decode_attention()
             if self.decode_attention_in_c:  # chosen once: every step's decode rows attend in C
@@ -113,6 +114,47 @@ class CpuSpeedups(DeviceDefaults):
         self.choices = CpuChoices(self.tuning, products, *args)
         self.log_lines = self.describe()
         return self.choices
+
+    def choose_block_activations(self) -> str:
+        """Integer or float products for the block matrices (``block_activations``; ``cpu/interleaved_blocks.py``):
+        as asked, or with "auto" a batch-1 step timed both ways where this CPU has a vector path for integer
+        ones (cached); pinned, float (nothing is timed). Integer products keep a re-laid copy of the blocks."""
+        from ..errors import ConfigError
+        from .block_calibration import integer_products_faster
+        from .interleaved_blocks import (
+            can_interleave_model,
+            drop_interleaved,
+            integer_on_offer,
+            integer_path,
+            interleave_model,
+        )
+
+        asked = self.config.block_activations
+        if asked == "integer":
+            if integer_path() is None or not can_interleave_model(self.model):
+                raise ConfigError(
+                    "block_activations='integer' needs the compiled block kernels and matrices of whole groups of "
+                    "16 rows; use block_activations='float'",
+                    param="block_activations",
+                )
+            interleave_model(self.model)
+            return f"integer ({integer_path()}), as asked"
+        if asked == "float" or not integer_on_offer(self.model):
+            drop_interleaved(self.model)
+            return (
+                "float, as asked"
+                if asked == "float"
+                else f"float: no vector path for integer ones here ({integer_path()})"
+            )
+        if self.pinned is not None:
+            drop_interleaved(self.model)
+            return f"float: the pinned {self.tuning} path times nothing (block_activations='integer' asks for them)"
+        way = c_step.ROW_MAJOR if c_step.supports(self.model) and c_step.step_kernel() else c_step.TORCH
+        drop_interleaved(self.model)  # the key below describes the model without them
+        key = dict(self.step_key("block activations"), integer_path=integer_path(), way=way)
+        faster, why = cached_verdict(key, lambda: integer_products_faster(self.model, way))
+        interleave_model(self.model) if faster else drop_interleaved(self.model)
+        return f"{f'integer ({integer_path()})' if faster else 'float'}: {why}"
 
     def choose_decode_attention(self) -> tuple[bool, str]:
         """Whether decode rows attend in C, straight from the pool (``c_step.decode_attention``): timed
@@ -233,9 +275,10 @@ class CpuSpeedups(DeviceDefaults):
         key.update(products=products, block_size=self.block_size)
         if self.model.quantization is not None:  # block matrices: their formats and kernels set the speed
             from ..cpu.native_build import source_digest
+            from .interleaved_blocks import interleaved_bytes
 
             key.update(formats=c_step.matrix_formats(self.model), head=self.model.lm_head.format)
-            key.update(kernels=source_digest(c_step.SOURCE))
+            key.update(kernels=source_digest(c_step.SOURCE), integer_products=interleaved_bytes(self.model) > 0)
         return key
 
     def choose_async_scheduling(self, time_decode) -> tuple[bool, str] | None:
@@ -343,4 +386,10 @@ class CpuSpeedups(DeviceDefaults):
         if notes.get("attention"):
             how = "in C, from the pool" if self.decode_attention_in_c else "gather + SDPA (torch)"
             lines.append(f"decode attention: {how} ({notes['attention']})")
+        if notes.get("activations"):
+            from .interleaved_blocks import interleaved_bytes
+
+            copy = interleaved_bytes(self.model)
+            extra = f"; the blocks re-laid for them: + {format_bytes(copy)}" if copy else ""
+            lines.append(f"products with block matrices: {notes['activations']}{extra}")
         return lines

@@ -30,6 +30,11 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # step of up to 16 rows with the products pinned to "linear" (its tests). Pinned, nothing is timed, so no
 # timing can move a token (cpu/speedups.py).
 CPU_TUNINGS = ("auto", "off", *PRODUCT_PATHS, "c-step")
+# ``block_activations``: how a CPU multiplies GGUF blocks by a few rows. "float": each weight made a float
+# (exact for the dequantized weights); "integer": the rows made two int8 digits per block and the CPU's
+# integer dot products (cpu/interleaved_blocks.py); "auto": integer where this CPU has a vector path for it
+# and a batch-1 step measured faster that way (timed once, cached), float with a pinned cpu_tuning.
+BLOCK_ACTIVATIONS = ("auto", "integer", "float")
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,7 @@ class EngineConfig:
     tokenizer: object = None  # the loaded model's tokenizer
     dtype: object = "auto"  # "auto": bf16 on a GPU; on a CPU what measures faster (model/loader.py)
     quantization: str | None = "auto"  # None, "gguf", "q8_0", "q4_1" (model/loader.py), or "auto": see above
+    block_activations: str = "auto"  # one of BLOCK_ACTIVATIONS (above): a CPU's products with block matrices
     device: object = None  # None: CUDA when a GPU is present, else the CPU
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # vLLM's num_gpu_blocks_override; None: sized from memory
@@ -156,6 +162,7 @@ def check(config: EngineConfig) -> None:
     _check_dtype_and_device(config)
     _check_quantization(config)
     _one_of(config, "cpu_tuning", CPU_TUNINGS)
+    _one_of(config, "block_activations", BLOCK_ACTIVATIONS)
     if config.async_scheduling not in (None, True, False):
         raise ConfigError(
             f"async_scheduling must be True, False or None (where it can), got {config.async_scheduling!r}",

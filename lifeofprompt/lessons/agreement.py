@@ -34,6 +34,24 @@ FP32_TOLERANCE = 5e-3
 BF16_TOLERANCE = 0.75
 
 
+# A way of computing the model that changes its numbers on purpose (integer activations, a compressed KV
+# cache) is on by default only where it moves the top-2 margins of the story's teacher-forced rows by at
+# most this much (bf16 moves them by up to 0.36 there) and the perplexity of the long shipped text by
+# at most PERPLEXITY_SHIFT (lessons/perplexity.py).
+MARGIN_SHIFT = 0.5
+PERPLEXITY_SHIFT = 0.005
+
+
+def margin_shift(candidate: torch.Tensor, reference: torch.Tensor) -> float:
+    """The largest change, over the rows, of the reference's top-2 margin: per row, the gap between the
+    reference's two best tokens as the candidate's logits put it, against the reference's own gap. What
+    decides whether a near tie can flip, so a way that moves it little keeps the reference's choices."""
+    reference, candidate = reference.float(), candidate.float()
+    top = reference.topk(2, dim=-1).indices
+    gap = lambda logits: logits.gather(-1, top[..., :1]) - logits.gather(-1, top[..., 1:])  # noqa: E731
+    return (gap(candidate) - gap(reference)).abs().max().item()
+
+
 def top2_margins(logits: torch.Tensor) -> torch.Tensor:
     """Per row, the best logit minus the second best: ``[..., vocab] -> [...]`` (fp32)."""
     top = logits.float().topk(2, dim=-1).values

@@ -36,6 +36,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("quants", blocks.quants)
         self.register_buffer("scales", blocks.scales)
         self.register_buffer("mins", blocks.mins)
+        self.interleaved = None  # the blocks re-laid for integer products on a CPU (cpu/interleaved_blocks.py)
 
     def _apply(self, fn, recurse=True):
         """``model.to(dtype)`` casts every floating-point buffer; the blocks' fp16 scales must stay fp16."""
@@ -43,6 +44,8 @@ class QuantizedLinear(nn.Module):
         super()._apply(fn, recurse)
         for name, dtype in dtypes.items():
             self._buffers[name] = self._buffers[name].to(dtype)
+        if self.quants.device.type != "cpu":
+            self.interleaved = None  # a CPU layout: a GPU reads the planes
         return self
 
     @property
@@ -59,7 +62,12 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
-        out = block_product(rows, self.blocks, x.dtype)
+        if self.interleaved is not None and block_kernel(rows, self.blocks) is not None:
+            from ..cpu.interleaved_blocks import integer_linear
+
+            out = integer_linear(rows, self.interleaved).to(x.dtype)
+        else:
+            out = block_product(rows, self.blocks, x.dtype)
         return out.reshape(*shape[:-1], self.out_features)
 
 

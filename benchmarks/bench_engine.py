@@ -4,7 +4,7 @@ CPU (the embedded SmolLM2-135M, fp32 unless ``--dtype`` says otherwise), in one 
   * mixed workload (seeded; prompts of 16-256 random ids, outputs 16-128, EOS ignored):
     our engine vs transformers ``generate`` in static padded batches;
   * fixed 64-token outputs: our engine vs transformers ``generate_batch`` (continuous batching);
-  * batch-1 decode: our engine vs transformers ``generate``.
+  * batch-1 decode (a 48-token prompt, 96 tokens after the first): our engine vs transformers ``generate``.
   * with ``--peers llama.cpp`` (or ``transformers,llama.cpp``): llama.cpp's ``llama-server`` on the
     same model's Q4_1 GGUF, built by ``benchmarks/llama_cpp.py``, on the mixed workload (8 slots,
     8 requests in flight) and batch-1 decode.
@@ -15,7 +15,9 @@ GPU (``--device cuda``; TinyLlama-1.1B shapes, bf16, RANDOM weights unless real 
   * the batching curve (decode step time vs batch size) vs ``roofline.predict_step_time``;
   * the batch-1 decode step vs the weight-bytes / measured-bandwidth floor.
 
-Results: JSON (machine, date, versions) and PNG plots under ``benchmarks/results/``.
+Each peer runs in turns with ours (ours, theirs, ours, ...; ``--pairs`` times, 5 by default): a ratio is the
+median of the pairs' ratios, with their spread. Results: JSON (machine, date, versions) and PNG plots under
+``benchmarks/results/``.
 
     python benchmarks/bench_engine.py                 # CPU, modest sizes
     python benchmarks/bench_engine.py --peers transformers,llama.cpp
@@ -288,6 +290,7 @@ def decode_tokens_per_s(run: dict) -> float:
 
 
 LLAMA_SLOTS = 8
+BATCH1_PROMPT_TOKENS = 48
 
 
 def llama_cpp_module():
@@ -489,22 +492,23 @@ def plot_batching_curve(rows: list[dict], path: Path, title: str, floor_s: float
 # ----------------------------------------------------------------------------- the CPU run
 
 
-def best_of(rounds: int, runs: dict) -> list[dict]:
-    """Run each peer ``rounds`` times, alternating peers, and keep each one's fastest run.
+def in_turns(pairs: int, runs: dict) -> dict[str, list[dict]]:
+    """Run the peers in turns (ours, theirs, ours, theirs, ...) ``pairs`` times; every run is kept.
 
-    A shared machine's speed drifts by ±10% over minutes; alternating exposes every peer to the
-    same drift and the fastest run is the one least disturbed. All rounds' seconds are kept.
-    """
+    A shared machine's speed drifts, by up to 2x over minutes; runs taken one after the other in turns
+    meet nearly the same machine, so each pair's ratio is fair where two separate bests need not be."""
     results: dict[str, list[dict]] = {label: [] for label in runs}
-    for _ in range(rounds):
+    for _ in range(pairs):
         for label, run in runs.items():
             results[label].append(run())
-    best = []
-    for outs in results.values():
-        fastest = dict(min(outs, key=lambda o: o["seconds"]))
-        fastest["round_seconds"] = [o["seconds"] for o in outs]
-        best.append(fastest)
-    return best
+    return results
+
+
+def median_run(outs: list[dict]) -> dict:
+    """A peer's run of median seconds, with every run's seconds beside it (``round_seconds``)."""
+    middle = dict(sorted(outs, key=lambda o: o["seconds"])[len(outs) // 2])
+    middle["round_seconds"] = [o["seconds"] for o in outs]
+    return middle
 
 
 PEERS = ("transformers", "llama.cpp")
@@ -548,13 +552,15 @@ def cpu_dtype(name: str):
     return name if name == "auto" else getattr(torch, name)
 
 
-def add_ratios(results: dict, best: dict[str, dict], keys: dict[str, str], field: str = "tokens_per_s") -> None:
-    """``results[key] = ours / peer`` for every peer that ran and measured ``field``."""
-    ours = best["ours"].get(field)
+def add_ratios(results: dict, runs: dict[str, list[dict]], keys: dict[str, str], field: str = "tokens_per_s") -> None:
+    """``results[key]``: the median over the pairs of ours ÷ the peer's ``field``, run by run in turns, and
+    ``results[key + "_spread"]``: the least and the largest of those ratios."""
     for peer, key in keys.items():
-        theirs = best.get(peer, {}).get(field)
-        if ours and theirs:
-            results[key] = ours / theirs
+        pairs = zip(runs["ours"], runs.get(peer, []))
+        ratios = sorted(o[field] / t[field] for o, t in pairs if o.get(field) and t.get(field))
+        if ratios:
+            results[key] = statistics.median(ratios)
+            results[key + "_spread"] = [ratios[0], ratios[-1]]
 
 
 def log_phase(name: str, best: dict[str, dict]) -> None:
@@ -569,9 +575,10 @@ def mixed_phase(args, results: dict, llm, ref, server) -> None:
         runs["static"] = lambda: hf_static_batches(ref, prompts, outs, args.static_batch)
     if server is not None:
         runs["llama.cpp"] = lambda: llama_mixed(server, prompts, outs)
-    best = dict(zip(runs, best_of(args.rounds, runs)))
+    turns = in_turns(args.pairs, runs)
+    best = {label: median_run(outs) for label, outs in turns.items()}
     results["mixed"] = list(best.values())
-    add_ratios(results, best, {"static": "mixed_speedup", "llama.cpp": "mixed_vs_llama_cpp"})
+    add_ratios(results, turns, {"static": "mixed_speedup", "llama.cpp": "mixed_vs_llama_cpp"})
     log_phase("mixed", best)
 
 
@@ -583,23 +590,26 @@ def fixed64_phase(args, results: dict, llm, ref) -> None:
         "ours": lambda: run_engine(llm, prompts, outs),
         "cb": lambda: hf_continuous(ref, prompts, outs, timeout_s=args.peer_timeout),
     }
-    best = dict(zip(runs, best_of(args.rounds, runs)))
+    turns = in_turns(args.pairs, runs)
+    best = {label: median_run(outs) for label, outs in turns.items()}
     results["fixed64"] = list(best.values())
-    add_ratios(results, best, {"cb": "fixed64_speedup"})
+    add_ratios(results, turns, {"cb": "fixed64_speedup"})
     log_phase("fixed64", best)
 
 
 def batch1_phase(args, results: dict, llm, ref, server) -> None:
-    prompt = mixed_workload(1, seed=2)[0][0][:64]
+    """One request: a 48-token prompt and ``--decode-tokens`` tokens after its first."""
+    prompt = mixed_workload(1, seed=2)[0][0][:BATCH1_PROMPT_TOKENS]
     runs = {"ours": lambda: engine_decode_batch1(llm, prompt, args.decode_tokens)}
     if ref is not None:
         runs["hf"] = lambda: hf_decode_batch1(ref, prompt, args.decode_tokens)
     if server is not None:
         runs["llama.cpp"] = lambda: llama_decode_batch1(server, prompt, args.decode_tokens)
-    best = dict(zip(runs, best_of(args.rounds + 1, runs)))
+    turns = in_turns(args.pairs, runs)
+    best = {label: median_run(outs) for label, outs in turns.items()}
     results["batch1"] = list(best.values())
-    add_ratios(results, best, {"hf": "batch1_speedup", "llama.cpp": "batch1_vs_llama_cpp"})
-    add_ratios(results, best, {"llama.cpp": "batch1_decode_vs_llama_cpp"}, field="decode_tokens_per_s")
+    add_ratios(results, turns, {"hf": "batch1_speedup", "llama.cpp": "batch1_vs_llama_cpp"})
+    add_ratios(results, turns, {"llama.cpp": "batch1_decode_vs_llama_cpp"}, field="decode_tokens_per_s")
     log_phase("batch1", best)
 
 
@@ -659,7 +669,7 @@ def cpu_run(args) -> dict:
         "threads": args.threads,
         "dtype": dtype,
         "quantization": quantization,
-        "rounds": args.rounds,
+        "pairs": args.pairs,
         "peers": list(args.peers),
         "model": f"smollm2-135m ({weights_label(dtype, quantization)}, real weights)",
         "startup_log": list(llm.engine.startup_log),
@@ -754,7 +764,7 @@ def main(argv=None) -> int:
     parser.add_argument("--fixed", type=int, default=16, help="requests in the fixed 64-token workload")
     parser.add_argument("--static-batch", type=int, default=8)
     parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--decode-tokens", type=int, default=97, help="batch-1 output: its first token and 96 after it")
     parser.add_argument("--curve", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--curve-context", type=int, default=128)
     parser.add_argument(
@@ -776,10 +786,10 @@ def main(argv=None) -> int:
         help="comma-separated: transformers (default), llama.cpp, or both",
     )
     parser.add_argument(
-        "--rounds",
+        "--pairs",
         type=int,
-        default=2,
-        help="runs of each peer, alternating; the fastest counts (batch-1 decode: one more)",
+        default=5,
+        help="runs of each peer in turns; ratios are the median of the pairs' ratios, with their spread",
     )
     parser.add_argument(
         "--quantization",

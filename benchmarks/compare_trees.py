@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 PANELS = ("mixed", "fixed64", "batch1")
-SMALL = ["--mixed", "8", "--fixed", "4", "--decode-tokens", "32", "--curve", "1", "4", "--rounds", "1"]
+SMALL = ["--mixed", "8", "--fixed", "4", "--decode-tokens", "32", "--curve", "1", "4", "--pairs", "1"]
 
 
 def run_once(tree: Path, python: Path, out: Path) -> dict:

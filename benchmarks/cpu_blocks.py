@@ -1,8 +1,10 @@
 """How fast the CPU multiplies a few rows by block matrices (Q4_1, Q8_0) against fp32 weights.
 
-For each of SmolLM2-135M's matrix shapes it times ``x [M, in] @ W.T`` with ``W`` kept as blocks
-(``lifeofprompt.cpu.block_kernels``) and with ``W`` as fp32 through the rowwise kernel
-(``lifeofprompt.cpu.row_kernels``), and prints milliseconds and the bytes each read per second.
+For each of SmolLM2-135M's matrix shapes it times ``x [M, in] @ W.T`` with ``W`` kept as blocks, with
+float products (``lifeofprompt.cpu.block_kernels``) and with integer ones on the blocks re-laid for them
+(``lifeofprompt.cpu.interleaved_blocks``: x made two int8 digits per block inside the call), and with
+``W`` as fp32 through the rowwise kernel (``lifeofprompt.cpu.row_kernels``), and prints milliseconds and
+the bytes each read per second.
 A model's worth of copies of each layer matrix (one per layer) is cycled through, so the weights
 come from memory, as in a real step, not from a cache that holds one matrix. The compiled functions
 are called directly, with their inputs and outputs made once, so the times are the kernels' own
@@ -20,6 +22,7 @@ import time
 
 import torch
 
+from lifeofprompt.cpu import interleaved_blocks
 from lifeofprompt.cpu.block_kernels import FORMAT_CODES, blocks_kernel
 from lifeofprompt.cpu.row_kernels import rows_kernel
 from lifeofprompt.env import cpu_label
@@ -55,16 +58,20 @@ def best_pass(calls, reps: int) -> float:
     return best / len(calls)
 
 
-def block_calls(blocks, x, y, threads: int) -> list:
-    """One call of the compiled block kernel per matrix, ``y = x @ W.T``."""
+def block_calls(blocks, x, y, threads: int, integer: bool = False) -> list:
+    """One call of the compiled block kernel per matrix, ``y = x @ W.T`` (``integer``: the integer kernel, on
+    re-laid blocks)."""
     kernel, (m, n) = blocks_kernel(), x.shape
+    codes = FORMAT_CODES
+    if integer:
+        kernel, codes = interleaved_blocks.integer_kernel(), interleaved_blocks.FORMAT_CODES
     return [
         functools.partial(
             kernel,
             x.data_ptr(),
             m,
             n,
-            FORMAT_CODES[b.format],
+            codes[b.format],
             b.quants.data_ptr(),
             b.scales.data_ptr(),
             b.mins.data_ptr() if b.mins is not None else None,
@@ -95,19 +102,24 @@ def main(argv=None) -> int:
         print("the compiled kernels are not available here (no C compiler?)")
         return 1
     torch.set_num_threads(args.threads)
-    print(f"{cpu_label()}, {args.threads} thread(s); ms per matrix and GB/s of the bytes each reads")
+    path = interleaved_blocks.integer_path()
+    print(f"{cpu_label()}, {args.threads} thread(s), integer path {path}; ms per matrix and GB/s of the bytes read")
     generator = torch.Generator().manual_seed(0)
     for name, out, inner, fmt, copies in shapes(SMOLLM2_135M, args.format):
         floats = [torch.randn(out, inner, generator=generator) * 0.05 for _ in range(copies)]
         blocks = [quantize(w, fmt) for w in floats]
+        relaid = [interleaved_blocks.interleave(b) for b in blocks]
         block_bytes, float_bytes = blocks[0].nbytes, floats[0].numel() * 4
         for rows in args.rows:
             x, y = torch.randn(rows, inner, generator=generator), torch.empty(rows, out)
             b = best_pass(block_calls(blocks, x, y, args.threads), args.reps)
+            i = best_pass(block_calls(relaid, x, y, args.threads, integer=True), args.reps)
             f = best_pass(rows_calls(floats, x, y, args.threads), args.reps)
             print(
-                f"{name:>8} {out:>5}x{inner:<5} M={rows:<2} {fmt} {b * 1e3:7.3f} ms {block_bytes / b / 1e9:6.1f} GB/s"
-                f"   fp32 {f * 1e3:7.3f} ms {float_bytes / f / 1e9:6.1f} GB/s   {f / b:4.1f}x",
+                f"{name:>8} {out:>5}x{inner:<5} M={rows:<2} {fmt}"
+                f" float {b * 1e3:7.3f} ms {block_bytes / b / 1e9:5.1f} GB/s"
+                f"  integer {i * 1e3:7.3f} ms {block_bytes / i / 1e9:5.1f} GB/s ({b / i:3.1f}x)"
+                f"   fp32 {f * 1e3:7.3f} ms {float_bytes / f / 1e9:5.1f} GB/s",
                 flush=True,
             )
     return 0

@@ -19,10 +19,11 @@
  *   - sum_i x_i (d q_i + m) = d sum_i x_i q_i + m sum_i x_i, multiplying x by the integers q and
  *     scaling each block's sum once: as fast for one row, 1.5-2x slower for 4-8 rows (a multiply
  *     and two multiply-adds a row and block, where weights made floats take two multiply-adds);
- *   - llama.cpp's int8 activations (x quantized per block of 32, integer dot products, vpdpbusd):
- *     1.15-1.25x faster for one row, 0.65-0.95x for four, and a Q4_1 SmolLM2's logits then moved
- *     up to 3.7 from those of its dequantized fp32 twin, where bf16 moves them 1.2 (this kernel:
- *     1e-4).
+ *   - llama.cpp's int8 activations (x quantized per block of 32, integer dot products, vpdpbusd)
+ *     on the planes as they are: 1.15-1.25x faster for one row, 0.65-0.95x for four. Integer
+ *     products now have their own kernel, with x as two int8 digits (accurate) and the blocks re-laid
+ *     so that one vpdpbusd serves sixteen rows: integer_kernels.h. This file's floats remain for
+ *     block_activations="float" and where no vector path for the integers exists.
  *
  * With AVX-512 the products of 1 to TILE_ROWS rows take loops of their own, written with
  * intrinsics (below, "a few rows of x, AVX-512"): the tile code's generic unpacking kept the

@@ -15,7 +15,8 @@ tiles rows, so the unpacking is paid once per tile and the multiply-adds once pe
 Two other ways were measured on SmolLM2's shapes and dropped (``block_kernels.h`` says by how much):
 the identity ``sum_i x_i (d q_i + m) = d * sum_i x_i q_i + m * sum_i x_i`` (x times the integers,
 each block's sum scaled once) was no faster for one row and slower for more; llama.cpp's int8
-activations were faster for one row but moved SmolLM2's logits three times as far as bf16 does.
+activations on these planes were faster for one row only. The integer products that did pay, on
+blocks re-laid for them, are ``interleaved_blocks.py``'s; this kernel is ``block_activations="float"``.
 
 It is built by ``native_build.py`` (once per machine, into the cache folder) with the CPU's own
 vector width; where no C compiler is found, ``blocks_kernel_available`` is False and the layers

@@ -12,7 +12,8 @@
  *     unsigned, and the 128 x-sum it adds taken off at the end);
  *   - x is made bytes per block of 32, as llama.cpp does, but with two digits: s = max|x| / 127,
  *     hi = round(x / s), then the rest r = x - s hi in units of s / 256, lo = round(256 r / s).
- *     x = (s / 256) (256 hi + lo) to within s / 512: about 1/65,000 of the block's largest value,
+ *     x = (s / 256) (256 hi + lo) to within s / 512 (s / 256 where lo, clamped to -127..127, would
+ *     have been 128): about 1/65,000 of the block's largest value,
  *     where llama.cpp's one digit (hi alone) errs by up to 1/254 of it. One digit moved SmolLM2's
  *     top-2 margins by up to 1.13 against fp32, more than bf16 does; the second digit costs a
  *     second vpdpbusd per four weights and buys back the accuracy (benchmarks/NOTES.md).
@@ -193,7 +194,7 @@ static inline __attribute__((always_inline)) void group_dot(int64_t format, cons
 #elif defined(__AVX512VNNI__)
 #define DOT_BYTES(acc, w, x) _mm256_dpbusd_epi32(acc, w, x)
 #else
-/* vpmaddubsw: pairs of byte products as saturating 16-bit sums (at most 2 * 15 * 128 for Q4_1:
+/* vpmaddubsw: pairs of byte products as saturating 16-bit sums (at most 2 * 15 * 127 for Q4_1:
  * no saturation), vpmaddwd by ones: pairs of those as 32-bit sums. */
 #define DOT_BYTES(acc, w, x) \
     _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)))

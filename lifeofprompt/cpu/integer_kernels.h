@@ -47,6 +47,11 @@
 
 #define GROUP 16           /* weight rows re-laid together, one per 32-bit lane of a 512-bit vector */
 #define INT_TILE_ROWS 4    /* rows of x per pass over a group's blocks: two int accumulators each */
+/* Each 64-byte load of weights first asks for the line 2 KiB ahead (the rest of this group, then the
+ * next: groups follow each other in memory). The hardware's own prefetcher was not enough: on the 2-core
+ * Xeon the products of a batch-1 step over the real layers took 8.9-9.4 ms without, 6.7-7.7 with, in turns
+ * (1 KiB to 8 KiB ahead were alike within the noise). */
+#define PREFETCH_BYTES 2048
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define INTEGER_PATH "avx512-vnni"
@@ -155,6 +160,7 @@ static inline __attribute__((always_inline)) void group_dot(int64_t format, cons
     }
         if (format == FORMAT_Q4_1) {
             for (int j = 0; j < 4; j++) {
+                _mm_prefetch((const char *)(q + (b * 4 + j) * 64 + PREFETCH_BYTES), _MM_HINT_T0);
                 __m512i packed = _mm512_loadu_si512(q + (b * 4 + j) * 64);
                 __m512i low = _mm512_and_si512(packed, low_nibbles);
                 __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
@@ -163,6 +169,7 @@ static inline __attribute__((always_inline)) void group_dot(int64_t format, cons
             }
         } else {
             for (int k = 0; k < 8; k++) {
+                _mm_prefetch((const char *)(q + (b * 8 + k) * 64 + PREFETCH_BYTES), _MM_HINT_T0);
                 __m512i v = _mm512_loadu_si512(q + (b * 8 + k) * 64);
                 DOT(v, k)
             }
@@ -228,6 +235,7 @@ static inline __attribute__((always_inline)) void group_dot(int64_t format, cons
 #define X_BYTES(digits, r, k) _mm256_set1_epi32(four_bytes(x->digits + ((r0 + (r)) * x->blocks + b) * BLOCK + 4 * (k)))
             if (format == FORMAT_Q4_1) {
                 for (int j = 0; j < 4; j++) {
+                    _mm_prefetch((const char *)(q + (b * 4 + j) * 64 + PREFETCH_BYTES), _MM_HINT_T0);
                     __m256i packed = _mm256_loadu_si256((const __m256i *)(q + (b * 4 + j) * 64 + half * 32));
                     __m256i low = _mm256_and_si256(packed, low_nibbles);
                     __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
@@ -240,6 +248,7 @@ static inline __attribute__((always_inline)) void group_dot(int64_t format, cons
                 }
             } else {
                 for (int k = 0; k < 8; k++) {
+                    _mm_prefetch((const char *)(q + (b * 8 + k) * 64 + PREFETCH_BYTES), _MM_HINT_T0);
                     __m256i v = _mm256_loadu_si256((const __m256i *)(q + (b * 8 + k) * 64 + half * 32));
                     for (int r = 0; r < rows; r++) {
                         DOT_Q8(hi[r], v, X_BYTES(hi, r, k));

@@ -731,7 +731,7 @@ def cpu_run(args) -> dict:
 CPU_PANELS = {
     "mixed": "mixed workload (prompts 16-256, outputs 16-128)",
     "fixed64": "fixed 64-token outputs",
-    "batch1": "batch-1 decode (64-token prompt)",
+    "batch1": "batch-1 decode (48-token prompt, 96 tokens after the first)",
 }
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .engine.config import CPU_TUNINGS, EngineConfig
+from .engine.config import BLOCK_ACTIVATIONS, CPU_TUNINGS, EngineConfig
 from .errors import LifeOfPromptError
 from .model.loader import DEFAULT_MODEL, MODEL_NAMES
 
@@ -43,6 +43,14 @@ def _model_arg(parser: argparse.ArgumentParser) -> None:
         dest="cpu_tuning",
         help="the CPU's speed-ups: auto (each timed at start-up, cached), off, or one path pinned: "
         f"{', '.join(CPU_TUNINGS[2:])} (default: auto, or $LIFEOFPROMPT_CPU_TUNING)",
+    )
+    parser.add_argument(
+        "--block-activations",
+        default=None,
+        dest="block_activations",
+        choices=BLOCK_ACTIVATIONS,
+        help="how a CPU multiplies GGUF blocks: integer (the rows as two int8 digits, integer dot products), "
+        "float, or auto (default: integer where timed faster here; float with a pinned --cpu-tuning)",
     )
 
 

@@ -122,3 +122,14 @@ def test_the_quantization_flag_reads_as_the_engine_does():
     assert _quantization(parse(["generate", "hi", "--quantization", "q4_1"])) == "q4_1"
     assert _quantization(parse(["generate", "hi", "--cpu-tuning", "linear"])) is None  # auto with a pinned path: floats
     assert _quantization(parse(["generate", "hi", "--cpu-tuning", "auto"])) == "auto"
+
+
+def test_the_block_activations_flag_reaches_the_engine_settings():
+    from lifeofprompt.cli import build_parser
+    from lifeofprompt.commands import engine_settings
+
+    parse = build_parser().parse_args
+    assert engine_settings(parse(["generate", "hi", "--block-activations", "float"]))["block_activations"] == "float"
+    assert "block_activations" not in engine_settings(parse(["generate", "hi"]))  # unset: the engine's default
+    with pytest.raises(SystemExit):
+        parse(["generate", "hi", "--block-activations", "int8"])

@@ -3,7 +3,7 @@
 ``block_kernels.py`` turns every weight into a float before it multiplies it. The CPU's integer
 dot product (``vpdpbusd``: four unsigned bytes times four signed bytes, summed into a 32-bit
 lane, sixteen lanes at once) does four weights of sixteen rows in one instruction, if both sides
-are bytes and the sixteen rows' weights sit side by side. So, at load, each block matrix is re-laid
+are bytes and the sixteen rows' weights sit side by side. So, at start-up, each block matrix is re-laid
 in groups of 16 rows (``interleave``), and at each product the activations are made bytes per
 block of 32 (``quantize_activations``): two int8 digits, ``x ~ s/256 (256 hi + lo)``, accurate to
 about 1/65,000 of the block's largest value (one digit, as llama.cpp uses, errs up to 1/254 of it).

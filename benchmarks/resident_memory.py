@@ -27,7 +27,8 @@ import json, sys, torch
 torch.set_num_threads({threads})
 from lifeofprompt import LLM, SamplingParams
 quantization = None if {quantization!r} == "none" else {quantization!r}
-llm = LLM("smollm2-135m", quantization=quantization, kv_cache_memory={kv}, log_stats=False)
+llm = LLM("smollm2-135m", quantization=quantization, kv_cache_memory={kv}, block_activations={activations!r},
+          log_stats=False)
 llm.generate(["hi my name is"], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
 rss = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS"))
 pool = llm.engine.runner.kv_cache.nbytes
@@ -35,9 +36,9 @@ print(json.dumps(dict(rss=rss, kv_pool=pool, startup_log=llm.engine.startup_log)
 """
 
 
-def measure(quantization: str, threads: int) -> dict:
+def measure(quantization: str, threads: int, activations: str = "auto") -> dict:
     """One fresh process's resident bytes after start-up and a request, and its KV pool's bytes."""
-    code = CHILD.format(threads=threads, quantization=quantization, kv=KV_BYTES)
+    code = CHILD.format(threads=threads, quantization=quantization, kv=KV_BYTES, activations=activations)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=1800)
     if run.returncode != 0:
         raise RuntimeError(f"{quantization}: {run.stderr[-2000:]}")
@@ -52,9 +53,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--settings", nargs="+", default=["none", "gguf"], help="quantization settings to compare")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--block-activations",
+        default="auto",
+        choices=["auto", "integer", "float"],
+        help="the engine's block_activations (integer products keep a re-laid copy of the blocks)",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    rows = [measure(q, args.threads) for q in args.settings]
+    rows = [measure(q, args.threads, args.block_activations) for q in args.settings]
     base = rows[0]["without_kv_pool"]
     for row in rows:
         row["ratio_to_first"] = row["without_kv_pool"] / base
@@ -65,6 +72,7 @@ def main(argv=None) -> int:
         )
     if args.json:
         record = dict(cpu=cpu_label(), threads=args.threads, date=time.strftime("%Y-%m-%d"), rows=rows)
+        record["block_activations"] = args.block_activations
         args.json.write_text(json.dumps(record, indent=2))
     return 0
 

@@ -316,3 +316,21 @@ def test_integer_products_pass_the_accuracy_rule_and_one_int8_digit_does_not(ggu
     assert one_digit > 0.5 and not within_the_rule(one_digit, ppl, ppl)
     monkeypatch.setattr(QuantizedLinear, "forward", emulated_activations(7))
     assert not within_the_rule(0.0, perplexity(model, tokenizer), short)  # the short text shows it as well
+
+
+def test_the_start_up_timing_takes_turns_in_runs_and_frees_the_copies(gguf, monkeypatch):
+    """Integer and float products are timed in runs taken in turns (a run's warm-up absorbs the switch), and the
+    re-laid copies are freed after: the caller keeps them or not by the verdict."""
+    from lifeofprompt.cpu import block_calibration
+
+    seen = []
+
+    def step_seconds(model, way):
+        seen.append(ib.interleaved_bytes(model) > 0)
+        return 0.010 if seen[-1] else 0.020
+
+    monkeypatch.setattr(block_calibration, "step_seconds", step_seconds)
+    faster, why, record = block_calibration.integer_products_faster(gguf[0], "row-major")
+    assert seen == [True, False] * block_calibration.INTEGER_TURNS
+    assert faster and "10.00 ms with integer products, 20.00 ms with float ones" in why
+    assert ib.interleaved_bytes(gguf[0]) == 0 and len(record["seconds"]["integer"]) == 3

@@ -22,6 +22,7 @@ TIMING_CONTEXT = 64  # tokens already in the sequence the timed step decodes aft
 TIMING_BLOCK = 16  # tokens per block of the timing's small pool
 ROUNDS = 15  # timed steps per model (after two warm-ups); the median is kept
 CALIBRATION_VERSION = 2  # 2: the blocks timed with integer products too
+INTEGER_TURNS = 3  # runs of each kind of block product, in turns (integer_products_faster)
 
 
 def one_row_step(model, context: int = TIMING_CONTEXT, block_size: int = TIMING_BLOCK):
@@ -33,14 +34,13 @@ def one_row_step(model, context: int = TIMING_CONTEXT, block_size: int = TIMING_
 
 
 @torch.no_grad()
-def interleaved_step_seconds(runs: list[tuple], prepare=None) -> list[float]:
+def interleaved_step_seconds(runs: list[tuple]) -> list[float]:
     """The median time of a batch-1 decode step, logits included, of each ``(model, way)`` in ``runs`` (way: a
     C step layout, or ``c_step.TORCH`` for the torch layers), with
     the weights in 2 MiB pages where the system has them, as the engine places them (``huge_pages.py``).
 
     The runs take turns round by round, so a burst of load from something else on a shared machine slows
-    all of them alike instead of deciding the comparison on its own. ``prepare(i)``, if given, is called
-    before each step of run ``i`` (runs of one model in two states)."""
+    all of them alike instead of deciding the comparison on its own."""
     from .c_step import CStep, running
     from .huge_pages import move_weights_to_huge_pages
 
@@ -49,9 +49,7 @@ def interleaved_step_seconds(runs: list[tuple], prepare=None) -> list[float]:
     inputs = [one_row_step(model) for model, _ in runs]
     times = [[] for _ in runs]
     for i in range(ROUNDS + 2):
-        for index, ((model, way), step_inputs, kept) in enumerate(zip(runs, inputs, times)):
-            if prepare is not None:
-                prepare(index)
+        for (model, way), step_inputs, kept in zip(runs, inputs, times):
             start = time.perf_counter()
             with running(model, CStep.only(way)):
                 model(*step_inputs)
@@ -114,19 +112,22 @@ def blocks_decode_faster(load) -> tuple[bool, str]:
 
 def integer_products_faster(model, way: str) -> tuple[bool, str, dict]:
     """``(faster, why, record)``: a block model's batch-1 step (the C step ``way``, or ``c_step.TORCH``) with
-    integer products against float ones, in turns, the re-laid copies made first (and freed after: the
-    caller keeps or drops them by the answer, cached or not)."""
+    integer products against float ones, the re-laid copies made first (and freed after: the caller keeps
+    or drops them by the answer, cached or not).
+
+    The two take turns in runs of ``ROUNDS`` steps (``INTEGER_TURNS`` each), not step by step: switching
+    rebuilds the C step's table of weight pointers (about 2 ms), which each run's two warm-up steps absorb."""
     from .interleaved_blocks import block_layers, drop_interleaved, interleave_model
 
     interleave_model(model)
     copies = {module: module.interleaved for module in block_layers(model)}
-
-    def prepare(index: int) -> None:  # run 0: integer products; run 1: float ones
-        for module, copy in copies.items():
-            module.interleaved = copy if index == 0 else None
-
-    integer, floats = interleaved_step_seconds([(model, way), (model, way)], prepare)
+    seconds = {"integer": [], "float": []}
+    for _ in range(INTEGER_TURNS):
+        for kind in seconds:
+            for module, copy in copies.items():
+                module.interleaved = copy if kind == "integer" else None
+            seconds[kind].append(step_seconds(model, way))
     drop_interleaved(model)
-    faster = integer < floats
+    integer, floats = (statistics.median(seconds[kind]) for kind in ("integer", "float"))
     why = f"a batch-1 step took {integer * 1e3:.2f} ms with integer products, {floats * 1e3:.2f} ms with float ones"
-    return faster, why, dict(seconds=dict(integer=integer, float=floats))
+    return integer < floats, why, dict(seconds=seconds)

@@ -151,7 +151,7 @@ class CpuSpeedups(DeviceDefaults):
             return f"float: the pinned {self.tuning} path times nothing (block_activations='integer' asks for them)"
         way = c_step.ROW_MAJOR if c_step.supports(self.model) and c_step.step_kernel() else c_step.TORCH
         drop_interleaved(self.model)  # the key below describes the model without them
-        key = dict(self.step_key("block activations"), integer_path=integer_path(), way=way)
+        key = dict(self.step_key("block activations"), integer_path=integer_path(), way=way, turns="in runs")
         faster, why = cached_verdict(key, lambda: integer_products_faster(self.model, way))
         interleave_model(self.model) if faster else drop_interleaved(self.model)
         return f"{f'integer ({integer_path()})' if faster else 'float'}: {why}"

@@ -507,11 +507,12 @@ class PointerCache(dict):
 def step_tensors(model) -> list[tuple[torch.Tensor, nn.Module | None]]:
     """``layer_tensors``, kept on the model while its layer matrices stay the same modules (a model
     quantized after a C step, ``quantize_model``, has new ones) and keep their re-laid copies or none."""
-    modules = [
-        (id(module), id(getattr(module, "interleaved", None)))  # re-laid or not: other tensors
-        for layer in layer_matrices(model)
-        for module in layer.values()
-    ]
+    matrices = []
+    for layer in model.layers:  # read from the modules' own tables: every step asks, and attribute access is slow
+        attn, mlp = layer._modules["self_attn"]._modules, layer._modules["mlp"]._modules
+        matrices += (attn["qkv_proj"], attn["o_proj"], mlp["gate_up_proj"], mlp["down_proj"])
+    # the modules, and their re-laid copies or none (other tensors to read)
+    modules = [id(m) for m in matrices] + [id(m.__dict__.get("interleaved")) for m in matrices]
     cached = model.__dict__.get("_c_step_tensors")
     if cached is None or cached[0] != modules:
         cached = model._c_step_tensors = (modules, layer_tensors(model))
@@ -538,11 +539,14 @@ def weight_pointers(model, packed: bool = True) -> ctypes.Array:
     (fp32 from its packed copy where the layout holds it, unless ``packed`` is False; else row-major;
     or its blocks).
 
-    Called every step, so the answer is kept on the model with a stamp of every tensor's address
-    and version: a step then costs one pass over a few hundred integers, not a rebuild (which cost ~2 ms).
+    Called every step, so the answer is kept on the model with a stamp of every tensor's address, and the
+    version of each weight read through a packed copy: a step then costs one pass over a few hundred
+    integers, not a rebuild (which cost ~2 ms).
     """
     tensors = step_tensors(model)
-    stamp = [weight_stamp(t) for t, _ in tensors]
+    # every tensor's address (one replaced, or given new memory, is read from elsewhere), and the version of
+    # those read through a packed copy (one written in place needs a new copy; the others are read in place)
+    stamp = [t.data_ptr() for t, _ in tensors] + [t._version for t, module in tensors if module is not None]
     cached = getattr(model, "_c_step_pointers", {}).get(packed)
     if cached is not None and cached[0] == stamp:
         return cached[1]

@@ -38,13 +38,16 @@ SOURCE = Path(__file__).with_name("block_kernels.c")
 FORMAT_CODES = {"q8_0": 2, "q4_1": 3}  # block_kernels.h's FORMAT_Q8_0, FORMAT_Q4_1
 
 
+# The products' C signature (blocks_times_weight, and integer_blocks_times_weight in interleaved_blocks.py):
+# x, m, n, format, quants, scales, mins, out, y, threads -> 0, or -1 where its scratch could not be allocated.
+PRODUCT_ARGS = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long] + [ctypes.c_void_p] * 3
+PRODUCT_ARGS += [ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
+
+
 @functools.cache
 def blocks_kernel():
     """The compiled ``blocks_times_weight`` function, or None where it cannot be built here."""
-    args = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long] + [ctypes.c_void_p] * 3
-    return c_function(
-        SOURCE, "blocks_times_weight", args + [ctypes.c_long, ctypes.c_void_p, ctypes.c_int], ctypes.c_int
-    )
+    return c_function(SOURCE, "blocks_times_weight", PRODUCT_ARGS, ctypes.c_int)
 
 
 def blocks_kernel_available() -> bool:
@@ -63,16 +66,24 @@ def blocks_linear(x: torch.Tensor, blocks: BlockWeight) -> torch.Tensor:
         raise RuntimeError("the block kernel is not available on this machine (no C compiler, or its build failed)")
     if not x.is_floating_point() or x.dim() != 2 or x.shape[1] != blocks.in_features:
         raise ValueError(f"expected float x [M, {blocks.in_features}], got {x.dtype} {tuple(x.shape)}")
+    planes = [t.contiguous() if t is not None else None for t in (blocks.quants, blocks.scales, blocks.mins)]
+    out_features = blocks.quants.shape[0]  # a row of blocks per output
+    failure = "the block kernel could not allocate its copy of x"
+    return run_product(kernel, FORMAT_CODES[blocks.format], x, planes, out_features, failure)
+
+
+def run_product(kernel, code: int, x: torch.Tensor, planes: list, out_features: int, failure: str) -> torch.Tensor:
+    """One call of a compiled product (``PRODUCT_ARGS``): x as contiguous fp32 ``[M, in]`` times the matrix whose
+    ``planes`` (quants, scales, mins or None) are stored as format ``code``, into a new fp32 ``[M, out]``, on
+    ``torch.get_num_threads()`` OpenMP threads; ``MemoryError(failure)`` where its scratch could not be had."""
     x = x.to(torch.float32).contiguous()
-    quants, scales = blocks.quants.contiguous(), blocks.scales.contiguous()
-    mins = blocks.mins.contiguous() if blocks.mins is not None else None
-    out_features = quants.shape[0]  # a row of blocks per output
+    quants, scales, mins = planes
     out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
     failed = kernel(
         x.data_ptr(),
         x.shape[0],
         x.shape[1],
-        FORMAT_CODES[blocks.format],
+        code,
         quants.data_ptr(),
         scales.data_ptr(),
         mins.data_ptr() if mins is not None else None,
@@ -81,7 +92,7 @@ def blocks_linear(x: torch.Tensor, blocks: BlockWeight) -> torch.Tensor:
         torch.get_num_threads(),
     )
     if failed:
-        raise MemoryError("the block kernel could not allocate its copy of x")
+        raise MemoryError(failure)
     return out
 
 

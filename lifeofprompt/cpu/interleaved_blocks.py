@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model.block_formats import BLOCK, BlockWeight
-from .block_kernels import SOURCE
+from .block_kernels import PRODUCT_ARGS, SOURCE, run_product
 from .native_build import c_function
 
 GROUP = 16  # weight rows re-laid together (integer_kernels.h's GROUP)
@@ -138,10 +138,7 @@ def interleaved_bytes(model) -> int:
 @functools.cache
 def integer_kernel():
     """The compiled ``integer_blocks_times_weight``, or None where it cannot be built here."""
-    args = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long] + [ctypes.c_void_p] * 3
-    return c_function(
-        SOURCE, "integer_blocks_times_weight", args + [ctypes.c_long, ctypes.c_void_p, ctypes.c_int], ctypes.c_int
-    )
+    return c_function(SOURCE, "integer_blocks_times_weight", PRODUCT_ARGS, ctypes.c_int)
 
 
 @functools.cache
@@ -162,23 +159,9 @@ def integer_linear(x: torch.Tensor, blocks: InterleavedBlocks) -> torch.Tensor:
         )
     if x.dim() != 2 or x.shape[1] != blocks.in_features:
         raise ValueError(f"expected x [M, {blocks.in_features}], got {tuple(x.shape)}")
-    x = x.to(torch.float32).contiguous()
-    out = torch.empty(x.shape[0], blocks.out_features, dtype=torch.float32)
-    failed = kernel(
-        x.data_ptr(),
-        x.shape[0],
-        x.shape[1],
-        FORMAT_CODES[blocks.format],
-        blocks.quants.data_ptr(),
-        blocks.scales.data_ptr(),
-        blocks.mins.data_ptr() if blocks.mins is not None else None,
-        blocks.out_features,
-        out.data_ptr(),
-        torch.get_num_threads(),
-    )
-    if failed:
-        raise MemoryError("the integer block kernel could not allocate x's digits")
-    return out
+    planes = [blocks.quants, blocks.scales, blocks.mins]
+    failure = "the integer block kernel could not allocate x's digits"
+    return run_product(kernel, FORMAT_CODES[blocks.format], x, planes, blocks.out_features, failure)
 
 
 def kernel_digits(x: torch.Tensor) -> Digits:

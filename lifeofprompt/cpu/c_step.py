@@ -113,16 +113,15 @@ def supports(model) -> bool:
 
 
 def layer_matrices(model) -> list[dict[str, nn.Module]]:
-    """Per layer, its four matrices' modules by name (``MATRICES``)."""
-    return [
-        {
-            "qkv": layer.self_attn.qkv_proj,
-            "o": layer.self_attn.o_proj,
-            "gate_up": layer.mlp.gate_up_proj,
-            "down": layer.mlp.down_proj,
-        }
-        for layer in model.layers
-    ]
+    """Per layer, its four matrices' modules by name (``MATRICES``), read from the modules' own tables: every
+    step asks (``step_tensors``), and attribute access through ``nn.Module`` is slow."""
+    matrices = []
+    for layer in model.layers:
+        attn, mlp = layer._modules["self_attn"]._modules, layer._modules["mlp"]._modules
+        matrices.append(
+            {"qkv": attn["qkv_proj"], "o": attn["o_proj"], "gate_up": mlp["gate_up_proj"], "down": mlp["down_proj"]}
+        )
+    return matrices
 
 
 def is_blocks(module: nn.Module) -> bool:
@@ -507,10 +506,7 @@ class PointerCache(dict):
 def step_tensors(model) -> list[tuple[torch.Tensor, nn.Module | None]]:
     """``layer_tensors``, kept on the model while its layer matrices stay the same modules (a model
     quantized after a C step, ``quantize_model``, has new ones) and keep their re-laid copies or none."""
-    matrices = []
-    for layer in model.layers:  # read from the modules' own tables: every step asks, and attribute access is slow
-        attn, mlp = layer._modules["self_attn"]._modules, layer._modules["mlp"]._modules
-        matrices += (attn["qkv_proj"], attn["o_proj"], mlp["gate_up_proj"], mlp["down_proj"])
+    matrices = [module for layer in layer_matrices(model) for module in layer.values()]
     # the modules, and their re-laid copies or none (other tensors to read)
     modules = [id(m) for m in matrices] + [id(m.__dict__.get("interleaved")) for m in matrices]
     cached = model.__dict__.get("_c_step_tensors")

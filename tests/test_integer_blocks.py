@@ -19,6 +19,7 @@ import torch
 
 from lifeofprompt.cpu import interleaved_blocks as ib
 from lifeofprompt.env import cpu_flags
+from lifeofprompt.lessons.agreement import assert_argmax_agrees
 from lifeofprompt.model.block_formats import dequantize, quantize
 
 pytestmark = pytest.mark.skipif(ib.integer_path() is None, reason="no C compiler: no block kernels")
@@ -197,7 +198,8 @@ def test_the_c_step_with_integer_products_is_the_torch_layers_with_them(gguf, on
         ib.drop_interleaved(model)
     assert (c - torch_layers).abs().max() < 1e-2  # measured ~1e-4
     assert 1e-4 < (c - floats).abs().max() < 0.5
-    assert torch.equal(c.argmax(-1), torch_layers.argmax(-1))
+    # either differs from the other by under 1e-2, so each must pick the other's token where that leads by 2e-2
+    assert_argmax_agrees(c, torch_layers, tolerance=2e-2, min_decided=3)  # one row a prompt: all 3 decided
 
 
 def test_the_engine_decodes_with_integer_products_as_with_float_ones(gguf, story_ids):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .engine.config import BLOCK_ACTIVATIONS, CPU_TUNINGS, EngineConfig
+from .engine.config import BIG_STEP_WEIGHTS, BLOCK_ACTIVATIONS, CPU_TUNINGS, EngineConfig
 from .errors import LifeOfPromptError
 from .model.loader import DEFAULT_MODEL, MODEL_NAMES
 
@@ -51,6 +51,15 @@ def _model_arg(parser: argparse.ArgumentParser) -> None:
         choices=BLOCK_ACTIVATIONS,
         help="how a CPU multiplies GGUF blocks: integer (the rows as two int8 digits, integer dot products), "
         "float, or auto (default: integer where timed faster here; float with a pinned --cpu-tuning)",
+    )
+    parser.add_argument(
+        "--big-step-weights",
+        default=None,
+        dest="big_step_weights",
+        choices=BIG_STEP_WEIGHTS,
+        help="what a CPU's prompt chunks and large batches multiply GGUF blocks by: a bfloat16 or float32 copy of "
+        "the layer matrices, the blocks, or auto (default: a copy where timed faster here and a quarter of the "
+        "free memory holds it; the blocks with a pinned --cpu-tuning)",
     )
 
 

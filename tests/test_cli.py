@@ -124,12 +124,19 @@ def test_the_quantization_flag_reads_as_the_engine_does():
     assert _quantization(parse(["generate", "hi", "--cpu-tuning", "auto"])) == "auto"
 
 
-def test_the_block_activations_flag_reaches_the_engine_settings():
+@pytest.mark.parametrize(
+    ("flag", "setting", "value", "wrong"),
+    [
+        ("--block-activations", "block_activations", "float", "int8"),
+        ("--big-step-weights", "big_step_weights", "bfloat16", "fp16"),
+    ],
+)
+def test_the_block_settings_flags_reach_the_engine_settings(flag, setting, value, wrong):
     from lifeofprompt.cli import build_parser
     from lifeofprompt.commands import engine_settings
 
     parse = build_parser().parse_args
-    assert engine_settings(parse(["generate", "hi", "--block-activations", "float"]))["block_activations"] == "float"
-    assert "block_activations" not in engine_settings(parse(["generate", "hi"]))  # unset: the engine's default
+    assert engine_settings(parse(["generate", "hi", flag, value]))[setting] == value
+    assert setting not in engine_settings(parse(["generate", "hi"]))  # unset: the engine's default
     with pytest.raises(SystemExit):
-        parse(["generate", "hi", "--block-activations", "int8"])
+        parse(["generate", "hi", flag, wrong])

@@ -8,7 +8,8 @@ of every layer and the LM head, over a short paged context), the fp32 one in its
 runs (fp32 packed, fp32 row-major, the blocks, and the blocks with integer products where this CPU
 has them) taking turns step by step so that load from elsewhere cannot favour one, and keeps the
 answer with the other cached timings (``linear_calibration.cached_answer``).
-``integer_products_faster`` times the blocks' two kinds of product alone, for a model loaded with blocks.
+``integer_products_faster`` times the blocks' two kinds of product alone, for a model loaded with blocks;
+``big_step_choice`` times prompt chunks of several sizes from the blocks and from float copies of them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ TIMING_BLOCK = 16  # tokens per block of the timing's small pool
 ROUNDS = 15  # timed steps per model (after two warm-ups); the median is kept
 CALIBRATION_VERSION = 2  # 2: the blocks timed with integer products too
 INTEGER_TURNS = 3  # runs of each kind of block product, in turns (integer_products_faster)
+BIG_STEP_ROWS = (16, 32, 64, 128, 256)  # prompt chunks timed from the blocks and from each copy (big_step_choice)
+BIG_STEP_ROUNDS = 3  # timed rounds of every chunk each way (after one warm-up round); the median is kept
 
 
 def one_row_step(model, context: int = TIMING_CONTEXT, block_size: int = TIMING_BLOCK):
@@ -131,3 +134,60 @@ def integer_products_faster(model, way: str) -> tuple[bool, str, dict]:
     integer, floats = (statistics.median(seconds[kind]) for kind in ("integer", "float"))
     why = f"a batch-1 step took {integer * 1e3:.2f} ms with integer products, {floats * 1e3:.2f} ms with float ones"
     return integer < floats, why, dict(seconds=seconds)
+
+
+@torch.no_grad()
+def big_step_choice(model, forms: list[str], cache) -> tuple[dict, str, dict]:
+    """``(answer, why, record)``: which copy of the layer matrices, if any, big steps should read
+    (``cpu/big_step_weights.py``), and from how many rows. One prompt chunk of each of ``BIG_STEP_ROWS``
+    tokens, through the torch layers (where every step too big for the C step runs) over ``cache``, from the
+    blocks and from each of ``forms``, chunk by chunk in turns. The copy fastest at the biggest chunk wins if
+    it beats the blocks there; it is read from the smallest chunk from which it beats them at every size.
+    ``answer``: ``{"form": None or a form, "from_rows": rows}``. The copies are freed after."""
+    from ..model.attention import synthetic_step
+    from .big_step_weights import copy_layers, drop_copies, make_copies
+    from .c_step import running
+
+    modules = copy_layers(model)
+    copies = {}
+    for form in forms:
+        make_copies(model, form, from_rows=1)
+        copies[form] = [m.big_step_copy for m in modules]
+        drop_copies(model)
+    steps = {rows: synthetic_step(model, cache, [rows]) for rows in BIG_STEP_ROWS}
+    seconds = {way: {rows: [] for rows in BIG_STEP_ROWS} for way in ["blocks", *forms]}
+    with running(model, None):
+        for round_ in range(BIG_STEP_ROUNDS + 1):
+            for rows, step in steps.items():
+                for way, kept in seconds.items():
+                    for i, module in enumerate(modules):
+                        module.big_step_copy = copies[way][i] if way in copies else None
+                    start = time.perf_counter()
+                    model(*step)
+                    if round_:
+                        kept[rows].append(time.perf_counter() - start)
+    drop_copies(model)
+    medians = {way: {rows: statistics.median(s) for rows, s in by_rows.items()} for way, by_rows in seconds.items()}
+    return big_step_verdict(medians), big_step_why(medians), dict(seconds=seconds)
+
+
+def big_step_verdict(medians: dict) -> dict:
+    """The answer of ``big_step_choice`` from its median seconds, ``{way: {rows: seconds}}`` ("blocks" a way)."""
+    blocks, biggest = medians["blocks"], max(BIG_STEP_ROWS)
+    forms = [way for way in medians if way != "blocks"]
+    best = min(forms, key=lambda form: medians[form][biggest], default=None)
+    if best is None or medians[best][biggest] >= blocks[biggest]:
+        return {"form": None, "from_rows": None}
+    from_rows = biggest
+    for rows in sorted(BIG_STEP_ROWS, reverse=True):
+        if medians[best][rows] >= blocks[rows]:
+            break
+        from_rows = rows
+    return {"form": best, "from_rows": from_rows}
+
+
+def big_step_why(medians: dict) -> str:
+    """``"a 256-row step took 190.2 ms from the blocks, 71.3 from a bfloat16 copy, ..."``."""
+    biggest = max(BIG_STEP_ROWS)
+    ways = ", ".join(f"{medians[way][biggest] * 1e3:.1f} from a {way} copy" for way in medians if way != "blocks")
+    return f"a {biggest}-row step took {medians['blocks'][biggest] * 1e3:.1f} ms from the blocks, {ways}"

@@ -37,7 +37,7 @@ from ..model.device import DeviceDefaults
 from ..model.linear import apply_plans, plannable
 from ..model.quantized_linear import cpu_kernel_rows
 from ..units import format_bytes
-from . import c_step
+from . import big_step_weights, c_step
 from .allocator import keep_freed_memory
 from .huge_pages import move_weights_to_huge_pages
 from .linear_calibration import cached_answer, cached_verdict, choose_cpu_linear, machine_key
@@ -98,7 +98,9 @@ class CpuSpeedups(DeviceDefaults):
         notes = {}
         if self.model.quantization is not None:  # block matrices: their kernel built or loaded and its row limit
             cpu_kernel_rows()  # read now (timed once per machine), so that no request's first step pays for them
+            big_step_weights.drop_copies(self.model)  # a model an earlier engine gave copies: timed without them
             notes["activations"] = self.choose_block_activations()
+            notes["big_steps"] = self.choose_big_step_weights()
         if not self.split and self.backend == "torch" and c_step.supports(self.model):
             self.decode_attention_in_c, notes["attention"] = self.choose_decode_attention()
             if self.decode_attention_in_c:  # chosen once: every step's decode rows attend in C
@@ -155,6 +157,39 @@ class CpuSpeedups(DeviceDefaults):
         faster, why = cached_verdict(key, lambda: integer_products_faster(self.model, way))
         interleave_model(self.model) if faster else drop_interleaved(self.model)
         return f"{f'integer ({integer_path()})' if faster else 'float'}: {why}"
+
+    def choose_big_step_weights(self) -> str:
+        """Whether big steps (prompt chunks, large batches) read a float copy of the layer matrices
+        (``big_step_weights``; ``cpu/big_step_weights.py``): as asked (from ``ASKED_FROM_ROWS`` rows), or with
+        "auto" prompt chunks of several sizes timed from the blocks and from each copy that memory allows
+        (cached); pinned or split, the blocks (nothing is timed)."""
+        from . import big_step_weights as copies
+        from .block_calibration import BIG_STEP_ROWS, big_step_choice
+
+        asked = self.config.big_step_weights
+        copies.drop_copies(self.model)  # the keys below describe the model without them
+        if asked in copies.FORMS:
+            copies.make_copies(self.model, asked, copies.ASKED_FROM_ROWS)
+            return f"{asked} from {copies.ASKED_FROM_ROWS} rows, as asked"
+        if asked == "blocks" or self.pinned is not None or self.split:
+            why = (
+                "as asked"
+                if asked == "blocks"
+                else f"the {'split model' if self.split else 'pinned path'} times nothing"
+            )
+            return f"the blocks at every size: {why}"
+        available = copies.available_memory()
+        forms = copies.forms_that_fit(self.model, available)
+        if not forms:
+            need = format_bytes(copies.copy_bytes(self.model, "bfloat16"))
+            return f"the blocks at every size: a bfloat16 copy ({need}) would take over a quarter of the memory free"
+        pool = self.scratch_pool(math.ceil(max(BIG_STEP_ROWS) / self.block_size))
+        key = dict(self.step_key("big step weights"), forms=forms, rows=list(BIG_STEP_ROWS))
+        answer, why = cached_answer(key, lambda: big_step_choice(self.model, forms, pool))
+        if answer["form"] is None:
+            return f"the blocks at every size: {why}"
+        copies.make_copies(self.model, answer["form"], answer["from_rows"])
+        return f"{answer['form']} from {answer['from_rows']} rows: {why}"
 
     def choose_decode_attention(self) -> tuple[bool, str]:
         """Whether decode rows attend in C, straight from the pool (``c_step.decode_attention``): timed
@@ -279,6 +314,7 @@ class CpuSpeedups(DeviceDefaults):
 
             key.update(formats=c_step.matrix_formats(self.model), head=self.model.lm_head.format)
             key.update(kernels=source_digest(c_step.SOURCE), integer_products=interleaved_bytes(self.model) > 0)
+            key.update(big_step_copies=big_step_weights.describe(self.model))
         return key
 
     def choose_async_scheduling(self, time_decode) -> tuple[bool, str] | None:
@@ -392,4 +428,8 @@ class CpuSpeedups(DeviceDefaults):
             copy = interleaved_bytes(self.model)
             extra = f"; the blocks re-laid for them: + {format_bytes(copy)}" if copy else ""
             lines.append(f"products with block matrices: {notes['activations']}{extra}")
+        if notes.get("big_steps"):
+            copy = big_step_weights.copies_bytes(self.model)
+            extra = f" (+ {format_bytes(copy)})" if copy else ""
+            lines.append(f"big steps' layer matrices{extra}: {notes['big_steps']}")
         return lines

@@ -35,6 +35,12 @@ CPU_TUNINGS = ("auto", "off", *PRODUCT_PATHS, "c-step")
 # integer dot products (cpu/interleaved_blocks.py); "auto": integer where this CPU has a vector path for it
 # and a batch-1 step measured faster that way (timed once, cached), float with a pinned cpu_tuning.
 BLOCK_ACTIVATIONS = ("auto", "integer", "float")
+# ``big_step_weights``: what a CPU's big steps (prompt chunks, large batches) multiply a block model by.
+# "blocks": the GGUF's blocks at every step size; "bfloat16" / "float32": a copy of the layer matrices in
+# that dtype, read by steps of 64 rows or more (cpu/big_step_weights.py); "auto": prompt chunks timed from
+# the blocks and from each copy that takes at most a quarter of the free memory (once, cached), the blocks
+# with a pinned cpu_tuning.
+BIG_STEP_WEIGHTS = ("auto", "blocks", "bfloat16", "float32")
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,7 @@ class EngineConfig:
     dtype: object = "auto"  # "auto": bf16 on a GPU; on a CPU what measures faster (model/loader.py)
     quantization: str | None = "auto"  # None, "gguf", "q8_0", "q4_1" (model/loader.py), or "auto": see above
     block_activations: str = "auto"  # one of BLOCK_ACTIVATIONS (above): a CPU's products with block matrices
+    big_step_weights: str = "auto"  # one of BIG_STEP_WEIGHTS (above): a CPU's big steps with block matrices
     device: object = None  # None: CUDA when a GPU is present, else the CPU
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # vLLM's num_gpu_blocks_override; None: sized from memory
@@ -163,6 +170,7 @@ def check(config: EngineConfig) -> None:
     _check_quantization(config)
     _one_of(config, "cpu_tuning", CPU_TUNINGS)
     _one_of(config, "block_activations", BLOCK_ACTIVATIONS)
+    _one_of(config, "big_step_weights", BIG_STEP_WEIGHTS)
     if config.async_scheduling not in (None, True, False):
         raise ConfigError(
             f"async_scheduling must be True, False or None (where it can), got {config.async_scheduling!r}",

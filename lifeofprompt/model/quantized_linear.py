@@ -9,7 +9,9 @@ numbers only inside the product:
 * a few rows on a GPU: the Triton kernel (``kernels/block_matmul.py``), which does the same per tile;
 * many rows (a long prompt chunk), or where no kernel is built: a tile of output rows is
   dequantized at a time and multiplied by the ordinary float product (``DEQUANTIZE_ROWS`` rows, so
-  the float copy of the whole matrix is never made).
+  the float copy of the whole matrix is never made);
+* big steps on a CPU that multiplies floats much faster than it unpacks blocks (AMX): a bf16 or fp32
+  copy of the matrix, where the engine made one (``cpu/big_step_weights.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("scales", blocks.scales)
         self.register_buffer("mins", blocks.mins)
         self.interleaved = None  # the blocks re-laid for integer products on a CPU (cpu/interleaved_blocks.py)
+        self.big_step_copy = None  # the weights as floats, for steps of big_step_rows rows or more (a CPU)
+        self.big_step_rows = None
 
     def _apply(self, fn, recurse=True):
         """``model.to(dtype)`` casts every floating-point buffer; the blocks' fp16 scales must stay fp16."""
@@ -45,7 +49,7 @@ class QuantizedLinear(nn.Module):
         for name, dtype in dtypes.items():
             self._buffers[name] = self._buffers[name].to(dtype)
         if self.quants.device.type != "cpu":
-            self.interleaved = None  # a CPU layout: a GPU reads the planes
+            self.interleaved = self.big_step_copy = None  # CPU copies: a GPU reads the planes
         return self
 
     @property
@@ -62,7 +66,10 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
-        if self.interleaved is not None and block_kernel(rows, self.blocks) is not None:
+        if self.big_step_copy is not None and rows.shape[0] >= self.big_step_rows:
+            copy = self.big_step_copy
+            out = torch.mm(rows.to(copy.dtype), copy.t()).to(x.dtype)
+        elif self.interleaved is not None and block_kernel(rows, self.blocks) is not None:
             from ..cpu.interleaved_blocks import integer_linear
 
             out = integer_linear(rows, self.interleaved).to(x.dtype)

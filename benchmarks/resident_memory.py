@@ -28,7 +28,7 @@ torch.set_num_threads({threads})
 from lifeofprompt import LLM, SamplingParams
 quantization = None if {quantization!r} == "none" else {quantization!r}
 llm = LLM("smollm2-135m", quantization=quantization, kv_cache_memory={kv}, block_activations={activations!r},
-          log_stats=False)
+          big_step_weights={big_steps!r}, log_stats=False)
 llm.generate(["hi my name is"], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
 rss = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS"))
 pool = llm.engine.runner.kv_cache.nbytes
@@ -36,9 +36,11 @@ print(json.dumps(dict(rss=rss, kv_pool=pool, startup_log=llm.engine.startup_log)
 """
 
 
-def measure(quantization: str, threads: int, activations: str = "auto") -> dict:
+def measure(quantization: str, threads: int, activations: str = "auto", big_steps: str = "auto") -> dict:
     """One fresh process's resident bytes after start-up and a request, and its KV pool's bytes."""
-    code = CHILD.format(threads=threads, quantization=quantization, kv=KV_BYTES, activations=activations)
+    code = CHILD.format(
+        threads=threads, quantization=quantization, kv=KV_BYTES, activations=activations, big_steps=big_steps
+    )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=1800)
     if run.returncode != 0:
         raise RuntimeError(f"{quantization}: {run.stderr[-2000:]}")
@@ -59,9 +61,15 @@ def main(argv=None) -> int:
         choices=["auto", "integer", "float"],
         help="the engine's block_activations (integer products keep a re-laid copy of the blocks)",
     )
+    parser.add_argument(
+        "--big-step-weights",
+        default="auto",
+        choices=["auto", "blocks", "bfloat16", "float32"],
+        help="the engine's big_step_weights (a copy of the layer matrices for big steps)",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    rows = [measure(q, args.threads, args.block_activations) for q in args.settings]
+    rows = [measure(q, args.threads, args.block_activations, args.big_step_weights) for q in args.settings]
     base = rows[0]["without_kv_pool"]
     for row in rows:
         row["ratio_to_first"] = row["without_kv_pool"] / base
@@ -72,7 +80,7 @@ def main(argv=None) -> int:
         )
     if args.json:
         record = dict(cpu=cpu_label(), threads=args.threads, date=time.strftime("%Y-%m-%d"), rows=rows)
-        record["block_activations"] = args.block_activations
+        record.update(block_activations=args.block_activations, big_step_weights=args.big_step_weights)
         args.json.write_text(json.dumps(record, indent=2))
     return 0
 

@@ -15,7 +15,7 @@
  *     x = (s / 256) (256 hi + lo) to within s / 512 (s / 256 where lo, clamped to -127..127, would
  *     have been 128): about 1/65,000 of the block's largest value,
  *     where llama.cpp's one digit (hi alone) errs by up to 1/254 of it. One digit moved SmolLM2's
- *     top-2 margins by up to 1.13 against fp32, more than bf16 does; the second digit costs a
+ *     top-2 margins by up to 0.75 against fp32 (778 rows), more than bf16 does; the second digit costs a
  *     second vpdpbusd per four weights and buys back the accuracy (benchmarks/NOTES.md).
  *
  * A block's sum is then (d s / 256) (256 sum hi q + sum lo q) (+ m * sum x for Q4_1), the integer

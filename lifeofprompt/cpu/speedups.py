@@ -101,7 +101,10 @@ class CpuSpeedups(DeviceDefaults):
             big_step_weights.drop_copies(self.model)  # a model an earlier engine gave copies: timed without them
             notes["activations"] = self.choose_block_activations()
             notes["big_steps"] = self.choose_big_step_weights()
-        if not self.split and self.backend == "torch" and c_step.supports(self.model):
+        in_c = self.config.kv_cache_dtype == "auto"  # the C paths read an fp32 pool
+        if not in_c:
+            notes["c_step"] = f"the C step and decode attention read an fp32 pool, not {self.config.kv_cache_dtype}"
+        if in_c and not self.split and self.backend == "torch" and c_step.supports(self.model):
             self.decode_attention_in_c, notes["attention"] = self.choose_decode_attention()
             if self.decode_attention_in_c:  # chosen once: every step's decode rows attend in C
                 self.attention = backend_named("cpu-hybrid")
@@ -431,5 +434,10 @@ class CpuSpeedups(DeviceDefaults):
         if notes.get("big_steps"):
             copy = big_step_weights.copies_bytes(self.model)
             extra = f" (+ {format_bytes(copy)})" if copy else ""
-            lines.append(f"big steps' layer matrices{extra}: {notes['big_steps']}")
+            in_c = (
+                f"; steps of up to {self.c_step_rows} rows run as one C call from the blocks"
+                if copy and self.c_step_rows
+                else ""
+            )
+            lines.append(f"big steps' layer matrices{extra}: {notes['big_steps']}{in_c}")
         return lines

@@ -166,6 +166,7 @@ def steps_beside_profile(profile, labels=tuple(BLOCK_FORMATS)) -> list[FormatSte
     """
     import torch
 
+    from ..cpu.big_step_weights import drop_copies
     from ..engine.llm_engine import LLMEngine
     from ..model.loader import load_model
     from ..model.quantized_linear import weight_bytes
@@ -194,6 +195,7 @@ def steps_beside_profile(profile, labels=tuple(BLOCK_FORMATS)) -> list[FormatSte
         time_decode_steps(engine, 1, prompt_len=16, decode_steps=2)  # warm-up, as the profile does
         step_s = time_decode_steps(engine, 1, prompt_len=PROFILE_CONTEXT, decode_steps=PROFILE_DECODE_STEPS).step_s
         nbytes = weight_bytes(engine.model)
+        drop_copies(engine.model)  # the blocks' own perplexity, not that of big steps' bf16 copy (chapter 06)
         rows.append(
             FormatStep(label, nbytes, nbytes / bandwidth, step_s, "engine", perplexity(engine.model, engine.tokenizer))
         )

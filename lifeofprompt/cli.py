@@ -13,6 +13,7 @@ import sys
 
 from .engine.config import BIG_STEP_WEIGHTS, BLOCK_ACTIVATIONS, CPU_TUNINGS, EngineConfig
 from .errors import LifeOfPromptError
+from .model.kv_cache_formats import KV_CACHE_DTYPES
 from .model.loader import DEFAULT_MODEL, MODEL_NAMES
 
 
@@ -51,6 +52,14 @@ def _model_arg(parser: argparse.ArgumentParser) -> None:
         choices=BLOCK_ACTIVATIONS,
         help="how a CPU multiplies GGUF blocks: integer (the rows as two int8 digits, integer dot products), "
         "float, or auto (default: integer where timed faster here; float with a pinned --cpu-tuning)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        dest="kv_cache_dtype",
+        choices=KV_CACHE_DTYPES,
+        help="how the KV pool stores keys and values: auto (the activations' dtype), bfloat16, float16, q8_0 "
+        "(int8 with an fp16 scale per 32 values) or fp8 (e4m3, a scale per layer from the shipped text)",
     )
     parser.add_argument(
         "--big-step-weights",

@@ -94,9 +94,9 @@ def generate(args) -> int:
 
 # The flags that set engine settings (``EngineConfig``'s names); a flag left unset keeps the setting's default.
 ENGINE_FLAGS = (
-    "dtype device cpu_tuning block_activations big_step_weights block_size max_num_seqs max_num_batched_tokens "
-    "num_kv_blocks max_waiting long_prefill_token_threshold speculative_config tensor_parallel_size "
-    "pipeline_parallel_size pipeline_overlap distributed_executor_backend async_scheduling"
+    "dtype device cpu_tuning block_activations big_step_weights kv_cache_dtype block_size max_num_seqs "
+    "max_num_batched_tokens num_kv_blocks max_waiting long_prefill_token_threshold speculative_config "
+    "tensor_parallel_size pipeline_parallel_size pipeline_overlap distributed_executor_backend async_scheduling"
 ).split()
 
 

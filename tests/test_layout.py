@@ -29,6 +29,7 @@ LAYERS = [
             "lifeofprompt.errors",
             "lifeofprompt.env",
             "lifeofprompt.story",
+            "lifeofprompt.texts",
             "lifeofprompt.units",
             "lifeofprompt.latency",
             "lifeofprompt._version",

@@ -129,6 +129,7 @@ class ParallelGroup:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         worker_threads: int | None = None,
         stages: int = 1,
+        kv_cache_dtype: str = "auto",
     ) -> tuple[ParallelGroup, ShardedLlamaForCausalLM]:
         """Start ``size * stages - 1`` workers, split ``full_model`` over all ranks; ``(group, rank 0's shard)``."""
         backend = check_world(full_model, size, stages, timeout_s)
@@ -136,7 +137,7 @@ class ParallelGroup:
         threads = worker_threads or max(1, torch.get_num_threads() // world)
         if "TORCHELASTIC_RUN_ID" in os.environ:
             return cls._launch_under_torchrun(
-                full_model, size, stages, num_blocks, block_size, timeout_s, backend, threads
+                full_model, size, stages, num_blocks, block_size, timeout_s, backend, threads, kv_cache_dtype
             )
         store = dist.TCPStore(
             "127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
@@ -156,6 +157,7 @@ class ParallelGroup:
                 block_size,
                 threads,
                 os.getpid(),
+                kv_cache_dtype=kv_cache_dtype,
             )
             for rank in range(1, world)
         ]
@@ -175,7 +177,9 @@ class ParallelGroup:
         return group, model
 
     @classmethod
-    def _launch_under_torchrun(cls, full_model, size, stages, num_blocks, block_size, timeout_s, backend, threads):
+    def _launch_under_torchrun(
+        cls, full_model, size, stages, num_blocks, block_size, timeout_s, backend, threads, kv_cache_dtype="auto"
+    ):
         """The same engine when torchrun started every rank (``--nnodes``, on one machine or several).
 
         Every node runs the same script. Torchrun's rank 0 drives, exactly as with spawned workers;
@@ -207,6 +211,7 @@ class ParallelGroup:
                     block_size,
                     threads,
                     os.getppid(),
+                    kv_cache_dtype=kv_cache_dtype,
                 )
             )
             raise SystemExit(0)

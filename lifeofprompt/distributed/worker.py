@@ -42,6 +42,7 @@ class WorkerSpec:
     threads: int
     parent_pid: int
     host: str = "127.0.0.1"
+    kv_cache_dtype: str = "auto"  # the pool's form (model/kv_cache_formats.py), the driver's
 
 
 def watch_parent(parent_pid: int) -> None:
@@ -91,7 +92,9 @@ def build_shard(spec: WorkerSpec):
     stages = spec.world_size // spec.tensor_parallel_size
     plan = ShardPlan.for_world_rank(spec.config, spec.rank, spec.tensor_parallel_size, stages)
     model = ShardedLlamaForCausalLM.empty(plan, device, getattr(torch, spec.dtype))
-    cache = PagedKVCache.for_model(plan.config, spec.num_blocks, spec.block_size, dtype=model.dtype, device=device)
+    cache = PagedKVCache.for_model(
+        plan.config, spec.num_blocks, spec.block_size, model.dtype, device, kv_dtype=spec.kv_cache_dtype
+    )
     return plan, model, cache
 
 

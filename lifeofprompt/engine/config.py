@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
+from ..model.kv_cache_formats import KV_CACHE_DTYPES
 from ..model.linear import PATHS as PRODUCT_PATHS
 from ..model.loader import DEFAULT_MODEL
 
@@ -64,6 +65,7 @@ class EngineConfig:
     quantization: str | None = "auto"  # None, "gguf", "q8_0", "q4_1" (model/loader.py), or "auto": see above
     block_activations: str = "auto"  # one of BLOCK_ACTIVATIONS (above): a CPU's products with block matrices
     big_step_weights: str = "auto"  # one of BIG_STEP_WEIGHTS (above): a CPU's big steps with block matrices
+    kv_cache_dtype: str = "auto"  # how the KV pool stores keys and values (model/kv_cache_formats.py)
     device: object = None  # None: CUDA when a GPU is present, else the CPU
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # vLLM's num_gpu_blocks_override; None: sized from memory
@@ -171,6 +173,7 @@ def check(config: EngineConfig) -> None:
     _one_of(config, "cpu_tuning", CPU_TUNINGS)
     _one_of(config, "block_activations", BLOCK_ACTIVATIONS)
     _one_of(config, "big_step_weights", BIG_STEP_WEIGHTS)
+    _one_of(config, "kv_cache_dtype", KV_CACHE_DTYPES)
     if config.async_scheduling not in (None, True, False):
         raise ConfigError(
             f"async_scheduling must be True, False or None (where it can), got {config.async_scheduling!r}",
@@ -285,6 +288,7 @@ class ResolvedConfig:
     speedups: str  # what makes this device fast (model/device.py): its name
     quantization: str | None = None  # the weights' form as loaded: None (floats), "gguf", "q8_0" or "q4_1"
     cpu: object = None  # the CPU paths chosen (cpu/speedups.py: CpuChoices), None elsewhere
+    kv_cache_dtype: str = "auto"  # how the pool stores keys and values (model/kv_cache_formats.py)
     why: dict = field(default_factory=dict)  # why an automatic choice fell as it did (the log)
 
     @property
@@ -340,6 +344,7 @@ def resolve(config: EngineConfig, model, num_kv_blocks: int, speedups, cuda_grap
         speedups=speedups.name,
         quantization=quantization,
         cpu=speedups.choices,
+        kv_cache_dtype=config.kv_cache_dtype,
         why=why,
     )
 

@@ -90,14 +90,15 @@ class DraftModelProposer:
         self.model = model
         self.block_size = resolved.block_size
         self.backend = resolved.attention_backend
+        self.kv_dtype = resolved.kv_cache_dtype  # the target's form (an fp8 pool: runner.calibrate_kv_cache)
         self.kv_cache = PagedKVCache.for_model(
-            model.config, resolved.num_kv_blocks, self.block_size, dtype=model.dtype, device=model.device
+            model.config, resolved.num_kv_blocks, self.block_size, model.dtype, model.device, self.kv_dtype
         )
         self.num_forwards = 0
         self.speedups = speedups  # its own (the target's chose them: ``Speedups.for_draft``)
 
     def kv_bytes_per_block(self) -> int:
-        return kv_bytes_per_block(self.model.config, self.model.dtype, self.block_size)
+        return kv_bytes_per_block(self.model.config, self.model.dtype, self.block_size, self.kv_dtype)
 
     # ---------------------------------------------------------------- the mirror
     @torch.no_grad()

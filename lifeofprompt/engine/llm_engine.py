@@ -47,6 +47,7 @@ from ..errors import (
     SpeculativeConfigError,
 )
 from ..model.loader import DEFAULT_MODEL, load_model, prepare_for_device
+from ..texts import evaluation_text
 from .async_scheduling import AsyncScheduling, time_decode
 from .async_scheduling import choose as async_choice
 from .block_manager import BlockManager
@@ -101,6 +102,8 @@ class LLMEngine:
             self.runner.speedups.share_with(self.parallel, self.model)
         if self.spec is not None:
             self.spec.attach(self.runner)
+        if r.kv_cache_dtype == "fp8":  # scales from the shipped text, never from whatever arrives first
+            self.runner.calibrate_kv_cache(self.tokenizer.encode(evaluation_text()))
         self._start_books()
         self.pipeline = None  # P > 1: up to P steps in flight, one per micro-batch group (pipeline_overlap.py)
         if r.scheduler.num_groups > 1:
@@ -142,12 +145,19 @@ class LLMEngine:
                 "across ranks)",
                 param="num_kv_blocks",
             )
+        if c.kv_cache_dtype == "fp8":
+            raise ConfigError(
+                "kv_cache_dtype='fp8' calibrates its scales in one process: use 'q8_0', 'bfloat16' or 'float16' "
+                "with tensor_parallel_size or pipeline_parallel_size > 1",
+                param="kv_cache_dtype",
+            )
         from ..distributed.group import ParallelGroup
 
         blocks = plan_kv_blocks(self.model, c, 0)
         group, self.model = ParallelGroup.launch(
-            self.model, c.tensor_parallel_size, blocks, c.block_size, stages=c.pipeline_parallel_size
-        )
+            self.model, c.tensor_parallel_size, blocks, c.block_size, stages=c.pipeline_parallel_size,
+            kv_cache_dtype=c.kv_cache_dtype,
+        )  # fmt: skip
         group.shutdown_with(self)
         return group, c.replace(num_kv_blocks=blocks)
 

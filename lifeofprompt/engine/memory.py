@@ -55,14 +55,22 @@ def _check_block_size(block_size) -> int:
 # ----------------------------------------------------------------------------- per token, per block
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype) -> int:
-    """Key + value bytes one token leaves in every layer: ``2 × layers × kv_heads × head_dim × bytes``."""
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype_bytes(dtype)
+def kv_bytes_per_token(config: ModelConfig, dtype, kv_dtype: str = "auto") -> int:
+    """Key + value bytes one token leaves in every layer: ``2 × layers × kv_heads × head_dim × bytes``, the
+    bytes a value those of ``kv_dtype`` (``model/kv_cache_formats.py``; "auto": ``dtype``'s, 34/32 for q8_0)."""
+    from ..model.kv_cache_formats import value_bytes
+
+    values = 2 * config.num_layers * config.num_kv_heads * config.head_dim
+    if kv_dtype == "auto":
+        return values * dtype_bytes(dtype)
+    return round(values * value_bytes(kv_dtype, dtype))
 
 
-def kv_bytes_per_block(config: ModelConfig, dtype, block_size: int = EngineConfig.block_size) -> int:
+def kv_bytes_per_block(
+    config: ModelConfig, dtype, block_size: int = EngineConfig.block_size, kv_dtype: str = "auto"
+) -> int:
     """Bytes of one cache block: ``block_size`` tokens across all layers."""
-    return kv_bytes_per_token(config, dtype) * _check_block_size(block_size)
+    return kv_bytes_per_token(config, dtype, kv_dtype) * _check_block_size(block_size)
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int = EngineConfig.block_size) -> int:
@@ -130,6 +138,7 @@ def plan_memory(
     weights: int | None = None,
     activations: int | None = None,
     activations_measured: bool = False,
+    kv_dtype: str = "auto",
 ) -> MemoryPlan:
     """Share ``total_memory`` bytes out as vLLM does at start-up and count the KV blocks.
 
@@ -157,7 +166,7 @@ def plan_memory(
             f"({gpu_memory_utilization:.0%} of {total_memory / GiB:.2f} GiB): use a larger device, a smaller "
             "dtype, or a higher gpu_memory_utilization"
         )
-    per_block = kv_bytes_per_block(config, dtype, block_size)
+    per_block = kv_bytes_per_block(config, dtype, block_size, kv_dtype)
     kv_pool = usable - weights - activations
     if kv_pool < per_block:
         raise OutOfMemoryError(
@@ -175,5 +184,5 @@ def plan_memory(
         bytes_per_block=per_block,
         num_gpu_blocks=kv_pool // per_block,
         block_size=block_size,
-        bytes_per_token=kv_bytes_per_token(config, dtype),
+        bytes_per_token=kv_bytes_per_token(config, dtype, kv_dtype),
     )

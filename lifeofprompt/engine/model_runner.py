@@ -23,7 +23,8 @@ import math
 import torch
 
 from ..errors import OutOfMemoryError, RequestFailedError
-from ..model.attention import PagedCacheMetadata, PagedKVCache, synthetic_step
+from ..model.attention import NoCacheMetadata, PagedCacheMetadata, PagedKVCache, synthetic_step
+from ..model.kv_cache_formats import FP8_MAX, check_kv_dtype
 from ..model.loader import prepare_for_device
 from .block_tables import BlockTables
 from .config import CPU_KV_CACHE_MEMORY, DEFAULT_STEP_TOKENS, EngineConfig, context_len, resolve
@@ -44,7 +45,7 @@ def plan_kv_blocks(model, config: EngineConfig, draft_bytes_per_block: int = 0) 
         return config.num_kv_blocks
     if config.kv_cache_memory is None and model.device.type == "cuda":
         return None
-    per_block = kv_bytes_per_block(model.config, model.dtype, config.block_size)
+    per_block = kv_bytes_per_block(model.config, model.dtype, config.block_size, config.kv_cache_dtype)
     kv_bytes = config.kv_cache_memory or CPU_KV_CACHE_MEMORY
     blocks = kv_bytes // (per_block + draft_bytes_per_block)
     if blocks < 1:
@@ -68,6 +69,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # decode steps through static buffers (CUDA graphs)
         self.memory_plan = None  # a GPU's plan of its memory (memory.MemoryPlan)
         self.speedups = speedups
+        check_kv_dtype(config.kv_cache_dtype, model.config.head_dim, model.device.type, speedups.backend)
         num_blocks = plan_kv_blocks(model, config, draft_kv_bytes_per_block)  # None on a GPU: profiled next
         num_blocks = num_blocks or self.profile_kv_blocks(config, draft_kv_bytes_per_block)
         self.speedups.choose(num_blocks)
@@ -94,7 +96,7 @@ class ModelRunner:
         ``max_num_seqs`` sequences, measured over a small scratch pool); chapter 05's ``plan_memory``."""
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        per_block = kv_bytes_per_block(self.model.config, self.model.dtype, config.block_size)
+        per_block = kv_bytes_per_block(self.model.config, self.model.dtype, config.block_size, config.kv_cache_dtype)
         weights = torch.cuda.memory_allocated()
         tokens, seqs = config.max_num_batched_tokens or DEFAULT_STEP_TOKENS, config.max_num_seqs
         scratch_blocks = math.ceil(tokens / config.block_size) + seqs
@@ -120,6 +122,7 @@ class ModelRunner:
             weights=weights,
             activations=activations + non_torch,
             activations_measured=True,
+            kv_dtype=config.kv_cache_dtype,
         )
         blocks = self.memory_plan.num_gpu_blocks * per_block // (per_block + draft_bytes_per_block)
         if blocks < 1:
@@ -129,7 +132,18 @@ class ModelRunner:
     def allocate_kv_cache(self) -> PagedKVCache:
         """The pool itself, once every choice is made: its size is the resolved block count."""
         r = self.resolved
-        return PagedKVCache.for_model(self.model.config, r.num_kv_blocks, r.block_size, self.model.dtype, self.device)
+        config = self.model.config
+        return PagedKVCache.for_model(
+            config, r.num_kv_blocks, r.block_size, self.model.dtype, self.device, r.kv_cache_dtype
+        )
+
+    def calibrate_kv_cache(self, ids: list[int]) -> None:
+        """An fp8 pool's per-layer key and value scales, from one forward of ``ids`` (the engine gives the
+        shipped evaluation text's tokens: ``kv_cache_formats.fp8_scales``)."""
+        if self.kv_cache.kv_dtype == "fp8":
+            self.kv_cache.scales.copy_(fp8_scales(self.model, ids))
+        if self.draft is not None and self.draft.kv_cache.kv_dtype == "fp8":  # the draft's own layers
+            self.draft.kv_cache.scales.copy_(fp8_scales(self.draft.model, ids))
 
     def start_decode_graphs(self, capture: bool = True) -> None:
         """Decode steps through static buffers, replayed from CUDA graphs (``capture=False``: the same padded
@@ -272,3 +286,25 @@ class ModelRunner:
         out = sample_step(self.sampler, seqs, num_scheduled_tokens, logits, self.eos_token_ids, samples)
         out.launch = launch
         return out
+
+
+@torch.no_grad()
+def fp8_scales(model, ids: list[int]) -> torch.Tensor:
+    """``[num_layers, 2]``: each layer's largest key and value magnitude over one forward of ``ids`` (the
+    shipped evaluation text), over 448, so that those land at e4m3's largest value. Deterministic: the same
+    text and weights give the same scales, whatever the first requests are."""
+    largest = torch.zeros(model.config.num_layers, 2)
+
+    class Recording(NoCacheMetadata):
+        def attend(self, layer_idx, q, k, v):
+            largest[layer_idx, 0] = k.abs().max().float()
+            largest[layer_idx, 1] = v.abs().max().float()
+            return super().attend(layer_idx, q, k, v)
+
+    own_step, model.cpu_step = getattr(model, "cpu_step", None), None  # the torch layers, which call attend
+    try:
+        tokens = torch.tensor(ids, device=model.device)
+        model.hidden_states(tokens, torch.arange(len(ids), device=model.device), Recording.for_lengths([len(ids)]))
+    finally:
+        model.cpu_step = own_step
+    return (largest / FP8_MAX).clamp_min(1e-8)

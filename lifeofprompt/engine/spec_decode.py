@@ -19,9 +19,9 @@ from .speculative import NgramProposer, SpecDecodeStats, SpeculativeConfig
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, model, tokenizer, block_size: int):
+    def __init__(self, config: SpeculativeConfig, model, tokenizer, block_size: int, kv_cache_dtype: str = "auto"):
         self.config = config
-        self.block_size = block_size
+        self.block_size, self.kv_cache_dtype = block_size, kv_cache_dtype
         self.stats = SpecDecodeStats(config.k)
         self.draft_model = None
         self.proposer = None
@@ -44,7 +44,9 @@ class SpecDecoder:
     def start(cls, engine_config, model, tokenizer) -> SpecDecoder | None:
         """The engine's drafter for ``speculative_config`` (a draft model loads here), or None without one."""
         config = SpeculativeConfig.from_user(engine_config.speculative_config)
-        return None if config is None else cls(config, model, tokenizer, engine_config.block_size)
+        if config is None:
+            return None
+        return cls(config, model, tokenizer, engine_config.block_size, engine_config.kv_cache_dtype)
 
     def draft_bytes_per_block(self) -> int:
         """KV bytes the draft adds to every block (its pool shares the target's block tables)."""
@@ -52,7 +54,8 @@ class SpecDecoder:
             return 0
         from .memory import kv_bytes_per_block
 
-        return kv_bytes_per_block(self.draft_model.config, self.draft_model.dtype, self.block_size)
+        model = self.draft_model
+        return kv_bytes_per_block(model.config, model.dtype, self.block_size, self.kv_cache_dtype)
 
     def attach(self, runner) -> None:
         """Cap the drafts at the runner's one-call step (``row_budget``); give a draft model its pool (as many

@@ -2,10 +2,10 @@
 
 Perplexity is exp(mean negative log-likelihood) of each token given the ones before it: how many
 equally likely choices the model is, on average, torn between. A quantized model that predicts the
-same text about as well has lost little. The text (``data/evaluation_text.txt``, ~350 words about a
+same text about as well has lost little. The text (``lifeofprompt/data/evaluation_text.txt``, ~350 words about a
 harbour town) was written for this project, so no model has seen it in training and anyone may
 ship it; it is one forward of about 450 tokens, seconds on a CPU. A second text written for the
-project, ``data/long_evaluation_text.txt`` (~4,900 tokens: a year in a river village), is long
+project, ``lifeofprompt/data/long_evaluation_text.txt`` (~4,900 tokens: a year in a river village), is long
 enough for a difference of a fraction of a percent to mean something: the accuracy rules of the
 CPU's integer products and of a compressed KV cache are measured on it.
 """
@@ -13,21 +13,12 @@ CPU's integer products and of a compressed KV cache are measured on it.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 
-TEXT_PATH = Path(__file__).parent / "data" / "evaluation_text.txt"
-LONG_TEXT_PATH = Path(__file__).parent / "data" / "long_evaluation_text.txt"
+from ..texts import evaluation_text, long_evaluation_text  # noqa: F401 (the chapters import them from here)
+
 LOGIT_ROWS = 512  # rows of logits made at a time: a long text's all at once would take gigabytes
-
-
-def evaluation_text() -> str:
-    return TEXT_PATH.read_text()
-
-
-def long_evaluation_text() -> str:
-    return LONG_TEXT_PATH.read_text()
 
 
 @torch.no_grad()

@@ -103,7 +103,9 @@ class PagedKVCache:
     """The KV pool of the engine: per layer, K and V shaped ``[num_blocks, block_size, kv_heads, head_dim]``.
 
     One tensor ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]`` holds it all, so
-    its size is exactly ``num_blocks`` × the bytes of one block (chapter 05's arithmetic).
+    its size is exactly ``num_blocks`` × the bytes of one block (chapter 05's arithmetic). ``kv_dtype``
+    (``kv_cache_formats.py``) stores it in fewer bytes: a float dtype, or codes with ``scales`` beside
+    them (q8_0: one fp16 per 32 values; fp8: one float per layer for keys and one for values).
     """
 
     def __init__(
@@ -115,24 +117,43 @@ class PagedKVCache:
         head_dim: int,
         dtype=torch.float32,
         device="cpu",
+        kv_dtype: str = "auto",
     ):
-        self.kv = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
-        self.num_blocks = num_blocks
-        self.block_size = block_size
+        from .kv_cache_formats import FLOAT_FORMS, Q8_BLOCK
+
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        storage = {"q8_0": torch.int8, "fp8": torch.float8_e4m3fn}.get(kv_dtype, FLOAT_FORMS.get(kv_dtype, dtype))
+        self.kv = torch.zeros(shape, dtype=storage, device=device)
+        self.scales = None
+        if kv_dtype == "q8_0":
+            self.scales = torch.zeros(*shape[:-1], head_dim // Q8_BLOCK, dtype=torch.float16, device=device)
+        elif kv_dtype == "fp8":
+            self.scales = torch.ones(num_layers, 2, dtype=torch.float32, device=device)
+        self.kv_dtype, self.num_blocks, self.block_size = kv_dtype, num_blocks, block_size
 
     @classmethod
-    def for_model(cls, config, num_blocks: int, block_size: int, dtype=torch.float32, device="cpu"):
-        return cls(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype, device)
+    def for_model(cls, config, num_blocks: int, block_size: int, dtype=torch.float32, device="cpu", kv_dtype="auto"):
+        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        return cls(*shape, dtype, device, kv_dtype)
 
-    def k(self, layer_idx: int) -> torch.Tensor:
-        return self.kv[layer_idx, 0]
+    def k(self, layer_idx: int):
+        return self.layer_pool(layer_idx, 0)
 
-    def v(self, layer_idx: int) -> torch.Tensor:
-        return self.kv[layer_idx, 1]
+    def v(self, layer_idx: int):
+        return self.layer_pool(layer_idx, 1)
+
+    def layer_pool(self, layer_idx: int, kv: int):
+        """One layer's keys (``kv`` 0) or values (1): the tensor itself, or a ``BlockPool`` of codes and scales."""
+        if self.scales is None:
+            return self.kv[layer_idx, kv]
+        from .kv_cache_formats import BlockPool
+
+        return BlockPool(self.kv_dtype, self.kv[layer_idx, kv], self.scales[layer_idx, kv])
 
     @property
     def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        scales = 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
+        return self.kv.numel() * self.kv.element_size() + scales
 
 
 @dataclass

@@ -42,8 +42,11 @@ def write_rows(key, value, k_pool, v_pool, rows: torch.Tensor | None, slots: tor
     """``store_kv`` once its valid rows are known (the engine's torch path finds them once per step)."""
     if rows is not None:
         key, value = key[rows], value[rows]
-    k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, slots, key.to(k_pool.dtype))
-    v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, slots, value.to(v_pool.dtype))
+    for rows_of, pool in ((key, k_pool), (value, v_pool)):
+        if hasattr(pool, "write"):  # a pool of codes and scales (kv_cache_formats.BlockPool): quantized going in
+            pool.write(rows_of, slots)
+        else:
+            pool.view(-1, *pool.shape[2:]).index_copy_(0, slots, rows_of.to(pool.dtype))
 
 
 def paged_attention(

@@ -1,0 +1,181 @@
+"""The KV pool in fewer bytes (``kv_cache_dtype``, ``model/kv_cache_formats.py``).
+
+Each form written into the pool reads back within what its rounding allows, and the check is shown to
+fail on a wrong scale and on a scale applied to the wrong block. Attention over a quantized pool equals
+attention over the values it holds, over random shapes with ragged last blocks. Then the engine: the
+pool's bytes and capacity, the settings it refuses, fp8's calibration, and greedy tokens under the margin
+rule with prefix caching and preemption.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lifeofprompt.engine.model_runner import fp8_scales
+from lifeofprompt.errors import ConfigError
+from lifeofprompt.model import kv_cache_formats as formats
+from lifeofprompt.model.attention import PagedKVCache
+from lifeofprompt.model.paged_attention import paged_attention, store_kv
+
+FORMS = ["auto", "bfloat16", "float16", "q8_0", "fp8"]
+
+
+def rounding_bound(kind: str, rows: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """How far each value may read back from what was written: half a step of the form."""
+    if kind == "auto":
+        return torch.zeros_like(rows)
+    if kind in ("bfloat16", "float16"):
+        return rows.abs() * (2.0**-8 if kind == "bfloat16" else 2.0**-11)
+    if kind == "fp8":  # 3 bits of mantissa; below 2^-6 (subnormals) steps of 2^-9, all in units of the scale
+        return torch.maximum(rows.abs() * 2.0**-4, torch.full_like(rows, 2.0**-10 * scale))
+    blocks = rows.reshape(*rows.shape[:-1], -1, formats.Q8_BLOCK).abs().amax(-1, keepdim=True)
+    step = blocks / 127 * (1 + 2.0**-10)  # the scale, rounded to fp16
+    return (step / 2 + blocks * 2.0**-10).expand(*blocks.shape[:-1], formats.Q8_BLOCK).reshape(rows.shape)
+
+
+def written_and_read(kind: str, rows: torch.Tensor, block_size: int = 16) -> tuple[PagedKVCache, torch.Tensor]:
+    """``rows [T, kv, D]`` stored at slots 0..T-1 of a pool's layer 0 keys, then gathered back."""
+    cache = PagedKVCache(1, -(-len(rows) // block_size) + 1, block_size, rows.shape[1], rows.shape[2], kv_dtype=kind)
+    if kind == "fp8":
+        cache.scales[:] = rows.abs().max() / formats.FP8_MAX
+    store_kv(rows, rows, cache.k(0), cache.v(0), torch.arange(len(rows)))
+    blocks = torch.arange(cache.num_blocks)
+    read = cache.k(0).index_select(0, blocks).reshape(-1, *rows.shape[1:])[: len(rows)]
+    return cache, read
+
+
+@pytest.mark.parametrize("kind", FORMS)
+def test_each_form_reads_back_within_its_rounding(kind):
+    for seed, (tokens, heads, dim) in enumerate([(1, 1, 32), (17, 3, 64), (40, 2, 128)]):
+        rows = torch.randn(tokens, heads, dim, generator=torch.Generator().manual_seed(seed)) * 3
+        rows[0, 0, :32] = 0.0  # an all-zero block: a zero scale must read back zeros
+        cache, read = written_and_read(kind, rows)
+        scale = float(cache.scales[0, 0]) if kind == "fp8" else None
+        assert ((read.float() - rows).abs() <= rounding_bound(kind, rows, scale) + 1e-7).all(), kind
+        assert (read[0, 0, :32] == 0).all()
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "fp8"])
+def test_the_check_fails_on_a_wrong_scale(kind):
+    rows = torch.randn(20, 3, 64, generator=torch.Generator().manual_seed(1))
+    cache, _ = written_and_read(kind, rows)
+    cache.scales.mul_(1.5)
+    read = cache.k(0).index_select(0, torch.arange(cache.num_blocks)).reshape(-1, 3, 64)[:20]
+    scale = float(cache.scales[0, 0]) if kind == "fp8" else None
+    assert not ((read - rows).abs() <= rounding_bound(kind, rows, scale) + 1e-7).all()
+
+
+def test_the_check_fails_on_a_scale_applied_to_the_wrong_block():
+    rows = torch.randn(20, 3, 64, generator=torch.Generator().manual_seed(2))
+    rows[..., 32:] *= 10  # the second block of every head ten times the first
+    cache, _ = written_and_read("q8_0", rows)
+    cache.scales[...] = cache.scales.flip(-1)
+    read = cache.k(0).index_select(0, torch.arange(cache.num_blocks)).reshape(-1, 3, 64)[:20]
+    assert not ((read - rows).abs() <= rounding_bound("q8_0", rows) + 1e-7).all()
+
+
+def held_values(cache: PagedKVCache, layer: int, kv: int) -> torch.Tensor:
+    """The whole layer's keys or values as the pool holds them, in fp32 (the reference reads these)."""
+    pool = cache.layer_pool(layer, kv)
+    return pool.index_select(0, torch.arange(cache.num_blocks)).float()
+
+
+@pytest.mark.parametrize("kind", FORMS)
+def test_attention_over_a_quantized_pool_is_attention_over_what_it_holds(kind):
+    """Decodes and prefill chunks after cached prefixes, ragged last blocks, 3 random batches."""
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        heads, kv_heads, dim, size = 6, 2, 64, 16
+        lengths = torch.randint(1, 70, (4,), generator=g).tolist()
+        queries = [1, 1, min(5, lengths[2]), lengths[3]]  # two decodes, a chunk after a prefix, a whole prefill
+        cache = PagedKVCache(1, 24, size, kv_heads, dim, kv_dtype=kind)
+        tables = torch.full((4, 6), -1, dtype=torch.int32)
+        free = torch.randperm(24, generator=g).tolist()
+        for b, n in enumerate(lengths):
+            tables[b, : -(-n // size)] = torch.tensor([free.pop() for _ in range(-(-n // size))])
+        slots = torch.tensor(
+            [int(tables[b, j // size]) * size + j % size for b, n in enumerate(lengths) for j in range(n)]
+        )
+        keys, values = (torch.randn(len(slots), kv_heads, dim, generator=g) for _ in range(2))
+        if kind == "fp8":
+            cache.scales[0] = torch.tensor([keys.abs().max(), values.abs().max()]) / formats.FP8_MAX
+        store_kv(keys, values, cache.k(0), cache.v(0), slots)
+        q = torch.randn(sum(queries), heads, dim, generator=g)
+        starts = torch.tensor([0, *torch.tensor(queries).cumsum(0).tolist()])
+        args = (tables, torch.tensor(lengths), starts, max(queries), max(lengths), dim**-0.5)
+        out = paged_attention(q, cache.k(0), cache.v(0), *args)
+        reference = paged_attention(q, held_values(cache, 0, 0), held_values(cache, 0, 1), *args)
+        assert torch.allclose(out, reference, atol=1e-5, rtol=1e-5), kind
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+def test_bytes_per_token_and_the_pools_capacity(smollm2):
+    from lifeofprompt.engine.memory import kv_bytes_per_token
+
+    config = smollm2[0].config
+    per_token = {kind: kv_bytes_per_token(config, torch.float32, kind) for kind in FORMS}
+    assert per_token == {"auto": 46080, "bfloat16": 23040, "float16": 23040, "q8_0": 12240, "fp8": 11520}
+    for kind in FORMS:
+        cache = PagedKVCache.for_model(config, 4, 16, torch.float32, "cpu", kind)
+        scales = 2 * config.num_layers * 4 if kind == "fp8" else 0  # fp8's key and value scale per layer
+        assert cache.nbytes == 4 * 16 * per_token[kind] + scales
+
+
+def test_the_settings_it_refuses():
+    from lifeofprompt import LLM
+
+    with pytest.raises(ConfigError, match="kv_cache_dtype='int4' is not one of"):
+        LLM("smollm2-135m", kv_cache_dtype="int4")
+    with pytest.raises(
+        ConfigError, match="not served by the triton attention backend on cuda: use one of auto, bfloat16"
+    ):
+        formats.check_kv_dtype("q8_0", 64, "cuda", "triton")
+    with pytest.raises(ConfigError, match="multiple of 32 .* 80"):
+        formats.check_kv_dtype("q8_0", 80, "cpu", "torch")
+    formats.check_kv_dtype("fp8", 80, "cpu", "torch")  # served
+
+
+def test_fp8_scales_are_each_layers_largest_value_over_448_and_the_same_every_time(smollm2, one_thread):
+    from lifeofprompt.model.attention import NoCacheMetadata
+
+    model = smollm2[0]
+    ids = list(range(100, 160))
+    scales = fp8_scales(model, ids)
+    assert torch.equal(scales, fp8_scales(model, ids))
+    seen = {}
+
+    class Spy(NoCacheMetadata):
+        def attend(self, layer_idx, q, k, v):
+            seen[layer_idx] = (k.abs().max(), v.abs().max())
+            return super().attend(layer_idx, q, k, v)
+
+    with torch.no_grad():
+        model.hidden_states(torch.tensor(ids), torch.arange(60), Spy.for_lengths([60]))
+    expected = torch.tensor([[float(k), float(v)] for _, (k, v) in sorted(seen.items())]) / formats.FP8_MAX
+    assert torch.allclose(scales, expected)
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "q8_0", "fp8"])
+def test_the_engine_decodes_with_a_smaller_cache_as_with_fp32_under_the_margin_rule(smollm2, story_ids, kind):
+    """The story's prompts twice over (the second time their blocks come from the prefix cache) in a pool
+    so small that requests are preempted and recomputed."""
+    from lifeofprompt import LLM, SamplingParams
+    from lifeofprompt.lessons.agreement import MARGIN_SHIFT, assert_greedy_agrees, teacher_forced_logits, top2_margins
+
+    model, tokenizer = smollm2
+    params = SamplingParams(max_tokens=16, temperature=0)
+    prompts = [{"prompt_token_ids": ids} for ids in story_ids] * 2
+    runs, preempted = {}, {}
+    for form in ("auto", kind):
+        llm = LLM(model, tokenizer=tokenizer, cpu_tuning="linear", kv_cache_dtype=form, num_kv_blocks=7, max_num_seqs=6)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        runs[form] = [o.outputs[0].token_ids for o in outputs]
+        preempted[form] = llm.engine.scheduler.num_preemptions
+    assert preempted[kind] > 0
+    margins = [
+        top2_margins(teacher_forced_logits(model, p["prompt_token_ids"], r)) for p, r in zip(prompts, runs["auto"])
+    ]
+    assert_greedy_agrees(runs[kind], runs["auto"], margins, MARGIN_SHIFT, min_steps=48)

@@ -179,3 +179,80 @@ def test_the_engine_decodes_with_a_smaller_cache_as_with_fp32_under_the_margin_r
         top2_margins(teacher_forced_logits(model, p["prompt_token_ids"], r)) for p, r in zip(prompts, runs["auto"])
     ]
     assert_greedy_agrees(runs[kind], runs["auto"], margins, MARGIN_SHIFT, min_steps=48)
+
+
+# ----------------------------------------------------------------------------- the C paths on a q8_0 pool
+
+
+def scattered_pool(kind: str, lengths: list[int], seed: int, kv_heads: int = 3, dim: int = 64, size: int = 16):
+    """A pool with one sequence per length in scattered blocks, its random keys and values stored:
+    ``(cache, block_tables, slots)``."""
+    g = torch.Generator().manual_seed(seed)
+    cache = PagedKVCache(1, 32, size, kv_heads, dim, kv_dtype=kind)
+    width = max(-(-n // size) for n in lengths)
+    tables, free = torch.full((len(lengths), width), -1, dtype=torch.int32), torch.randperm(32, generator=g).tolist()
+    for b, n in enumerate(lengths):
+        tables[b, : -(-n // size)] = torch.tensor([free.pop() for _ in range(-(-n // size))])
+    slots = torch.tensor([int(tables[b, j // size]) * size + j % size for b, n in enumerate(lengths) for j in range(n)])
+    keys, values = (torch.randn(len(slots), kv_heads, dim, generator=g) for _ in range(2))
+    store_kv(keys, values, cache.k(0), cache.v(0), slots)
+    return cache, tables
+
+
+@pytest.mark.parametrize("kind", ["auto", "q8_0"])
+def test_the_c_decode_attention_reads_a_q8_0_pool_as_the_torch_path_does(kind):
+    from lifeofprompt.cpu.c_step import attention_kernel, decode_attention
+
+    if attention_kernel() is None:
+        pytest.skip("no C compiler here")
+    for seed, lengths in enumerate([[37, 5, 70, 16], [1], [32, 33, 100]]):
+        cache, tables = scattered_pool(kind, lengths, seed)
+        q = torch.randn(len(lengths), 9, 64, generator=torch.Generator().manual_seed(seed))
+        seq_lens, starts = torch.tensor(lengths), torch.arange(len(lengths) + 1)
+        c = decode_attention(q, cache.k(0), cache.v(0), tables, seq_lens, 0.125)
+        reference = paged_attention(q, cache.k(0), cache.v(0), tables, seq_lens, starts, 1, max(lengths), 0.125)
+        assert torch.allclose(c, reference, atol=1e-5), (kind, (c - reference).abs().max())
+    if kind == "q8_0":  # it read the codes and their scales, not some float copy: halving the scales shows
+        cache.scales.mul_(0.5)
+        assert not torch.allclose(decode_attention(q, cache.k(0), cache.v(0), tables, seq_lens, 0.125), c, atol=1e-3)
+
+
+def test_the_c_step_writes_a_q8_0_pool_as_the_torch_layers_do(smollm2, one_thread):
+    """The same made-up step (three prompts of 7, 4 and 9 tokens) through the C step and the torch layers: the
+    logits agree up to fp32 order, and so do the pools (a code may differ by one where the two paths' keys sit
+    either side of a rounding boundary)."""
+    from lifeofprompt.cpu import c_step
+    from lifeofprompt.model.attention import synthetic_step
+
+    model = smollm2[0]
+    if not c_step.supports(model):
+        pytest.skip("no C step here")
+    runs = {}
+    for way in ("torch", "c"):
+        cache = PagedKVCache.for_model(model.config, 8, 16, model.dtype, "cpu", "q8_0")
+        step = synthetic_step(model, cache, [7, 4, 9])
+        with torch.no_grad(), c_step.running(model, None if way == "torch" else c_step.CStep.only(c_step.ROW_MAJOR)):
+            runs[way] = (model(*step), cache)
+    (torch_logits, torch_pool), (c_logits, c_pool) = runs["torch"], runs["c"]
+    assert (c_logits - torch_logits).abs().max() < 1e-2
+    assert (c_pool.kv.int() - torch_pool.kv.int()).abs().max() <= 1
+    assert torch.allclose(c_pool.scales.float(), torch_pool.scales.float(), rtol=2e-3, atol=1e-6)
+    assert (c_pool.scales != 0).sum() == (torch_pool.scales != 0).sum() > 0  # the same slots written
+
+
+def test_the_engine_on_a_q8_0_pool_in_c_decodes_as_on_fp32_under_the_margin_rule(smollm2, story_ids):
+    from lifeofprompt import LLM, SamplingParams
+    from lifeofprompt.lessons.agreement import MARGIN_SHIFT, assert_greedy_agrees, teacher_forced_logits, top2_margins
+
+    model, tokenizer = smollm2
+    params = SamplingParams(max_tokens=16, temperature=0)
+    prompts = [{"prompt_token_ids": ids} for ids in story_ids]
+    runs = {}
+    for form in ("auto", "q8_0"):
+        llm = LLM(model, tokenizer=tokenizer, cpu_tuning="c-step", kv_cache_dtype=form, num_kv_blocks=32)
+        assert model.cpu_step is not None and llm.engine.runner.kv_cache.kv_dtype == form
+        runs[form] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    margins = [
+        top2_margins(teacher_forced_logits(model, p["prompt_token_ids"], r)) for p, r in zip(prompts, runs["auto"])
+    ]
+    assert_greedy_agrees(runs["q8_0"], runs["auto"], margins, MARGIN_SHIFT, min_steps=24)

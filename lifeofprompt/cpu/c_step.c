@@ -38,7 +38,8 @@
  * Layouts (all fp32 unless a matrix is blocks, row-major, contiguous):
  *   layers[layer]: in_norm [H], post_norm [H], and the matrices qkv [(NQ + 2 NKV) D, H],
  *                  o [H, NQ D], gate_up [2 I, H] (gate rows, then up rows), down [H, I]
- *   kv: [layers, 2, num_blocks, block_size, NKV, D]; token slot s of a sequence is
+ *   kv: [layers, 2, num_blocks, block_size, NKV, D] fp32, or (q8_0) int8 with kv_scales beside it,
+ *       [layers, 2, num_blocks, block_size, NKV, D / 32] fp16; token slot s of a sequence is
  *       block_tables[r][j / block_size] * block_size + j % block_size for its position j
  *   cos, sin: [max_positions, D / 2]
  */
@@ -58,7 +59,73 @@ typedef struct {
     long hidden, num_heads, num_kv_heads, head_dim, intermediate, num_layers;
     long num_blocks, block_size, max_blocks;
     float eps, scale;
+    long kv_format;                               /* KV_F32, or KV_Q8_0 (kv_cache_dtype="q8_0") */
 } Dims;
+
+/* The pool's forms (model/kv_cache_formats.py): fp32 values, or q8_0's int8 codes with one fp16 scale
+ * per KV_BLOCK values of a head, the scales in their own array [.., NKV, D / KV_BLOCK]. */
+#define KV_F32 0
+#define KV_Q8_0 1
+#define KV_BLOCK 32
+
+/* One layer's keys (or values): `codes` are floats or int8 by the form, `scales` q8_0's (else NULL). */
+typedef struct {
+    const void *codes;
+    const uint16_t *scales;
+} LayerPool;
+
+/* IEEE float to half, rounded to nearest even: q8_0's scales, as torch's .to(torch.float16) rounds them. */
+static inline uint16_t float_to_half(float f) {
+#if defined(__F16C__)
+    return _cvtss_sh(f, 0);
+#else
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    uint16_t sign = (x >> 16) & 0x8000;
+    uint32_t magnitude = x & 0x7fffffff;
+    if (magnitude >= 0x47800000) return sign | (magnitude > 0x7f800000 ? 0x7e00 : 0x7c00);   /* too big, inf, NaN */
+    if (magnitude < 0x38800000) {                                                             /* a subnormal half */
+        float v;
+        memcpy(&v, &magnitude, sizeof v);
+        return sign | (uint16_t)lrintf(v * 16777216.0f);                                      /* in units of 2^-24 */
+    }
+    uint32_t half = ((magnitude >> 23) - 112) << 10 | (magnitude & 0x7fffff) >> 13, rest = magnitude & 0x1fff;
+    if (rest > 0x1000 || (rest == 0x1000 && (half & 1))) half++;
+    return sign | (uint16_t)half;
+#endif
+}
+
+/* q8_0 of one head's D values into its slot: per KV_BLOCK values, scale = largest |x| / 127 rounded to
+ * fp16, codes = x / scale rounded to nearest even and clamped to +-127 (kv_cache_formats.quantize). */
+static void store_q8_0(const float *x, long D, int8_t *codes, uint16_t *scales) {
+    for (long b = 0; b < D / KV_BLOCK; b++) {
+        const float *xb = x + b * KV_BLOCK;
+        float largest = 0;
+        for (long i = 0; i < KV_BLOCK; i++) largest = fabsf(xb[i]) > largest ? fabsf(xb[i]) : largest;
+        scales[b] = float_to_half(largest / 127);
+        float step = half_to_float(scales[b]);
+        for (long i = 0; i < KV_BLOCK; i++) {
+            float q = step > 0 ? rintf(xb[i] / step) : 0.0f;
+            codes[b * KV_BLOCK + i] = (int8_t)(q > 127 ? 127 : q < -127 ? -127 : q);
+        }
+    }
+}
+
+/* The n tokens of one block from token j0, one KV head, as floats [n, D]: q8_0 codes times their scales. */
+static void dequantize_block(const LayerPool *pool, const int32_t *block_table, long j0, long n, long kv_head,
+                             const Dims *d, float *out) {
+    long D = d->head_dim, NKV = d->num_kv_heads, S = D / KV_BLOCK;
+    long first = (long)block_table[j0 / d->block_size] * d->block_size;
+    const int8_t *codes = pool->codes;
+    for (long t = 0; t < n; t++) {
+        const int8_t *c = codes + ((first + t) * NKV + kv_head) * D;
+        const uint16_t *s = pool->scales + ((first + t) * NKV + kv_head) * S;
+        for (long b = 0; b < S; b++) {
+            float scale = half_to_float(s[b]);
+            for (long i = 0; i < KV_BLOCK; i++) out[t * D + b * KV_BLOCK + i] = scale * (float)c[b * KV_BLOCK + i];
+        }
+    }
+}
 
 /* One layer's weights: the two norms and the four matrices, each in its own format. */
 typedef struct {
@@ -224,9 +291,11 @@ static void add_weighted_rows(float *o, float rescale, const float *p, const flo
         for (long i = 0; i < D; i++) o[i] += p[t] * v[t * stride + i];
 }
 
-/* Where token `j0`'s block starts in a pool (all KV heads of a token are one row of NKV * D floats). */
-static const float *block_start(const float *pool, const int32_t *block_table, long j0, const Dims *d) {
-    return pool + (long)block_table[j0 / d->block_size] * d->block_size * d->num_kv_heads * d->head_dim;
+/* Where token `j0`'s block starts in a pool (all KV heads of a token are one row of NKV * D values), in bytes
+ * of `value_bytes` a value (4: fp32; 1: q8_0's codes). */
+static const char *block_start(const void *pool, const int32_t *block_table, long j0, const Dims *d, long value_bytes) {
+    long first = (long)block_table[j0 / d->block_size] * d->block_size;
+    return (const char *)pool + first * d->num_kv_heads * d->head_dim * value_bytes;
 }
 
 /* Query heads [first, first + count) of one row, over its sequence's cached keys and values,
@@ -234,36 +303,48 @@ static const float *block_start(const float *pool, const int32_t *block_table, l
  * sum, and the output rescaled when the maximum grows, so keys and values are each read once,
  * block by block (a contiguous stretch of the pool the prefetcher can follow), and a block's
  * keys serve every query head of their group from the L1 cache. `q`, `out`: the row's [NQ, D]. */
-static void attend_heads(const float *q, const float *k_pool, const float *v_pool, const int32_t *block_table,
+static void attend_heads(const float *q, const LayerPool *k_pool, const LayerPool *v_pool, const int32_t *block_table,
                          long seq_len, const Dims *d, long first, long count, float *out) {
     long D = d->head_dim, NKV = d->num_kv_heads, group = d->num_heads / NKV, stride = NKV * D, B = d->block_size;
+    long q8 = d->kv_format == KV_Q8_0, value_bytes = q8 ? 1 : (long)sizeof(float);
     for (long i = first * D; i < (first + count) * D; i++) out[i] = 0;
     if (seq_len == 0) return;                     /* sees no key: zeros, as the torch path */
     float running_max[count], running_sum[count], p[B + LANES];      /* p: one block's scores, whole vectors */
+    float k_block[q8 ? B * D : 1], v_block[q8 ? B * D : 1];          /* q8_0: one KV head's block as floats */
     for (long h = 0; h < count; h++) { running_max[h] = -INFINITY; running_sum[h] = 0; }
     for (long j0 = 0; j0 < seq_len; j0 += B) {
-        const float *k = block_start(k_pool, block_table, j0, d), *v = block_start(v_pool, block_table, j0, d);
+        const float *k = (const float *)block_start(k_pool->codes, block_table, j0, d, value_bytes);
+        const float *v = (const float *)block_start(v_pool->codes, block_table, j0, d, value_bytes);
         if (j0 + B < seq_len) {                   /* the next block, all of it: blocks lie anywhere in the pool */
-            const char *next_k = (const char *)block_start(k_pool, block_table, j0 + B, d);
-            const char *next_v = (const char *)block_start(v_pool, block_table, j0 + B, d);
-            long bytes = (seq_len - j0 - B < B ? seq_len - j0 - B : B) * stride * (long)sizeof(float);
+            const char *next_k = block_start(k_pool->codes, block_table, j0 + B, d, value_bytes);
+            const char *next_v = block_start(v_pool->codes, block_table, j0 + B, d, value_bytes);
+            long bytes = (seq_len - j0 - B < B ? seq_len - j0 - B : B) * stride * value_bytes;
             for (long line = 0; line < bytes; line += 64) {
                 __builtin_prefetch(next_k + line);
                 __builtin_prefetch(next_v + line);
             }
         }
-        long n = j0 + B < seq_len ? B : seq_len - j0;
+        long n = j0 + B < seq_len ? B : seq_len - j0, dequantized = -1;
         for (long h = first; h < first + count; h++) {
             const float *qh = q + h * D, *kh = k + (h / group) * D, *vh = v + (h / group) * D;
+            long row_stride = stride;
+            if (q8) {                             /* a KV head's block made floats once for its group's query heads */
+                if (dequantized != h / group) {
+                    dequantize_block(k_pool, block_table, j0, n, h / group, d, k_block);
+                    dequantize_block(v_pool, block_table, j0, n, h / group, d, v_block);
+                    dequantized = h / group;
+                }
+                kh = k_block, vh = v_block, row_stride = D;
+            }
             float *o = out + h * D, block_max = -INFINITY;
-            head_scores(qh, kh, stride, n, D, d->scale, p);
+            head_scores(qh, kh, row_stride, n, D, d->scale, p);
             for (long t = 0; t < n; t++) block_max = p[t] > block_max ? p[t] : block_max;
             float old_max = running_max[h - first], new_max = block_max > old_max ? block_max : old_max;
             float rescale = old_max == -INFINITY ? 0.0f : expf(old_max - new_max), total = 0;
             total = exp_scores(p, n, new_max);
             running_sum[h - first] = running_sum[h - first] * rescale + total;
             running_max[h - first] = new_max;
-            add_weighted_rows(o, rescale, p, vh, stride, n, D);
+            add_weighted_rows(o, rescale, p, vh, row_stride, n, D);
         }
     }
     for (long h = first; h < first + count; h++) {
@@ -274,7 +355,7 @@ static void attend_heads(const float *q, const float *k_pool, const float *v_poo
 
 /* Attention of m decode rows, inside a parallel region: a row per task, or with fewer rows than
  * threads a (row, KV head) per task so every thread has work. */
-static void attend_rows(const float *q, long q_stride, const float *k_pool, const float *v_pool,
+static void attend_rows(const float *q, long q_stride, const LayerPool *k_pool, const LayerPool *v_pool,
                         const int32_t *block_tables, const int32_t *seq_lens, const Dims *d, long m,
                         float *out, long out_stride, int threads) {
     long NQ = d->num_heads, NKV = d->num_kv_heads, group = NQ / NKV;
@@ -314,7 +395,7 @@ static void gate_up_chunk(const WeightMatrix *w_gate_up, const float *normed, lo
  * its D rows of the qkv product, rotated if a q or k head, stored into the pool if a k or v head. */
 static void project_head(const WeightMatrix *w_qkv, const float *normed, float *qkv, long head, long m, const Dims *d,
                          const int64_t *positions, const int64_t *slots, const float *cos_table,
-                         const float *sin_table, float *k_pool, float *v_pool, float *room,
+                         const float *sin_table, const LayerPool *k_pool, const LayerPool *v_pool, float *room,
                          const IntegerRows *digits) {
     long H = d->hidden, D = d->head_dim, NQ = d->num_heads, NKV = d->num_kv_heads;
     long width = (NQ + 2 * NKV) * D, half = D / 2;
@@ -324,9 +405,12 @@ static void project_head(const WeightMatrix *w_qkv, const float *normed, float *
         if (head < NQ + NKV)
             rotate(out, 1, D, cos_table + positions[r] * half, sin_table + positions[r] * half);
         if (head < NQ || slots[r] < 0) continue;
-        float *pool = head < NQ + NKV ? k_pool : v_pool;
-        long kv_head = (head - NQ) % NKV;
-        for (long i = 0; i < D; i++) pool[(slots[r] * NKV + kv_head) * D + i] = out[i];
+        const LayerPool *pool = head < NQ + NKV ? k_pool : v_pool;
+        long kv_head = (head - NQ) % NKV, at = slots[r] * NKV + kv_head;
+        if (d->kv_format == KV_Q8_0)
+            store_q8_0(out, D, (int8_t *)pool->codes + at * D, (uint16_t *)pool->scales + at * (D / KV_BLOCK));
+        else
+            for (long i = 0; i < D; i++) ((float *)pool->codes)[at * D + i] = out[i];
     }
 }
 
@@ -339,12 +423,13 @@ static void project_head(const WeightMatrix *w_qkv, const float *normed, float *
  * results every thread needs next. */
 void decode_step(const Dims *d, const Layer *layers, const float *final_norm, float *hidden, long m,
                  const int64_t *positions, const int64_t *slots, const int32_t *block_tables,
-                 const int32_t *seq_lens, float *kv, const float *cos_table, const float *sin_table,
+                 const int32_t *seq_lens, void *kv, uint16_t *kv_scales, const float *cos_table, const float *sin_table,
                  float *normed_all, float *qkv, float *context, float *act, float *room_all, long room_floats,
                  int threads) {
     long H = d->hidden, D = d->head_dim, NQ = d->num_heads, NKV = d->num_kv_heads, I = d->intermediate;
     long qkv_width = (NQ + 2 * NKV) * D;
-    long pool = d->num_blocks * d->block_size * NKV * D;           /* floats in one layer's K (or V) */
+    long pool = d->num_blocks * d->block_size * NKV * D;           /* values in one layer's K (or V) */
+    long value_bytes = d->kv_format == KV_Q8_0 ? 1 : (long)sizeof(float);
     long widest = H > NQ * D ? H : NQ * D;
     widest = blocks_of(widest > I ? widest : I) * BLOCK;
     #pragma omp parallel num_threads(threads)
@@ -355,14 +440,19 @@ void decode_step(const Dims *d, const Layer *layers, const float *final_norm, fl
         IntegerRows digits;
         for (long layer = 0; layer < d->num_layers; layer++) {
             const Layer *w = layers + layer;
-            float *k_pool = kv + (2 * layer) * pool, *v_pool = kv + (2 * layer + 1) * pool;
+            LayerPool k_pool = {(char *)kv + 2 * layer * pool * value_bytes, NULL};
+            LayerPool v_pool = {(char *)kv + (2 * layer + 1) * pool * value_bytes, NULL};
+            if (kv_scales != NULL) {
+                k_pool.scales = kv_scales + 2 * layer * (pool / KV_BLOCK);
+                v_pool.scales = kv_scales + (2 * layer + 1) * (pool / KV_BLOCK);
+            }
             rms_norm(hidden, w->in_norm, normed, m, H, d->eps);
             digits = digits_of(&w->qkv, normed, H, m, H, digit_room);
             #pragma omp for schedule(static)
             for (long head = 0; head < NQ + 2 * NKV; head++)
-                project_head(&w->qkv, normed, qkv, head, m, d, positions, slots, cos_table, sin_table, k_pool, v_pool,
-                             room, &digits);
-            attend_rows(qkv, qkv_width, k_pool, v_pool, block_tables, seq_lens, d, m, context, NQ * D, threads);
+                project_head(&w->qkv, normed, qkv, head, m, d, positions, slots, cos_table, sin_table, &k_pool,
+                             &v_pool, room, &digits);
+            attend_rows(qkv, qkv_width, &k_pool, &v_pool, block_tables, seq_lens, d, m, context, NQ * D, threads);
             digits = digits_of(&w->o, context, NQ * D, m, NQ * D, digit_room);
             #pragma omp for schedule(static)
             for (long c = 0; c < chunks(H); c++)
@@ -390,10 +480,11 @@ long packed_lanes(void) { return LANES; }
 /* Attention alone, for the decode rows of any step (one query row per sequence, q [m, NQ, D]),
  * straight from the paged pool: the torch path would first copy every sequence's blocks into
  * one padded tensor. Used by the engine's torch attention on the CPU (paged_attention.py). */
-void decode_attention(const Dims *d, const float *q, const float *k_pool, const float *v_pool,
-                      const int32_t *block_tables, const int32_t *seq_lens, float *out, long m,
-                      int threads) {
+void decode_attention(const Dims *d, const float *q, const void *k_codes, const void *v_codes,
+                      const uint16_t *k_scales, const uint16_t *v_scales, const int32_t *block_tables,
+                      const int32_t *seq_lens, float *out, long m, int threads) {
     long width = d->num_heads * d->head_dim;
+    LayerPool k_pool = {k_codes, k_scales}, v_pool = {v_codes, v_scales};
     #pragma omp parallel num_threads(threads)
-    attend_rows(q, width, k_pool, v_pool, block_tables, seq_lens, d, m, out, width, threads);
+    attend_rows(q, width, &k_pool, &v_pool, block_tables, seq_lens, d, m, out, width, threads);
 }

@@ -49,7 +49,10 @@ class Dims(ctypes.Structure):
             "block_size",
             "max_blocks",
         )
-    ] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+    ] + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_format", ctypes.c_long)]
+
+
+KV_FORMATS = {"auto": 0, "q8_0": 1}  # c_step.c's KV_F32, KV_Q8_0: the pools the C paths read
 
 
 class Matrix(ctypes.Structure):
@@ -88,7 +91,7 @@ def step_kernel():
         [ctypes.POINTER(Dims)]
         + [ctypes.c_void_p] * 3
         + [ctypes.c_long]
-        + [ctypes.c_void_p] * 12
+        + [ctypes.c_void_p] * 13
         + [ctypes.c_long, ctypes.c_int],
     )
 
@@ -607,6 +610,7 @@ def decode_hidden_states(
         block_tables.shape[1],
         model.norm.eps,
         meta.scale if meta.scale is not None else config.head_dim**-0.5,
+        KV_FORMATS[meta.cache.kv_dtype],
     )
     pointers = weight_pointers(model, packed)  # kept alive until the call returns
     hidden = model.embed_tokens(input_ids).contiguous()
@@ -634,6 +638,7 @@ def decode_hidden_states(
         block_tables.data_ptr(),
         seq_lens.data_ptr(),
         kv.data_ptr(),
+        meta.cache.scales.data_ptr() if meta.cache.scales is not None else None,
         model.rotary.cos.data_ptr(),
         model.rotary.sin.data_ptr(),
         *(t.data_ptr() for t in scratch),
@@ -647,7 +652,7 @@ def decode_hidden_states(
 def attention_kernel():
     """The compiled ``decode_attention`` function, or None where it cannot be built here."""
     return c_function(
-        SOURCE, "decode_attention", [ctypes.POINTER(Dims)] + [ctypes.c_void_p] * 6 + [ctypes.c_long, ctypes.c_int]
+        SOURCE, "decode_attention", [ctypes.POINTER(Dims)] + [ctypes.c_void_p] * 8 + [ctypes.c_long, ctypes.c_int]
     )
 
 
@@ -659,7 +664,8 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Attention of one query row per sequence ``[m, heads, D]`` over its keys in the paged pool, by block table."""
+    """Attention of one query row per sequence ``[m, heads, D]`` over its keys in the paged pool, by block table;
+    the pools fp32 tensors or q8_0 ``BlockPool``s (``model/kv_cache_formats.py``)."""
     m, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = k_pool.shape
     block_tables = block_tables.to(torch.int32).contiguous()
@@ -676,14 +682,17 @@ def decode_attention(
         block_tables.shape[1],
         0.0,
         scale,
+        KV_FORMATS[getattr(k_pool, "kind", "auto")],
     )
     query = query.contiguous()
     out = torch.empty_like(query)
+    codes = [getattr(pool, "codes", pool).data_ptr() for pool in (k_pool, v_pool)]
+    scales = [pool.scales.data_ptr() if hasattr(pool, "scales") else None for pool in (k_pool, v_pool)]
     attention_kernel()(
         ctypes.byref(dims),
         query.data_ptr(),
-        k_pool.data_ptr(),
-        v_pool.data_ptr(),
+        *codes,
+        *scales,
         block_tables.data_ptr(),
         seq_lens.data_ptr(),
         out.data_ptr(),

@@ -101,9 +101,11 @@ class CpuSpeedups(DeviceDefaults):
             big_step_weights.drop_copies(self.model)  # a model an earlier engine gave copies: timed without them
             notes["activations"] = self.choose_block_activations()
             notes["big_steps"] = self.choose_big_step_weights()
-        in_c = self.config.kv_cache_dtype == "auto"  # the C paths read an fp32 pool
+        in_c = self.config.kv_cache_dtype in c_step.KV_FORMATS  # the C paths read an fp32 pool or a q8_0 one
         if not in_c:
-            notes["c_step"] = f"the C step and decode attention read an fp32 pool, not {self.config.kv_cache_dtype}"
+            notes["c_step"] = (
+                f"the C step and decode attention read fp32 or q8_0 pools, not {self.config.kv_cache_dtype}"
+            )
         if in_c and not self.split and self.backend == "torch" and c_step.supports(self.model):
             self.decode_attention_in_c, notes["attention"] = self.choose_decode_attention()
             if self.decode_attention_in_c:  # chosen once: every step's decode rows attend in C
@@ -346,7 +348,8 @@ class CpuSpeedups(DeviceDefaults):
 
     def scratch_pool(self, num_blocks: int) -> PagedKVCache:
         """A small KV pool for timing, before the engine's own is allocated."""
-        return PagedKVCache.for_model(self.model.config, num_blocks, self.block_size, self.model.dtype, "cpu")
+        kv_dtype = self.config.kv_cache_dtype  # the engine's own form, so that what is timed is what runs
+        return PagedKVCache.for_model(self.model.config, num_blocks, self.block_size, self.model.dtype, "cpu", kv_dtype)
 
     def chosen_c_step(self) -> c_step.CStep | None:
         """What the model runs its small steps with: the C step up to ``c_step_rows`` rows (None: never)."""

@@ -9,13 +9,10 @@ from ..model.quantized_linear import describe_weights, weight_bytes
 from ..units import format_bytes
 
 
-def kv_form(kv_dtype: str, dtype) -> str:
-    """``"float32 (auto: the activations' dtype)"``, or the form asked for, as the KV line says it."""
-    if kv_dtype == "auto":
-        return f"{str(dtype).removeprefix('torch.')} (auto: the activations' dtype)"
-    return {"q8_0": "q8_0: int8 with an fp16 scale per 32", "fp8": "fp8 e4m3, a scale per layer"}.get(
-        kv_dtype, kv_dtype
-    )
+def kv_form(kv_dtype: str) -> str:
+    """What the KV line adds for a ``kv_cache_dtype`` other than "auto" (the activations' dtype: nothing)."""
+    forms = {"q8_0": "q8_0, int8 with an fp16 scale per 32", "fp8": "fp8 e4m3, a scale per layer"}
+    return "" if kv_dtype == "auto" else f"; stored as {forms.get(kv_dtype, kv_dtype)}"
 
 
 def startup_lines(engine) -> list[str]:
@@ -32,7 +29,7 @@ def startup_lines(engine) -> list[str]:
         f"{model.dtype} on {model.device}{dtype_why}; weights take {format_bytes(weights)}",
         f"weights: {describe_weights(model)}; quantization {r.quantization} ({r.why['quantization']})",
         f"KV cache: {format_bytes(kv)} = {r.num_kv_blocks} blocks × {r.block_size} tokens = {tokens} tokens "
-        f"({format_bytes(kv / max(tokens, 1))} per token); stored as {kv_form(r.kv_cache_dtype, model.dtype)}",
+        f"({format_bytes(kv / max(tokens, 1))} per token){kv_form(r.kv_cache_dtype)}",
         # vLLM's line: the pool over the longest allowed request
         f"maximum concurrency for {limits.max_model_len} tokens per request: {tokens / limits.max_model_len:.2f}x",
         f"scheduler: up to {limits.max_num_seqs} sequences and {limits.max_num_batched_tokens} tokens per step "

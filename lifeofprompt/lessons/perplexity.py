@@ -35,3 +35,17 @@ def perplexity(model, tokenizer, text: str | None = None) -> float:
         logits = model.lm_head(hidden[first : first + LOGIT_ROWS]).float()
         total += torch.nn.functional.cross_entropy(logits, ids[first + 1 : first + 1 + LOGIT_ROWS], reduction="sum")
     return math.exp(total.item() / len(hidden))
+
+
+def perplexity_through_the_pool(llm, text: str | None = None) -> float:
+    """The same score, taken by the engine ``llm``: the prompt log-probabilities of its chunked prefill, so each
+    chunk's attention reads the keys and values the earlier chunks left in the KV pool, in whatever form
+    ``kv_cache_dtype`` stores them (``perplexity`` above runs without a cache and cannot see it). The chunks
+    are the engine's step budget (``max_num_batched_tokens``)."""
+    from ..engine.sampling_params import SamplingParams
+
+    ids = llm.get_tokenizer().encode(text or evaluation_text())
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    scored = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].prompt_logprobs
+    total = -sum(entry[token] for entry, token in zip(scored[1:], ids[1:], strict=True))
+    return math.exp(total / (len(ids) - 1))

@@ -234,6 +234,8 @@ class CpuSpeedups(DeviceDefaults):
         plans, in_c = self.linear_choice.plans, self.decode_attention_in_c
         key = dict(c_step.measured_step_key(self.model, plans, self.block_size, in_c), row_counts=list(counts))
         key.update(packed=self.prepack)
+        if self.config.kv_cache_dtype != "auto":  # a q8_0 pool's attention costs otherwise
+            key.update(kv_cache_dtype=self.config.kv_cache_dtype)
 
         def measure(rows: int, way: str) -> float:  # way: a C layout, or c_step.TORCH
             step = synthetic_step(self.model, cache, [TIMING_CONTEXT] * rows, decode=True, backend=self.attention)
@@ -313,6 +315,8 @@ class CpuSpeedups(DeviceDefaults):
         products = {f"{o}x{i}": plan.describe() for (o, i), plan in sorted(plans.items())}
         key = dict(machine_key(), version=1, what=what, dtype=str(self.model.dtype), shape=shape)
         key.update(products=products, block_size=self.block_size)
+        if self.config.kv_cache_dtype != "auto":
+            key.update(kv_cache_dtype=self.config.kv_cache_dtype)
         if self.model.quantization is not None:  # block matrices: their formats and kernels set the speed
             from ..cpu.native_build import source_digest
             from .interleaved_blocks import interleaved_bytes

@@ -23,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).parent / "results"
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_engine import RESULTS, cpu_description, cpu_file_slug  # noqa: E402
+
 FORMS = ("auto", "q8_0")
 STEPS = 8  # decode steps per timed run
 
@@ -96,7 +98,6 @@ def measure(context: int, pairs: int) -> dict:
 
 def main(argv=None) -> int:
     from lifeofprompt import env_info
-    from lifeofprompt.env import cpu_label
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1)
@@ -115,8 +116,9 @@ def main(argv=None) -> int:
             f"({row['spread'][0]:.2f}-{row['spread'][1]:.2f})",
             flush=True,
         )
-    record = dict(env=env_info(), cpu=cpu_label(), threads=args.threads, rows=rows)
-    path = RESULTS / f"kv_cache_dtype_{cpu_label()}_{args.threads}t_{time.strftime('%Y%m%d')}.json"
+    cpu = cpu_description()
+    record = dict(env=env_info(), cpu=cpu, threads=args.threads, rows=rows)
+    path = RESULTS / f"kv_cache_dtype_{cpu_file_slug(cpu)}_{args.threads}t_{time.strftime('%Y%m%d')}.json"
     path.write_text(json.dumps(record, indent=2, default=str))
     print(f"wrote {path}")
     return 0

@@ -298,21 +298,23 @@ static const char *block_start(const void *pool, const int32_t *block_table, lon
     return (const char *)pool + first * d->num_kv_heads * d->head_dim * value_bytes;
 }
 
-/* Query heads [first, first + count) of one row, over its sequence's cached keys and values,
+/* Query heads [first, first + count) of one row, over its cached keys and values from token j_start (a
+ * block's first) to seq_len,
  * one block at a time with a running softmax (flash-decoding): per head a running maximum and
  * sum, and the output rescaled when the maximum grows, so keys and values are each read once,
  * block by block (a contiguous stretch of the pool the prefetcher can follow), and a block's
- * keys serve every query head of their group from the L1 cache. `q`, `out`: the row's [NQ, D]. */
-static void attend_heads(const float *q, const LayerPool *k_pool, const LayerPool *v_pool, const int32_t *block_table,
-                         long seq_len, const Dims *d, long first, long count, float *out) {
+ * keys serve every query head of their group from the L1 cache. `q`, `out`: the row's [NQ, D]; `out` is
+ * left unnormalised, with each head's running maximum and sum (-inf and 0 where the span is empty). */
+static void attend_span(const float *q, const LayerPool *k_pool, const LayerPool *v_pool, const int32_t *block_table,
+                        long j_start, long seq_len, const Dims *d, long first, long count, float *out,
+                        float *running_max, float *running_sum) {
     long D = d->head_dim, NKV = d->num_kv_heads, group = d->num_heads / NKV, stride = NKV * D, B = d->block_size;
     long q8 = d->kv_format == KV_Q8_0, value_bytes = q8 ? 1 : (long)sizeof(float);
     for (long i = first * D; i < (first + count) * D; i++) out[i] = 0;
-    if (seq_len == 0) return;                     /* sees no key: zeros, as the torch path */
-    float running_max[count], running_sum[count], p[B + LANES];      /* p: one block's scores, whole vectors */
+    float p[B + LANES];                           /* one block's scores, whole vectors */
     float k_block[q8 ? B * D : 1], v_block[q8 ? B * D : 1];          /* q8_0: one KV head's block as floats */
     for (long h = 0; h < count; h++) { running_max[h] = -INFINITY; running_sum[h] = 0; }
-    for (long j0 = 0; j0 < seq_len; j0 += B) {
+    for (long j0 = j_start; j0 < seq_len; j0 += B) {
         const float *k = (const float *)block_start(k_pool->codes, block_table, j0, d, value_bytes);
         const float *v = (const float *)block_start(v_pool->codes, block_table, j0, d, value_bytes);
         if (j0 + B < seq_len) {                   /* the next block, all of it: blocks lie anywhere in the pool */
@@ -347,26 +349,76 @@ static void attend_heads(const float *q, const LayerPool *k_pool, const LayerPoo
             add_weighted_rows(o, rescale, p, vh, row_stride, n, D);
         }
     }
-    for (long h = first; h < first + count; h++) {
-        float inverse = 1.0f / running_sum[h - first], *o = out + h * D;
+}
+
+/* The same over the whole sequence, normalised: out [NQ, D] for heads [first, first + count). */
+static void attend_heads(const float *q, const LayerPool *k_pool, const LayerPool *v_pool, const int32_t *block_table,
+                         long seq_len, const Dims *d, long first, long count, float *out) {
+    long D = d->head_dim;
+    float running_max[count], running_sum[count];
+    attend_span(q, k_pool, v_pool, block_table, 0, seq_len, d, first, count, out, running_max, running_sum);
+    for (long h = first; h < first + count; h++) {              /* no key at all (seq_len 0): zeros, as torch */
+        float inverse = running_sum[h - first] > 0 ? 1.0f / running_sum[h - first] : 0.0f, *o = out + h * D;
         for (long i = 0; i < D; i++) o[i] *= inverse;
     }
 }
 
-/* Attention of m decode rows, inside a parallel region: a row per task, or with fewer rows than
- * threads a (row, KV head) per task so every thread has work. */
+/* Into how many parts of its blocks each row's keys are split, so that a few rows with long contexts still
+ * give every thread work: 1 where rows x KV heads already make two tasks a thread. */
+static long attention_parts(long m, const Dims *d, int threads) {
+    long tasks = m * d->num_kv_heads;
+    return tasks >= 2 * threads ? 1 : (2 * threads + tasks - 1) / tasks;
+}
+
+/* Attention of m decode rows, inside a parallel region. With many rows, a row (or a row's KV head) per task.
+ * With few (attention_parts > 1), a (row, KV head, part of its blocks) per task, each leaving its heads'
+ * unnormalised outputs, maxima and sums in `partials` ([parts, m, NQ] x (D + 2) floats, shared); then a
+ * (row, head) per task merges the parts: outputs and sums rescaled to the largest maximum, added, divided. */
 static void attend_rows(const float *q, long q_stride, const LayerPool *k_pool, const LayerPool *v_pool,
                         const int32_t *block_tables, const int32_t *seq_lens, const Dims *d, long m,
-                        float *out, long out_stride, int threads) {
-    long NQ = d->num_heads, NKV = d->num_kv_heads, group = NQ / NKV;
-    long split = m < threads ? NKV : 1, per_task = NQ / split;
-    #pragma omp for schedule(static)
-    for (long task = 0; task < m * split; task++) {
-        long r = task / split, first = (task % split) * per_task;
-        attend_heads(q + r * q_stride, k_pool, v_pool, block_tables + r * d->max_blocks, seq_lens[r], d,
-                     first, per_task, out + r * out_stride);
+                        float *out, long out_stride, int threads, float *partials) {
+    long NQ = d->num_heads, NKV = d->num_kv_heads, group = NQ / NKV, D = d->head_dim, B = d->block_size;
+    long parts = attention_parts(m, d, threads);
+    if (parts == 1) {
+        long split = m < threads ? NKV : 1, per_task = NQ / split;
+        #pragma omp for schedule(static)
+        for (long task = 0; task < m * split; task++) {
+            long r = task / split, first = (task % split) * per_task;
+            attend_heads(q + r * q_stride, k_pool, v_pool, block_tables + r * d->max_blocks, seq_lens[r], d,
+                         first, per_task, out + r * out_stride);
+        }
+        return;
     }
-    (void)group;
+    float *part_out = partials, *part_max = partials + parts * m * NQ * D, *part_sum = part_max + parts * m * NQ;
+    #pragma omp for schedule(static)
+    for (long task = 0; task < m * NKV * parts; task++) {
+        long r = task / (NKV * parts), kv_head = task / parts % NKV, part = task % parts;
+        long blocks = (seq_lens[r] + B - 1) / B, j_start = part * blocks / parts * B;
+        long j_end = (part + 1) * blocks / parts * B < seq_lens[r] ? (part + 1) * blocks / parts * B : seq_lens[r];
+        long at = (part * m + r) * NQ;
+        attend_span(q + r * q_stride, k_pool, v_pool, block_tables + r * d->max_blocks, j_start, j_end, d,
+                    kv_head * group, group, part_out + at * D, part_max + at + kv_head * group,
+                    part_sum + at + kv_head * group);
+    }
+    #pragma omp for schedule(static)
+    for (long task = 0; task < m * NQ; task++) {
+        long r = task / NQ, h = task % NQ;
+        float largest = -INFINITY, total = 0, *o = out + r * out_stride + h * D;
+        for (long part = 0; part < parts; part++) {
+            float x = part_max[(part * m + r) * NQ + h];
+            largest = x > largest ? x : largest;
+        }
+        for (long i = 0; i < D; i++) o[i] = 0;
+        if (largest == -INFINITY) continue;       /* sees no key: zeros, as the torch path */
+        for (long part = 0; part < parts; part++) {
+            long at = (part * m + r) * NQ + h;
+            if (part_max[at] == -INFINITY) continue;
+            float weight = expf(part_max[at] - largest);
+            total += weight * part_sum[at];
+            for (long i = 0; i < D; i++) o[i] += weight * part_out[at * D + i];
+        }
+        for (long i = 0; i < D; i++) o[i] /= total;
+    }
 }
 
 static float silu(float x) { return x / (1.0f + expf(-x)); }
@@ -432,6 +484,8 @@ void decode_step(const Dims *d, const Layer *layers, const float *final_norm, fl
     long value_bytes = d->kv_format == KV_Q8_0 ? 1 : (long)sizeof(float);
     long widest = H > NQ * D ? H : NQ * D;
     widest = blocks_of(widest > I ? widest : I) * BLOCK;
+    long parts = attention_parts(m, d, threads);
+    float *partials = parts > 1 ? malloc(sizeof(float) * parts * m * NQ * (D + 2)) : NULL;
     #pragma omp parallel num_threads(threads)
     {
         float *normed = normed_all + (long)omp_get_thread_num() * m * H;
@@ -452,7 +506,8 @@ void decode_step(const Dims *d, const Layer *layers, const float *final_norm, fl
             for (long head = 0; head < NQ + 2 * NKV; head++)
                 project_head(&w->qkv, normed, qkv, head, m, d, positions, slots, cos_table, sin_table, &k_pool,
                              &v_pool, room, &digits);
-            attend_rows(qkv, qkv_width, &k_pool, &v_pool, block_tables, seq_lens, d, m, context, NQ * D, threads);
+            attend_rows(qkv, qkv_width, &k_pool, &v_pool, block_tables, seq_lens, d, m, context, NQ * D, threads,
+                        partials);
             digits = digits_of(&w->o, context, NQ * D, m, NQ * D, digit_room);
             #pragma omp for schedule(static)
             for (long c = 0; c < chunks(H); c++)
@@ -469,6 +524,7 @@ void decode_step(const Dims *d, const Layer *layers, const float *final_norm, fl
                 times_matrix(&w->down, act, I, m, I, chunk_first(c), chunk_last(c, H), hidden, H, 1, room, &digits);
         }
     }
+    free(partials);
     rms_norm(hidden, final_norm, hidden, m, H, d->eps);
 }
 
@@ -485,6 +541,9 @@ void decode_attention(const Dims *d, const float *q, const void *k_codes, const 
                       const int32_t *seq_lens, float *out, long m, int threads) {
     long width = d->num_heads * d->head_dim;
     LayerPool k_pool = {k_codes, k_scales}, v_pool = {v_codes, v_scales};
+    long parts = attention_parts(m, d, threads);
+    float *partials = parts > 1 ? malloc(sizeof(float) * parts * m * d->num_heads * (d->head_dim + 2)) : NULL;
     #pragma omp parallel num_threads(threads)
-    attend_rows(q, width, &k_pool, &v_pool, block_tables, seq_lens, d, m, out, width, threads);
+    attend_rows(q, width, &k_pool, &v_pool, block_tables, seq_lens, d, m, out, width, threads, partials);
+    free(partials);
 }

@@ -364,41 +364,39 @@ static void attend_heads(const float *q, const LayerPool *k_pool, const LayerPoo
 }
 
 /* Into how many parts of its blocks each row's keys are split, so that a few rows with long contexts still
- * give every thread work: 1 where rows x KV heads already make two tasks a thread. */
+ * give every thread work: 1 where the rows already make two tasks a thread. A task takes all the heads of
+ * its tokens: the pool holds a token's KV heads side by side, so a task per KV head would have every thread
+ * stream the whole pool (the CPU fetches neighbouring lines too) for a third of its bytes. */
 static long attention_parts(long m, const Dims *d, int threads) {
-    long tasks = m * d->num_kv_heads;
-    return tasks >= 2 * threads ? 1 : (2 * threads + tasks - 1) / tasks;
+    (void)d;
+    return m >= 2 * threads ? 1 : (2 * threads + m - 1) / m;
 }
 
-/* Attention of m decode rows, inside a parallel region. With many rows, a row (or a row's KV head) per task.
- * With few (attention_parts > 1), a (row, KV head, part of its blocks) per task, each leaving its heads'
- * unnormalised outputs, maxima and sums in `partials` ([parts, m, NQ] x (D + 2) floats, shared); then a
- * (row, head) per task merges the parts: outputs and sums rescaled to the largest maximum, added, divided. */
+/* Attention of m decode rows, inside a parallel region. With many rows, a row per task. With few
+ * (attention_parts > 1), a (row, part of its blocks) per task, each leaving its heads' unnormalised outputs,
+ * maxima and sums in `partials` ([parts, m, NQ] x (D + 2) floats, shared); then a (row, head) per task
+ * merges the parts: outputs and sums rescaled to the largest maximum, added, divided. */
 static void attend_rows(const float *q, long q_stride, const LayerPool *k_pool, const LayerPool *v_pool,
                         const int32_t *block_tables, const int32_t *seq_lens, const Dims *d, long m,
                         float *out, long out_stride, int threads, float *partials) {
-    long NQ = d->num_heads, NKV = d->num_kv_heads, group = NQ / NKV, D = d->head_dim, B = d->block_size;
+    long NQ = d->num_heads, D = d->head_dim, B = d->block_size;
     long parts = attention_parts(m, d, threads);
     if (parts == 1) {
-        long split = m < threads ? NKV : 1, per_task = NQ / split;
         #pragma omp for schedule(static)
-        for (long task = 0; task < m * split; task++) {
-            long r = task / split, first = (task % split) * per_task;
-            attend_heads(q + r * q_stride, k_pool, v_pool, block_tables + r * d->max_blocks, seq_lens[r], d,
-                         first, per_task, out + r * out_stride);
-        }
+        for (long r = 0; r < m; r++)
+            attend_heads(q + r * q_stride, k_pool, v_pool, block_tables + r * d->max_blocks, seq_lens[r], d, 0, NQ,
+                         out + r * out_stride);
         return;
     }
     float *part_out = partials, *part_max = partials + parts * m * NQ * D, *part_sum = part_max + parts * m * NQ;
     #pragma omp for schedule(static)
-    for (long task = 0; task < m * NKV * parts; task++) {
-        long r = task / (NKV * parts), kv_head = task / parts % NKV, part = task % parts;
+    for (long task = 0; task < m * parts; task++) {
+        long r = task / parts, part = task % parts;
         long blocks = (seq_lens[r] + B - 1) / B, j_start = part * blocks / parts * B;
         long j_end = (part + 1) * blocks / parts * B < seq_lens[r] ? (part + 1) * blocks / parts * B : seq_lens[r];
         long at = (part * m + r) * NQ;
-        attend_span(q + r * q_stride, k_pool, v_pool, block_tables + r * d->max_blocks, j_start, j_end, d,
-                    kv_head * group, group, part_out + at * D, part_max + at + kv_head * group,
-                    part_sum + at + kv_head * group);
+        attend_span(q + r * q_stride, k_pool, v_pool, block_tables + r * d->max_blocks, j_start, j_end, d, 0, NQ,
+                    part_out + at * D, part_max + at, part_sum + at);
     }
     #pragma omp for schedule(static)
     for (long task = 0; task < m * NQ; task++) {

@@ -306,3 +306,18 @@ def test_the_long_texts_perplexity_through_each_pool(smollm2):
     reference = pool_perplexity(smollm2, "auto", text, chunk=512)
     assert abs(pool_perplexity(smollm2, "q8_0", text, chunk=512) / reference - 1) <= 0.01
     assert abs(pool_perplexity(smollm2, "bfloat16", text, chunk=512) / reference - 1) <= 0.005
+
+
+def test_the_lessons_arithmetic_takes_the_pools_form(smollm2):
+    """Chapter 05's arithmetic against the engine's own plan: the same pool bytes hold ~3.8x the tokens in q8_0."""
+    from lifeofprompt.lessons.memory_arithmetic import (
+        kv_bytes_for_tokens,
+        max_concurrent_requests,
+        num_blocks_for_bytes,
+    )
+
+    config = smollm2[0].config
+    assert kv_bytes_for_tokens(config, torch.float32, 4096, "q8_0") == 4096 * 12240
+    fp32, q8 = (num_blocks_for_bytes(2**31, config, torch.float32, 16, kind) for kind in ("auto", "q8_0"))
+    assert (fp32, q8) == (2**31 // (16 * 46080), 2**31 // (16 * 12240)) and 3.7 < q8 / fp32 < 3.8
+    assert max_concurrent_requests(2**31, config, torch.float32, 4096, 16, "q8_0") == q8 // 256

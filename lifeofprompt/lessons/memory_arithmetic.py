@@ -54,27 +54,33 @@ LLAMA_3_1_8B = ModelConfig(
 VLLM_SWAP_BYTES = 4 * GiB  # vLLM's default host swap space (``swap_space``), which its log counts as CPU blocks
 
 
-def kv_bytes_for_tokens(config: ModelConfig, dtype, num_tokens: int) -> int:
-    """The cache of one conversation of ``num_tokens`` tokens (exact, not rounded up to blocks)."""
+def kv_bytes_for_tokens(config: ModelConfig, dtype, num_tokens: int, kv_dtype: str = "auto") -> int:
+    """The cache of one conversation of ``num_tokens`` tokens (exact, not rounded up to blocks), its keys and
+    values stored as ``kv_dtype`` (``kv_cache_dtype``: "auto" is ``dtype``)."""
     if num_tokens < 0:
         raise ConfigError(f"num_tokens must be >= 0, got {num_tokens}")
-    return kv_bytes_per_token(config, dtype) * num_tokens
+    return kv_bytes_per_token(config, dtype, kv_dtype) * num_tokens
 
 
 def num_blocks_for_bytes(
-    kv_pool_bytes: int, config: ModelConfig, dtype, block_size: int = EngineConfig.block_size
+    kv_pool_bytes: int, config: ModelConfig, dtype, block_size: int = EngineConfig.block_size, kv_dtype: str = "auto"
 ) -> int:
     """Whole blocks that fit in ``kv_pool_bytes`` (a pool's size for a memory budget)."""
-    return max(0, int(kv_pool_bytes) // kv_bytes_per_block(config, dtype, block_size))
+    return max(0, int(kv_pool_bytes) // kv_bytes_per_block(config, dtype, block_size, kv_dtype))
 
 
 def max_concurrent_requests(
-    kv_pool_bytes: int, config: ModelConfig, dtype, context_len: int, block_size: int = EngineConfig.block_size
+    kv_pool_bytes: int,
+    config: ModelConfig,
+    dtype,
+    context_len: int,
+    block_size: int = EngineConfig.block_size,
+    kv_dtype: str = "auto",
 ) -> int:
     """Requests of ``context_len`` tokens whose caches fit the pool at once (each holds whole blocks)."""
     if context_len <= 0:
         raise ConfigError(f"context_len must be >= 1, got {context_len}")
-    blocks = num_blocks_for_bytes(kv_pool_bytes, config, dtype, block_size)
+    blocks = num_blocks_for_bytes(kv_pool_bytes, config, dtype, block_size, kv_dtype)
     return blocks // blocks_for_tokens(context_len, block_size)
 
 

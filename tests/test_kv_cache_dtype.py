@@ -129,9 +129,7 @@ def test_the_settings_it_refuses():
 
     with pytest.raises(ConfigError, match="kv_cache_dtype='int4' is not one of"):
         LLM("smollm2-135m", kv_cache_dtype="int4")
-    with pytest.raises(
-        ConfigError, match="not served by the triton attention backend on cuda: use one of auto, bfloat16"
-    ):
+    with pytest.raises(ConfigError, match="not served by the triton attention backend on cuda: use one of auto$"):
         formats.check_kv_dtype("q8_0", 64, "cuda", "triton")
     with pytest.raises(ConfigError, match="multiple of 32 .* 80"):
         formats.check_kv_dtype("q8_0", 80, "cpu", "torch")

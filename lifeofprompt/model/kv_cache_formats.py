@@ -39,7 +39,7 @@ def value_bytes(kv_dtype: str, dtype: torch.dtype) -> float:
 
 def check_kv_dtype(kv_dtype: str, head_dim: int, device_type: str, backend: str) -> None:
     """A ``ConfigError`` naming the form and the ones this device and attention backend serve, if it cannot."""
-    served = {"triton": ("auto", "bfloat16", "float16", "fp8")}.get(backend, KV_CACHE_DTYPES)
+    served = {"triton": ("auto",)}.get(backend, KV_CACHE_DTYPES)  # the Triton kernels read the activations' dtype
     if kv_dtype not in served:
         raise ConfigError(
             f"kv_cache_dtype={kv_dtype!r} is not served by the {backend} attention backend on {device_type}: "

@@ -9,6 +9,12 @@ with their spread, beside each form's floor: weight bytes + N tokens of cache by
 measured in the same turns.
 
     python benchmarks/kv_cache_dtype.py --threads 2            # contexts 256 1024 2048 4096
+    python benchmarks/kv_cache_dtype.py --threads 2 --peer     # and at 4,096 tokens against llama-server
+
+``--peer``: batch-1 decode after a 4,096-token prompt, ours with a q8_0 pool against ``llama-server`` with
+``--cache-type-k q8_0 --cache-type-v q8_0 -fa on`` (llama.cpp quantizes V only with flash attention), on the
+same GGUF, in turns: decode tokens/s after the first token (ours from the engine's own steps; theirs from
+the server's ``timings``), prefix and prompt caches off on both sides.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_engine import RESULTS, cpu_description, cpu_file_slug  # noqa: E402
+from bench_engine import RESULTS, cpu_description, cpu_file_slug, llama_cpp_module  # noqa: E402
 
 FORMS = ("auto", "q8_0")
 STEPS = 8  # decode steps per timed run
@@ -96,6 +102,56 @@ def measure(context: int, pairs: int) -> dict:
     return record
 
 
+PEER_CONTEXT, PEER_TOKENS = 4096, 65  # the prompt, and the tokens decoded after it (the first, then 64)
+
+
+def our_decode_rate(llm, prompt: list[int]) -> float:
+    """Tokens/s of one request's decode after its first token, from the engine's own step loop."""
+    from lifeofprompt.engine.sampling_params import SamplingParams
+
+    engine = llm.engine
+    engine.add_request(f"peer-{time.perf_counter_ns()}", {"prompt_token_ids": prompt},
+                       SamplingParams(max_tokens=PEER_TOKENS, temperature=0, ignore_eos=True))  # fmt: skip
+    first = None
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        if first is None and any(out.outputs and out.outputs[0].token_ids for out in outputs):
+            first = time.perf_counter()
+    return (PEER_TOKENS - 1) / (time.perf_counter() - first)
+
+
+def peer_phase(threads: int, pairs: int) -> dict:
+    """Ours with a q8_0 pool against llama-server with a q8_0 cache, batch 1 at ``PEER_CONTEXT`` tokens."""
+    from lifeofprompt import LLM
+    from lifeofprompt.model.loader import smollm2_gguf_path
+
+    rng = random.Random(4096)
+    prompt = [rng.randint(3, 9999) for _ in range(PEER_CONTEXT)]
+    blocks = -(-(PEER_CONTEXT + PEER_TOKENS) // 16) + 1
+    llm = LLM("smollm2-135m", kv_cache_dtype="q8_0", num_kv_blocks=blocks, max_num_seqs=1,
+              enable_prefix_caching=False, log_stats=False)  # fmt: skip
+    llama_cpp = llama_cpp_module()
+    args = ("--cache-type-k", "q8_0", "--cache-type-v", "q8_0", "-fa", "on")
+    ctx = -(-(PEER_CONTEXT + PEER_TOKENS + 16) // 256) * 256
+    server = llama_cpp.LlamaServer(smollm2_gguf_path(), llama_cpp.build(), 1, ctx, threads, extra_args=args)
+    ours, theirs = [], []
+    with server:
+        server.complete(prompt[:64], 2)  # warm-ups
+        our_decode_rate(llm, prompt[:64])
+        for _ in range(pairs):
+            ours.append(our_decode_rate(llm, prompt))
+            theirs.append(server.complete(prompt, PEER_TOKENS)["timings"]["predicted_per_second"])
+    ratios = [a / b for a, b in zip(ours, theirs)]
+    return dict(
+        context=PEER_CONTEXT,
+        ours_tokens_per_s=statistics.median(ours),
+        llama_server_tokens_per_s=statistics.median(theirs),
+        ratio=statistics.median(ratios),
+        spread=[min(ratios), max(ratios)],
+        llama_server_args=list(args),
+    )
+
+
 def main(argv=None) -> int:
     from lifeofprompt import env_info
 
@@ -103,6 +159,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 2048, 4096])
     parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--peer", action="store_true", help="also batch-1 at 4,096 tokens against llama-server")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = []
@@ -118,6 +175,13 @@ def main(argv=None) -> int:
         )
     cpu = cpu_description()
     record = dict(env=env_info(), cpu=cpu, threads=args.threads, rows=rows)
+    if args.peer:
+        record["llama_server"] = peer = peer_phase(args.threads, args.pairs)
+        low, high = peer["spread"]
+        print(
+            f"context {PEER_CONTEXT}, decode: ours (q8_0) {peer['ours_tokens_per_s']:.1f} tok/s, llama-server (q8_0) "
+            f"{peer['llama_server_tokens_per_s']:.1f}: {peer['ratio']:.2f}x ({low:.2f}-{high:.2f})"
+        )
     path = RESULTS / f"kv_cache_dtype_{cpu_file_slug(cpu)}_{args.threads}t_{time.strftime('%Y%m%d')}.json"
     path.write_text(json.dumps(record, indent=2, default=str))
     print(f"wrote {path}")

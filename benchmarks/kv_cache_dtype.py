@@ -10,6 +10,7 @@ measured in the same turns.
 
     python benchmarks/kv_cache_dtype.py --threads 2            # contexts 256 1024 2048 4096
     python benchmarks/kv_cache_dtype.py --threads 2 --peer     # and at 4,096 tokens against llama-server
+    python benchmarks/kv_cache_dtype.py --threads 2 --mixed    # and the mixed workload in a small pool
 
 ``--peer``: batch-1 decode after a 4,096-token prompt, ours with a q8_0 pool against ``llama-server`` with
 ``--cache-type-k q8_0 --cache-type-v q8_0 -fa on`` (llama.cpp quantizes V only with flash attention), on the
@@ -30,7 +31,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_engine import RESULTS, cpu_description, cpu_file_slug, llama_cpp_module  # noqa: E402
+from bench_engine import (  # noqa: E402
+    RESULTS,
+    cpu_description,
+    cpu_file_slug,
+    llama_cpp_module,
+    mixed_workload,
+    run_engine,
+)
 
 FORMS = ("auto", "q8_0")
 STEPS = 8  # decode steps per timed run
@@ -152,14 +160,42 @@ def peer_phase(threads: int, pairs: int) -> dict:
     )
 
 
+MIXED_POOL = 32 << 20  # bytes: a pool where the cache, not max_num_seqs, limits how many requests run at once
+MIXED_REQUESTS = 16
+
+
+def mixed_phase(pairs: int) -> dict:
+    """``bench_engine.py``'s mixed workload (prompts 16-256, outputs 16-128) in the same ``MIXED_POOL`` bytes
+    with each form, in turns: output tokens/s, and the most requests one step ran."""
+    from lifeofprompt import LLM
+
+    prompts, out_lens = mixed_workload(MIXED_REQUESTS, seed=5)
+    settings = dict(kv_cache_memory=MIXED_POOL, max_num_seqs=32, enable_prefix_caching=False, log_stats=False)
+    engines = {form: LLM("smollm2-135m", kv_cache_dtype=form, **settings) for form in FORMS}
+    for llm in engines.values():
+        run_engine(llm, *mixed_workload(2, seed=9))  # warm-up
+    rates, widest = {form: [] for form in FORMS}, {form: 0 for form in FORMS}
+    for _ in range(pairs):
+        for form, llm in engines.items():
+            first = len(llm.engine.step_records)
+            rates[form].append(run_engine(llm, prompts, out_lens)["tokens_per_s"])
+            widest[form] = max([widest[form]] + [r.num_seqs for r in list(llm.engine.step_records)[first:]])
+    ratios = [q / a for a, q in zip(rates["auto"], rates["q8_0"])]
+    blocks = {form: llm.engine.resolved.num_kv_blocks for form, llm in engines.items()}
+    return dict(pool_bytes=MIXED_POOL, requests=MIXED_REQUESTS, kv_blocks=blocks, most_requests_in_a_step=widest,
+                tokens_per_s={form: statistics.median(r) for form, r in rates.items()},
+                ratio=statistics.median(ratios), spread=[min(ratios), max(ratios)])  # fmt: skip
+
+
 def main(argv=None) -> int:
     from lifeofprompt import env_info
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 2048, 4096])
+    parser.add_argument("--contexts", type=int, nargs="*", default=[256, 1024, 2048, 4096], help="none: skip")
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--peer", action="store_true", help="also batch-1 at 4,096 tokens against llama-server")
+    parser.add_argument("--mixed", action="store_true", help="also the mixed workload in a 32 MiB pool")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = []
@@ -175,6 +211,13 @@ def main(argv=None) -> int:
         )
     cpu = cpu_description()
     record = dict(env=env_info(), cpu=cpu, threads=args.threads, rows=rows)
+    if args.mixed:
+        record["mixed"] = mixed = mixed_phase(args.pairs)
+        print(
+            f"mixed workload in {MIXED_POOL >> 20} MiB: blocks {mixed['kv_blocks']}, most requests in a step "
+            f"{mixed['most_requests_in_a_step']}, tokens/s {mixed['tokens_per_s']}, q8_0 {mixed['ratio']:.2f}x "
+            f"({mixed['spread'][0]:.2f}-{mixed['spread'][1]:.2f})"
+        )
     if args.peer:
         record["llama_server"] = peer = peer_phase(args.threads, args.pairs)
         low, high = peer["spread"]
@@ -182,7 +225,8 @@ def main(argv=None) -> int:
             f"context {PEER_CONTEXT}, decode: ours (q8_0) {peer['ours_tokens_per_s']:.1f} tok/s, llama-server (q8_0) "
             f"{peer['llama_server_tokens_per_s']:.1f}: {peer['ratio']:.2f}x ({low:.2f}-{high:.2f})"
         )
-    path = RESULTS / f"kv_cache_dtype_{cpu_file_slug(cpu)}_{args.threads}t_{time.strftime('%Y%m%d')}.json"
+    only = "" if rows else "_" + "_".join(k for k in ("mixed", "llama_server") if k in record)  # keeps the full run
+    path = RESULTS / f"kv_cache_dtype_{cpu_file_slug(cpu)}_{args.threads}t{only}_{time.strftime('%Y%m%d')}.json"
     path.write_text(json.dumps(record, indent=2, default=str))
     print(f"wrote {path}")
     return 0

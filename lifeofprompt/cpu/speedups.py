@@ -168,14 +168,13 @@ class CpuSpeedups(DeviceDefaults):
         (``big_step_weights``; ``cpu/big_step_weights.py``): as asked (from ``ASKED_FROM_ROWS`` rows), or with
         "auto" prompt chunks of several sizes timed from the blocks and from each copy that memory allows
         (cached); pinned or split, the blocks (nothing is timed)."""
-        from . import big_step_weights as copies
         from .block_calibration import BIG_STEP_ROWS, big_step_choice
 
         asked = self.config.big_step_weights
-        copies.drop_copies(self.model)  # the keys below describe the model without them
-        if asked in copies.FORMS:
-            copies.make_copies(self.model, asked, copies.ASKED_FROM_ROWS)
-            return f"{asked} from {copies.ASKED_FROM_ROWS} rows, as asked"
+        big_step_weights.drop_copies(self.model)  # the keys below describe the model without them
+        if asked in big_step_weights.FORMS:
+            big_step_weights.make_copies(self.model, asked, big_step_weights.ASKED_FROM_ROWS)
+            return f"{asked} from {big_step_weights.ASKED_FROM_ROWS} rows, as asked"
         if asked == "blocks" or self.pinned is not None or self.split:
             why = (
                 "as asked"
@@ -183,17 +182,17 @@ class CpuSpeedups(DeviceDefaults):
                 else f"the {'split model' if self.split else 'pinned path'} times nothing"
             )
             return f"the blocks at every size: {why}"
-        available = copies.available_memory()
-        forms = copies.forms_that_fit(self.model, available)
+        available = big_step_weights.available_memory()
+        forms = big_step_weights.forms_that_fit(self.model, available)
         if not forms:
-            need = format_bytes(copies.copy_bytes(self.model, "bfloat16"))
+            need = format_bytes(big_step_weights.copy_bytes(self.model, "bfloat16"))
             return f"the blocks at every size: a bfloat16 copy ({need}) would take over a quarter of the memory free"
         pool = self.scratch_pool(math.ceil(max(BIG_STEP_ROWS) / self.block_size))
         key = dict(self.step_key("big step weights"), forms=forms, rows=list(BIG_STEP_ROWS))
         answer, why = cached_answer(key, lambda: big_step_choice(self.model, forms, pool))
         if answer["form"] is None:
             return f"the blocks at every size: {why}"
-        copies.make_copies(self.model, answer["form"], answer["from_rows"])
+        big_step_weights.make_copies(self.model, answer["form"], answer["from_rows"])
         return f"{answer['form']} from {answer['from_rows']} rows: {why}"
 
     def choose_decode_attention(self) -> tuple[bool, str]:

@@ -63,7 +63,7 @@ def kv_bytes_per_token(config: ModelConfig, dtype, kv_dtype: str = "auto") -> in
     values = 2 * config.num_layers * config.num_kv_heads * config.head_dim
     if kv_dtype == "auto":
         return values * dtype_bytes(dtype)
-    return round(values * value_bytes(kv_dtype, dtype))
+    return round(values * value_bytes(kv_dtype))
 
 
 def kv_bytes_per_block(

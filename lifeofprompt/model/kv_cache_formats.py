@@ -30,10 +30,9 @@ Q8_BLOCK = 32  # values per q8_0 scale, along the head dimension
 FP8_MAX = 448.0  # e4m3's largest finite value
 
 
-def value_bytes(kv_dtype: str, dtype: torch.dtype) -> float:
-    """Bytes one key or value takes in the pool: ``dtype``'s own for "auto", 34/32 for q8_0."""
-    if kv_dtype == "auto":
-        return torch.empty(0, dtype=dtype).element_size()
+def value_bytes(kv_dtype: str) -> float:
+    """Bytes one key or value takes in the pool in a form other than "auto" (whose bytes are the activations'
+    dtype's, ``engine/memory.py: dtype_bytes``): 34/32 for q8_0."""
     return {"bfloat16": 2, "float16": 2, "q8_0": (Q8_BLOCK + 2) / Q8_BLOCK, "fp8": 1}[kv_dtype]
 
 
